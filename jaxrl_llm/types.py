@@ -1,0 +1,93 @@
+"""NamedTuple containers passed between the layers.
+
+All containers are pytrees (NamedTuples), so they cross `jax.jit` boundaries as is.
+Optional fields default to `None`, which JAX treats as an empty subtree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+Array = jax.Array
+
+
+class RolloutBatch(NamedTuple):
+    """One batch of sampled completions and everything the policy loss needs.
+
+    Rows are prompts x group size; groups are contiguous (rows ``g*G ... g*G+G-1``).
+
+    Attributes:
+      completion_mask: ``[B, T]`` bool/f32, 1 on generated tokens up to and including EOS.
+      old_logprobs: ``[B, T]`` log-probs of the behaviour policy (no gradient).
+      advantages: ``[B]`` or ``[B, T]`` f32.
+      ref_logprobs: ``[B, T]`` log-probs of the reference policy, when a KL term needs them.
+      prompt_tokens: ``[B, P]`` int32, left-padded.
+      prompt_mask: ``[B, P]``.
+      completion_tokens: ``[B, T]`` int32, right-padded.
+      rewards: ``[B]`` scalar reward per completion.
+      old_values: ``[B, T]`` critic values at rollout time (PPO).
+      returns: ``[B, T]`` value targets (PPO).
+      num_tokens: scalar, valid tokens of the *whole* batch (global normaliser for micro-batches).
+      num_seqs: scalar, non-empty rows of the *whole* batch (global normaliser for micro-batches).
+    """
+
+    completion_mask: Array
+    old_logprobs: Array
+    advantages: Array
+    ref_logprobs: Array | None = None
+    prompt_tokens: Array | None = None
+    prompt_mask: Array | None = None
+    completion_tokens: Array | None = None
+    rewards: Array | None = None
+    old_values: Array | None = None
+    returns: Array | None = None
+    num_tokens: Array | None = None
+    num_seqs: Array | None = None
+
+
+class PreferenceBatch(NamedTuple):
+    """Pairs of completions for offline preference training.
+
+    Attributes:
+      prompt_tokens: ``[N, P]`` int32, left-padded.
+      prompt_mask: ``[N, P]``.
+      chosen_tokens: ``[N, T]`` int32, right-padded preferred completions.
+      chosen_mask: ``[N, T]``.
+      rejected_tokens: ``[N, T]`` int32, right-padded dispreferred completions.
+      rejected_mask: ``[N, T]``.
+      ref_chosen_logps: ``[N]`` summed reference log-probs of the chosen completions.
+      ref_rejected_logps: ``[N]`` summed reference log-probs of the rejected completions.
+    """
+
+    prompt_tokens: Array
+    prompt_mask: Array
+    chosen_tokens: Array
+    chosen_mask: Array
+    rejected_tokens: Array
+    rejected_mask: Array
+    ref_chosen_logps: Array | None = None
+    ref_rejected_logps: Array | None = None
+
+
+class LossOutput(NamedTuple):
+    """A scalar loss and a flat dict of scalar metrics (both f32)."""
+
+    loss: Array
+    metrics: dict[str, Any]
+
+
+class Completion(NamedTuple):
+    """What the sampler returns.
+
+    Attributes:
+      tokens: ``[B, T]`` int32, right-padded with ``pad_id`` after EOS.
+      logprobs: ``[B, T]`` f32 log-prob of each sampled token under the
+        temperature-scaled distribution; 0 on padding.
+      mask: ``[B, T]`` bool, 1 on generated tokens up to and including EOS.
+    """
+
+    tokens: Array
+    logprobs: Array
+    mask: Array
