@@ -1,0 +1,58 @@
+"""The ``jaxrl-llm`` command line.
+
+Subcommands are looked up lazily so ``jaxrl-llm --help`` starts without importing JAX.
+Each subcommand module exposes ``<name>_main(argv) -> int`` and parses its own flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from jaxrl_llm import __version__
+
+# subcommand -> (module, function, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("jaxrl_llm.bench", "bench_main", "time loss presets (and your own) under jit"),
+}
+
+
+def _register_optional() -> None:
+    """Adds the subcommands whose modules are present in this installation."""
+    optional = {
+        "train": ("jaxrl_llm.train.cli", "train_main", "run an RL / SFT / preference job"),
+        "generate": ("jaxrl_llm.sampling.cli", "generate_main", "sample completions from a model"),
+    }
+    for name, (module, func, help_text) in optional.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            SUBCOMMANDS[name] = (module, func, help_text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxrl-llm`` console script."""
+    _register_optional()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm",
+        description="RL post-training of language models in JAX/Flax.",
+    )
+    parser.add_argument("--version", action="version", version=f"jaxrl-llm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, help_text) in sorted(SUBCOMMANDS.items()):
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)  # handles --help / --version / errors
+        parser.print_help()
+        return 0 if args.command is None and not argv else 2
+    module, func, _ = SUBCOMMANDS[argv[0]]
+    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Device mesh construction: one ``("data", "fsdp", "tensor")`` mesh over every device.
+
+Axis types. JAX 0.10's own ``jax.make_mesh`` defaults to ``AxisType.Explicit`` ("sharding in
+types"): every array carries its sharding in its abstract type and an op whose output sharding is
+ambiguous -- e.g. an einsum whose contracting dimension is sharded on both operands, which is
+exactly what FSDP + tensor parallelism produce -- raises ``ShardingTypeError`` unless the call
+passes ``out_sharding=``. This library follows the GSPMD recipe instead (logical-axis rule tables,
+``jax.lax.with_sharding_constraint`` on activations, ``in_shardings``/``out_shardings`` on the
+jitted step), which is what ``AxisType.Auto`` is for, so ``make_mesh`` defaults to
+``axis_types="auto"``. ``"explicit"`` remains available for code written in the explicit style;
+the helpers in :mod:`jaxrl_llm.parallel.rules` handle both (``reshard`` vs. a sharding
+constraint). Either way the mesh is activated with ``jax.set_mesh(mesh)``, as a context manager or
+globally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+
+_AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def resolve_mesh_shape(
+    data: int, fsdp: int, tensor: int, *, num_devices: int
+) -> tuple[int, int, int]:
+    """Fills a ``-1`` axis so that ``data * fsdp * tensor == num_devices``.
+
+    Args:
+      data: size of the pure data-parallel axis, or -1.
+      fsdp: size of the fully-sharded data-parallel axis, or -1.
+      tensor: size of the tensor-parallel axis, or -1.
+      num_devices: the number of devices the mesh must cover exactly.
+
+    Returns:
+      The three concrete axis sizes, in ``MESH_AXES`` order.
+
+    Raises:
+      ValueError: a size is not a positive int or -1, more than one size is -1, or the sizes
+        cannot multiply to ``num_devices``.
+    """
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"mesh axis {name!r} must be a positive int or -1, got {size!r}")
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    if fill:
+        known = math.prod(size for size in sizes.values() if size != -1)
+        if num_devices % known:
+            raise ValueError(
+                f"cannot fill mesh axis {fill[0]!r}: the other sizes {sizes} multiply to {known}, "
+                f"which does not divide the {num_devices} devices"
+            )
+        sizes[fill[0]] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(
+            f"mesh sizes data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
+            f"= {math.prod(sizes.values())} must equal the number of devices ({num_devices})"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: str | AxisType = "auto",
+) -> Mesh:
+    """Builds the ``("data", "fsdp", "tensor")`` device mesh over all (or the given) devices.
+
+    ``data * fsdp * tensor == len(devices)``; one size may be -1 and is filled. ``data``
+    replicates parameters (pure data parallelism, e.g. across slices), ``fsdp`` shards the batch
+    and the parameters' ``embed`` dimension (ZeRO-3 / FSDP, Rajbhandari et al., 2020), ``tensor``
+    shards heads and the MLP width (Megatron-LM, Shoeybi et al., 2019); the compiler inserts the
+    collectives (GSPMD, Xu et al., 2021). Devices are laid out by ``jax.make_mesh``, which follows
+    the physical topology (ICI rings on TPU).
+
+    Args:
+      data: data-parallel axis size, or -1 to fill.
+      fsdp: FSDP axis size, or -1 to fill (the default: all devices shard the batch and the state).
+      tensor: tensor-parallel axis size, or -1 to fill.
+      devices: the devices to use; defaults to ``jax.devices()`` (all processes' devices).
+      axis_types: ``"auto"`` (default, see the module docstring) or ``"explicit"``, or a
+        ``jax.sharding.AxisType``; applied to all three axes and always passed to JAX.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axis names ``MESH_AXES``. Activate it with
+      ``jax.set_mesh(mesh)``.
+
+    Raises:
+      ValueError: bad sizes (see ``resolve_mesh_shape``) or an unknown ``axis_types``.
+    """
+    if isinstance(axis_types, AxisType):
+        if axis_types not in _AXIS_TYPES.values():
+            raise ValueError(f"axis_types must be Auto or Explicit, got {axis_types}")
+        axis_type = axis_types
+    elif axis_types in _AXIS_TYPES:
+        axis_type = _AXIS_TYPES[axis_types]
+    else:
+        raise ValueError(f"unknown axis_types {axis_types!r}; expected one of {tuple(_AXIS_TYPES)}")
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh needs at least one device, got an empty device list")
+    shape = resolve_mesh_shape(data, fsdp, tensor, num_devices=len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES), devices=devices
+    )

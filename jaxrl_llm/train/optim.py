@@ -1,0 +1,72 @@
+"""Optimizers and learning-rate schedules, as optax chains."""
+
+from __future__ import annotations
+
+import optax
+
+from jaxrl_llm import _checks
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def make_schedule(
+    learning_rate: float,
+    *,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    final_fraction: float = 0.0,
+) -> optax.Schedule:
+    """Linear warm-up to ``learning_rate`` then constant, linear or cosine decay.
+
+    Args:
+      learning_rate: peak learning rate.
+      schedule: ``"constant" | "linear" | "cosine"``.
+      warmup_steps: steps of linear warm-up from 0.
+      total_steps: total optimizer steps (required for the decaying schedules).
+      final_fraction: the decayed learning rate at ``total_steps``, as a fraction of the peak.
+    """
+    _checks.check_choice("schedule", schedule, SCHEDULES)
+    _checks.check_non_negative("learning_rate", learning_rate)
+    _checks.check_non_negative("warmup_steps", warmup_steps)
+    if schedule == "constant":
+        decay = optax.constant_schedule(learning_rate)
+    else:
+        if total_steps is None or total_steps <= warmup_steps:
+            raise ValueError(
+                f"schedule {schedule!r} needs total_steps > warmup_steps, got "
+                f"total_steps={total_steps}, warmup_steps={warmup_steps}"
+            )
+        decay_steps = total_steps - warmup_steps
+        end = learning_rate * final_fraction
+        if schedule == "linear":
+            decay = optax.linear_schedule(learning_rate, end, decay_steps)
+        else:
+            decay = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=final_fraction)
+    if warmup_steps == 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def make_optimizer(
+    learning_rate: float = 1e-6,
+    *,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW after global-norm gradient clipping (the verl / TRL default)."""
+    lr = make_schedule(
+        learning_rate, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps
+    )
+    adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if max_grad_norm is None:
+        return adamw
+    _checks.check_positive("max_grad_norm", max_grad_norm)
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
