@@ -68,10 +68,13 @@ class Objective:
       tau_neg: SAPO temperature for negative advantages.
       kl_kind: ``"k1" | "k2" | "k3" | "abs"`` or ``None`` (no KL, no reference model needed).
       kl_coef: KL coefficient (beta).
-      kl_placement: ``"loss"`` (aggregated like the policy loss) or ``"reward"`` (``r_t -= beta*kl_t``).
+      kl_placement: ``"loss"`` (aggregated like the policy loss) or ``"reward"``
+        (``r_t -= beta*kl_t``).
       kl_straight_through: value of ``kl_kind``, gradient of k2.
       entropy_coef: coefficient of the entropy bonus (loss ``-= coef * entropy``).
-      aggregation: aggregation mode (see :mod:`jaxrl_llm.aggregation`).
+      aggregation: aggregation mode (see :mod:`jaxrl_llm.aggregation`). GMPO's policy term is
+        per sequence and always averages over non-empty sequences; the mode then applies to
+        its KL and entropy terms.
       norm_constant: constant of ``seq-mean-token-sum-norm`` (``None``: the completion width T).
       value_clip: critic clip range (PPO).
       value_coef: weight of the value loss when trained jointly (PPO).
@@ -266,7 +269,7 @@ def policy_loss(
 ) -> LossOutput:
     """The policy loss of an objective on one (micro-)batch.
 
-    ``loss = agg(surrogate(ratio(lp, old), A)) + kl_coef * agg(kl(lp, ref)) - entropy_coef * agg(H)``
+    ``loss = agg(surr(ratio(lp, old), A)) + kl_coef·agg(kl(lp, ref)) − entropy_coef·agg(H)``
     where the KL term is present only for ``kl_placement="loss"``, and ``agg`` is
     ``objective.aggregation`` with ``batch.num_tokens`` / ``batch.num_seqs`` as global
     normalisers (so K micro-batches sum to the full-batch loss and gradient).
@@ -311,7 +314,7 @@ def policy_loss(
         )
 
     def token_mean(values: Array) -> Array:
-        return _masked_sum(values, mask) / num_tokens
+        return _masked_sum(values, mask) / jnp.maximum(num_tokens, 1)
 
     if objective.ratio == "gspo_token":
         log_ratio = ratios.gspo_token_log_ratio(
@@ -343,11 +346,10 @@ def policy_loss(
         per_token = surrogates.cispo(
             log_ratio, logprobs, adv, clip_low=objective.clip_low, clip_high=objective.clip_high
         )
-        upper = jnp.log1p(objective.clip_high)
-        clipped = log_ratio > upper
-        if objective.clip_low is not None:
-            clipped = clipped | (log_ratio < jnp.log1p(-objective.clip_low))
-        metrics["clip_frac"] = token_mean(clipped.astype(jnp.float32))
+        indicators = surrogates.cispo_metrics(
+            log_ratio, clip_low=objective.clip_low, clip_high=objective.clip_high
+        )
+        metrics["clip_frac"] = token_mean(indicators["clipped"])
     elif surrogate == "sapo":
         per_token = surrogates.sapo(
             log_ratio, adv, tau_pos=objective.tau_pos, tau_neg=objective.tau_neg
@@ -356,13 +358,18 @@ def policy_loss(
         per_seq = surrogates.gmpo(
             log_ratio, adv, mask, clip_low=objective.clip_low, clip_high=objective.clip_high
         )
-        # A per-sequence loss spread over its tokens: seq-mean-token-mean recovers the mean over
-        # non-empty sequences (with the global sequence count).
-        per_token = jnp.broadcast_to(per_seq[:, None], mask.shape)
+        indicators = surrogates.gmpo_metrics(
+            log_ratio, adv, mask, clip_low=objective.clip_low, clip_high=objective.clip_high
+        )
+        metrics["clip_frac"] = token_mean(indicators["clipped"])
+        per_token = None
+        # GMPO's loss is already per sequence: its mean over non-empty rows, whatever the mode.
+        pg_loss = aggregation.sequence_mean(per_seq, mask, num_seqs=num_seqs)
     else:
         per_token = surrogates.reinforce(logprobs, adv)
 
-    pg_loss = agg(per_token)
+    if per_token is not None:
+        pg_loss = agg(per_token)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
 
@@ -435,8 +442,9 @@ def value_loss(objective: Objective, values: Array, batch: RolloutBatch) -> Loss
     )
     metrics = {
         "vf_loss": vf_loss,
-        "vf_clipfrac": _masked_sum(clip_fraction, mask) / num_tokens,
-        "value_mean": _masked_sum(jax.lax.stop_gradient(_checks.f32(values)), mask) / num_tokens,
+        "vf_clipfrac": _masked_sum(clip_fraction, mask) / jnp.maximum(num_tokens, 1),
+        "value_mean": _masked_sum(jax.lax.stop_gradient(_checks.f32(values)), mask)
+        / jnp.maximum(num_tokens, 1),
     }
     return LossOutput(loss=vf_loss, metrics=metrics)
 

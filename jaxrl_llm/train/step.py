@@ -49,8 +49,6 @@ def split_micro_batches(batch: RolloutBatch, micro_batches: int) -> RolloutBatch
         )
 
     def split(x):
-        if x is None or jnp.ndim(x) == 0:
-            return x
         x = x.reshape(batch_size // micro_batches, micro_batches, *x.shape[1:])
         return jnp.swapaxes(x, 0, 1)
 
@@ -121,10 +119,12 @@ def make_policy_step(
     def gradients(params, batch: RolloutBatch):
         if micro_batches == 1:
             return grad_fn(params, batch)
-        micro = split_micro_batches(batch, micro_batches)
+        # The global normalisers are scalars shared by every micro-batch, not scanned over.
+        counts = {"num_tokens": batch.num_tokens, "num_seqs": batch.num_seqs}
+        micro = split_micro_batches(batch._replace(num_tokens=None, num_seqs=None), micro_batches)
 
         def body(acc, mb):
-            grads, metrics = grad_fn(params, mb)
+            grads, metrics = grad_fn(params, mb._replace(**counts))
             return jax.tree.map(jnp.add, acc, grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -140,18 +140,16 @@ def make_policy_step(
         params = state.params
         if param_shardings is not None and _is_explicit(_mesh_of(param_shardings)):
             specs = jax.tree.map(lambda s: s.spec, param_shardings)
-            metric_specs = jax.tree.map(
-                lambda _: PartitionSpec(), jax.eval_shape(gradients, params, batch)[1]
-            )
-            grads, metrics = jax.sharding.auto_axes(gradients, out_sharding=(specs, metric_specs))(
-                params, batch
-            )
+            # Inside, sharding propagates automatically (FSDP gathers need no annotations); the
+            # gradient comes back typed like the parameters, the metrics replicated.
+            auto = jax.sharding.auto_axes(gradients, out_sharding=(specs, PartitionSpec()))
+            grads, metrics = auto(params, batch)
         else:
             grads, metrics = gradients(params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = dict(metrics)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["num_tokens"] = jnp.asarray(num_tokens, jnp.float32)
         rng, _ = jax.random.split(state.rng)
         new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, rng=rng)

@@ -1,0 +1,431 @@
+"""Tests for jaxrl_llm.surrogates against the float64 references of tests/reference/losses.py."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jaxrl_llm import surrogates
+from jaxrl_llm.aggregation import MODES, aggregate, sequence_mean
+from jaxrl_llm.ratios import token_log_ratio
+from tests.reference import losses as ref
+
+B, T = 6, 5
+PPO_CONFIGS = [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.2, 3.0)]
+
+
+def _batch(rng, adv_rank=1):
+    log_ratio = (rng.normal(size=(B, T)) * 0.4).astype(np.float32)
+    log_ratio[0, :3] = [3.0, -3.0, 1.5]  # far beyond both bounds and the dual clip
+    lp = (rng.normal(size=(B, T)) - 2.0).astype(np.float32)
+    shape = (B,) if adv_rank == 1 else (B, T)
+    adv = rng.normal(size=shape).astype(np.float32)
+    adv[1] = 0.0
+    mask = ref.ragged_mask(rng, B, T, empty_rows=(4,), full_rows=(0,))
+    return log_ratio, lp, adv, mask
+
+
+def _smooth_log_ratio(rng):
+    """Log-ratios at least 0.05 away from every kink (log 0.8, log 1.2, log 1.28, log 3)."""
+    centres = np.array([-0.8, -0.45, 0.0, 0.5, 0.8])
+    return (rng.choice(centres, size=(B, T)) + rng.uniform(-0.1, 0.1, (B, T))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- ppo_clip
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+@pytest.mark.parametrize("clip_low,clip_high,dual_clip", PPO_CONFIGS)
+def test_ppo_clip_matches_reference(rng, adv_rank, clip_low, clip_high, dual_clip):
+    log_ratio, _, adv, _ = _batch(rng, adv_rank)
+    kw = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    out = surrogates.ppo_clip(log_ratio, adv, **kw)
+    chex.assert_shape(out, (B, T))
+    chex.assert_type(out, jnp.float32)
+    np.testing.assert_allclose(out, ref.ppo_clip(log_ratio, adv, **kw), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: surrogates.ppo_clip(x, adv, **kw).sum())(log_ratio)
+    np.testing.assert_allclose(grad, ref.ppo_clip_grad(log_ratio, adv, **kw), rtol=1e-5, atol=1e-6)
+    metrics = surrogates.ppo_clip_metrics(log_ratio, adv, **kw)
+    want = ref.ppo_clip_metrics(log_ratio, adv, **kw)
+    assert set(metrics) == {"clipped", "clipped_lower"}
+    for key in want:
+        chex.assert_shape(metrics[key], (B, T))
+        np.testing.assert_array_equal(metrics[key], want[key])
+
+
+E3 = float(np.exp(np.float32(3.0)))
+# (log_ratio, advantage, dual_clip, loss, d loss / d log_ratio, clipped, clipped_lower);
+# clip 0.2 / 0.2. Hand-derived from L = max(−A·r, −A·clip(r, 0.8, 1.2)).
+PPO_CASES = [
+    (3.0, 1.0, None, -1.2, 0.0, 1, 0),  # far above, A > 0: clipped
+    (3.0, -1.0, None, E3, E3, 0, 0),  # far above, A < 0: unbounded without dual clip
+    (3.0, -1.0, 3.0, 3.0, 0.0, 0, 1),  # ... bounded by the dual clip
+    (3.0, 1.0, 3.0, -1.2, 0.0, 1, 0),  # dual clip never touches A > 0
+    (-3.0, 1.0, None, -np.exp(-3.0), -np.exp(-3.0), 0, 0),  # far below, A > 0: unclipped
+    (-3.0, -1.0, None, 0.8, 0.0, 1, 0),  # far below, A < 0: clipped
+    (-3.0, -1.0, 3.0, 0.8, 0.0, 1, 0),
+    (0.0, 2.0, None, -2.0, -2.0, 0, 0),  # on-policy: gradient −A
+    (0.0, -2.0, 3.0, 2.0, 2.0, 0, 0),
+    (0.1, 0.0, 3.0, 0.0, 0.0, 0, 0),  # zero advantage: no loss, no gradient
+]
+
+
+@pytest.mark.parametrize("case", PPO_CASES)
+def test_ppo_clip_hand_checked(case):
+    log_ratio, adv, dual, loss, grad, clipped, lower = case
+    x = jnp.full((1, 1), log_ratio)
+    a = jnp.array([adv])
+
+    def f(z):
+        return surrogates.ppo_clip(z, a, dual_clip=dual)[0, 0]
+
+    np.testing.assert_allclose(f(x), loss, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(f)(x)[0, 0], grad, rtol=1e-6)
+    metrics = surrogates.ppo_clip_metrics(x, a, dual_clip=dual)
+    assert (metrics["clipped"][0, 0], metrics["clipped_lower"][0, 0]) == (clipped, lower)
+
+
+def test_ppo_clip_exactly_at_the_bounds():
+    log_ratio = jnp.log(jnp.array([[0.8, 1.2, 1.28]]))
+    for adv, want in [(1.0, [-0.8, -1.2, -1.2]), (-1.0, [0.8, 1.2, 1.28])]:
+        np.testing.assert_allclose(
+            surrogates.ppo_clip(log_ratio, jnp.array([adv])), [want], rtol=1e-6
+        )
+    # Clip-higher (DAPO): with ε_high = 0.28 a ratio of 1.25 is inside the band for A > 0.
+    x = jnp.log(jnp.array([[1.25]]))
+    np.testing.assert_allclose(surrogates.ppo_clip(x, jnp.ones(1)), [[-1.2]], rtol=1e-6)
+    np.testing.assert_allclose(
+        surrogates.ppo_clip(x, jnp.ones(1), clip_high=0.28), [[-1.25]], rtol=1e-6
+    )
+
+
+def test_dual_clip_only_changes_negative_advantages(rng):
+    log_ratio, _, adv, _ = _batch(rng, adv_rank=2)
+    plain = np.asarray(surrogates.ppo_clip(log_ratio, adv))
+    dual = np.asarray(surrogates.ppo_clip(log_ratio, adv, dual_clip=1.5))
+    np.testing.assert_array_equal(dual[adv >= 0], plain[adv >= 0])
+    assert np.any(dual[adv < 0] < plain[adv < 0])
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_clip_check_grads(rng, dual_clip):
+    log_ratio = _smooth_log_ratio(rng)
+    adv = rng.normal(size=(B,)).astype(np.float32)
+
+    def f(x):
+        return surrogates.ppo_clip(x, adv, dual_clip=dual_clip)
+
+    check_grads(f, (log_ratio,), order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- on-policy gradients
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_on_policy_gradients_equal_reinforce(rng, mode):
+    """At old = sg(lp) (r = 1), PPO-clip, CISPO and SAPO have the vanilla PG gradient."""
+    _, lp, adv, mask = _batch(rng)
+
+    def loss(fn):
+        def f(x):
+            return aggregate(fn(x), mask, mode)
+
+        return jax.grad(f)(lp)
+
+    want = loss(lambda x: surrogates.reinforce(x, adv))
+
+    def ratio(x):
+        return token_log_ratio(x, jax.lax.stop_gradient(x))
+
+    got = {
+        "ppo_clip": loss(lambda x: surrogates.ppo_clip(ratio(x), adv, dual_clip=3.0)),
+        "cispo": loss(lambda x: surrogates.cispo(ratio(x), x, adv, clip_low=None, clip_high=4.0)),
+        "sapo": loss(lambda x: surrogates.sapo(ratio(x), adv)),
+    }
+    for name, grad in got.items():
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert np.any(np.asarray(want) != 0.0)
+
+
+def test_on_policy_gmpo_gradient_equals_sequence_mean_reinforce(rng):
+    _, lp, adv, mask = _batch(rng)
+
+    def gmpo_loss(x):
+        ratio = token_log_ratio(x, jax.lax.stop_gradient(x))
+        return sequence_mean(surrogates.gmpo(ratio, adv, mask), mask)
+
+    def pg_loss(x):
+        return aggregate(surrogates.reinforce(x, adv), mask, "seq-mean-token-mean")
+
+    np.testing.assert_allclose(jax.grad(gmpo_loss)(lp), jax.grad(pg_loss)(lp), rtol=1e-5)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_ppo_does_not():
+    lp = jnp.array([[-1.0, -1.0]])
+    old = jnp.array([[-4.0, -1.05]])  # ratio e^3 (clipped) and e^0.05 (inside)
+    adv = jnp.array([1.0])
+
+    def ppo(x):
+        return surrogates.ppo_clip(token_log_ratio(x, old), adv, clip_high=0.28).sum()
+
+    def cispo(x):
+        ratio = token_log_ratio(x, old)
+        return surrogates.cispo(ratio, x, adv, clip_low=0.2, clip_high=0.28).sum()
+
+    np.testing.assert_allclose(jax.grad(ppo)(lp), [[0.0, -np.exp(0.05)]], rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(cispo)(lp), [[-1.28, -np.exp(0.05)]], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cispo
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+@pytest.mark.parametrize("clip_low", [None, 0.2])
+def test_cispo_matches_reference(rng, adv_rank, clip_low):
+    log_ratio, lp, adv, _ = _batch(rng, adv_rank)
+    kw = {"clip_low": clip_low, "clip_high": 0.28}
+    out = surrogates.cispo(log_ratio, lp, adv, **kw)
+    chex.assert_shape(out, (B, T))
+    np.testing.assert_allclose(out, ref.cispo(log_ratio, lp, adv, **kw), rtol=1e-5, atol=1e-6)
+    g_ratio, g_lp = jax.grad(lambda x, y: surrogates.cispo(x, y, adv, **kw).sum(), (0, 1))(
+        log_ratio, lp
+    )
+    np.testing.assert_array_equal(g_ratio, np.zeros((B, T)))  # the weight is detached
+    np.testing.assert_allclose(
+        g_lp, ref.cispo_grad_wrt_lp(log_ratio, adv, **kw), rtol=1e-5, atol=1e-6
+    )
+    clipped = surrogates.cispo_metrics(log_ratio, **kw)["clipped"]
+    want = ref.cispo_weight(log_ratio, **kw) != np.exp(log_ratio.astype(np.float64))
+    np.testing.assert_array_equal(clipped, want.astype(np.float32))
+
+
+def test_cispo_bounds_hand_checked():
+    log_ratio = jnp.log(jnp.array([[0.1, 1.0, 10.0]]))
+    lp, adv = jnp.ones((1, 3)), jnp.array([-1.0])
+    # No lower bound: weight 0.1 stays; upper bound is 1 + clip_high = 5, not 4.
+    np.testing.assert_allclose(
+        surrogates.cispo(log_ratio, lp, adv, clip_low=None, clip_high=4.0),
+        [[0.1, 1.0, 5.0]],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        surrogates.cispo(log_ratio, lp, adv, clip_low=0.2, clip_high=4.0),
+        [[0.8, 1.0, 5.0]],
+        rtol=1e-6,
+    )
+
+
+def test_cispo_check_grads(rng):
+    log_ratio, lp, adv, _ = _batch(rng)
+
+    def f(y):
+        return surrogates.cispo(log_ratio, y, adv, clip_low=0.2, clip_high=0.28)
+
+    check_grads(f, (lp,), order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- sapo
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+def test_sapo_matches_reference(rng, adv_rank):
+    log_ratio, _, adv, _ = _batch(rng, adv_rank)
+    for taus in [(1.0, 1.05), (0.5, 2.0)]:
+        kw = {"tau_pos": taus[0], "tau_neg": taus[1]}
+        out = surrogates.sapo(log_ratio, adv, **kw)
+        chex.assert_shape(out, (B, T))
+        np.testing.assert_allclose(out, ref.sapo(log_ratio, adv, **kw), rtol=1e-5, atol=1e-6)
+
+
+def test_sapo_hand_checked_temperatures():
+    x = jnp.log(jnp.array([[2.0]]))
+    sig = lambda z: 1.0 / (1.0 + np.exp(-z))  # noqa: E731
+    np.testing.assert_allclose(surrogates.sapo(x, jnp.ones(1)), [[-4.0 * sig(1.0)]], rtol=1e-6)
+    np.testing.assert_allclose(
+        surrogates.sapo(x, -jnp.ones(1)), [[4.0 / 1.05 * sig(1.05)]], rtol=1e-6
+    )
+    assert surrogates.sapo(x, jnp.zeros(1))[0, 0] == 0.0
+
+
+def test_sapo_check_grads(rng):
+    log_ratio, _, adv, _ = _batch(rng)
+
+    def f(x):
+        return surrogates.sapo(x, adv)
+
+    check_grads(f, (log_ratio * 0.5,), order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- gmpo
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+def test_gmpo_matches_reference(rng, adv_rank):
+    log_ratio, _, adv, mask = _batch(rng, adv_rank)
+    out = surrogates.gmpo(log_ratio, adv, mask)
+    chex.assert_shape(out, (B,))
+    chex.assert_type(out, jnp.float32)
+    np.testing.assert_allclose(out, ref.gmpo(log_ratio, adv, mask), rtol=1e-5, atol=1e-6)
+    assert out[4] == 0.0  # empty row
+    clipped = surrogates.gmpo_metrics(log_ratio, adv, mask)["clipped"]
+    np.testing.assert_array_equal(clipped, ref.gmpo_clipped(log_ratio, adv, mask))
+    assert np.asarray(clipped).sum() > 0
+    kw = {"clip_low": 0.1, "clip_high": 0.3}
+    np.testing.assert_allclose(
+        surrogates.gmpo(log_ratio, adv, mask, **kw),
+        ref.gmpo(log_ratio, adv, mask, **kw),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_gmpo_hand_checked():
+    # A > 0: Δ = (0.8, 0.0) → Δ* = (0.4, 0.0), ρ = exp(0.2); A < 0: Δ = (−0.8, 0.8)
+    # → Δ* = (−0.4, 0.8), ρ = exp(0.2); the third token is padding.
+    log_ratio = jnp.array([[0.8, 0.0, 50.0], [-0.8, 0.8, -50.0]])
+    mask = jnp.array([[1, 1, 0], [1, 1, 0]], bool)
+    adv = jnp.array([2.0, -1.0])
+    np.testing.assert_allclose(
+        surrogates.gmpo(log_ratio, adv, mask), [-2.0 * np.exp(0.2), np.exp(0.2)], rtol=1e-6
+    )
+    grad = jax.grad(lambda x: surrogates.gmpo(x, adv, mask).sum())(log_ratio)
+    # Only unclipped valid tokens move ρ: d/dΔ_t = −Ā·ρ/n.
+    e = np.exp(0.2)
+    np.testing.assert_allclose(grad, [[0.0, -e, 0.0], [0.0, 0.5 * e, 0.0]], rtol=1e-6)
+
+
+def test_gmpo_check_grads(rng):
+    log_ratio = rng.uniform(-0.3, 0.3, (B, T)).astype(np.float32)  # inside the ±0.4 kinks
+    _, _, adv, mask = _batch(rng)
+
+    def f(x):
+        return surrogates.gmpo(x, adv, mask)
+
+    check_grads(f, (log_ratio,), order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------- reinforce
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+def test_reinforce_matches_reference(rng, adv_rank):
+    _, lp, adv, _ = _batch(rng, adv_rank)
+    out = surrogates.reinforce(lp, adv)
+    chex.assert_shape(out, (B, T))
+    np.testing.assert_allclose(out, ref.reinforce(lp, adv), rtol=1e-6)
+    check_grads(lambda y: surrogates.reinforce(y, adv), (lp,), order=2, modes=["rev"], eps=1e-3)
+
+
+# ----------------------------------------------------------------------------- masking, dtypes, jit
+
+
+def test_garbage_padding_gets_exactly_zero_gradient(rng):
+    log_ratio, lp, adv, mask = _batch(rng)
+    bad_ratio = np.where(mask > 0, log_ratio, 1e4).astype(np.float32)
+    bad_ratio[4, 0] = np.inf  # row 4 is empty
+    bad_lp = np.where(mask > 0, lp, -1e30).astype(np.float32)
+    losses = {
+        "ppo_clip": lambda x, y: surrogates.ppo_clip(x, adv, dual_clip=3.0),
+        "sapo": lambda x, y: surrogates.sapo(x, adv),
+        "cispo": lambda x, y: surrogates.cispo(x, y, adv, clip_low=None, clip_high=4.0),
+    }
+    for name, fn in losses.items():
+        value, (g_ratio, g_lp) = jax.value_and_grad(
+            lambda x, y, fn=fn: aggregate(fn(x, y), mask, "token-mean"), (0, 1)
+        )(bad_ratio, bad_lp)
+        np.testing.assert_allclose(
+            value, aggregate(fn(log_ratio, lp), mask, "token-mean"), rtol=1e-6, err_msg=name
+        )
+        for g in (g_ratio, g_lp):
+            g = np.asarray(g)
+            assert np.all(np.isfinite(g)), name
+            assert np.all(g[mask == 0] == 0.0), name
+    value, grad = jax.value_and_grad(lambda x: sequence_mean(surrogates.gmpo(x, adv, mask), mask))(
+        bad_ratio
+    )
+    np.testing.assert_allclose(
+        value, sequence_mean(surrogates.gmpo(log_ratio, adv, mask), mask), rtol=1e-6
+    )
+    assert np.all(np.asarray(grad)[mask == 0] == 0.0)
+
+
+def test_bf16_inputs_give_f32(rng):
+    log_ratio, lp, adv, mask = _batch(rng)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    pairs = [
+        (surrogates.ppo_clip(bf(log_ratio), bf(adv)), surrogates.ppo_clip(log_ratio, adv)),
+        (
+            surrogates.cispo(bf(log_ratio), bf(lp), bf(adv), clip_low=None, clip_high=4.0),
+            surrogates.cispo(log_ratio, lp, adv, clip_low=None, clip_high=4.0),
+        ),
+        (surrogates.sapo(bf(log_ratio), bf(adv)), surrogates.sapo(log_ratio, adv)),
+        (surrogates.gmpo(bf(log_ratio), bf(adv), mask), surrogates.gmpo(log_ratio, adv, mask)),
+        (surrogates.reinforce(bf(lp), bf(adv)), surrogates.reinforce(lp, adv)),
+    ]
+    for low, high in pairs:
+        chex.assert_type(low, jnp.float32)
+        np.testing.assert_allclose(low, high, rtol=0.05, atol=0.05)
+
+
+def test_jit_vmap_and_no_recompile(rng):
+    log_ratio, lp, adv, mask = _batch(rng)
+    traces = []
+
+    @jax.jit
+    def f(x, y, a, m):
+        traces.append(None)
+        return (
+            surrogates.ppo_clip(x, a, clip_high=0.28, dual_clip=3.0),
+            surrogates.cispo(x, y, a, clip_low=None, clip_high=4.0),
+            surrogates.sapo(x, a),
+            surrogates.gmpo(x, a, m),
+            surrogates.reinforce(y, a),
+            surrogates.ppo_clip_metrics(x, a, dual_clip=3.0),
+        )
+
+    out = f(log_ratio, lp, adv, mask)
+    f(log_ratio * 0.5, lp, -adv, mask)
+    assert len(traces) == 1
+    np.testing.assert_allclose(out[3], ref.gmpo(log_ratio, adv, mask), rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(lambda x, a: surrogates.ppo_clip(x, a))(
+        np.stack([log_ratio, -log_ratio]), np.stack([adv, 2 * adv])
+    )
+    chex.assert_shape(batched, (2, B, T))
+    np.testing.assert_allclose(batched[1], ref.ppo_clip(-log_ratio, 2 * adv), rtol=1e-5, atol=1e-6)
+
+
+def test_errors(rng):
+    log_ratio, lp, adv, mask = _batch(rng)
+    with pytest.raises(ValueError, match="clip_low"):
+        surrogates.ppo_clip(log_ratio, adv, clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        surrogates.ppo_clip(log_ratio, adv, clip_low=-0.1)
+    with pytest.raises(ValueError, match="clip_high"):
+        surrogates.ppo_clip(log_ratio, adv, clip_high=-0.2)
+    with pytest.raises(ValueError, match="clip_low"):
+        surrogates.ppo_clip(log_ratio, adv, clip_low=None)
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="dual_clip must be > 1"):
+            surrogates.ppo_clip(log_ratio, adv, dual_clip=bad)
+        with pytest.raises(ValueError, match="dual_clip must be > 1"):
+            surrogates.ppo_clip_metrics(log_ratio, adv, dual_clip=bad)
+    with pytest.raises(ValueError, match=r"advantages must have shape.*\(7,\)"):
+        surrogates.ppo_clip(log_ratio, np.zeros(7))
+    with pytest.raises(ValueError, match="rank 2"):
+        surrogates.sapo(log_ratio[0], adv[:1])
+    with pytest.raises(ValueError, match="tau_neg"):
+        surrogates.sapo(log_ratio, adv, tau_neg=0.0)
+    with pytest.raises(ValueError, match="tau_pos"):
+        surrogates.sapo(log_ratio, adv, tau_pos=-1.0)
+    with pytest.raises(ValueError, match="clip_high"):
+        surrogates.cispo(log_ratio, lp, adv, clip_low=None, clip_high=None)
+    with pytest.raises(ValueError, match=r"log_ratio.*logprobs"):
+        surrogates.cispo(log_ratio, lp[:, :3], adv, clip_low=None, clip_high=4.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        surrogates.gmpo(log_ratio, adv, mask, clip_low=1.5)
+    with pytest.raises(ValueError, match="mask"):
+        surrogates.gmpo(log_ratio, adv, mask[:, :2])
+    with pytest.raises(ValueError, match="advantages"):
+        surrogates.reinforce(lp, adv[:, None])
