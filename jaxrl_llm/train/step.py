@@ -63,57 +63,36 @@ def _is_explicit(mesh) -> bool:
     return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def make_policy_step(
-    model_config,
-    objective: objectives.Objective,
+LossFn = Callable[[PyTree, RolloutBatch], tuple[Array, dict[str, Array]]]
+
+
+def make_step(
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
     micro_batches: int = 1,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    compute_entropy: bool = True,
     param_shardings: PyTree | None = None,
 ) -> Step:
-    """A pure policy-update step.
+    """A pure optimizer step around any ``loss_fn(params, batch) -> (loss, metrics)``.
+
+    The step sets ``batch.num_tokens`` / ``batch.num_seqs`` to the whole batch's counts before
+    calling ``loss_fn`` on each of the K micro-batches, so a loss that normalises by them (every
+    objective does) accumulates exactly the full-batch gradient. Metrics are summed over
+    micro-batches (``*_min`` / ``*_max`` reduce by min / max).
 
     Args:
-      model_config: the policy's ``ModelConfig`` (static).
-      objective: the ``Objective`` (static).
+      loss_fn: differentiable in its first argument.
       optimizer: the optax transformation whose state is in ``TrainState.opt_state``.
       micro_batches: K; the batch is processed in K strided micro-batches under ``lax.scan``.
-      temperature: sampling temperature, applied to the recomputed log-probs (so the ratio
-        starts at 1 when the policy has not moved).
-      chunk_size: sequence chunk of the log-prob computation (memory ``O(B·chunk·V)``).
-      compute_entropy: also compute the per-token entropy (metric; needed for an entropy bonus).
       param_shardings: the parameters' ``NamedSharding``s. On a mesh with explicit axes the
-        log-prob/gradient computation runs with automatic sharding propagation and its gradient
-        is returned in these shardings.
+        gradient computation runs with automatic sharding propagation and its gradient is
+        returned in these shardings.
 
     Returns:
-      ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
-      completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
-      them, ``ref_logprobs``.
+      ``step(state, batch) -> (state, metrics)``.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    need_entropy = compute_entropy or objective.entropy_coef > 0
-
-    def loss_fn(params, batch: RolloutBatch):
-        out = logprobs.completion_logprobs(
-            params,
-            model_config,
-            batch.prompt_tokens,
-            batch.prompt_mask,
-            batch.completion_tokens,
-            batch.completion_mask,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=need_entropy,
-        )
-        token_logprobs, entropy = out if need_entropy else (out, None)
-        result = objectives.policy_loss(objective, token_logprobs, batch, entropy=entropy)
-        return result.loss, result.metrics
-
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     def gradients(params, batch: RolloutBatch):
@@ -134,7 +113,7 @@ def make_policy_step(
     def step(state: TrainState, batch: RolloutBatch):
         for field in _MODEL_FIELDS:
             if getattr(batch, field) is None:
-                raise ValueError(f"the policy step needs batch.{field}")
+                raise ValueError(f"the step needs batch.{field}")
         num_tokens, num_seqs = aggregation.normalisers(batch.completion_mask)
         batch = batch._replace(num_tokens=num_tokens, num_seqs=num_seqs)
         params = state.params
@@ -156,6 +135,92 @@ def make_policy_step(
         return new_state, metrics
 
     return step
+
+
+def _logprobs(model_config, params, batch: RolloutBatch, **kwargs):
+    return logprobs.completion_logprobs(
+        params,
+        model_config,
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask,
+        **kwargs,
+    )
+
+
+def make_policy_step(
+    model_config,
+    objective: objectives.Objective,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+    param_shardings: PyTree | None = None,
+) -> Step:
+    """A pure policy-update step: log-probs → ``objectives.policy_loss`` → gradient → optax.
+
+    Args:
+      model_config: the policy's ``ModelConfig`` (static).
+      objective: the ``Objective`` (static).
+      optimizer: the optax transformation whose state is in ``TrainState.opt_state``.
+      micro_batches: gradient-accumulation micro-batches (see :func:`make_step`).
+      temperature: sampling temperature, applied to the recomputed log-probs (so the ratio
+        starts at 1 when the policy has not moved).
+      chunk_size: sequence chunk of the log-prob computation (memory ``O(B·chunk·V)``).
+      compute_entropy: also compute the per-token entropy (metric; needed for an entropy bonus).
+      param_shardings: see :func:`make_step`.
+
+    Returns:
+      ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
+      completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
+      them, ``ref_logprobs``.
+    """
+    need_entropy = compute_entropy or objective.entropy_coef > 0
+
+    def loss_fn(params, batch: RolloutBatch):
+        out = _logprobs(
+            model_config,
+            params,
+            batch,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=need_entropy,
+        )
+        token_logprobs, entropy = out if need_entropy else (out, None)
+        result = objectives.policy_loss(objective, token_logprobs, batch, entropy=entropy)
+        return result.loss, result.metrics
+
+    return make_step(
+        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+    )
+
+
+def make_sft_step(
+    model_config,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    chunk_size: int | None = None,
+    param_shardings: PyTree | None = None,
+) -> Step:
+    """A supervised step: token-mean NLL ``−Σ m·log π(y_t) / N_tok`` of the completions.
+
+    ``batch`` needs prompt / completion tokens and masks only.
+    """
+
+    def loss_fn(params, batch: RolloutBatch):
+        token_logprobs = _logprobs(model_config, params, batch, chunk_size=chunk_size)
+        nll = aggregation.aggregate(
+            -token_logprobs, batch.completion_mask, "token-mean", num_tokens=batch.num_tokens
+        )
+        return nll, {"nll": nll}
+
+    return make_step(
+        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+    )
 
 
 def jit_step(step: Step, state_shardings: TrainState, batch_shardings: PyTree | None = None):
@@ -193,13 +258,10 @@ def make_logprob_fn(
     """
 
     def fn(params, batch: RolloutBatch):
-        return logprobs.completion_logprobs(
-            jax.lax.stop_gradient(params),
+        return _logprobs(
             model_config,
-            batch.prompt_tokens,
-            batch.prompt_mask,
-            batch.completion_tokens,
-            batch.completion_mask,
+            jax.lax.stop_gradient(params),
+            batch,
             temperature=temperature,
             chunk_size=chunk_size,
         )

@@ -1,4 +1,4 @@
-"""The sharded policy step: same result on every mesh, micro-batch invariance, donation, no retrace."""
+"""The sharded policy step: mesh parity, micro-batch invariance, donation, no retrace."""
 
 from __future__ import annotations
 
