@@ -1,0 +1,207 @@
+"""Math answer verification: extract the final answer, normalise it, compare exactly.
+
+Extraction from a completion, first that applies:
+
+1. the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces included;
+2. what follows the last GSM8K ``####`` marker on its line;
+3. the last number in the text (a sign counts only where it cannot be a binary minus, so
+   ``"12-7=5"`` ends in ``5`` and ``"x = -3"`` in ``-3``).
+
+Numbers are compared as exact rationals (``fractions.Fraction``): integers, decimals,
+thousands separators (``1,234`` and LaTeX ``1{,}234``), ``$`` signs, ``%``, trailing ``.0``,
+Unicode minus signs, ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\frac12`` and ``a/b`` all normalise,
+so ``\\boxed{\\frac{1}{2}}`` matches ``0.5`` and ``$5.00`` matches ``5``; ``0.333`` does not
+match ``1/3``. Answers that are not numbers are compared as strings after removing whitespace,
+``$`` and ``\\text{}`` wrappers; there is no symbolic algebra (``2^{10}`` does not match
+``1024``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+from typing import Any, ClassVar
+
+from jaxrl_llm.rewards.base import RewardInput, reference_answer
+
+_MINUS_SIGNS = str.maketrans({c: "-" for c in "\u2212\u2012\u2013\ufe63\uff0d"})
+_LATEX_NOISE = re.compile(r"\\(?:left|right|!|,|;|:)")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+# Unsigned number: digits with optional 3-digit comma groups and decimals, or ".5".
+_NUM = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+# A minus is a sign unless it follows something it could subtract from.
+_TEXT_SIGN = r"(?:(?<![\w)\]}])-)?"
+_TEXT_FRACTION = (
+    r"\\frac\{-?" + _NUM + r"\}\{-?" + _NUM + r"\}|\\frac\d\d|" + _NUM + "(?:/" + _NUM + ")?"
+)
+_TEXT_NUMBER = re.compile(r"(?<![\d.])" + _TEXT_SIGN + "(?:" + _TEXT_FRACTION + ")")
+_SIGNED = r"([-+]?)\s*(" + _NUM + r")"
+_WHOLE_DECIMAL = re.compile(_SIGNED)
+_WHOLE_LATEX_FRAC = re.compile(
+    r"([-+]?)\s*\\frac\s*\{\s*" + _SIGNED + r"\s*\}\s*\{\s*" + _SIGNED + r"\s*\}"
+)
+_WHOLE_SHORT_FRAC = re.compile(r"([-+]?)\s*\\frac\s*(\d)(\d)")
+_WHOLE_SLASH = re.compile(_SIGNED + r"\s*/\s*" + _SIGNED)
+
+
+def _clean(text: str) -> str:
+    """Removes notation that never changes a value: LaTeX spacing, ``$``, text wrappers."""
+    text = text.translate(_MINUS_SIGNS)
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
+    text = _LATEX_NOISE.sub("", text).replace("\\$", "").replace("$", "")
+    while True:
+        unwrapped = _TEXT_WRAPPER.sub(r"\1", text)
+        if unwrapped == text:
+            return text
+        text = unwrapped
+
+
+def _signed(sign: str, digits: str) -> Fraction:
+    value = Fraction(digits.replace(",", ""))
+    return -value if sign == "-" else value
+
+
+def _strip_enclosing(text: str) -> str:
+    """``{5}`` / ``(−3)`` → inner text, when the outer pair encloses everything."""
+    while len(text) >= 2 and (text[0], text[-1]) in (("{", "}"), ("(", ")")):
+        depth = 0
+        for i, char in enumerate(text):
+            depth += {text[0]: 1, text[-1]: -1}.get(char, 0)
+            if depth == 0 and i < len(text) - 1:
+                return text
+        text = text[1:-1].strip()
+    return text
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of a string that is one number, or ``None``.
+
+    Accepts ``-3``, ``+4``, ``1,234.50``, ``$5``, ``50%``, ``0.5.`` (trailing period),
+    ``\\frac{1}{2}``, ``-\\dfrac{3}{4}``, ``\\frac12``, ``1/2``, ``{5}``, ``(-3)``; a zero
+    denominator gives ``None``.
+    """
+    text = _clean(text).strip().rstrip(".").strip()
+    text = text.removesuffix("\\%").removesuffix("%").strip()
+    text = _strip_enclosing(text)
+    if match := _WHOLE_DECIMAL.fullmatch(text):
+        return _signed(*match.groups())
+    if match := _WHOLE_SLASH.fullmatch(text):
+        sign_a, a, sign_b, b = match.groups()
+        numerator, denominator = _signed(sign_a, a), _signed(sign_b, b)
+    elif match := _WHOLE_LATEX_FRAC.fullmatch(text):
+        sign, sign_a, a, sign_b, b = match.groups()
+        numerator, denominator = _signed(sign, "1") * _signed(sign_a, a), _signed(sign_b, b)
+    elif match := _WHOLE_SHORT_FRAC.fullmatch(text):
+        sign, a, b = match.groups()
+        numerator, denominator = _signed(sign, a), Fraction(b)
+    else:
+        return None
+    return None if denominator == 0 else numerator / denominator
+
+
+def _boxed_content(text: str) -> str | None:
+    """The content of the last balanced ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``)."""
+    starts = sorted(
+        (m.end() for cmd in _BOX_COMMANDS for m in re.finditer(re.escape(cmd), text)),
+        reverse=True,
+    )
+    for start in starts:
+        rest = text[start:].lstrip()
+        if not rest.startswith("{"):
+            bare = re.match(r"[^\s$]+", rest)
+            if bare:
+                return bare.group()
+            continue
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if depth == 0:
+                return rest[1:i]
+    return None
+
+
+def _numbers(text: str) -> list[str]:
+    return [m.group() for m in _TEXT_NUMBER.finditer(_clean(text))]
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer written in ``text`` (see the module docstring for the order), or ``None``.
+
+    Examples: ``"so \\boxed{\\frac{1}{2}}"`` → ``"\\frac{1}{2}"``; ``"... #### 1,234"`` →
+    ``"1,234"``; ``"3 apples, then 5"`` → ``"5"``; ``"no idea"`` → ``None``.
+    """
+    boxed = _boxed_content(text)
+    if boxed is not None:
+        return boxed
+    marker = text.rfind("####")
+    if marker >= 0:
+        line = text[marker + 4 :].split("\n", 1)[0].strip()
+        if line and parse_number(line) is not None:
+            return line
+        numbers = _numbers(line)
+        if numbers:
+            return numbers[0]
+        if line:
+            return line
+    numbers = _numbers(text)
+    return numbers[-1] if numbers else None
+
+
+def answer_value(answer: str) -> Fraction | str:
+    """A comparable form of an extracted answer: its exact value, else normalised text."""
+    number = parse_number(answer)
+    if number is not None:
+        return number
+    return re.sub(r"\s+", "", _clean(answer)).rstrip(".")
+
+
+def _reference_value(reference: str) -> Fraction | str:
+    """References are usually bare answers; GSM8K / MATH solutions hold ``####`` / ``\\boxed``."""
+    if "####" in reference or any(cmd in reference for cmd in _BOX_COMMANDS):
+        extracted = extract_answer(reference)
+        if extracted is not None:
+            reference = extracted
+    return answer_value(reference)
+
+
+def answers_match(completion: str, reference: str) -> bool:
+    """Whether the answer extracted from ``completion`` equals the reference answer.
+
+    Numbers compare exactly as rationals; anything else compares as normalised text, and an
+    empty answer never matches.
+    """
+    predicted = extract_answer(completion)
+    if predicted is None:
+        return False
+    got, want = answer_value(predicted), _reference_value(reference)
+    if isinstance(got, Fraction) != isinstance(want, Fraction):
+        return False
+    return got == want and got != ""
+
+
+def is_correct(completion: str, example: Any) -> bool:
+    """The accuracy metric: the completion's final answer equals ``example``'s answer."""
+    return answers_match(completion, reference_answer(example))
+
+
+@dataclasses.dataclass(frozen=True)
+class MathMatch:
+    """Verifiable-answer reward: ``correct`` if ``is_correct`` else ``incorrect``.
+
+    ``r = correct · 1[answer(completion) = answer(example)] + incorrect · 1[otherwise]``,
+    the rule-based outcome reward of DeepSeekMath (Shao et al., 2024) and DeepSeek-R1.
+
+    Attributes:
+      correct: reward of a matching answer.
+      incorrect: reward of a wrong or missing answer.
+    """
+
+    name: ClassVar[str] = "math_match"
+    correct: float = 1.0
+    incorrect: float = 0.0
+
+    def __call__(self, inp: RewardInput) -> float:
+        return float(self.correct if is_correct(inp.completion, inp.example) else self.incorrect)
