@@ -1,0 +1,190 @@
+"""Per-token log-probs and entropies without materialising ``[B, T, V]`` logits.
+
+The unembedding, ``log_softmax`` and target gather run over chunks of the sequence inside a
+``lax.scan`` whose body is rematerialised (``jax.checkpoint``): the forward pass holds one
+``[B, C, V]`` chunk of logits at a time and the backward pass recomputes each chunk instead
+of storing it, so memory is ``O(B * C * V)`` rather than ``O(B * T * V)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm._checks import check_positive, check_rank, check_same_shape
+from jaxrl_llm.models import ModelConfig, forward, unembed
+
+Array = jax.Array
+
+# Default chunk: the largest power of two C <= T with B * C * V <= this many f32 logits
+# (64 MiB), but at least MIN_CHUNK tokens so the scan does not degenerate into T steps.
+CHUNK_ELEMENTS = 2**24
+MIN_CHUNK = 8
+
+
+def default_chunk_size(batch: int, length: int, vocab: int) -> int:
+    """``C = min(T, max(MIN_CHUNK, 2^floor(log2(CHUNK_ELEMENTS / (B V)))))``."""
+    budget = max(1, CHUNK_ELEMENTS // max(batch * vocab, 1))
+    chunk = max(MIN_CHUNK, 1 << (budget.bit_length() - 1))
+    return max(1, min(length, chunk))
+
+
+def token_logprobs_from_hidden(
+    hidden: Array,
+    unembed_fn: Callable[[Array], Array],
+    targets: Array,
+    *,
+    mask: Array | None = None,
+    temperature: float | Array = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Log-prob of each target token (and the entropy) from the hidden state predicting it.
+
+    ``z_t = unembed(h_t) / tau``; ``logp_t = z_t[y_t] - logsumexp(z_t)``;
+    ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v``. Masked positions give exactly 0
+    (value and gradient). Computed over chunks of ``chunk_size`` positions (padding T up to a
+    multiple), with the chunk body rematerialised, so ``[B, T, V]`` never exists.
+
+    Args:
+      hidden: ``[B, T, D]`` states; ``hidden[:, t]`` predicts ``targets[:, t]``.
+      unembed_fn: maps ``[B, C, D]`` to f32 logits ``[B, C, V]`` (e.g.
+        ``functools.partial(jaxrl_llm.models.unembed, params, config)``); may close over
+        parameters: gradients flow to them.
+      targets: ``[B, T]`` int token ids.
+      mask: ``[B, T]`` bool/0-1, 1 on positions to score (default all).
+      temperature: ``tau > 0`` (Python float or traced scalar).
+      chunk_size: positions per chunk; None picks ``default_chunk_size``.
+      return_entropy: also return the per-token entropy of ``softmax(z_t)``.
+
+    Returns:
+      ``logprobs [B, T]`` f32, or ``(logprobs, entropy)`` both ``[B, T]`` f32.
+    """
+    check_rank("hidden", hidden, 3)
+    check_rank("targets", targets, 2)
+    batch, length = targets.shape
+    if hidden.shape[:2] != targets.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be [B, T, D] with [B, T]={targets.shape} of targets"
+        )
+    if mask is None:
+        mask = jnp.ones(targets.shape, bool)
+    check_same_shape(targets=targets, mask=mask)
+    if not isinstance(temperature, jax.Array):
+        check_positive("temperature", temperature)
+    if chunk_size is None:
+        vocab = jax.eval_shape(unembed_fn, hidden[:, :1]).shape[-1]
+        chunk_size = default_chunk_size(batch, length, vocab)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+    chunks = -(-length // chunk_size)
+    pad = chunks * chunk_size - length
+
+    def to_chunks(x: Array) -> Array:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(batch, chunks, chunk_size, *x.shape[2:]), 0, 1)
+
+    inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
+    body = jax.checkpoint(
+        functools.partial(_chunk, unembed_fn, inv_temperature, return_entropy),
+        prevent_cse=False,
+    )
+    xs = (to_chunks(hidden), to_chunks(targets), to_chunks(mask.astype(bool)))
+    _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
+
+    def from_chunks(x: Array) -> Array:
+        return jnp.swapaxes(x, 0, 1).reshape(batch, chunks * chunk_size)[:, :length]
+
+    logprobs, entropy = from_chunks(out[0]), from_chunks(out[1])
+    return (logprobs, entropy) if return_entropy else logprobs
+
+
+def _chunk(
+    unembed_fn: Callable[[Array], Array],
+    inv_temperature: Array,
+    return_entropy: bool,
+    hidden: Array,
+    targets: Array,
+    mask: Array,
+) -> tuple[Array, Array]:
+    """``[B, C, D]`` states -> (log-prob, entropy) ``[B, C]``, 0 where ``mask`` is False."""
+    z = unembed_fn(hidden).astype(jnp.float32) * inv_temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target_logit = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    logprobs = jnp.where(mask, target_logit - lse, 0.0)
+    if not return_entropy:
+        return logprobs, jnp.zeros_like(logprobs)
+    probs = jnp.exp(z - lse[..., None])
+    entropy = jnp.where(mask, lse - jnp.sum(probs * z, axis=-1), 0.0)
+    return logprobs, entropy
+
+
+def completion_logprobs(
+    params: Any,
+    config: ModelConfig,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    completion_tokens: Array,
+    completion_mask: Array,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    remat: str = "none",
+) -> Array | tuple[Array, Array]:
+    """``log pi(y_t | x, y_<t)`` of each completion token under the temperature-scaled policy.
+
+    The model runs once over ``[prompt ; completion]`` (attention mask ``[prompt_mask ;
+    completion_mask]``, positions ``cumsum(mask) - 1``, so left padding shifts nothing); the
+    state at column ``P - 1 + t`` predicts completion token ``t``. Log-probs use
+    ``log_softmax(logits / temperature)``, as the sampler does, computed chunk by chunk (see
+    ``token_logprobs_from_hidden``). Masked completion positions return exactly 0.
+
+    Each row needs at least one real prompt token (e.g. BOS): the last prompt column is what
+    predicts the first completion token. Masked completion tokens are also hidden from the
+    attention of later tokens (they are padding).
+
+    Args:
+      params: model parameters (plain nested dict).
+      config: the model's ``ModelConfig``.
+      prompt_tokens: ``[B, P]`` int32, left-padded.
+      prompt_mask: ``[B, P]``, 1 on real prompt tokens.
+      completion_tokens: ``[B, T]`` int32, right-padded.
+      completion_mask: ``[B, T]``, 1 on tokens to score.
+      temperature: ``tau > 0``.
+      chunk_size: sequence positions per unembedding chunk (None: ``default_chunk_size``).
+      return_entropy: also return the per-token entropy of the scaled distribution.
+      remat: the model's remat policy (``"none"`` or ``"layer"``).
+
+    Returns:
+      ``logprobs [B, T]`` f32, or ``(logprobs, entropy)``.
+    """
+    check_rank("prompt_tokens", prompt_tokens, 2)
+    check_rank("completion_tokens", completion_tokens, 2)
+    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
+    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
+    prompt_len = prompt_tokens.shape[1]
+    if prompt_len < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
+        raise ValueError(
+            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
+            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
+        )
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
+    hidden, _ = forward(params, config, tokens, attention_mask=mask, remat=remat)
+    length = completion_tokens.shape[1]
+    hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]
+    return token_logprobs_from_hidden(
+        hidden,
+        functools.partial(unembed, params, config),
+        completion_tokens,
+        mask=completion_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )

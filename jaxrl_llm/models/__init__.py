@@ -1,0 +1,39 @@
+"""Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3) and HF checkpoints."""
+
+from jaxrl_llm.models.checkpoint import load_config, load_pretrained, save_pretrained
+from jaxrl_llm.models.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
+from jaxrl_llm.models.tokenizer import load_tokenizer
+from jaxrl_llm.models.transformer import (
+    CACHE_AXES,
+    REMAT_POLICIES,
+    KVCache,
+    Transformer,
+    forward,
+    init_cache,
+    init_params,
+    logical_axes,
+    logits,
+    param_shapes,
+    unembed,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "CACHE_AXES",
+    "REMAT_POLICIES",
+    "ROPE_TYPES",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "forward",
+    "init_cache",
+    "init_params",
+    "load_config",
+    "load_pretrained",
+    "load_tokenizer",
+    "logical_axes",
+    "logits",
+    "param_shapes",
+    "save_pretrained",
+    "unembed",
+]

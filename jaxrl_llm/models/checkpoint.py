@@ -1,0 +1,418 @@
+"""Hugging Face safetensors checkpoints: load (optionally straight into a mesh) and save.
+
+HF stores one ``[out, in]`` matrix per layer (``model.layers.{i}.self_attn.q_proj.weight``);
+we keep ``[L, in, heads, head_dim]`` stacks. Each parameter's correspondence is a ``_Layout``:
+the HF tensor's dims split into ours, then permuted. The same layout drives loading, saving,
+and reading only the block of a tensor that one device shard needs, so a sharded load never
+holds a full host copy of a parameter per device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.transformer import Params, logical_axes, param_shapes
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_LAYER_PREFIX = "model.layers.{}."
+_TOP_LEVEL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+_IN_LAYER = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "bo": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """``ours = hf.reshape(concat(split)).transpose(perm)``.
+
+    ``split[i]`` lists the sizes of our dims packed (row-major) into HF dim ``i``; our dim ``d``
+    is split dim ``perm[d]``. E.g. ``q_proj [N*H, D] -> wq [D, N, H]``: split ``((N, H), (D,))``,
+    perm ``(2, 0, 1)``.
+    """
+
+    split: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.split)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        flat = [n for sub in self.split for n in sub]
+        return tuple(flat[p] for p in self.perm)
+
+    def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(ours.transpose(np.argsort(self.perm)).reshape(self.hf_shape))
+
+    def read(self, tensor: Any, index: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The block ``ours[index]`` reading only the HF rows/columns it covers.
+
+        Args:
+          tensor: a safetensors slice (``tensor[slices]`` reads that block from disk).
+          index: ``(start, stop)`` per dim of ours.
+        """
+        split_index: list[tuple[int, int]] = [(0, 0)] * len(self.perm)
+        for dim, p in enumerate(self.perm):
+            split_index[p] = index[dim]
+        hf_index, block_shape, post, pos = [], [], [], 0
+        for sub in self.split:
+            (start, stop), rest = split_index[pos], split_index[pos + 1 : pos + len(sub)]
+            # Only the leading packed dim maps to a contiguous HF range; inner ones are cut
+            # after the read.
+            inner = math.prod(sub[1:])
+            hf_index.append(slice(start * inner, stop * inner))
+            block_shape.extend([stop - start, *sub[1:]])
+            post.extend([slice(None)] + [slice(a, b) for a, b in rest])
+            pos += len(sub)
+        block = np.asarray(tensor[tuple(hf_index)]).reshape(block_shape)
+        return block[tuple(post)].transpose(self.perm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One of our parameters: its HF tensor names (one per layer if stacked) and layout."""
+
+    names: tuple[str, ...]
+    layout: _Layout
+    stacked: bool
+
+
+def _layout(config: ModelConfig, key: str) -> _Layout:
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    table = {
+        "embed": (((v,), (d,)), (0, 1)),
+        "lm_head": (((v,), (d,)), (1, 0)),
+        "final_norm": (((d,),), (0,)),
+        "attn_norm": (((d,),), (0,)),
+        "mlp_norm": (((d,),), (0,)),
+        "wq": (((n, h), (d,)), (2, 0, 1)),
+        "wk": (((k, h), (d,)), (2, 0, 1)),
+        "wv": (((k, h), (d,)), (2, 0, 1)),
+        "wo": (((d,), (n, h)), (1, 2, 0)),
+        "bq": (((n, h),), (0, 1)),
+        "bk": (((k, h),), (0, 1)),
+        "bv": (((k, h),), (0, 1)),
+        "bo": (((d,),), (0,)),
+        "q_norm": (((h,),), (0,)),
+        "k_norm": (((h,),), (0,)),
+        "w_gate": (((f,), (d,)), (1, 0)),
+        "w_up": (((f,), (d,)), (1, 0)),
+        "w_down": (((d,), (f,)), (1, 0)),
+    }
+    split, perm = table[key]
+    return _Layout(split, perm)
+
+
+def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
+    """Our parameter path -> HF names and layout, for every parameter of ``config``."""
+    plan = {}
+    for path, shape in _flat(param_shapes(config)).items():
+        if path[0] == "layers":
+            layers = range(config.num_hidden_layers)
+            names = tuple(_LAYER_PREFIX.format(i) + _IN_LAYER[path[1]] for i in layers)
+            entry = _Entry(names, _layout(config, path[1]), stacked=True)
+            want = (config.num_hidden_layers, *entry.layout.shape)
+        else:
+            name = "lm_head.weight" if path[0] == "lm_head" else _TOP_LEVEL[path[0]]
+            entry = _Entry((name,), _layout(config, path[0]), stacked=False)
+            want = entry.layout.shape
+        if tuple(shape.shape) != want:
+            raise AssertionError(f"layout of {path} gives {want}, model has {shape.shape}")
+        plan[path] = entry
+    return plan
+
+
+def _flat(tree: Params) -> dict[tuple[str, ...], Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(k.key for k in path): leaf for path, leaf in leaves}
+
+
+def _unflat(flat: dict[tuple[str, ...], Any]) -> Params:
+    out: Params = {}
+    for path, leaf in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+    return out
+
+
+class _Tensors(contextlib.ExitStack):
+    """Name -> lazily readable tensor over every safetensors file of a checkpoint directory."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        index_file = os.path.join(path, INDEX_FILE)
+        if os.path.exists(index_file):
+            with open(index_file) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(
+                os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors"))
+            )
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path!r}")
+        self.files: dict[str, Any] = {}
+        for name in files:
+            full = os.path.join(path, name)
+            if not os.path.exists(full):
+                raise ValueError(f"{INDEX_FILE} names {name!r}, which is not in {path!r}")
+            handle = self.enter_context(safe_open(full, framework="numpy"))
+            for key in handle.keys():
+                if key in self.files:
+                    raise ValueError(f"tensor {key!r} appears in more than one file of {path!r}")
+                self.files[key] = handle
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.files[name].get_slice(name).get_shape())
+
+    def slice(self, name: str) -> Any:
+        return self.files[name].get_slice(name)
+
+
+def _check_tensors(config: ModelConfig, plan: dict, tensors: _Tensors, path: str) -> None:
+    expected = {name: entry.layout.hf_shape for entry in plan.values() for name in entry.names}
+    present = set(tensors.files)
+    # Old checkpoints carry RoPE buffers; tied models sometimes also store the lm_head copy.
+    ignored = {n for n in present if n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path!r} is missing {len(missing)} tensor(s) for "
+            f"{config.architecture}: {missing[:8]}"
+        )
+    unexpected = sorted(present - set(expected) - ignored)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} has {len(unexpected)} unexpected tensor(s) for "
+            f"{config.architecture}: {unexpected[:8]}"
+        )
+    for name, want in expected.items():
+        got = tensors.shape(name)
+        if got != want:
+            raise ValueError(f"tensor {name!r} has shape {got}, expected {want} from config.json")
+
+
+def _read_param(
+    entry: _Entry, tensors: _Tensors, dtype: np.dtype, shape: tuple[int, ...]
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = []
+        for sl, size in zip(index, shape):
+            start, stop, step = sl.indices(size)
+            if step != 1:
+                raise ValueError(f"strided shard index {index} is not supported")
+            bounds.append((start, stop))
+        if entry.stacked:
+            (first, last), inner = bounds[0], bounds[1:]
+            blocks = [
+                entry.layout.read(tensors.slice(entry.names[i]), inner) for i in range(first, last)
+            ]
+            block = np.stack(blocks)
+        else:
+            block = entry.layout.read(tensors.slice(entry.names[0]), bounds)
+        return np.ascontiguousarray(block.astype(dtype))
+
+    return read
+
+
+def _resolve_shardings(
+    config: ModelConfig, shapes: Params, mesh: Any, rules: Any, shardings: Any
+) -> Params:
+    if shardings is not None:
+        if jax.tree.structure(shardings) != jax.tree.structure(shapes):
+            raise ValueError(
+                f"shardings must match the params structure {jax.tree.structure(shapes)}, "
+                f"got {jax.tree.structure(shardings)}"
+            )
+        return shardings
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: device, shapes)
+    try:
+        from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding
+    except ImportError as err:
+        raise ValueError(
+            "load_pretrained(mesh=...) needs jaxrl_llm.parallel.logical_to_sharding; "
+            "pass shardings= (a pytree of jax.sharding.Sharding matching the params) instead"
+        ) from err
+    rules = PARAM_RULES if rules is None else rules
+    return logical_to_sharding(logical_axes(config), mesh, rules, shapes=shapes)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """``ModelConfig`` from ``path/config.json``."""
+    file = os.path.join(os.fspath(path), CONFIG_FILE)
+    if not os.path.exists(file):
+        raise ValueError(f"no {CONFIG_FILE} in {os.fspath(path)!r}")
+    with open(file) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = jnp.bfloat16,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Any = None,
+    shardings: Params | None = None,
+) -> tuple[ModelConfig, Params]:
+    """Reads a HF checkpoint directory into ``(config, params)``.
+
+    Reads ``*.safetensors`` (one file, or several listed by ``model.safetensors.index.json``),
+    maps HF names to ours (transposing and stacking layers) and converts to ``dtype``. Every
+    parameter is built with ``jax.make_array_from_callback``: each addressable device's shard
+    is read straight from the memory-mapped file block it covers, so a sharded load never holds
+    a full host copy of a parameter per device (and on a pod each host reads only its shards).
+
+    Args:
+      path: directory with ``config.json`` and the safetensors files.
+      dtype: parameter dtype after conversion.
+      mesh: place parameters on this mesh using ``jaxrl_llm.parallel.logical_to_sharding`` of
+        ``logical_axes(config)`` under ``rules`` (default ``jaxrl_llm.parallel.PARAM_RULES``).
+      rules: logical-axis rule table for ``mesh``.
+      shardings: explicit pytree of ``jax.sharding.Sharding`` matching the params; overrides
+        ``mesh``/``rules``. With neither, parameters go to the first device.
+
+    Returns:
+      ``(ModelConfig, params)`` with params a plain nested dict of ``jax.Array``.
+
+    Raises:
+      ValueError: unsupported config, or missing, unexpected or mis-shaped tensors (named).
+    """
+    path = os.fspath(path)
+    config = load_config(path)
+    shapes = param_shapes(config, dtype)
+    plan = _plan(config)
+    target = _resolve_shardings(config, shapes, mesh, rules, shardings)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    flat_shardings = _flat(target)
+    params = {}
+    with _Tensors(path) as tensors:
+        _check_tensors(config, plan, tensors, path)
+        for key, entry in plan.items():
+            shape = (
+                (config.num_hidden_layers, *entry.layout.shape)
+                if entry.stacked
+                else entry.layout.shape
+            )
+            read = _read_param(entry, tensors, np_dtype, shape)
+            params[key] = jax.make_array_from_callback(shape, flat_shardings[key], read)
+    return config, _unflat(params)
+
+
+def save_pretrained(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    params: Params,
+    *,
+    max_shard_size: int | None = None,
+) -> None:
+    """Writes ``config.json`` + safetensors that ``transformers.AutoModelForCausalLM`` loads.
+
+    Tensors keep the params' dtype. Existing ``model*.safetensors`` files and the index in
+    ``path`` are replaced.
+
+    Args:
+      path: output directory (created if needed).
+      config: the model config.
+      params: parameters matching ``config`` (any dtype; sharded arrays are gathered).
+      max_shard_size: if given (bytes), split into ``model-0000i-of-0000n.safetensors`` files
+        with a ``model.safetensors.index.json``.
+    """
+    path = os.fspath(path)
+    shapes = _flat(param_shapes(config))
+    flat = _flat(params)
+    if set(flat) != set(shapes):
+        raise ValueError(
+            f"params do not match {config.architecture}: missing "
+            f"{sorted(set(shapes) - set(flat))}, unexpected {sorted(set(flat) - set(shapes))}"
+        )
+    for key, want in shapes.items():
+        if tuple(np.shape(flat[key])) != tuple(want.shape):
+            raise ValueError(
+                f"param {'/'.join(key)} has shape {np.shape(flat[key])}, expected {want.shape}"
+            )
+    tensors: dict[str, np.ndarray] = {}
+    for key, entry in _plan(config).items():
+        value = np.asarray(jax.device_get(flat[key]))
+        blocks = list(value) if entry.stacked else [value]
+        for name, block in zip(entry.names, blocks):
+            tensors[name] = entry.layout.to_hf(block)
+
+    os.makedirs(path, exist_ok=True)
+    stale = glob.glob(os.path.join(path, "model*.safetensors")) + [os.path.join(path, INDEX_FILE)]
+    for file in stale:
+        if os.path.exists(file):
+            os.remove(file)
+    shards = _split_shards(tensors, max_shard_size)
+    metadata = {"format": "pt"}
+    if len(shards) == 1 and max_shard_size is None:
+        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.nbytes for t in tensors.values())
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = config.to_hf_dict()
+    hf_config["torch_dtype"] = np.dtype(flat[("embed",)].dtype).name
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(hf_config, f, indent=2)
+
+
+def _split_shards(
+    tensors: dict[str, np.ndarray], max_shard_size: int | None
+) -> list[dict[str, np.ndarray]]:
+    if max_shard_size is None:
+        return [tensors]
+    if max_shard_size < 1:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    return shards

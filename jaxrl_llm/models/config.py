@@ -1,0 +1,347 @@
+"""Model configuration read from (and written to) a Hugging Face ``config.json``.
+
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
+``Qwen3ForCausalLM`` with grouped-query attention, ``head_dim`` overrides, RoPE (``default``,
+``linear`` and ``llama3`` scalings, written the transformers-4 way with ``rope_theta`` /
+``rope_scaling`` or the transformers-5 way with ``rope_parameters``), attention biases, Qwen3
+q/k norms and tied embeddings. Everything else that would change the computation (sliding
+windows in use, MoE, other RoPE types, other activations, quantised weights) is refused with a
+``ValueError`` rather than silently run as a dense full-attention model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+_MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
+# Keys whose presence (with a truthy value) means a mixture-of-experts model.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a dense decoder-only transformer (hashable: usable as a jit static).
+
+    Field names follow transformers so code written against HF configs reads naturally.
+
+    Attributes:
+      architecture: one of ``ARCHITECTURES`` (e.g. ``"Qwen3ForCausalLM"``).
+      vocab_size: V.
+      hidden_size: D, the residual width.
+      intermediate_size: F, the MLP width.
+      num_hidden_layers: L.
+      num_attention_heads: N query heads.
+      num_key_value_heads: K key/value heads (GQA); must divide N.
+      head_dim: H (may differ from D / N, e.g. Qwen3).
+      max_position_embeddings: longest context the checkpoint was configured for.
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: RoPE base.
+      rope_type: ``"default" | "linear" | "llama3"``.
+      rope_factor: frequency divisor (``linear``, ``llama3``).
+      rope_low_freq_factor: ``llama3`` only.
+      rope_high_freq_factor: ``llama3`` only.
+      rope_original_max_position_embeddings: ``llama3`` only (pre-training context length).
+      qkv_bias: q/k/v projections carry a bias (Qwen2; Llama/Qwen3 ``attention_bias``).
+      o_bias: the output projection carries a bias (Llama/Qwen3 ``attention_bias``).
+      qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+      tie_word_embeddings: the unembedding is the transposed input embedding.
+      bos_token_id: beginning-of-sequence id or None.
+      eos_token_ids: end-of-sequence ids (a tuple: several are allowed).
+      pad_token_id: padding id or None.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"expected one of {tuple(ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unknown rope type {self.rope_type!r}; expected one of {ROPE_TYPES}")
+        if not self.rope_theta > 0 or not self.rope_factor > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(
+                f"rope_theta, rope factor and rms_norm_eps must be > 0, got {self.rope_theta}, "
+                f"{self.rope_factor}, {self.rms_norm_eps}"
+            )
+        if self.rope_type == "llama3":
+            if self.rope_original_max_position_embeddings is None:
+                raise ValueError("llama3 rope needs original_max_position_embeddings")
+            if not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
+                raise ValueError(
+                    "llama3 rope needs high_freq_factor > low_freq_factor > 0, got "
+                    f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor}"
+                )
+
+    @property
+    def model_type(self) -> str:
+        """The HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``)."""
+        return ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Parses a transformers ``config.json`` dict (transformers 4 or 5 layout).
+
+        Raises:
+          ValueError: unknown architecture, MoE, sliding windows in use, unknown RoPE type,
+            an activation other than SiLU, quantised weights, or malformed sizes.
+        """
+        architecture = _architecture(hf)
+        model_type = ARCHITECTURES[architecture]
+        _refuse_unsupported(hf, model_type)
+        hidden = _get_int(hf, "hidden_size")
+        heads = _get_int(hf, "num_attention_heads")
+        head_dim = hf.get("head_dim") or hidden // heads
+        bias = bool(hf.get("attention_bias", False))
+        rope = _rope(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
+        return cls(
+            architecture=architecture,
+            vocab_size=_get_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_get_int(hf, "intermediate_size"),
+            num_hidden_layers=_get_int(hf, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=True if model_type == "qwen2" else bias,
+            o_bias=False if model_type in ("qwen2", "mistral") else bias,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=_optional_id(hf.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            pad_token_id=_optional_id(hf.get("pad_token_id")),
+            **rope,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers 4 and 5 both read back as this model.
+
+        RoPE is written both ways: ``rope_parameters`` (transformers 5) and ``rope_theta`` +
+        ``rope_scaling`` (transformers 4; ``rope_scaling`` is what transformers 5 prefers when
+        both are present, so the two must agree).
+        """
+        scaling: dict[str, Any] | None = None
+        if self.rope_type == "linear":
+            scaling = {"rope_type": "linear", "factor": self.rope_factor}
+        elif self.rope_type == "llama3":
+            scaling = {
+                "rope_type": "llama3",
+                "factor": self.rope_factor,
+                "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+            }
+        rope_parameters = {"rope_type": "default"} if scaling is None else dict(scaling)
+        rope_parameters["rope_theta"] = self.rope_theta
+        eos: int | list[int] | None = list(self.eos_token_ids) or None
+        if eos is not None and len(eos) == 1:
+            eos = eos[0]
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+            out["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        if self.model_type in ("qwen2", "qwen3", "mistral"):
+            out["sliding_window"] = None
+        return out
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies ``[H/2]`` (float32), with the configured scaling.
+
+    ``inv_freq_i = theta^(-2i/H)``; ``linear`` divides by ``factor``; ``llama3`` divides the
+    low-frequency band by ``factor`` and interpolates the middle band (Meta, Llama 3.1, 2024),
+    exactly as transformers' ``_compute_llama3_parameters``.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        factor = config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_len = config.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {archs!r}; expected one of {tuple(ARCHITECTURES)}"
+            )
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (and no 'architectures'); expected one of "
+            f"{tuple(_MODEL_TYPES)}"
+        )
+    return _MODEL_TYPES[model_type]
+
+
+def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
+    for key in _MOE_KEYS:
+        if hf.get(key):
+            raise ValueError(f"mixture-of-experts models are not supported ({key}={hf[key]!r})")
+    if hf.get("quantization_config"):
+        raise ValueError("quantised checkpoints are not supported (quantization_config is set)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    partial = hf.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
+    layer_types = hf.get("layer_types") or ()
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(f"only full-attention layers are supported, got layer_types {other}")
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None:
+        if window < hf.get("max_position_embeddings", 2048):
+            raise ValueError(
+                f"sliding-window attention is not supported (sliding_window={window} < "
+                f"max_position_embeddings={hf.get('max_position_embeddings')})"
+            )
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters. When both are
+    # present transformers 5 lets rope_scaling win, so do the same.
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(f"per-layer-type RoPE parameters are not supported: {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown rope type {rope_type!r}; expected one of {ROPE_TYPES}")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    partial = params.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        if "factor" not in params:
+            raise ValueError(f"{rope_type} rope scaling needs a 'factor', got {params!r}")
+        out["rope_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if key not in params:
+                raise ValueError(f"llama3 rope scaling needs {key!r}, got {params!r}")
+        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        out["rope_original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings")
+            or hf.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings", 2048)
+        )
+    return out
+
+
+def _optional_id(value: Any) -> int | None:
+    # A few configs store a list here; the first id is the one tokenizers use.
+    if value is None:
+        return None
+    ids = np.atleast_1d(value)
+    return int(ids[0]) if ids.size else None
+
+
+def _get_int(hf: Mapping[str, Any], key: str) -> int:
+    if key not in hf:
+        raise ValueError(f"config.json is missing {key!r}")
+    return int(hf[key])

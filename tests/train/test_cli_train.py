@@ -1,0 +1,104 @@
+"""``jaxrl-llm train`` from the command line: a tiny run end to end, and config errors by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxrl_llm import cli
+from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.config import TrainConfig
+from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.metrics import read_metrics
+from tests.train import rl_helpers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
+
+
+@pytest.mark.parametrize("config", [None, "grpo.yaml"], ids=["defaults", "grpo.yaml"])
+def test_train_runs_end_to_end_and_prints_the_summary(tmp_path, capsys, config):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *rl_helpers.TINY,
+        f"run_dir={run_dir}",
+        "seed=3",
+        "trainer.max_steps=2",
+        "checkpoint.every_steps=1",
+    ]
+    config_path = None if config is None else rl_helpers.CONFIGS / config
+    argv = ["train", *overrides] if config is None else ["train", str(config_path), *overrides]
+
+    assert cli.main(argv) == 0
+
+    summary = json.loads(capsys.readouterr().out)
+    cfg = load_config(TrainConfig, config_path, overrides)
+    assert cfg.seed == 3 and cfg.trainer.max_steps == 2
+    rl_helpers.check_run_dir(run_dir, cfg, summary)
+    rl_helpers.check_rows(read_metrics(run_dir), cfg)
+    with Checkpointer(run_dir / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [1, 2]
+
+
+def test_train_help_lists_the_overrides(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "jaxrl-llm train" in out
+    for key in ("run_dir=", "seed=", "trainer.max_steps=", "checkpoint.every_steps="):
+        assert key in out
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        pytest.param(
+            "trainer.max_step=2",
+            r"unknown config key 'trainer.max_step'; did you mean 'trainer.max_steps'\?",
+            id="unknown_key",
+        ),
+        pytest.param(
+            "rollout.group_sise=4", r"did you mean 'rollout.group_size'\?", id="misspelt_key"
+        ),
+        pytest.param(
+            "trainer.max_steps=two",
+            r"config key 'trainer.max_steps' expects an int, got str",
+            id="int",
+        ),
+        pytest.param(
+            "rollout.temperature=hot",
+            r"config key 'rollout.temperature' expects a float",
+            id="float",
+        ),
+        pytest.param("logging.plots=3", r"config key 'logging.plots' expects a bool", id="bool"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        cli.main(["train", f"run_dir={tmp_path}", override])
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_an_override_without_a_value_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"malformed override 'trainer.max_steps'"):
+        cli.main(["train", str(rl_helpers.CONFIGS / "grpo.yaml"), "trainer.max_steps"])
+
+
+def test_errors_in_a_yaml_file_name_the_dotted_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  learning_rate: 1e-3\nrollout:\n  group_sise: 4\n")
+    with pytest.raises(ValueError, match=r"did you mean 'rollout.group_size'\?"):
+        cli.main(["train", str(path), f"run_dir={tmp_path}"])
+    path.write_text("rollout:\n  prompts_per_step: [4]\n")
+    with pytest.raises(ValueError, match=r"config key 'rollout.prompts_per_step' expects an int"):
+        cli.main(["train", str(path), f"run_dir={tmp_path}"])
+
+
+def test_a_missing_config_file_is_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        cli.main(["train", str(tmp_path / "missing.yaml")])
