@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import pathlib
 import time
 from typing import Any
@@ -61,9 +62,16 @@ def build_policy(cfg: TrainConfig, mesh):
         return models.load_tokenizer(cfg.model.path), model_config, params
     tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
     tiny = cfg.model.tiny
+    # Like Megatron's padded vocabulary: the embedding rows are split over the
+    # tensor axis, so round the row count up to a multiple of 8 and of that axis
+    # (the same count with or without a mesh, so runs match across meshes). The
+    # extra ids decode to nothing and earn no reward; the policy learns to avoid them.
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    multiple = math.lcm(8, tensor)
+    vocab_size = -(-len(tokenizer) // multiple) * multiple
     model_config = models.ModelConfig(
         architecture="LlamaForCausalLM",
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
         num_hidden_layers=tiny.num_hidden_layers,

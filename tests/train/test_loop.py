@@ -222,7 +222,9 @@ _KILLED_SAVE = textwrap.dedent(
 
     def save_then_die_before_commit(self, step, *args, **kwargs):
         if step == int(os.environ["KILL_AT_STEP"]):
-            # Every file of the step is written; the rename that commits it never happens.
+            # Earlier saves commit first; then every file of this step is written and the
+            # rename that would commit it kills the process.
+            self.wait()
             atomicity.AtomicRenameTemporaryPath.finalize = die
         return save(self, step, *args, **kwargs)
 

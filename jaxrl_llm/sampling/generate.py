@@ -1,0 +1,483 @@
+"""Batched autoregressive sampling: one jitted prefill, then one jitted ``lax.while_loop`` decode.
+
+The prefill runs the whole left-padded prompt batch through the model once, writing the KV cache
+slots ``[0, P)`` and keeping the last position's logits. With ``num_samples = G`` each prompt is
+prefilled once and its cache repeated ``G`` times along the batch (rows ``g*G … g*G+G-1`` =
+prompt ``g``, as the advantage estimators expect). The decode loop then samples one token per
+step and feeds it back (cache slot ``P + step``) until every row has emitted an EOS or
+``max_new_tokens`` columns are filled; it donates its state, so the cache is updated in place.
+
+Prompt lengths are bucketed (powers of two ``>= 16`` by default; extra columns are left padding)
+so a stream of batches compiles a handful of programs. Temperature, top-p, min-p, the EOS ids
+and the pad id are traced: changing them does not recompile. ``top_k``, ``max_new_tokens``,
+``num_samples``, the bucket and the batch size are static.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models import CACHE_AXES, KVCache, forward, init_cache, unembed
+from jaxrl_llm.sampling import strategies
+from jaxrl_llm.types import Completion
+
+Array = jax.Array
+
+MIN_BUCKET = 16
+_MIN_EOS_SLOTS = 4
+
+
+class SamplingState(NamedTuple):
+    """The decode loop's carry (B = prompts x num_samples, T = max_new_tokens, S = P + T).
+
+    Attributes:
+      step: ``[]`` int32, completion columns filled so far; column ``step`` is sampled next.
+      tokens: ``[B, T]`` int32, sampled tokens; ``pad_id`` after a row's EOS and beyond ``step``.
+      logprobs: ``[B, T]`` f32, ``log_softmax(logits / T_eff)`` of each sampled token; 0 on padding.
+      mask: ``[B, T]`` bool, True on generated tokens up to and including the EOS.
+      done: ``[B]`` bool, the row has emitted an EOS.
+      positions: ``[B]`` int32, RoPE position of column ``step``'s token (prompt length + step).
+      logits: ``[B, V]`` f32, next-token logits for column ``step``.
+      cache: ``KVCache`` with k, v ``[L, B, S, K, H]`` and mask ``[B, S]``; slots ``[0, P)`` hold
+        the prompt, slot ``P + t`` the token of column ``t`` once it has been fed.
+    """
+
+    step: Array
+    tokens: Array
+    logprobs: Array
+    mask: Array
+    done: Array
+    positions: Array
+    logits: Array
+    cache: KVCache
+
+
+class SamplingParams(NamedTuple):
+    """Traced sampling hyper-parameters: changing any of them reuses the compiled programs.
+
+    Attributes:
+      temperature: ``[]`` f32, ``<= 0`` means greedy.
+      top_p: ``[]`` f32 in ``(0, 1]``.
+      min_p: ``[]`` f32 in ``[0, 1]``.
+      eos_ids: ``[E]`` int32, tokens that end a row, padded with -1 (which never matches).
+      pad_id: ``[]`` int32, written after a row's EOS.
+    """
+
+    temperature: Array
+    top_p: Array
+    min_p: Array
+    eos_ids: Array
+    pad_id: Array
+
+
+def _state_logical_axes() -> SamplingState:
+    """Logical axes of every state leaf, for the sampling rule table of ``jaxrl_llm.parallel``."""
+    return SamplingState(
+        step=(),
+        tokens=("batch", None),
+        logprobs=("batch", None),
+        mask=("batch", None),
+        done=("batch",),
+        positions=("batch",),
+        logits=("batch", "vocab"),
+        cache=CACHE_AXES,
+    )
+
+
+def _constrain_state(state: SamplingState, mesh: Any) -> SamplingState:
+    """Pins the state to the sampling rules' sharding (rows over data+fsdp, kv-heads over tensor).
+
+    The parallel layer is imported lazily so that single-device sampling does not depend on it.
+    A batch or head count that does not divide its mesh axes raises there, naming the leaf.
+    """
+    if mesh is None:
+        return state
+    from jaxrl_llm.parallel import SAMPLING_RULES, logical_to_sharding
+
+    shardings = logical_to_sharding(_state_logical_axes(), mesh, SAMPLING_RULES, shapes=state)
+    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+    constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    return jax.tree.map(constrain, state, shardings)
+
+
+def bucket_length(length: int, buckets: Sequence[int] | None = None) -> int:
+    """The padded prompt length: the smallest bucket ``>= length``.
+
+    Default buckets are the powers of two ``>= 16``; custom ``buckets`` must contain a value
+    ``>= length``.
+    """
+    if length < 1:
+        raise ValueError(f"prompt length must be >= 1, got {length}")
+    if buckets is None:
+        return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+    fitting = [b for b in sorted(buckets) if b >= length]
+    if not fitting:
+        raise ValueError(f"prompt length {length} exceeds the largest bucket {max(buckets)}")
+    return fitting[0]
+
+
+def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
+    if jnp.ndim(prompt_tokens) != 2:
+        raise ValueError(f"prompt_tokens must be [B, P], got shape {jnp.shape(prompt_tokens)}")
+    if jnp.shape(prompt_mask) != jnp.shape(prompt_tokens):
+        raise ValueError(
+            f"prompt_mask shape {jnp.shape(prompt_mask)} must equal prompt_tokens shape "
+            f"{jnp.shape(prompt_tokens)}"
+        )
+    if not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
+        raise ValueError(f"prompt_tokens must be integer, got {jnp.result_type(prompt_tokens)}")
+    if isinstance(prompt_mask, jax.core.Tracer) or (
+        isinstance(prompt_mask, jax.Array) and not prompt_mask.is_fully_addressable
+    ):
+        return  # values unknown here (traced, or spread over hosts of a pod)
+    # The last column must be every row's last real token: left padding, no empty row.
+    mask = np.asarray(prompt_mask).astype(bool)
+    if not mask[:, -1].all():
+        rows = np.flatnonzero(~mask[:, -1]).tolist()
+        raise ValueError(
+            f"prompts must be left-padded with at least one real token; rows {rows[:8]} have "
+            "padding (mask 0) in the last column"
+        )
+    if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+        rows = np.flatnonzero((np.diff(mask.astype(np.int8), axis=1) < 0).any(axis=1)).tolist()
+        raise ValueError(f"prompts must be left-padded: rows {rows[:8]} have padding after a token")
+
+
+def pad_prompts(
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    *,
+    pad_id: int,
+    buckets: Sequence[int] | None = None,
+) -> tuple[Array, Array]:
+    """Left-pads ``[B, P]`` prompts to ``[B, bucket_length(P)]`` (``pad_id``, mask 0).
+
+    Positions come from ``cumsum(mask) - 1``, so the extra columns change nothing but the shape.
+    """
+    _check_prompts(prompt_tokens, prompt_mask)
+    length = jnp.shape(prompt_tokens)[1]
+    extra = bucket_length(length, buckets) - length
+    # NumPy on host arrays (the usual case: fresh from a tokenizer) avoids tiny device programs.
+    xp = jnp if isinstance(prompt_tokens, jax.Array) else np
+    tokens = xp.asarray(prompt_tokens).astype(np.int32)
+    mask = xp.asarray(prompt_mask).astype(bool)
+    if extra:
+        tokens = xp.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+        mask = xp.pad(mask, ((0, 0), (extra, 0)))
+    return tokens, mask
+
+
+def _grow_cache(cache: KVCache, num_samples: int, extra_slots: int) -> KVCache:
+    """Repeats each row ``num_samples`` times (groups contiguous) and appends empty slots."""
+
+    def grow(x: Array, batch_axis: int) -> Array:
+        widths = [(0, 0)] * x.ndim
+        widths[batch_axis + 1] = (0, extra_slots)
+        return jnp.pad(jnp.repeat(x, num_samples, axis=batch_axis), widths)
+
+    return cache._replace(k=grow(cache.k, 1), v=grow(cache.v, 1), mask=grow(cache.mask, 0))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "max_new_tokens", "num_samples", "cache_dtype", "mesh")
+)
+def _prefill(
+    params: Any,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    pad_id: Array,
+    *,
+    config: Any,
+    max_new_tokens: int,
+    num_samples: int,
+    cache_dtype: Any,
+    mesh: Any,
+) -> SamplingState:
+    num_prompts, prompt_len = prompt_tokens.shape
+    # A P-slot cache keeps the prompt's attention P x P; the T decode slots are appended after.
+    cache = init_cache(config, num_prompts, prompt_len, dtype=cache_dtype)
+    hidden, cache = forward(
+        params,
+        config,
+        prompt_tokens,
+        attention_mask=prompt_mask,
+        cache=cache,
+        cache_index=jnp.int32(0),
+    )
+    # Left padding puts every row's last real token in the last column.
+    logits = unembed(params, config, hidden[:, -1])
+    rows = num_prompts * num_samples
+    state = SamplingState(
+        step=jnp.int32(0),
+        tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((rows, max_new_tokens), jnp.float32),
+        mask=jnp.zeros((rows, max_new_tokens), bool),
+        done=jnp.zeros((rows,), bool),
+        positions=jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples),
+        logits=jnp.repeat(logits, num_samples, axis=0),
+        cache=_grow_cache(cache, num_samples, max_new_tokens),
+    )
+    return _constrain_state(state, mesh)
+
+
+def _decode_step(
+    params: Any,
+    state: SamplingState,
+    key: Array,
+    sampling: SamplingParams,
+    *,
+    config: Any,
+    top_k: int,
+    mesh: Any,
+) -> SamplingState:
+    max_new_tokens = state.tokens.shape[1]
+    prompt_len = state.cache.mask.shape[1] - max_new_tokens
+    sampled = strategies.sample_tokens(
+        state.logits,
+        jax.random.fold_in(key, state.step),
+        temperature=sampling.temperature,
+        top_k=top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+    )
+    logprob = strategies.token_logprobs(state.logits, sampled, temperature=sampling.temperature)
+    live = ~state.done
+    token = jnp.where(live, sampled, sampling.pad_id)
+    # The last iteration's forward is wasted (one per call); skipping it would need a cond
+    # around the cache update, which risks copying the cache every step.
+    hidden, cache = forward(
+        params,
+        config,
+        token[:, None],
+        positions=state.positions[:, None],
+        attention_mask=live[:, None],
+        cache=state.cache,
+        cache_index=prompt_len + state.step,
+    )
+    column = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=state.step, axis=1)
+    state = SamplingState(
+        step=state.step + 1,
+        tokens=column(state.tokens, token[:, None]),
+        logprobs=column(state.logprobs, jnp.where(live, logprob, 0.0)[:, None]),
+        mask=column(state.mask, live[:, None]),
+        done=state.done | jnp.isin(token, sampling.eos_ids),
+        positions=state.positions + 1,
+        logits=unembed(params, config, hidden[:, 0]),
+        cache=cache,
+    )
+    return _constrain_state(state, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "top_k", "mesh"), donate_argnames=("state",))
+def _decode(
+    params: Any,
+    state: SamplingState,
+    key: Array,
+    sampling: SamplingParams,
+    *,
+    config: Any,
+    top_k: int,
+    mesh: Any,
+) -> SamplingState:
+    max_new_tokens = state.tokens.shape[1]
+
+    def not_finished(carry: SamplingState) -> Array:
+        return (carry.step < max_new_tokens) & jnp.any(~carry.done)
+
+    body = functools.partial(
+        _decode_step, params, key=key, sampling=sampling, config=config, top_k=top_k, mesh=mesh
+    )
+    return jax.lax.while_loop(not_finished, body, state)
+
+
+def sampling_params(
+    *,
+    temperature: float | Array = 1.0,
+    top_p: float | Array = 1.0,
+    min_p: float | Array = 0.0,
+    eos_ids: int | Sequence[int] | Array,
+    pad_id: int | Array,
+) -> SamplingParams:
+    """Validates the traced hyper-parameters and packs them as f32/int32 device scalars."""
+    strategies.check_sampling_args(
+        temperature=temperature, top_k=0, top_p=top_p, min_p=min_p, vocab_size=1
+    )
+    eos = np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), np.int64))
+    if eos.ndim != 1 or not np.issubdtype(eos.dtype, np.integer):
+        raise ValueError(f"eos_ids must be an int or a 1-D sequence of ints, got {eos_ids!r}")
+    if (eos < 0).any():
+        raise ValueError(f"eos_ids must be non-negative token ids, got {eos.tolist()}")
+    # Padded with -1 (never sampled) to a power of two >= 4, so the number of EOS ids does not
+    # change the compiled programs' input shapes.
+    slots = max(_MIN_EOS_SLOTS, 1 << max(len(eos) - 1, 0).bit_length())
+    eos = np.concatenate([eos, np.full(slots - len(eos), -1)])
+    if jnp.ndim(pad_id) != 0:
+        raise ValueError(f"pad_id must be a scalar int, got {pad_id!r}")
+    return SamplingParams(
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+        eos_ids=jnp.asarray(eos, jnp.int32),
+        pad_id=jnp.asarray(pad_id, jnp.int32),
+    )
+
+
+def _default_cache_dtype(params: Any) -> Any:
+    """The dtype of the largest floating parameter (bf16 weights give a bf16 cache)."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        raise ValueError("params contain no floating-point arrays")
+    return max(leaves, key=lambda x: x.size).dtype
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def prefill(
+    params: Any,
+    config: Any,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    *,
+    max_new_tokens: int,
+    pad_id: int | Array,
+    num_samples: int = 1,
+    cache_dtype: Any = None,
+    mesh: Any = None,
+) -> SamplingState:
+    """Runs the prompts through the model once and returns the initial decode state.
+
+    ``cache[:, :, :P] = KV(prompt)``, ``logits = unembed(h[:, P - 1])``, both repeated ``G``
+    times along the batch (rows ``g*G … g*G+G-1`` = prompt ``g``). Prompts are used at their
+    given length (``generate`` buckets them first).
+
+    Args:
+      params, config: the model (``jaxrl_llm.models``).
+      prompt_tokens: ``[N, P]`` int, left-padded; prompt_mask: ``[N, P]``.
+      max_new_tokens: T (the cache holds ``P + T`` slots).
+      pad_id: fills the token buffer.
+      num_samples: G completions per prompt (static).
+      cache_dtype: KV-cache dtype (default: the parameters' dtype).
+      mesh: optional ``jax.sharding.Mesh``; the state then follows ``SAMPLING_RULES``.
+
+    Returns:
+      A ``SamplingState`` with ``B = N * G`` rows and ``step = 0``.
+    """
+    _check_positive_int("max_new_tokens", max_new_tokens)
+    _check_positive_int("num_samples", num_samples)
+    _check_prompts(prompt_tokens, prompt_mask)
+    return _prefill(
+        params,
+        jnp.asarray(prompt_tokens, jnp.int32),
+        jnp.asarray(prompt_mask).astype(bool),
+        jnp.asarray(pad_id, jnp.int32),
+        config=config,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        cache_dtype=jnp.dtype(cache_dtype or _default_cache_dtype(params)),
+        mesh=mesh,
+    )
+
+
+def decode(
+    params: Any,
+    config: Any,
+    state: SamplingState,
+    *,
+    key: Array,
+    sampling: SamplingParams,
+    top_k: int = 0,
+    mesh: Any = None,
+) -> SamplingState:
+    """Samples until every row is done or all ``T`` columns are filled (``state`` is donated).
+
+    ``while step < T and any(~done)``: draw column ``step`` from ``state.logits`` with
+    ``jax.random.fold_in(key, step)`` (``pad_id``, log-prob 0 and mask 0 on rows already done),
+    mark rows whose token is an EOS, and feed the token at cache slot ``P + step`` to get the
+    next logits.
+
+    Returns:
+      The final ``SamplingState``; ``state.step`` is the number of loop iterations run.
+    """
+    top_k = strategies.check_sampling_args(
+        temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0, vocab_size=config.vocab_size
+    )
+    return _decode(params, state, key, sampling, config=config, top_k=top_k, mesh=mesh)
+
+
+def generate(
+    params: Any,
+    config: Any,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    *,
+    key: Array,
+    max_new_tokens: int,
+    temperature: float | Array = 1.0,
+    top_k: int = 0,
+    top_p: float | Array = 1.0,
+    min_p: float | Array = 0.0,
+    eos_ids: int | Sequence[int] | Array,
+    pad_id: int,
+    num_samples: int = 1,
+    buckets: Sequence[int] | None = None,
+    cache_dtype: Any = None,
+    mesh: Any = None,
+) -> Completion:
+    """Samples ``num_samples`` completions per prompt with a KV cache.
+
+    ``y_t ~ softmax(truncate(z_t / T))`` for ``t < max_new_tokens`` (greedy ``argmax z_t`` when
+    ``T = 0``), stopping a row after its first token in ``eos_ids``. The returned log-prob of
+    each token is under the temperature-scaled FULL distribution, ``log_softmax(z_t / T)[y_t]``
+    (with ``T = 1`` for greedy), which is what
+    ``jaxrl_llm.logprobs.completion_logprobs(..., temperature=T)`` recomputes. Truncation order
+    and semantics: :func:`jaxrl_llm.sampling.strategies.truncate_logits`.
+
+    Host-level function (not for use under ``jax.jit``): it checks the prompts, buckets their
+    length, and calls the jitted prefill and decode programs.
+
+    Args:
+      params, config: the model, e.g. from ``jaxrl_llm.models.load_pretrained``.
+      prompt_tokens: ``[N, P]`` int, left-padded; every row needs at least one real token.
+      prompt_mask: ``[N, P]`` bool/int, 1 on real tokens.
+      key: PRNG key; completion column ``t`` is drawn with ``jax.random.fold_in(key, t)``.
+      max_new_tokens: T, the number of returned columns.
+      temperature: ``>= 0`` (0 = greedy), traced. top_k: static int, 0 = off.
+      top_p: ``(0, 1]``, traced. min_p: ``[0, 1]``, traced.
+      eos_ids: one id or several; the EOS token is kept (mask 1); an empty tuple never stops.
+      pad_id: written (mask 0, log-prob 0) after a row's EOS.
+      num_samples: G completions per prompt; rows ``g*G … g*G+G-1`` belong to prompt ``g``.
+      buckets: allowed padded prompt lengths (default: powers of two ``>= 16``).
+      cache_dtype: KV-cache dtype (default: the parameters' dtype).
+      mesh: optional mesh; the sampling state is then sharded by ``SAMPLING_RULES``.
+
+    Returns:
+      ``Completion(tokens [N*G, T] int32, logprobs [N*G, T] f32, mask [N*G, T] bool)``.
+    """
+    sampling = sampling_params(
+        temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
+    )
+    tokens, mask = pad_prompts(prompt_tokens, prompt_mask, pad_id=pad_id, buckets=buckets)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        state = prefill(
+            params,
+            config,
+            tokens,
+            mask,
+            max_new_tokens=max_new_tokens,
+            pad_id=pad_id,
+            num_samples=num_samples,
+            cache_dtype=cache_dtype,
+            mesh=mesh,
+        )
+        state = decode(params, config, state, key=key, sampling=sampling, top_k=top_k, mesh=mesh)
+    return Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
