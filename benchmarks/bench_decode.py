@@ -1,25 +1,26 @@
 """Prefill and decode throughput of jaxrl_llm.sampling against transformers ``generate``.
 
-Both sides run the same random Llama weights in float32, greedy, KV cache on, batch 16,
-prompt 32, 128 new tokens (no EOS, so every row runs to the end), in the same process and
-alternating repeat by repeat so machine noise hits both alike. Compile time is excluded (one
-warm-up call each), every JAX timing ends with ``block_until_ready``, figures are medians.
+Both sides run the same random Llama weights in float32 with a KV cache, batch 16, prompt 32,
+128 new tokens (no EOS, so every row runs to the end), greedy and sampled (temperature 1, no
+top-k / top-p truncation on either side), in the same process and alternating repeat by repeat
+so machine noise hits both alike. Compile time is excluded (one warm-up call each), every JAX
+timing ends with ``block_until_ready``, figures are medians.
 
 * JAX prefill: the jitted prefill (prompt forward + cache write + last logits).
   JAX decode: the jitted ``lax.while_loop`` (128 sample + forward steps).
 * HF prefill: ``generate(max_new_tokens=1)``; HF decode: ``generate(128) - generate(1)``
   (127 single-token forwards), i.e. the same split including generate's own per-step work.
 
-Each decode step is also compared with the memory-bandwidth bound
-``(weight bytes + KV-cache bytes) / copy bandwidth``, the bandwidth measured between the
-repeats by a large jitted ``x + 1`` (read + write). Run::
+Each decode step is then set against two floors: the bytes it must stream (weights read by the
+step, i.e. without the embedding table, plus the whole K/V cache: the loop attends over every
+slot) at the streaming bandwidth of an in-place jitted ``x + 1`` on 256 MiB, measured between
+the repeats; and the matmul FLOPs of the step (``2 * B * params read``) at the best f32 rate one
+matmul of the step's own shape reaches here. Run::
 
-    python benchmarks/bench_decode.py            # both sizes, ~3-8 min on 2 CPU cores
-    python benchmarks/bench_decode.py --quick    # the small model only, fewer repeats
-    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py                 # both sizes, ~5-10 min on 2 CPU cores
+    python benchmarks/bench_decode.py --quick         # the small model only, fewer repeats
+    python benchmarks/bench_decode.py --out benchmarks/results_decode.md   # also append there
 
-On a 2-vCPU machine XLA's multi-threaded Eigen dots lose more to thread hand-offs than they
-gain on these small matrices (batch-16 decode); the last line runs them single-threaded.
 Both frameworks are very sensitive to other processes on so few cores (PyTorch's OpenMP
 threads most of all), so the header prints the load average before and after.
 """
@@ -49,6 +50,7 @@ SIZES = {
     "6M": (256, 4, 4, 4, 1024, 4096),
     "60M": (512, 8, 8, 8, 1376, 32000),
 }
+MODES = {"greedy": 0.0, "sampled": 1.0}
 
 
 def _hf_model(name: str, path: str) -> torch.nn.Module:
@@ -83,104 +85,181 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth_probe():
-    """A function timing one jitted ``x + 1`` over 256 MiB of f32; returns bytes/s (read+write)."""
-    x = jnp.zeros((64 * 2**20,), jnp.float32)
-    step = jax.jit(lambda a: a + 1.0)
-    step(x).block_until_ready()
+def bandwidth_probe():
+    """A function timing an in-place jitted ``x + 1`` over 256 MiB of f32; returns bytes/s.
+
+    The buffer is donated, so no fresh (page-faulting) memory is written: read + write of
+    already-mapped memory, the traffic pattern of a decode step's weight and cache reads.
+    """
+    state = {"x": jnp.zeros((64 * 2**20,), jnp.float32)}
+    step = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    state["x"] = step(state["x"]).block_until_ready()
+
+    def run() -> None:
+        state["x"] = step(state["x"]).block_until_ready()
 
     def probe() -> float:
-        seconds = _median_time(lambda: step(x).block_until_ready(), 3)
-        return 2 * x.nbytes / seconds
+        return 2 * state["x"].nbytes / _median_time(run, 5)
 
     return probe
 
 
-def bench_size(
-    name: str, *, batch: int, prompt: int, new: int, repeats: int, bandwidth_probe
-) -> dict:
+def matmul_rate(batch: int, rows: int, cols: int) -> float:
+    """Best f32 FLOP/s of a jitted ``[batch, rows] @ [rows, cols]`` here (weights cycled)."""
+    weights = [jax.random.normal(jax.random.key(i), (rows, cols)) for i in range(8)]
+    x = jax.random.normal(jax.random.key(9), (batch, rows))
+
+    @jax.jit
+    def chain(weights, x):
+        def body(_, acc):
+            h = x + acc * 1e-9  # depends on the carry: no hoisting out of the loop
+            return acc + sum(jnp.sum(h @ w) for w in weights)
+
+        return jax.lax.fori_loop(0, 20, body, jnp.float32(0))
+
+    chain(weights, x).block_until_ready()
+    best = min(_median_time(lambda: chain(weights, x).block_until_ready(), 1) for _ in range(5))
+    return 2 * batch * rows * cols * 8 * 20 / best
+
+
+def bench_size(name: str, *, batch: int, prompt: int, new: int, repeats: int, probe) -> list:
     with tempfile.TemporaryDirectory() as path:
         hf = _hf_model(name, path)
         config, params = load_pretrained(path, dtype=jnp.float32)
-    num_params = sum(x.size for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, config.vocab_size, size=(batch, prompt)).astype(np.int32)
     mask = np.ones((batch, prompt), bool)
-    sampling = gen.sampling_params(temperature=0.0, eos_ids=(), pad_id=0)
     key = jax.random.key(0)
+    hf_inputs = dict(
+        input_ids=torch.as_tensor(tokens, dtype=torch.long),
+        attention_mask=torch.as_tensor(mask, dtype=torch.long),
+        use_cache=True,
+        pad_token_id=0,
+    )
 
     def jax_prefill():
         state = gen.prefill(params, config, tokens, mask, max_new_tokens=new, pad_id=0)
         return jax.block_until_ready(state)
 
-    def jax_decode(state):
-        state = gen.decode(params, config, state, key=key, sampling=sampling)
-        return jax.block_until_ready(state)
+    rows = []
+    for mode, temperature in MODES.items():
+        sampling = gen.sampling_params(temperature=temperature, eos_ids=(), pad_id=0)
+        hf_mode = dict(do_sample=False)
+        if temperature > 0:
+            hf_mode = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
 
-    hf_inputs = dict(
-        input_ids=torch.as_tensor(tokens, dtype=torch.long),
-        attention_mask=torch.as_tensor(mask, dtype=torch.long),
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=0,
-    )
+        def jax_decode(state, sampling=sampling):
+            state = gen.decode(params, config, state, key=key, sampling=sampling)
+            return jax.block_until_ready(state)
 
-    def hf_generate(max_new):
-        with torch.no_grad():
-            return hf.generate(**hf_inputs, max_new_tokens=max_new, min_new_tokens=max_new)
+        def hf_generate(max_new, hf_mode=hf_mode):
+            with torch.no_grad():
+                return hf.generate(
+                    **hf_inputs, **hf_mode, max_new_tokens=max_new, min_new_tokens=max_new
+                )
 
-    # Warm-up: compiles (JAX) and first-call set-up (transformers).
-    ours = np.asarray(jax_decode(jax_prefill()).tokens)
-    hf_generate(1)
-
-    jax_pre, jax_dec, hf_one, hf_full, bandwidth = [], [], [], [], []
-    for repeat in range(repeats):
-        start = time.perf_counter()
-        state = jax_prefill()
-        jax_pre.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        jax_decode(state)
-        jax_dec.append(time.perf_counter() - start)
-        del state
-        bandwidth.append(bandwidth_probe())
-        start = time.perf_counter()
+        ours = np.asarray(jax_decode(jax_prefill()).tokens)  # warm-up: compiles
         hf_generate(1)
-        hf_one.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        theirs = hf_generate(new)
-        hf_full.append(time.perf_counter() - start)
-        if repeat == 0:  # the two sides agree token for token
+        jax_pre, jax_dec, hf_one, hf_full, bandwidth = [], [], [], [], []
+        agree = float("nan")
+        for repeat in range(repeats):
+            start = time.perf_counter()
+            state = jax_prefill()
+            jax_pre.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            jax_decode(state)
+            jax_dec.append(time.perf_counter() - start)
+            del state
+            bandwidth.append(probe())
+            start = time.perf_counter()
+            hf_generate(1)
+            hf_one.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            theirs = hf_generate(new)
+            hf_full.append(time.perf_counter() - start)
             theirs = theirs.numpy()[:, prompt:]
             if theirs.shape != (batch, new):
                 raise RuntimeError(f"transformers stopped early: {theirs.shape}")
-            agree = float(np.mean(ours == theirs))
+            if repeat == 0 and temperature == 0:  # greedy: the two sides agree token for token
+                agree = float(np.mean(ours == theirs))
 
-    med = statistics.median
-    hf_dec = [full - one for full, one in zip(hf_full, hf_one)]
-    result = dict(
-        name=name,
-        params=num_params,
-        agree=agree,
-        jax_prefill_tps=batch * prompt / med(jax_pre),
-        hf_prefill_tps=batch * prompt / med(hf_one),
-        jax_decode_tps=batch * new / med(jax_dec),
-        hf_decode_tps=batch * (new - 1) / med(hf_dec),
-        jax_total_s=med(jax_pre) + med(jax_dec),
-        hf_total_s=med(hf_full),
-        jax_step_s=med(jax_dec) / new,
-        bandwidth=med(bandwidth),
-    )
-    cache_bytes = (
-        2
-        * config.num_hidden_layers
-        * batch
-        * (prompt + new)
-        * config.num_key_value_heads
-        * config.head_dim
-        * 4
-    )
-    result["step_bytes"] = num_params * 4 + cache_bytes
-    return result
+        med = statistics.median
+        hf_dec = [full - one for full, one in zip(hf_full, hf_one)]
+        rows.append(
+            dict(
+                name=name,
+                mode=mode,
+                agree=agree,
+                jax_prefill_tps=batch * prompt / med(jax_pre),
+                hf_prefill_tps=batch * prompt / med(hf_one),
+                jax_decode_tps=batch * new / med(jax_dec),
+                hf_decode_tps=batch * (new - 1) / med(hf_dec),
+                jax_total_s=med(jax_pre) + med(jax_dec),
+                hf_total_s=med(hf_full),
+                jax_step_s=med(jax_dec) / new,
+                hf_step_s=med(hf_dec) / (new - 1),
+                bandwidth=med(bandwidth),
+            )
+        )
+
+    # What one decode step must read: every weight but the embedding table (a gather of B rows),
+    # and the whole cache (attention runs over all P + T slots every step).
+    read = sum(x.size for x in jax.tree.leaves(params)) - params["embed"].size
+    cache_bytes = 2 * config.num_hidden_layers * batch * (prompt + new) * config.head_dim * 4
+    cache_bytes *= config.num_key_value_heads
+    rate = matmul_rate(batch, config.hidden_size, config.intermediate_size)
+    for row in rows:
+        row.update(params=read + params["embed"].size, step_bytes=read * 4 + cache_bytes)
+        row.update(step_flops=2 * batch * read, matmul_rate=rate)
+    return rows
+
+
+def render(results: list, *, args, repeats: dict, load_before: float) -> str:
+    device = jax.devices()[0]
+    counts = ", ".join(f"{n}: {r}" for n, r in repeats.items())
+    lines = [
+        f"bench_decode: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, f32, "
+        f"greedy and sampled (T=1, no truncation); medians of alternating repeats ({counts}); "
+        "compile excluded",
+        "",
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"JAX device {device.device_kind}; jax {jax.__version__}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; 1-min load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
+        "",
+        "| model | params | mode | prefill tok/s JAX | prefill tok/s HF | prefill × | "
+        "decode tok/s JAX | decode tok/s HF | decode × | end-to-end × | greedy agree |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        agree = "n/a" if np.isnan(r["agree"]) else f"{r['agree']:.0%}"
+        lines.append(
+            f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['mode']} | "
+            f"{r['jax_prefill_tps']:,.0f} | {r['hf_prefill_tps']:,.0f} | "
+            f"{r['jax_prefill_tps'] / r['hf_prefill_tps']:.2f} | {r['jax_decode_tps']:,.0f} | "
+            f"{r['hf_decode_tps']:,.0f} | {r['jax_decode_tps'] / r['hf_decode_tps']:.2f} | "
+            f"{r['hf_total_s'] / r['jax_total_s']:.2f} | {agree} |"
+        )
+    lines += [
+        "",
+        "decode-step floors: bytes = weights read per step (not the embedding table) + the "
+        "whole K/V cache, at the streaming bandwidth of an in-place jitted x + 1 on 256 MiB "
+        "(read + write); FLOPs = 2 * B * weights read, at the best rate of one "
+        "[B, D] @ [D, F] f32 matmul here",
+    ]
+    for r in results:
+        mem = r["step_bytes"] / r["bandwidth"]
+        flop = r["step_flops"] / r["matmul_rate"]
+        lines.append(
+            f"- {r['name']} {r['mode']}: {r['jax_step_s'] * 1e3:.1f} ms/step (HF "
+            f"{r['hf_step_s'] * 1e3:.1f}); {r['step_bytes'] / 2**20:.0f} MiB at "
+            f"{r['bandwidth'] / 1e9:.1f} GB/s -> {mem * 1e3:.1f} ms; "
+            f"{r['step_flops'] / 1e6:.0f} MFLOP at {r['matmul_rate'] / 1e9:.0f} GFLOP/s -> "
+            f"{flop * 1e3:.1f} ms; measured = {max(mem, flop) / r['jax_step_s']:.0%} of the "
+            "larger floor"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -190,63 +269,30 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--out", default=None, help="also append the markdown to this file")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    # A 60M transformers generate takes 10-60 s on 2 busy cores: 3 repeats bound the run time.
-    repeats = {"6M": 3 if args.quick else 5, "60M": 3}
-    if args.repeats:
-        repeats = dict.fromkeys(repeats, args.repeats)
+    # A 60M transformers generate takes 5-60 s on 2 busy cores: 3 repeats bound the run time.
     sizes = ["6M"] if args.quick else ["6M", "60M"]
-
-    probe = copy_bandwidth_probe()
-    results = [
-        bench_size(
-            n,
+    repeats = {"6M": 3 if args.quick else 5, "60M": 3}
+    repeats = {n: args.repeats or repeats[n] for n in sizes}
+    probe = bandwidth_probe()
+    results = []
+    for name in sizes:
+        results += bench_size(
+            name,
             batch=args.batch,
             prompt=args.prompt,
             new=args.new,
-            repeats=repeats[n],
-            bandwidth_probe=probe,
+            repeats=repeats[name],
+            probe=probe,
         )
-        for n in sizes
-    ]
-
-    device = jax.devices()[0]
-    print(f"# bench_decode: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens,")
-    counts = ", ".join(f"{n}: {repeats[n]}" for n in sizes)
-    print(f"greedy, f32, medians of alternating repeats ({counts}; compile excluded)\n")
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"JAX device {device.device_kind}; jax {jax.__version__}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
-        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; 1-min load average "
-        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
-    )
-    print(
-        "| model | params | prefill tok/s JAX | prefill tok/s HF | prefill × | "
-        "decode tok/s JAX | decode tok/s HF | decode × | end-to-end × | greedy agree |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(
-            f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['jax_prefill_tps']:,.0f} | "
-            f"{r['hf_prefill_tps']:,.0f} | {r['jax_prefill_tps'] / r['hf_prefill_tps']:.2f} | "
-            f"{r['jax_decode_tps']:,.0f} | {r['hf_decode_tps']:,.0f} | "
-            f"{r['jax_decode_tps'] / r['hf_decode_tps']:.2f} | "
-            f"{r['hf_total_s'] / r['jax_total_s']:.2f} | {r['agree']:.0%} |"
-        )
-    print(
-        "\nmemory-bandwidth bound: copy bandwidth = jitted x + 1 on 256 MiB (read + write), "
-        "timed between the repeats"
-    )
-    for r in results:
-        bound = r["step_bytes"] / r["bandwidth"]
-        print(
-            f"{r['name']}: {r['step_bytes'] / 2**20:.0f} MiB per decode step (weights + full "
-            f"KV cache) at {r['bandwidth'] / 1e9:.1f} GB/s -> bound {bound * 1e3:.1f} ms/step; "
-            f"measured {r['jax_step_s'] * 1e3:.1f} ms/step = {bound / r['jax_step_s']:.0%} "
-            "of the bound"
-        )
+    text = render(results, args=args, repeats=repeats, load_before=load_before)
+    print(text)
+    if args.out:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        with open(args.out, "a") as f:
+            f.write(f"\n### Run {stamp}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,16 @@
 
 from jaxrl_llm.models.checkpoint import load_config, load_pretrained, save_pretrained
 from jaxrl_llm.models.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
+from jaxrl_llm.models.heads import (
+    ScalarParams,
+    init_scalar_params,
+    load_scalar_model,
+    save_scalar_model,
+    scalar_logical_axes,
+    scalar_param_shapes,
+    sequence_scores,
+    token_values,
+)
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.transformer import (
     CACHE_AXES,
@@ -24,16 +34,24 @@ __all__ = [
     "ROPE_TYPES",
     "KVCache",
     "ModelConfig",
+    "ScalarParams",
     "Transformer",
     "forward",
     "init_cache",
     "init_params",
+    "init_scalar_params",
     "load_config",
     "load_pretrained",
+    "load_scalar_model",
     "load_tokenizer",
     "logical_axes",
     "logits",
     "param_shapes",
     "save_pretrained",
+    "save_scalar_model",
+    "scalar_logical_axes",
+    "scalar_param_shapes",
+    "sequence_scores",
+    "token_values",
     "unembed",
 ]

@@ -6,6 +6,10 @@ grow with depth. Jitted code works on a plain nested dict of arrays: ``init_para
 ``load_pretrained`` return one, and ``forward`` merges it with a graphdef cached per config
 inside the traced function, so optax, orbax and the sharding layer see an ordinary pytree.
 
+``forward`` also takes the layers and the KV cache split into per-layer arrays (see
+``jaxrl_llm.sampling.layout``) and then runs the layers as an unrolled loop: the sampler does so
+on CPU, where XLA copies a layer's slice out of a stacked array before every matmul reading it.
+
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
 {batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq};
 ``logical_axes(config)`` reads them back as a pytree matching the params.
@@ -36,9 +40,14 @@ _INIT_STD = 0.02
 class KVCache(NamedTuple):
     """Per-layer key/value cache for incremental decoding (a plain pytree).
 
+    Head-major: each (row, head) keeps its slots as one contiguous ``[S_max, H]`` block, the
+    operand layout of the attention's batched matmuls, so a decode step reads the cache where it
+    lies instead of transposing it.
+
     Attributes:
-      k: ``[L, B, S_max, K, H]`` keys after RoPE.
-      v: ``[L, B, S_max, K, H]`` values.
+      k: ``[L, B, K, S_max, H]`` keys after RoPE, or a tuple of ``L`` per-layer
+        ``[B, K, S_max, H]`` arrays (``jaxrl_llm.sampling.layout.unstack_cache``).
+      v: values, like ``k``.
       mask: ``[B, S_max]`` bool, True on slots that hold a real (non-pad) token.
     """
 
@@ -48,8 +57,8 @@ class KVCache(NamedTuple):
 
 
 CACHE_AXES = KVCache(
-    k=("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
-    v=("layers", "batch", "cache_seq", "kv_heads", "head_dim"),
+    k=("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
+    v=("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
     mask=("batch", "cache_seq"),
 )
 
@@ -91,6 +100,35 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) -> Array:
+    """``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` over the cached slots ``j`` in ``mask``.
+
+    Scaled dot-product attention (Vaswani et al. 2017) over a head-major cache; query head ``n``
+    reads key/value head ``n // (N / K)`` (grouped-query attention, Ainslie et al. 2023). Both
+    products are batched over (row, kv-head) with the cache as the right operand in its stored
+    layout, so XLA reads it in place.
+
+    Args:
+      q: ``[B, S, N, H]`` queries (after RoPE).
+      k, v: ``[B, K, S_kv, H]`` cached keys (after RoPE) and values.
+      mask: ``[B, 1, S, S_kv]`` bool; every query must see at least one slot.
+      scale: score multiplier, usually ``H ** -0.5``.
+
+    Returns:
+      ``[B, S, N, H]`` in ``q.dtype``.
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    # Products in the cache's dtype (XLA:CPU has no bf16 x bf16 -> f32 batched matmul), as
+    # jax.nn.dot_product_attention does; the softmax in f32.
+    scores = jnp.einsum("bqkgh,bksh->bkgqs", grouped.astype(k.dtype), k).astype(jnp.float32)
+    scores = jnp.where(mask[:, :, None], scores * scale, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgqs,bksh->bqkgh", probs.astype(v.dtype), v)
+    return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -144,8 +182,9 @@ class DecoderLayer(nnx.Module):
           cos, sin: ``[B, S, H/2]`` RoPE angles of the S tokens.
           query_slots: ``[S]`` int32 slot (column) of each query among the keys.
           key_valid: ``[B, S_kv]`` bool, True on keys holding real tokens.
-          kv: the stacked caches ``([L, B, S_max, K, H], [L, B, S_max, K, H])`` or None.
-          layer_index: this layer's index into the cache's leading axis (traced int32).
+          kv: the caches ``(k, v)``: stacked ``[L, B, K, S_max, H]`` (with ``layer_index``),
+            this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
+          layer_index: this layer's index into stacked caches (int32, may be traced).
           cache_index: first cache slot written by this call (traced int32).
 
         Returns:
@@ -161,23 +200,26 @@ class DecoderLayer(nnx.Module):
             q = rms_norm(q, self.q_norm[...], self.eps)
             k = rms_norm(k, self.k_norm[...], self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:
-            # Writing one slot range of the carried [L, ...] cache (not a whole layer slice)
-            # lets XLA update it in place inside the sampler's while loop.
-            k_all, v_all = kv
-            start = (layer_index, 0, cache_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            k = jax.lax.dynamic_index_in_dim(k_all, layer_index, 0, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(v_all, layer_index, 0, keepdims=False)
-            k, v, kv = k.astype(q.dtype), v.astype(q.dtype), (k_all, v_all)
         # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
         # can fuse it into the attention instead of keeping an O(S^2) mask alive over the scan.
         mask = _attention_mask(key_valid, query_slots)
-        attn = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=self.scale, implementation=None
-        )
-        out = jnp.einsum("bsnh,nhd->bsd", attn, self.wo[...])
+        if kv is None:
+            attn = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=self.scale, implementation=None
+            )
+        else:
+            # Writing only this call's slots (not a whole layer slice) lets XLA update the
+            # cache in place inside the sampler's while loop; attention then reads it back.
+            kv = tuple(_write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v)))
+            layer_kv = kv if layer_index is None else (_layer(c, layer_index) for c in kv)
+            attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+        if kv is None:
+            out = jnp.einsum("bsnh,nhd->bsd", attn, self.wo[...])
+        else:
+            # One [B, S, N*H] x [N*H, D] product: with the 4-D einsum XLA:CPU transposes the
+            # weight to match the attention output's layout on every decode step.
+            wo = self.wo[...]
+            out = attn.reshape(*attn.shape[:2], -1) @ wo.reshape(-1, wo.shape[-1])
         if self.bo is not None:
             out = out + self.bo[...]
         x = x + out
@@ -185,6 +227,18 @@ class DecoderLayer(nnx.Module):
         gate = jax.nn.silu(h @ self.w_gate[...])
         x = x + (gate * (h @ self.w_up[...])) @ self.w_down[...]
         return x, kv
+
+
+def _write_slots(cache: Array, new: Array, layer_index: Any, cache_index: Array) -> Array:
+    """Writes ``new: [B, S, K, H]`` at slots ``[cache_index, cache_index + S)`` of a cache."""
+    new = new.swapaxes(1, 2).astype(cache.dtype)  # head-major [B, K, S, H]
+    if layer_index is None:
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, cache_index, 0))
+    return jax.lax.dynamic_update_slice(cache, new[None], (layer_index, 0, 0, cache_index, 0))
+
+
+def _layer(stacked: Array, index: Any) -> Array:
+    return jax.lax.dynamic_index_in_dim(stacked, index, 0, keepdims=False)
 
 
 class Transformer(nnx.Module):
@@ -219,8 +273,9 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         cache_index: Array | int | None = None,
         remat: str = "none",
+        unstacked_layers: tuple[Params, ...] | None = None,
     ) -> tuple[Array, KVCache | None]:
-        """See ``forward``."""
+        """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
         check_choice("remat", remat, REMAT_POLICIES)
         check_rank("tokens", tokens, 2)
@@ -270,8 +325,16 @@ class Transformer(nnx.Module):
 
         if remat == "layer":
             body = jax.checkpoint(body, prevent_cse=False)
-        layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layer_ids))
+        if unstacked_layers is None:
+            layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layer_ids))
+        else:  # per-layer weights and cache arrays: unrolled, each layer reads its own
+            written = []
+            for i, state in enumerate(unstacked_layers):
+                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+                (x, layer_kv), _ = body((x, layer_kv), (state, None))
+                written.append(layer_kv)
+            kv = None if kv is None else tuple(zip(*written))
         hidden = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
         new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], mask=key_valid)
         return hidden, new_cache
@@ -310,14 +373,23 @@ def _check_cache(
         config.head_dim,
     )
     max_len = cache.mask.shape[-1] if jnp.ndim(cache.mask) == 2 else -1
-    want = (layers, batch, max_len, kv_heads, head_dim)
-    if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
+    want = (layers, batch, kv_heads, max_len, head_dim)
+    got_k, got_v = _cache_shape(cache.k), _cache_shape(cache.v)
+    if got_k != want or got_v != want:
         raise ValueError(
-            f"cache k/v must have shape [L, B, S_max, K, H]={want} for tokens {token_shape}, "
-            f"got k{tuple(cache.k.shape)} v{tuple(cache.v.shape)} mask{tuple(cache.mask.shape)}"
+            f"cache k/v must have shape [L, B, K, S_max, H]={want} for tokens {token_shape}, "
+            f"got k{got_k} v{got_v} mask{tuple(cache.mask.shape)}"
         )
     if seq > max_len:
         raise ValueError(f"{seq} tokens do not fit a cache of {max_len} slots")
+
+
+def _cache_shape(x: Any) -> tuple[Any, ...]:
+    """``[L, B, K, S, H]`` of a stacked cache array or of a tuple of ``L`` per-layer arrays."""
+    if not isinstance(x, tuple):
+        return tuple(jnp.shape(x))
+    shapes = {tuple(jnp.shape(a)) for a in x}
+    return (len(x), *shapes.pop()) if len(shapes) == 1 else (len(x), *sorted(shapes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -364,12 +436,12 @@ def init_params(config: ModelConfig, key: Array, *, dtype: Any = jnp.float32) ->
 def init_cache(
     config: ModelConfig, batch_size: int, max_len: int, *, dtype: Any = jnp.bfloat16
 ) -> KVCache:
-    """An empty cache: zeros ``k, v: [L, B, max_len, K, H]`` and an all-False mask."""
+    """An empty cache: zeros ``k, v: [L, B, K, max_len, H]`` and an all-False mask."""
     shape = (
         config.num_hidden_layers,
         batch_size,
-        max_len,
         config.num_key_value_heads,
+        max_len,
         config.head_dim,
     )
     return KVCache(
@@ -416,18 +488,30 @@ def forward(
     prompt at ``cache_index=0``; decode = ``S=1`` calls with explicit positions.
 
     Args:
-      params: plain nested dict from ``init_params`` / ``load_pretrained``.
+      params: plain nested dict from ``init_params`` / ``load_pretrained``, or with its layers
+        split into a tuple of per-layer dicts (``jaxrl_llm.sampling.layout.unstack_layers``):
+        they then run unrolled instead of scanned, and a cache must be split likewise.
       config: the model's ``ModelConfig`` (static).
       tokens: ``[B, S]`` int32.
       positions: ``[B, S]`` int32 RoPE positions, or None for the default above.
       attention_mask: ``[B, S]``, 1 on real tokens (default all ones).
-      cache: ``KVCache`` with ``k, v: [L, B, S_max, K, H]``, ``mask: [B, S_max]``, or None.
+      cache: ``KVCache`` with ``k, v: [L, B, K, S_max, H]`` (tuples of ``L`` per-layer arrays
+        with split params), ``mask: [B, S_max]``, or None.
       cache_index: scalar int32 (may be traced); required with a cache.
       remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
 
     Returns:
       ``(hidden [B, S, D] in the params' dtype, new cache or None)``.
     """
+    unstacked = None
+    if isinstance(params.get("layers"), tuple):
+        unstacked = _check_unstacked(params["layers"], config)
+        params = {**params, "layers": param_shapes(config)["layers"]}  # structure only
+    if cache is not None and isinstance(cache.k, tuple) != (unstacked is not None):
+        raise ValueError(
+            "a cache split into per-layer arrays goes with params whose layers are split, and "
+            "a stacked cache with stacked layers (see jaxrl_llm.sampling.layout)"
+        )
     return merge(params, config)(
         tokens,
         positions=positions,
@@ -435,7 +519,19 @@ def forward(
         cache=cache,
         cache_index=cache_index,
         remat=remat,
+        unstacked_layers=unstacked,
     )
+
+
+def _check_unstacked(layers: tuple[Params, ...], config: ModelConfig) -> tuple[Params, ...]:
+    want = jax.tree.map(lambda s: s.shape[1:], param_shapes(config)["layers"])
+    got = tuple(jax.tree.map(jnp.shape, layer) for layer in layers)
+    if got != (want,) * config.num_hidden_layers:
+        raise ValueError(
+            f"unstacked params do not match the model of {config.architecture}: expected "
+            f"{config.num_hidden_layers} layers of shapes {want}, got {got}"
+        )
+    return layers
 
 
 def unembed(params: Params, config: ModelConfig, hidden: Array) -> Array:

@@ -2,10 +2,10 @@
 
 ``generate`` is the entry point; ``prefill`` / ``decode`` expose its two compiled stages and the
 ``SamplingState`` they carry; ``strategies`` holds the per-step temperature / top-k / top-p /
-min-p logic.
+min-p logic; ``layout`` the per-layer weight and cache layout that CPU decoding runs on.
 """
 
-from jaxrl_llm.sampling import strategies
+from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.generate import (
     MIN_BUCKET,
     SamplingParams,
@@ -32,6 +32,7 @@ __all__ = [
     "categorical",
     "decode",
     "generate",
+    "layout",
     "pad_prompts",
     "prefill",
     "sample_tokens",

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import CACHE_AXES, KVCache, forward, init_cache, unembed
-from jaxrl_llm.sampling import strategies
+from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.types import Completion
 
 Array = jax.Array
@@ -45,7 +45,7 @@ class SamplingState(NamedTuple):
       done: ``[B]`` bool, the row has emitted an EOS.
       positions: ``[B]`` int32, RoPE position of column ``step``'s token (prompt length + step).
       logits: ``[B, V]`` f32, next-token logits for column ``step``.
-      cache: ``KVCache`` with k, v ``[L, B, S, K, H]`` and mask ``[B, S]``; slots ``[0, P)`` hold
+      cache: ``KVCache`` with k, v ``[L, B, K, S, H]`` and mask ``[B, S]``; slots ``[0, P)`` hold
         the prompt, slot ``P + t`` the token of column ``t`` once it has been fed.
     """
 
@@ -77,8 +77,14 @@ class SamplingParams(NamedTuple):
     pad_id: Array
 
 
-def _state_logical_axes() -> SamplingState:
+def _state_logical_axes(state: SamplingState) -> SamplingState:
     """Logical axes of every state leaf, for the sampling rule table of ``jaxrl_llm.parallel``."""
+    cache_axes = CACHE_AXES
+    if isinstance(state.cache.k, tuple):  # unstacked: each layer's array drops the layers axis
+        layers = len(state.cache.k)
+        cache_axes = CACHE_AXES._replace(
+            k=(CACHE_AXES.k[1:],) * layers, v=(CACHE_AXES.v[1:],) * layers
+        )
     return SamplingState(
         step=(),
         tokens=("batch", None),
@@ -87,7 +93,7 @@ def _state_logical_axes() -> SamplingState:
         done=("batch",),
         positions=("batch",),
         logits=("batch", "vocab"),
-        cache=CACHE_AXES,
+        cache=cache_axes,
     )
 
 
@@ -101,7 +107,8 @@ def _constrain_state(state: SamplingState, mesh: Any) -> SamplingState:
         return state
     from jaxrl_llm.parallel import SAMPLING_RULES, logical_to_sharding
 
-    shardings = logical_to_sharding(_state_logical_axes(), mesh, SAMPLING_RULES, shapes=state)
+    axes = _state_logical_axes(state)
+    shardings = logical_to_sharding(axes, mesh, SAMPLING_RULES, shapes=state)
     explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
     constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     return jax.tree.map(constrain, state, shardings)
@@ -177,12 +184,12 @@ def pad_prompts(
 def _grow_cache(cache: KVCache, num_samples: int, extra_slots: int) -> KVCache:
     """Repeats each row ``num_samples`` times (groups contiguous) and appends empty slots."""
 
-    def grow(x: Array, batch_axis: int) -> Array:
+    def grow(x: Array, batch_axis: int, seq_axis: int) -> Array:
         widths = [(0, 0)] * x.ndim
-        widths[batch_axis + 1] = (0, extra_slots)
+        widths[seq_axis] = (0, extra_slots)
         return jnp.pad(jnp.repeat(x, num_samples, axis=batch_axis), widths)
 
-    return cache._replace(k=grow(cache.k, 1), v=grow(cache.v, 1), mask=grow(cache.mask, 0))
+    return cache._replace(k=grow(cache.k, 1, 3), v=grow(cache.v, 1, 3), mask=grow(cache.mask, 0, 1))
 
 
 @functools.partial(
@@ -275,7 +282,9 @@ def _decode_step(
     return _constrain_state(state, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "top_k", "mesh"), donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("config", "top_k", "mesh", "unroll"), donate_argnames=("state",)
+)
 def _decode(
     params: Any,
     state: SamplingState,
@@ -285,16 +294,23 @@ def _decode(
     config: Any,
     top_k: int,
     mesh: Any,
+    unroll: bool,
 ) -> SamplingState:
     max_new_tokens = state.tokens.shape[1]
 
     def not_finished(carry: SamplingState) -> Array:
         return (carry.step < max_new_tokens) & jnp.any(~carry.done)
 
+    if unroll:
+        # Split once per call, outside the loop (see jaxrl_llm.sampling.layout):
+        # every step then reads each layer's weights and cache where they lie.
+        params = layout.unstack_layers(params)
+        state = state._replace(cache=layout.unstack_cache(state.cache))
     body = functools.partial(
         _decode_step, params, key=key, sampling=sampling, config=config, top_k=top_k, mesh=mesh
     )
-    return jax.lax.while_loop(not_finished, body, state)
+    state = jax.lax.while_loop(not_finished, body, state)
+    return state._replace(cache=layout.stack_cache(state.cache))
 
 
 def sampling_params(
@@ -405,13 +421,26 @@ def decode(
     mark rows whose token is an EOS, and feed the token at cache slot ``P + step`` to get the
     next logits.
 
+    On CPU (``layout.worth_unstacking``) the loop runs on per-layer copies of the weights and
+    cache, made once per call, so that each step reads them in place; the returned cache is
+    stacked again.
+
     Returns:
       The final ``SamplingState``; ``state.step`` is the number of loop iterations run.
     """
     top_k = strategies.check_sampling_args(
         temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0, vocab_size=config.vocab_size
     )
-    return _decode(params, state, key, sampling, config=config, top_k=top_k, mesh=mesh)
+    return _decode(
+        params,
+        state,
+        key,
+        sampling,
+        config=config,
+        top_k=top_k,
+        mesh=mesh,
+        unroll=layout.worth_unstacking(params),
+    )
 
 
 def generate(

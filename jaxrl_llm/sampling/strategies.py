@@ -135,6 +135,26 @@ def min_p_keep(logits: Array, min_p: Scalar) -> Array:
     return logits >= threshold
 
 
+def first_argmax(logits: Array) -> Array:
+    """``argmax_i z_i`` along the last axis, lowest index on ties, as ``jnp.argmax`` (NaN wins).
+
+    Two plain reductions (the maximum, then the smallest index holding it): XLA:CPU runs the
+    single (value, index) reduction of ``jnp.argmax`` without vectorising it, several times
+    slower over a 32k vocabulary.
+
+    Args:
+      logits: ``[..., V]`` float.
+
+    Returns:
+      ``[...]`` int32.
+    """
+    vocab_size = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == top) | jnp.isnan(logits)
+    ids = jnp.arange(vocab_size, dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, ids, vocab_size), axis=-1)
+
+
 CATEGORICAL_BLOCK = 128
 
 
@@ -289,7 +309,7 @@ def sample_tokens(
     temperature = f32(temperature)
 
     def greedy() -> Array:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
 
     def sample() -> Array:
         scaled = logits / effective_temperature(temperature)

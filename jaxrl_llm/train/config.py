@@ -14,7 +14,11 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
-    """Size of the built-in Llama-shaped model (used when ``model.path`` is null)."""
+    """Size of the built-in Llama-shaped model (used when ``model.path`` is null).
+
+    ``vocab_multiple`` pads the character vocabulary to a multiple of it (and of the mesh's
+    tensor axis, which must divide the embedding rows).
+    """
 
     hidden_size: int = 64
     intermediate_size: int = 192
@@ -22,6 +26,7 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 16
+    vocab_multiple: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +176,61 @@ class ReferenceSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticSection:
+    """PPO's value model: the transformer with a scalar head (``models.heads``).
+
+    Attributes:
+      init: ``policy`` (copy the policy's backbone, as verl and TRL do), ``reward_model`` (the
+        backbone and head of the reward model at ``path``) or ``random``.
+      path: a scalar-head model directory (``init: reward_model``).
+      optimizer: ``separate`` (its own AdamW, learning rate below) or ``joint`` (one optimizer
+        over policy and value parameters, loss ``pg + value_coef * vf``).
+      learning_rate, max_grad_norm: the separate optimizer.
+      warmup_steps: RL steps that train only the critic (the policy stays put), so advantages
+        come from a fitted value function.
+    """
+
+    init: str = "policy"
+    path: str | None = None
+    optimizer: str = "separate"
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimeSection:
+    """PRIME's implicit process reward model: a trainable copy of the policy.
+
+    Attributes:
+      learning_rate, max_grad_norm: its AdamW.
+      update: ``before`` (update on the step's outcome labels, then score — the PRIME paper's
+        order) or ``after`` (score with the current PRM, then update).
+    """
+
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    update: str = "before"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A trained scalar-head reward model scoring completions on device, added to the rewards.
+
+    Attributes:
+      path: a directory saved by ``models.heads.save_scalar_model`` (e.g. a ``job:
+        reward_model`` run's ``reward_model/``); null = no learned reward.
+      weight: its weight in the total reward.
+      normalize: ``batch`` (z-score over the rollout batch, as verl/TRL users whiten scores),
+        ``none``.
+    """
+
+    path: str | None = None
+    weight: float = 1.0
+    normalize: str = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     """orbax checkpoints of the whole state, the data position and the reference."""
 
@@ -197,9 +257,11 @@ class LoggingSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A whole run. Keys other code relies on: ``run_dir``, ``seed``, ``resume``,
+    """A whole RL run (``job: rl``; ``preference`` / ``reward_model`` jobs have their own
+    config in ``train.preference``). Keys other code relies on: ``run_dir``, ``seed``, ``resume``,
     ``trainer.max_steps``, ``checkpoint.every_steps``, ``mesh.data|fsdp|tensor``."""
 
+    job: str = "rl"
     run_dir: str = "runs/default"
     seed: int = 0
     resume: bool = False
@@ -211,6 +273,9 @@ class TrainConfig:
     trainer: TrainerSection = TrainerSection()
     sft_warmup: SFTWarmupSection = SFTWarmupSection()
     reference: ReferenceSection = ReferenceSection()
+    critic: CriticSection = CriticSection()
+    prime: PrimeSection = PrimeSection()
+    reward_model: RewardModelSection = RewardModelSection()
     checkpoint: CheckpointSection = CheckpointSection()
     mesh: MeshSection = MeshSection()
     logging: LoggingSection = LoggingSection()

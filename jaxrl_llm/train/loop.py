@@ -10,10 +10,8 @@ the data position is checkpointed, so a resumed run repeats an uninterrupted one
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import math
 import pathlib
 import time
 from typing import Any
@@ -22,92 +20,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import data, models, objectives, parallel, rewards, sampling
+from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.train import rollout as rollout_lib
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import save_config
 from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar, plot
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.run_setup import (  # noqa: F401  (re-exported: the loop's public pieces)
+    RunContext,
+    build_policy,
+    load_examples,
+    load_reward_model,
+    make_run_mesh,
+    sft_warmup,
+)
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_logprob_fn, make_policy_step, make_sft_step
+from jaxrl_llm.train.step import jit_step, make_logprob_fn, make_policy_step
 from jaxrl_llm.types import RolloutBatch
 
 log = logging.getLogger("jaxrl_llm")
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _REFERENCE_MODES = ("frozen", "refresh", "ema")
-
-
-def make_run_mesh(section) -> jax.sharding.Mesh:
-    """The mesh of ``mesh.*``; without a ``-1`` the first ``data·fsdp·tensor`` devices are used."""
-    sizes = (section.data, section.fsdp, section.tensor)
-    devices = None
-    if -1 not in sizes:
-        count = int(np.prod(sizes))
-        if count > jax.device_count():
-            raise ValueError(f"mesh {sizes} needs {count} devices; {jax.device_count()} available")
-        devices = jax.devices()[:count]
-    return parallel.make_mesh(*sizes, devices=devices)
-
-
-def build_policy(cfg: TrainConfig, mesh):
-    """``(tokenizer, model_config, params or None)``; ``None`` means initialise randomly."""
-    if cfg.model.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype must be one of {tuple(_DTYPES)}, got {cfg.model.dtype!r}")
-    if cfg.model.path is not None:
-        model_config, params = models.load_pretrained(
-            cfg.model.path, dtype=_DTYPES[cfg.model.dtype], mesh=mesh
-        )
-        return models.load_tokenizer(cfg.model.path), model_config, params
-    tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
-    tiny = cfg.model.tiny
-    # Like Megatron's padded vocabulary: the embedding rows are split over the
-    # tensor axis, so round the row count up to a multiple of 8 and of that axis
-    # (the same count with or without a mesh, so runs match across meshes). The
-    # extra ids decode to nothing and earn no reward; the policy learns to avoid them.
-    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
-    multiple = math.lcm(8, tensor)
-    vocab_size = -(-len(tokenizer) // multiple) * multiple
-    model_config = models.ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab_size,
-        hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_hidden_layers,
-        num_attention_heads=tiny.num_attention_heads,
-        num_key_value_heads=tiny.num_key_value_heads,
-        head_dim=tiny.head_dim,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_ids=(tokenizer.eos_token_id,),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer, model_config, None
-
-
-def load_examples(cfg: TrainConfig) -> tuple[list, list]:
-    """``(train, eval)`` examples of the configured task."""
-    section = cfg.data
-    if section.task == "arithmetic":
-        examples = data.arithmetic_examples(
-            section.num_train + section.eval_size,
-            seed=cfg.seed,
-            digits=section.digits,
-            ops=section.ops,
-        )
-        return examples[section.eval_size :], examples[: section.eval_size]
-    if section.task != "jsonl":
-        raise ValueError(f"data.task must be 'arithmetic' or 'jsonl', got {section.task!r}")
-    if section.train_path is None:
-        raise ValueError("data.task=jsonl needs data.train_path")
-    fields = {"prompt_field": section.prompt_field, "answer_field": section.answer_field}
-    train = data.load_jsonl(section.train_path, **fields)
-    if section.eval_path is not None:
-        return train, data.load_jsonl(section.eval_path, **fields)[: section.eval_size]
-    return data.split_eval(train, eval_size=section.eval_size, seed=cfg.seed)
 
 
 def _mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -123,121 +57,6 @@ def _mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-@dataclasses.dataclass
-class _Run:
-    """What one run holds between steps (host-side orchestration, not traced)."""
-
-    cfg: TrainConfig
-    mesh: Any
-    tokenizer: Any
-    model_config: Any
-    objective: objectives.Objective
-    reward_fn: Any
-    train_examples: list
-    eval_examples: list
-
-    def prompts(self, examples) -> list[str]:
-        return [
-            data.format_prompt(
-                ex.prompt,
-                self.tokenizer,
-                chat_template=self.cfg.data.chat_template,
-                system_prompt=self.cfg.data.system_prompt,
-            )
-            for ex in examples
-        ]
-
-    def to_device(self, host: RolloutBatch) -> RolloutBatch:
-        """Pads prompts to a bucketed width (few compiled programs) and shards the rows."""
-        width = sampling.bucket_length(host.prompt_tokens.shape[1])
-        extra = width - host.prompt_tokens.shape[1]
-        host = host._replace(
-            prompt_tokens=np.pad(host.prompt_tokens, ((0, 0), (extra, 0))),
-            prompt_mask=np.pad(host.prompt_mask, ((0, 0), (extra, 0))),
-        )
-        if jax.process_count() > 1:
-            rows = parallel.process_local_slice(host.completion_mask.shape[0], self.mesh)
-            host = jax.tree.map(lambda x: x[rows], host)
-        return parallel.shard_batch(host, self.mesh)
-
-    def sample(self, params, examples, key, *, temperature, group_size) -> rollout_lib.Samples:
-        r = self.cfg.rollout
-        return rollout_lib.sample_and_score(
-            params,
-            self.model_config,
-            self.tokenizer,
-            examples,
-            self.prompts(examples),
-            key=key,
-            reward_fn=self.reward_fn,
-            group_size=group_size,
-            max_new_tokens=r.max_new_tokens,
-            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
-            temperature=temperature,
-            add_special_tokens=not self.cfg.data.chat_template,
-            top_k=r.top_k if temperature > 0 else 0,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            mesh=self.mesh,
-        )
-
-    def evaluate(self, params) -> dict[str, float]:
-        """Greedy accuracy and mean reward on the held-out prompts."""
-        samples = self.sample(
-            params, self.eval_examples, jax.random.key(0), temperature=0.0, group_size=1
-        )
-        return {
-            "accuracy": float(samples.correct.mean()),
-            "reward_mean": float(samples.rewards.mean()),
-        }
-
-
-def _sft_warmup(run: _Run, params, key) -> Any:
-    """Supervised warm-up on demonstrations, so RL starts from a policy that sometimes succeeds."""
-    section = run.cfg.sft_warmup
-    optimizer = make_optimizer(section.learning_rate, max_grad_norm=1.0)
-    state, shardings = create_train_state(
-        run.model_config, optimizer, key=key, mesh=run.mesh, params=params
-    )
-    step = jit_step(
-        make_sft_step(
-            run.model_config,
-            optimizer,
-            chunk_size=run.cfg.model.chunk_size,
-            param_shardings=shardings.params,
-        ),
-        shardings,
-    )
-    rng = np.random.default_rng([run.cfg.seed, 1])
-    for i in range(section.steps):
-        idx = rng.integers(0, len(run.train_examples), section.batch_size)
-        examples = [run.train_examples[j] for j in idx]
-        prompt_tokens, prompt_mask = rollout_lib.encode_prompts(
-            run.tokenizer,
-            run.prompts(examples),
-            max_prompt_tokens=run.cfg.data.max_prompt_tokens,
-            add_special_tokens=not run.cfg.data.chat_template,
-        )
-        completion_tokens, completion_mask = rollout_lib.encode_completions(
-            run.tokenizer,
-            [data.demonstration(ex) for ex in examples],
-            max_tokens=run.cfg.rollout.max_new_tokens,
-        )
-        zeros = np.zeros(completion_mask.shape, np.float32)
-        host = RolloutBatch(
-            completion_mask=completion_mask,
-            old_logprobs=zeros,
-            advantages=zeros[:, 0],
-            prompt_tokens=prompt_tokens,
-            prompt_mask=prompt_mask,
-            completion_tokens=completion_tokens,
-        )
-        state, metrics = step(state, run.to_device(host))
-        if (i + 1) % 100 == 0 or i + 1 == section.steps:
-            log.info("sft step %d/%d nll %.4f", i + 1, section.steps, float(metrics["nll"]))
-    return state.params
-
-
 class RLTrainer:
     """One RL run: owns the state, the reference, the data position and the writers."""
 
@@ -247,14 +66,10 @@ class RLTrainer:
         self.run_dir = pathlib.Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.is_main = jax.process_index() == 0
-        if self.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
+        if cfg.job != "rl":
+            raise ValueError(f"RLTrainer runs job 'rl', not {cfg.job!r}")
         objective = objectives.make(cfg.objective.name, **dict(cfg.objective.overrides))
-        if objective.advantage in ("gae", "prime", "remax"):
-            raise ValueError(
-                f"objective {objective.name!r} ({objective.advantage} advantages) needs a critic, "
-                "a process reward model or greedy baselines, which this loop does not build"
-            )
+        self._check_objective(objective)
         if cfg.reference.mode not in _REFERENCE_MODES:
             raise ValueError(f"reference.mode must be one of {_REFERENCE_MODES}")
         mesh = make_run_mesh(cfg.mesh)
@@ -263,10 +78,21 @@ class RLTrainer:
         reward_fn = rewards.combine_rewards(
             [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
         )
-        self.run = _Run(
-            cfg, mesh, tokenizer, model_config, objective, reward_fn, train_examples, eval_examples
+        self.run = RunContext(
+            cfg,
+            mesh,
+            tokenizer,
+            model_config,
+            objective,
+            reward_fn,
+            train_examples,
+            eval_examples,
+            reward_model=load_reward_model(cfg, model_config, mesh),
         )
         self._check_sizes(mesh)
+        # Only a config that passed every check is written to the run directory.
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
         self.sampler = data.PromptSampler(train_examples, seed=cfg.seed)
         self.key = jax.random.key(cfg.seed)
         t = cfg.trainer
@@ -285,6 +111,13 @@ class RLTrainer:
         )
         self.metrics_writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
         self._initial_params = params
+
+    def _check_objective(self, objective: objectives.Objective) -> None:
+        if objective.advantage in ("gae", "prime"):
+            raise ValueError(
+                f"objective {objective.name!r} ({objective.advantage} advantages) needs a critic "
+                "or a process reward model: run it with train.loop.run, which picks the trainer"
+            )
 
     def _check_sizes(self, mesh) -> None:
         cfg = self.cfg
@@ -311,6 +144,18 @@ class RLTrainer:
 
     # -- state -------------------------------------------------------------------------------
 
+    @property
+    def policy_params(self):
+        """The policy's parameters (subclasses may keep them inside a larger state)."""
+        return self.state.params
+
+    def checkpoint_state(self):
+        """The pytree checkpointed at each save (subclasses add their other networks)."""
+        return self.state
+
+    def set_checkpoint_state(self, tree) -> None:
+        self.state = tree
+
     def _setup_state(self):
         run, cfg = self.run, self.cfg
         init_key, sft_key = jax.random.split(self.key)
@@ -323,21 +168,28 @@ class RLTrainer:
         params = self._initial_params
         if latest is None and cfg.sft_warmup.steps > 0:
             log.info("SFT warm-up: %d steps", cfg.sft_warmup.steps)
-            params = _sft_warmup(run, params, sft_key)
+            params = sft_warmup(run, params, sft_key)
         self.state, self.shardings = create_train_state(
             run.model_config, self.optimizer, key=init_key, mesh=run.mesh, params=params
         )
         self.copy_params = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
         )
+        self._setup_extra_networks()
         needs_ref = run.objective.needs_reference
-        self.reference = self.copy_params(self.state.params) if needs_ref else None
+        self.reference = self.copy_params(self.policy_params) if needs_ref else None
         self.reference_dirty = needs_ref
         self.extra: dict[str, Any] = {}
+        # Checkpoints are numbered by RL step; the optimizer's step count is not one (several
+        # updates per RL step, none for a policy held still during a critic warm-up).
+        self.start_step = 0 if latest is None else latest
         if latest is not None:
             self._restore(latest)
         else:
             self.metrics_writer.truncate(0)
+
+    def _setup_extra_networks(self) -> None:
+        """Hook: critics, process reward models (created after the policy state)."""
 
     def _restore(self, step: int) -> None:
         abstract = lambda tree: jax.tree.map(  # noqa: E731
@@ -345,10 +197,11 @@ class RLTrainer:
         )
         state, extra, reference = self.checkpointer.restore(
             step,
-            abstract_state=abstract(self.state),
+            abstract_state=abstract(self.checkpoint_state()),
             abstract_reference=None if self.reference is None else abstract(self.reference),
         )
-        self.state, self.extra = state, dict(extra)
+        self.set_checkpoint_state(state)
+        self.extra = dict(extra)
         if self.reference is not None:
             if reference is None:
                 raise ValueError(f"checkpoint {step} has no reference parameters to resume from")
@@ -362,7 +215,7 @@ class RLTrainer:
         self.extra["sampler"] = self.sampler.state()
         self.checkpointer.save(
             step,
-            self.state,
+            self.checkpoint_state(),
             extra=self.extra,
             reference_params=self.reference if self.reference_dirty else None,
         )
@@ -373,10 +226,10 @@ class RLTrainer:
         if self.reference is None:
             return
         if ref.mode == "refresh" and ref.refresh_every and step % ref.refresh_every == 0:
-            self.reference = self.copy_params(self.state.params)
+            self.reference = self.copy_params(self.policy_params)
             self.reference_dirty = True
         elif ref.mode == "ema":
-            self.reference = _ema(self.reference, self.state.params, ref.ema_decay)
+            self.reference = _ema(self.reference, self.policy_params, ref.ema_decay)
             self.reference_dirty = True
 
     # -- one step ----------------------------------------------------------------------------
@@ -393,7 +246,7 @@ class RLTrainer:
             # Always a full draw: one sampler program, whatever is still missing.
             examples = self.sampler.next_batch(r.prompts_per_step)
             samples = run.sample(
-                self.state.params,
+                self.policy_params,
                 examples,
                 jax.random.fold_in(step_key, attempts),
                 temperature=r.temperature,
@@ -450,14 +303,14 @@ class RLTrainer:
         )
         t1 = time.perf_counter()
         device_batch = run.to_device(host)
-        old = rollout_lib.fetch(self.logprob_fn(self.state.params, device_batch))
+        old = rollout_lib.fetch(self.logprob_fn(self.policy_params, device_batch))
         ref = None
         if self.reference is not None:
             ref = rollout_lib.fetch(self.logprob_fn(self.reference, device_batch))
-        adv, _ = self.advantage_fn(samples.rewards, samples.completion_mask, old, ref)
-        adv = np.asarray(adv, np.float32)
+        host = host._replace(old_logprobs=old, ref_logprobs=ref, rewards=samples.rewards)
+        host, score_metrics = self.score(step, samples, host, device_batch)
+        adv = host.advantages
         t_logprobs = time.perf_counter() - t1
-        host = host._replace(old_logprobs=old, ref_logprobs=ref, advantages=adv)
 
         t2 = time.perf_counter()
         updates = []
@@ -466,8 +319,7 @@ class RLTrainer:
             order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
             for part in np.split(order, minibatches):
                 minibatch = jax.tree.map(lambda x, rows=part: x[rows], host)
-                self.state, metrics = self.update_fn(self.state, run.to_device(minibatch))
-                updates.append(metrics)
+                updates.append(self.update(step, run.to_device(minibatch)))
         update_metrics = _mean_metrics(jax.device_get(updates))
         t_update = time.perf_counter() - t2
         self._update_reference(step + 1)
@@ -488,6 +340,7 @@ class RLTrainer:
             "completion_clipped_frac": float((~samples.finished).mean()),
             **{f"reward/{k}": float(np.mean(v)) for k, v in samples.components.items()},
             **{k: float(v) for k, v in info.items()},
+            **score_metrics,
             **update_metrics,
             "time/rollout": t_rollout,
             "time/logprobs": t_logprobs,
@@ -495,6 +348,20 @@ class RLTrainer:
             "time/step": time.perf_counter() - t0,
             "tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
         }
+        return metrics
+
+    def score(
+        self, step: int, samples: rollout_lib.Samples, host: RolloutBatch, device_batch
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """Hook: fills ``host.advantages`` (and whatever else the update needs)."""
+        adv, _ = self.advantage_fn(
+            samples.rewards, samples.completion_mask, host.old_logprobs, host.ref_logprobs
+        )
+        return host._replace(advantages=np.asarray(adv, np.float32)), {}
+
+    def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
+        """Hook: one optimizer step on a device minibatch; returns its metrics."""
+        self.state, metrics = self.update_fn(self.state, minibatch)
         return metrics
 
     # -- the run -----------------------------------------------------------------------------
@@ -528,15 +395,15 @@ class RLTrainer:
         self._setup_state()
         self._compile()
         if "eval_before_rl" not in self.extra:
-            self.extra["eval_before_rl"] = self.run.evaluate(self.state.params)
+            self.extra["eval_before_rl"] = self.run.evaluate(self.policy_params)
             log.info("eval before RL: %s", self.extra["eval_before_rl"])
-        start = int(self.state.step) // (cfg.trainer.epochs * cfg.trainer.minibatches)
+        start = self.start_step
         bar = ProgressBar(cfg.trainer.max_steps, initial=start, disable=not cfg.logging.progress)
         for step in range(start, cfg.trainer.max_steps):
             metrics = self.step(step)
             if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
                 metrics.update(
-                    {f"eval/{k}": v for k, v in self.run.evaluate(self.state.params).items()}
+                    {f"eval/{k}": v for k, v in self.run.evaluate(self.policy_params).items()}
                 )
             if self.is_main:
                 self.metrics_writer.write(step + 1, metrics)
@@ -544,7 +411,7 @@ class RLTrainer:
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.trainer.max_steps:
                 self._save(step + 1)
         bar.close()
-        after = self.run.evaluate(self.state.params)
+        after = self.run.evaluate(self.policy_params)
         summary = {
             "eval_before_rl": self.extra["eval_before_rl"],
             "eval_after_rl": after,
@@ -575,6 +442,21 @@ def _ema(reference, params, decay: float):
     )
 
 
+def trainer_for(cfg: TrainConfig) -> RLTrainer:
+    """The trainer an objective needs: PPO's critic (``gae``), PRIME's process reward model
+    (``prime``), or the plain policy trainer."""
+    advantage = objectives.make(cfg.objective.name, **dict(cfg.objective.overrides)).advantage
+    if advantage == "gae":
+        from jaxrl_llm.train.ppo import PPOTrainer  # noqa: PLC0415  (imports this module)
+
+        return PPOTrainer(cfg)
+    if advantage == "prime":
+        from jaxrl_llm.train.prime import PRIMETrainer  # noqa: PLC0415
+
+        return PRIMETrainer(cfg)
+    return RLTrainer(cfg)
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Runs an RL job from a resolved config; returns the summary written to summary.json."""
-    return RLTrainer(cfg).train()
+    return trainer_for(cfg).train()

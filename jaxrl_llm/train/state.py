@@ -7,6 +7,7 @@ every leaf directly in its shard, so no host ever holds the full state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -68,9 +69,16 @@ def optimizer_logical_axes(opt_state_shapes: PyTree, params_axes: PyTree, params
     return jax.tree_util.tree_map_with_path(axes_for, opt_state_shapes)
 
 
-def state_logical_axes(abstract_state: TrainState, model_config) -> TrainState:
-    """Logical axis names of every leaf of a (abstract) ``TrainState``."""
-    params_axes = models.logical_axes(model_config)
+def state_logical_axes(
+    abstract_state: TrainState, model_config, params_axes: PyTree | None = None
+) -> TrainState:
+    """Logical axis names of every leaf of a (abstract) ``TrainState``.
+
+    ``params_axes`` overrides the policy's axes (``models.logical_axes(model_config)``) for
+    other parameter trees, e.g. a value model's.
+    """
+    if params_axes is None:
+        params_axes = models.logical_axes(model_config)
     return TrainState(
         step=(),
         params=params_axes,
@@ -81,14 +89,16 @@ def state_logical_axes(abstract_state: TrainState, model_config) -> TrainState:
     )
 
 
-def state_shardings(abstract_state: TrainState, model_config, mesh: Mesh, rules=None) -> TrainState:
+def state_shardings(
+    abstract_state: TrainState, model_config, mesh: Mesh, rules=None, params_axes=None
+) -> TrainState:
     """``NamedSharding`` of every leaf of the state under ``rules`` (default: parameter rules).
 
     Raises:
       ValueError: a dimension that does not divide its mesh axis (naming the leaf).
     """
     rules = parallel.PARAM_RULES if rules is None else rules
-    axes = state_logical_axes(abstract_state, model_config)
+    axes = state_logical_axes(abstract_state, model_config, params_axes)
     return parallel.logical_to_sharding(axes, mesh, rules, shapes=abstract_state)
 
 
@@ -105,6 +115,8 @@ def create_train_state(
     params: PyTree | None = None,
     param_dtype=jnp.float32,
     rules=None,
+    init_params: Callable[[Array], PyTree] | None = None,
+    params_axes: PyTree | None = None,
 ) -> tuple[TrainState, TrainState]:
     """A fresh (or pretrained-initialised) train state, born sharded on ``mesh``.
 
@@ -117,6 +129,9 @@ def create_train_state(
         initialises randomly.
       param_dtype: dtype of freshly initialised parameters.
       rules: logical-axis rules for the state (default ``parallel.PARAM_RULES``).
+      init_params: ``key -> params`` for another parameter tree than the policy's (e.g. a
+        value model); needs ``params_axes``, that tree's logical axis names.
+      params_axes: logical axes of the parameters (default: the policy's).
 
     Returns:
       ``(state, shardings)``: the state and the matching pytree of ``NamedSharding``s, to be
@@ -125,7 +140,9 @@ def create_train_state(
     init_key, state_key = jax.random.split(key)
 
     def init(params):
-        if params is None:
+        if params is None and init_params is not None:
+            params = init_params(init_key)
+        elif params is None:
             params = models.init_params(model_config, init_key, dtype=param_dtype)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -135,7 +152,9 @@ def create_train_state(
         )
 
     abstract = jax.eval_shape(init, params)
-    shardings = state_shardings(abstract, model_config, mesh, rules)
+    if init_params is not None and params_axes is None:
+        raise ValueError("create_train_state with init_params also needs params_axes")
+    shardings = state_shardings(abstract, model_config, mesh, rules, params_axes)
     if params is None:
         state = jax.jit(lambda: init(None), out_shardings=shardings)()
     else:

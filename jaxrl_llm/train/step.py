@@ -149,6 +149,36 @@ def _logprobs(model_config, params, batch: RolloutBatch, **kwargs):
     )
 
 
+def make_policy_loss_fn(
+    model_config,
+    objective: objectives.Objective,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+) -> LossFn:
+    """``(params, batch) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``.
+
+    See :func:`make_policy_step` for the arguments.
+    """
+    need_entropy = compute_entropy or objective.entropy_coef > 0
+
+    def loss_fn(params, batch: RolloutBatch):
+        out = _logprobs(
+            model_config,
+            params,
+            batch,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=need_entropy,
+        )
+        token_logprobs, entropy = out if need_entropy else (out, None)
+        result = objectives.policy_loss(objective, token_logprobs, batch, entropy=entropy)
+        return result.loss, result.metrics
+
+    return loss_fn
+
+
 def make_policy_step(
     model_config,
     objective: objectives.Objective,
@@ -178,21 +208,13 @@ def make_policy_step(
       completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
       them, ``ref_logprobs``.
     """
-    need_entropy = compute_entropy or objective.entropy_coef > 0
-
-    def loss_fn(params, batch: RolloutBatch):
-        out = _logprobs(
-            model_config,
-            params,
-            batch,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=need_entropy,
-        )
-        token_logprobs, entropy = out if need_entropy else (out, None)
-        result = objectives.policy_loss(objective, token_logprobs, batch, entropy=entropy)
-        return result.loss, result.metrics
-
+    loss_fn = make_policy_loss_fn(
+        model_config,
+        objective,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        compute_entropy=compute_entropy,
+    )
     return make_step(
         loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
     )

@@ -259,7 +259,7 @@ def test_errors(models):
             cache=init_cache(config, 2, 8),
             cache_index=0,
         )
-    with pytest.raises(ValueError, match=r"\[L, B, S_max, K, H\]"):
+    with pytest.raises(ValueError, match=r"\[L, B, K, S_max, H\]"):
         forward(params, config, tokens, cache=init_cache(config, 3, 8), cache_index=0)
     with pytest.raises(ValueError, match="params do not match"):
         forward({"embed": params["embed"]}, config, tokens)

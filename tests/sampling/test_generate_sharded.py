@@ -74,8 +74,8 @@ def test_state_follows_sampling_rules(setup):
         state = gen.decode(
             sharded, config, state, key=jax.random.key(0), sampling=sampling, mesh=mesh
         )
-    _assert_spec(state.cache.k, mesh, None, ROWS, None, "tensor", None)
-    _assert_spec(state.cache.v, mesh, None, ROWS, None, "tensor", None)
+    _assert_spec(state.cache.k, mesh, None, ROWS, "tensor", None, None)
+    _assert_spec(state.cache.v, mesh, None, ROWS, "tensor", None, None)
     _assert_spec(state.cache.mask, mesh, ROWS, None)
     _assert_spec(state.done, mesh, ROWS)
     _assert_spec(state.logits, mesh, ROWS, "tensor")

@@ -261,3 +261,16 @@ def test_full_vocabulary_nucleus_equals_sorted_rule(rng):
             mass_above = probs[row][logits[row] > logits[row, col]].sum()
             assert abs(mass_above - top_p) < 1e-6, (top_p, row, col, mass_above)
         assert (full != sorted_path).sum() <= 2
+
+
+def test_first_argmax_equals_numpy_argmax(rng):
+    logits = rng.normal(size=(7, 300)).astype(np.float32)
+    logits[1, [5, 17, 250]] = 9.0  # ties: the lowest index wins
+    logits[2, :] = -np.inf
+    logits[2, 40] = 0.0
+    logits[3, [3, 100]] = np.inf
+    logits[4, [8, 60]] = np.nan  # NaN wins, as in jnp.argmax / np.argmax
+    got = np.asarray(jax.jit(strategies.first_argmax)(jnp.asarray(logits)))
+    chex.assert_type(got, np.int32)
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got[1] == 5 and got[2] == 40 and got[3] == 3 and got[4] == 8

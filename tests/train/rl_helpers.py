@@ -122,7 +122,7 @@ def expected_keys(cfg: TrainConfig) -> set[str]:
     keys = {"step", *ROW_KEYS}
     if objective.surrogate in CLIPPING_SURROGATES:
         keys.add("clip_frac")
-    if objective.needs_reference:
+    if objective.needs_reference and objective.kl_kind is not None:
         keys.add("kl")
     if objective.dynamic_sampling:
         keys.update(DYNAMIC_KEYS)

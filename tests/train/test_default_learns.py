@@ -1,9 +1,10 @@
 """``jaxrl-llm train`` with no config learns the built-in task (issue 7).
 
 Runs the console command as a user would -- its own process on one CPU device (without the
-test session's 8 fake devices), the default config, only ``run_dir`` set and at most
-``MAX_STEPS`` RL steps -- and requires greedy accuracy on the held-out prompts to rise from
-before RL to after it. The README reports the numbers of the full default run.
+test session's 8 fake devices), the whole default run (800 SFT warm-up steps, then 200 GRPO
+steps; about 75 s on an idle 2-core CPU) with only ``run_dir`` set -- and requires greedy
+accuracy on the held-out prompts to rise by at least ``MIN_GAIN`` from before RL to after it,
+the issue's bar. The README reports the numbers (21.9% -> 42.2%).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from jaxrl_llm.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
+# Accuracy points RL must add on the held-out prompts (the README's run adds 20.3).
+MIN_GAIN = 0.15
 # Caps the RL steps so the test stays within CI time should the default grow.
-MAX_STEPS = 40
+MAX_STEPS = 200
 
 
 def _single_device_env() -> dict[str, str]:
@@ -49,4 +52,7 @@ def test_default_run_improves_held_out_accuracy(tmp_path):
     assert len(read_metrics(run_dir)) == steps
     before = summary["eval_before_rl"]["accuracy"]
     after = summary["eval_after_rl"]["accuracy"]
-    assert after > before, f"held-out accuracy went from {before} to {after} with RL: {summary}"
+    assert after >= before + MIN_GAIN, (
+        f"held-out accuracy went from {before} to {after} with RL, less than {MIN_GAIN} up: "
+        f"{summary}"
+    )

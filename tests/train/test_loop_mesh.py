@@ -33,6 +33,8 @@ def _config(run_dir, *extra):
         run_dir,
         rl_helpers.SHAPED_REWARDS,
         "trainer.max_steps=2",
+        # The tensor axis (2) splits the vocabulary; pad it the same way on one device.
+        "model.tiny.vocab_multiple=2",
         *extra,
     )
 

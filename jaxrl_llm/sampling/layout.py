@@ -1,0 +1,72 @@
+"""Per-layer layout of the weights and KV cache for decoding on CPU.
+
+``models.forward`` scans over layers stacked along a leading ``[L, ...]`` axis, which keeps
+compile time flat in depth. On CPU, XLA copies each layer's slice out of a stacked array before
+the matmuls that read it: every decode step would copy all the weights and the whole cache once
+more than it reads them. Split into per-layer arrays (one copy per ``decode`` call, outside its
+loop), ``forward`` runs the layers unrolled and every step reads weights and cache in place;
+the cache is also updated in place, one slot per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models import KVCache
+
+Params = dict[str, Any]
+
+# Largest layer weights (bytes) that CPU decoding copies into per-layer arrays.
+UNROLL_MAX_BYTES = 2**31
+
+
+def _split(stacked: Any) -> tuple[Any, ...]:
+    """A pytree of ``[L, ...]`` arrays as a tuple of ``L`` pytrees (static slices)."""
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count))
+
+
+def unstack_layers(params: Params) -> Params:
+    """``params`` with ``params["layers"]`` (``[L, ...]`` leaves) split into ``L`` dicts.
+
+    Args:
+      params: model parameters from ``init_params`` / ``load_pretrained``.
+
+    Returns:
+      The same dict with ``"layers"`` a tuple of per-layer dicts (unchanged if already split).
+    """
+    layers = params["layers"]
+    return params if isinstance(layers, tuple) else {**params, "layers": _split(layers)}
+
+
+def unstack_cache(cache: KVCache) -> KVCache:
+    """``k, v: [L, B, K, S, H]`` split into tuples of ``L`` ``[B, K, S, H]`` arrays."""
+    if isinstance(cache.k, tuple):
+        return cache
+    return cache._replace(k=_split(cache.k), v=_split(cache.v))
+
+
+def stack_cache(cache: KVCache) -> KVCache:
+    """Inverse of ``unstack_cache``: ``k, v`` back to ``[L, B, K, S, H]`` arrays."""
+    if not isinstance(cache.k, tuple):
+        return cache
+    return cache._replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+
+
+def worth_unstacking(params: Params) -> bool:
+    """Whether ``decode`` should split ``params`` and the cache: on CPU, up to a size.
+
+    Accelerators read a stacked layer's slice in place, so they keep the scan. The split holds
+    a second copy of the layer weights while decoding; past ``UNROLL_MAX_BYTES`` of them the
+    memory is worth more than the speed. Traced params count as the default backend's.
+    """
+    leaf = jax.tree.leaves(params)[0]
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        on_cpu = jax.default_backend() == "cpu"
+    else:
+        on_cpu = all(device.platform == "cpu" for device in leaf.sharding.device_set)
+    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params["layers"]))
+    return on_cpu and size <= UNROLL_MAX_BYTES

@@ -1,0 +1,294 @@
+"""PPO with a critic: a scalar-head value model, GAE advantages and a clipped value loss.
+
+The recipe of verl's and OpenRLHF's PPO: the critic (the transformer with a scalar head,
+initialised from the policy's backbone or from a reward model) values every completion token at
+rollout time; GAE turns the token rewards (the outcome reward on the last token minus the k1 KL
+penalty) and those values into advantages and returns; then each minibatch updates the policy
+with the clipped surrogate and the critic with ``½·max((v − R)², (clip(v) − R)²)``, either with
+separate optimizers or with one optimizer over both (``pg + value_coef·vf``). During the first
+``critic.warmup_steps`` RL steps only the critic learns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import models, objectives
+from jaxrl_llm.models import heads
+from jaxrl_llm.train import rollout as rollout_lib
+from jaxrl_llm.train.loop import RLTrainer
+from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import jit_step, make_policy_loss_fn, make_step
+from jaxrl_llm.types import RolloutBatch
+
+CRITIC_INITS = ("policy", "reward_model", "random")
+CRITIC_OPTIMIZERS = ("separate", "joint")
+
+
+def _values(model_config, params, batch: RolloutBatch) -> jax.Array:
+    return heads.token_values(
+        params,
+        model_config,
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask,
+    )
+
+
+def make_value_loss_fn(model_config, objective: objectives.Objective):
+    """``(value_params, batch) -> (vf_loss, metrics)``; ``batch`` needs old values and returns."""
+
+    def loss_fn(params, batch: RolloutBatch):
+        out = objectives.value_loss(objective, _values(model_config, params, batch), batch)
+        return out.loss, out.metrics
+
+    return loss_fn
+
+
+def make_value_step(model_config, objective, optimizer, *, micro_batches=1, param_shardings=None):
+    """A pure critic step ``(state, batch) -> (state, metrics)`` on the clipped value loss."""
+    return make_step(
+        make_value_loss_fn(model_config, objective),
+        optimizer,
+        micro_batches=micro_batches,
+        param_shardings=param_shardings,
+    )
+
+
+def make_joint_step(
+    model_config,
+    objective,
+    optimizer,
+    *,
+    micro_batches=1,
+    temperature=1.0,
+    chunk_size=None,
+    param_shardings=None,
+):
+    """One optimizer over ``{"policy", "value"}``: loss ``pg_total + value_coef·vf_loss``."""
+    policy_loss = make_policy_loss_fn(
+        model_config, objective, temperature=temperature, chunk_size=chunk_size
+    )
+    value_loss = make_value_loss_fn(model_config, objective)
+
+    def loss_fn(params, batch: RolloutBatch):
+        pg, pg_metrics = policy_loss(params["policy"], batch)
+        vf, vf_metrics = value_loss(params["value"], batch)
+        total = pg + objective.value_coef * vf
+        return total, {**pg_metrics, **vf_metrics, "total_loss": total}
+
+    return make_step(
+        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+    )
+
+
+def make_value_fn(model_config, *, param_shardings=None):
+    """A jitted ``(value_params, batch) -> [B, T]`` of rollout-time values (no gradient)."""
+
+    def fn(params, batch: RolloutBatch):
+        return _values(model_config, jax.lax.stop_gradient(params), batch)
+
+    if param_shardings is None:
+        return jax.jit(fn)
+    return jax.jit(fn, in_shardings=(param_shardings, None))
+
+
+def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray) -> float:
+    """``1 − Var[R − V] / Var[R]`` over valid tokens (1 = perfect critic, ≤ 0 = useless).
+
+    Returns NaN-free 0.0 when the returns do not vary.
+    """
+    m = np.asarray(mask, bool)
+    r, v = np.asarray(returns, np.float64)[m], np.asarray(values, np.float64)[m]
+    if r.size == 0:
+        return 0.0
+    var_r = r.var()
+    if var_r <= 1e-12:
+        return 0.0
+    return float(1.0 - (r - v).var() / var_r)
+
+
+class PPOTrainer(RLTrainer):
+    """The RL loop plus a critic (objective with ``advantage="gae"``, e.g. the ``ppo`` preset)."""
+
+    def _check_objective(self, objective: objectives.Objective) -> None:
+        if objective.advantage != "gae":
+            raise ValueError(f"PPOTrainer needs gae advantages, not {objective.advantage!r}")
+        critic = self.cfg.critic
+        if critic.init not in CRITIC_INITS:
+            raise ValueError(f"critic.init must be one of {CRITIC_INITS}, got {critic.init!r}")
+        if critic.optimizer not in CRITIC_OPTIMIZERS:
+            raise ValueError(
+                f"critic.optimizer must be one of {CRITIC_OPTIMIZERS}, got {critic.optimizer!r}"
+            )
+        if critic.init == "reward_model" and critic.path is None:
+            raise ValueError("critic.init=reward_model needs critic.path (a scalar-head model)")
+        if critic.warmup_steps < 0:
+            raise ValueError(f"critic.warmup_steps must be >= 0, got {critic.warmup_steps}")
+
+    @property
+    def joint(self) -> bool:
+        return self.cfg.critic.optimizer == "joint"
+
+    @property
+    def policy_params(self):
+        return self.state.params["policy"] if self.joint else self.state.params
+
+    @property
+    def value_params(self):
+        return self.state.params["value"] if self.joint else self.value_state.params
+
+    def checkpoint_state(self):
+        return self.state if self.joint else {"policy": self.state, "critic": self.value_state}
+
+    def set_checkpoint_state(self, tree) -> None:
+        if self.joint:
+            self.state = tree
+        else:
+            self.state, self.value_state = tree["policy"], tree["critic"]
+
+    def _initial_value_params(self):
+        run, critic = self.run, self.cfg.critic
+        key = jax.random.fold_in(self.key, 7)
+        if critic.init == "reward_model":
+            config, params = heads.load_scalar_model(critic.path, dtype=jnp.float32, mesh=run.mesh)
+            if config.vocab_size != run.model_config.vocab_size:
+                raise ValueError(
+                    f"critic.path {critic.path} has vocab_size {config.vocab_size}, the policy "
+                    f"{run.model_config.vocab_size}: they must share the tokenizer"
+                )
+            return config, params
+        backbone = self.state.params if critic.init == "policy" else None
+        return run.model_config, heads.init_scalar_params(run.model_config, key, backbone=backbone)
+
+    def _setup_extra_networks(self) -> None:
+        run, critic = self.run, self.cfg.critic
+        self.value_config, value_params = self._initial_value_params()
+        axes = heads.scalar_logical_axes(self.value_config)
+        key = jax.random.fold_in(self.key, 8)
+        if self.joint:
+            params = {"policy": self.state.params, "value": value_params}
+            self.state, self.joint_shardings = create_train_state(
+                run.model_config,
+                self.optimizer,
+                key=key,
+                mesh=run.mesh,
+                params=params,
+                params_axes={"policy": models.logical_axes(run.model_config), "value": axes},
+            )
+            return
+        optimizer = make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
+        self.value_optimizer = optimizer
+        self.value_state, self.value_shardings = create_train_state(
+            self.value_config,
+            optimizer,
+            key=key,
+            mesh=run.mesh,
+            params=value_params,
+            params_axes=axes,
+        )
+
+    def _compile(self) -> None:
+        super()._compile()
+        run, cfg = self.run, self.cfg
+        common = {"micro_batches": cfg.trainer.micro_batches}
+        if self.joint:
+            self.joint_fn = jit_step(
+                make_joint_step(
+                    run.model_config,
+                    run.objective,
+                    self.optimizer,
+                    temperature=cfg.rollout.temperature,
+                    chunk_size=cfg.model.chunk_size,
+                    param_shardings=self.joint_shardings.params,
+                    **common,
+                ),
+                self.joint_shardings,
+            )
+            value_shardings = self.joint_shardings.params["value"]
+        else:
+            self.value_fn_step = jit_step(
+                make_value_step(
+                    self.value_config,
+                    run.objective,
+                    self.value_optimizer,
+                    param_shardings=self.value_shardings.params,
+                    **common,
+                ),
+                self.value_shardings,
+            )
+            value_shardings = self.value_shardings.params
+        self.values_fn = make_value_fn(self.value_config, param_shardings=value_shardings)
+        self.gae_fn = jax.jit(
+            lambda rewards, mask, old, ref, values: objectives.compute_advantages(
+                run.objective,
+                rewards,
+                mask,
+                group_size=cfg.rollout.group_size,
+                old_logprobs=old,
+                ref_logprobs=ref,
+                values=values,
+            )
+        )
+
+    def score(self, step, samples, host, device_batch):
+        values = rollout_lib.fetch(self.values_fn(self.value_params, device_batch))
+        mask = samples.completion_mask
+        values = values * mask
+        adv, returns = self.gae_fn(
+            samples.rewards, mask, host.old_logprobs, host.ref_logprobs, values
+        )
+        adv, returns = np.asarray(adv, np.float32), np.asarray(returns, np.float32)
+        valid = np.asarray(mask, bool)
+        metrics = {
+            "critic/explained_variance": explained_variance(values, returns, mask),
+            "critic/values_mean": float(values[valid].mean()) if valid.any() else 0.0,
+            "critic/returns_mean": float(returns[valid].mean()) if valid.any() else 0.0,
+        }
+        host = host._replace(advantages=adv, old_values=values, returns=returns)
+        return host, metrics
+
+    def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
+        warming_up = step < self.cfg.critic.warmup_steps
+        if self.joint:
+            if warming_up:
+                # Only the value term: the policy gradient is zeroed by zero advantages.
+                minibatch = minibatch._replace(advantages=jnp.zeros_like(minibatch.advantages))
+            self.state, metrics = self.joint_fn(self.state, minibatch)
+            return metrics
+        metrics: dict[str, Any] = {}
+        if not warming_up:
+            self.state, metrics = self.update_fn(self.state, minibatch)
+        self.value_state, value_metrics = self.value_fn_step(self.value_state, minibatch)
+        value_metrics = dict(value_metrics)
+        value_metrics["vf_grad_norm"] = value_metrics.pop("grad_norm")
+        value_metrics.pop("num_tokens", None)
+        return {**metrics, **value_metrics}
+
+    def train(self) -> dict[str, Any]:
+        summary = super().train()
+        # The critic is saved in the Hugging Face scalar-head layout, like a reward model.
+        if self.is_main:
+            heads.save_scalar_model(
+                self.run_dir / "critic",
+                self.value_config,
+                jax.device_get(self.value_params),
+                tokenizer=self.run.tokenizer,
+            )
+        return summary
+
+
+__all__ = [
+    "PPOTrainer",
+    "explained_variance",
+    "make_joint_step",
+    "make_value_fn",
+    "make_value_loss_fn",
+    "make_value_step",
+]

@@ -1,0 +1,367 @@
+"""The device side of preference training: losses from a model, reference log-probs, the step.
+
+Everything here is pure and jit-able; configs are resolved into these functions' arguments by
+``train.preference`` before anything is traced. Pairs travel as ``types.PreferenceBatch``
+(chosen and rejected completions scored in one forward pass over ``2N`` rows), KTO's
+labelled completions as :class:`UnpairedBatch`, a reward model's pairs as
+:class:`RewardBatch`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.nn import log_sigmoid
+from jax.sharding import AxisType, PartitionSpec
+
+from jaxrl_llm._checks import check_non_negative, check_rank, check_same_shape, f32
+from jaxrl_llm.logprobs import completion_logprobs
+from jaxrl_llm.models import heads
+from jaxrl_llm.preference import kto, kto_reference_point, preference_loss, sequence_logps
+from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.types import PreferenceBatch
+
+Array = jax.Array
+
+
+class UnpairedBatch(NamedTuple):
+    """KTO's batch: labelled completions and the mismatched completions of its KL estimate.
+
+    Attributes:
+      prompt_tokens: ``[N, P]`` int32, left-padded.
+      prompt_mask: ``[N, P]``.
+      completion_tokens: ``[N, T]`` int32, right-padded.
+      completion_mask: ``[N, T]``.
+      labels: ``[N]`` bool, true for desirable completions.
+      kl_completion_tokens: ``[N, T]`` the completion of another example, paired with row
+        ``i``'s prompt (``data.mismatched_partners``).
+      kl_completion_mask: ``[N, T]``.
+      ref_logps: ``[N]`` summed reference log-probs of the completions.
+      ref_kl_logps: ``[N]`` summed reference log-probs of the mismatched completions.
+    """
+
+    prompt_tokens: Array
+    prompt_mask: Array
+    completion_tokens: Array
+    completion_mask: Array
+    labels: Array
+    kl_completion_tokens: Array
+    kl_completion_mask: Array
+    ref_logps: Array | None = None
+    ref_kl_logps: Array | None = None
+
+
+class RewardBatch(NamedTuple):
+    """A reward model's batch: the pairs and their Bradley-Terry margins ``[N]``."""
+
+    pairs: PreferenceBatch
+    margins: Array
+
+
+# --------------------------------------------------------------------------------------------
+# Losses from a model
+
+
+def bradley_terry(
+    chosen_scores: Array,
+    rejected_scores: Array,
+    *,
+    margins: Array | None = None,
+    center_rewards_coefficient: float = 0.0,
+) -> Array:
+    """Per-pair reward-model loss ``ℓ = −logσ(r_w − r_l − m) + c·(r_w + r_l)²``.
+
+    The Bradley-Terry model of preferences (Bradley & Terry 1952) as a reward-model loss
+    (Ouyang et al. 2022, InstructGPT); ``m`` is a per-pair margin (Llama 2, Touvron et al.
+    2023) and ``c`` the reward-centring coefficient (Eisenstein et al. 2023): the mean over
+    pairs equals TRL RewardTrainer's loss.
+
+    Args:
+      chosen_scores: ``[N]`` rewards ``r_w`` of the chosen completions.
+      rejected_scores: ``[N]`` rewards ``r_l`` of the rejected completions.
+      margins: ``[N]`` margins ``m`` (default 0).
+      center_rewards_coefficient: ``c ≥ 0``.
+
+    Returns:
+      ``[N]`` float32 per-pair losses.
+    """
+    check_non_negative("center_rewards_coefficient", center_rewards_coefficient)
+    check_rank("chosen_scores", chosen_scores, 1)
+    check_same_shape(chosen_scores=chosen_scores, rejected_scores=rejected_scores, margins=margins)
+    rw, rl = f32(chosen_scores), f32(rejected_scores)
+    m = 0.0 if margins is None else f32(margins)
+    loss = -log_sigmoid(rw - rl - m)
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * jnp.square(rw + rl)
+    return loss
+
+
+def _masked_mean(x: Array, weights: Array) -> Array:
+    return jnp.sum(jnp.where(weights > 0, x, 0.0)) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def _token_nll(token_logps: Array, mask: Array) -> Array:
+    """``−Σ m·lp / max(Σ m, 1)``: the token-mean NLL over every row (a metric)."""
+    mask = mask.astype(jnp.float32)
+    return -jnp.sum(jnp.where(mask > 0, f32(token_logps), 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _both(prompt_tokens, prompt_mask, first_tokens, first_mask, second_tokens, second_mask):
+    """``[2N, ...]`` rows ``[prompt; prompt]`` with ``[first; second]``: one forward pass."""
+    cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
+    return (
+        cat(prompt_tokens, prompt_tokens),
+        cat(prompt_mask, prompt_mask),
+        cat(first_tokens, second_tokens),
+        cat(first_mask, second_mask),
+    )
+
+
+def pair_token_logps(params, model_config, batch: PreferenceBatch, *, chunk_size=None):
+    """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions."""
+    n = batch.chosen_tokens.shape[0]
+    rows = _both(
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.chosen_tokens,
+        batch.chosen_mask,
+        batch.rejected_tokens,
+        batch.rejected_mask,
+    )
+    token_logps = completion_logprobs(params, model_config, *rows, chunk_size=chunk_size)
+    return token_logps[:n], token_logps[n:]
+
+
+def unpaired_token_logps(params, model_config, batch: UnpairedBatch, *, chunk_size=None):
+    """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones."""
+    n = batch.completion_tokens.shape[0]
+    rows = _both(
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask,
+        batch.kl_completion_tokens,
+        batch.kl_completion_mask,
+    )
+    token_logps = completion_logprobs(params, model_config, *rows, chunk_size=chunk_size)
+    return token_logps[:n], token_logps[n:]
+
+
+def make_pair_loss_fn(model_config, loss_name, *, beta, chunk_size=None, **loss_kwargs):
+    """``L(θ) = mean_i ℓ(lp_θ(y_w^i), lp_θ(y_l^i))``: a pair loss of a model, with metrics.
+
+    ``ℓ`` is ``jaxrl_llm.preference.preference_loss``'s: a DPO loss type or a tuple of them
+    (Rafailov et al. 2023 and its variants; they read ``batch.ref_chosen_logps`` /
+    ``ref_rejected_logps``, ``[N]``), or the reference-free ``orpo`` (Hong et al. 2024),
+    ``simpo`` (Meng et al. 2024), ``cpo`` (Xu et al. 2024). The ``N`` chosen and ``N``
+    rejected completions (``[N, T]``, prompts ``[N, P]``) are scored in one forward pass over
+    ``2N`` rows. Metrics are ``preference_loss``'s plus ``nll``, the token-mean NLL of the
+    chosen completions. Hyper-parameters are bound here, before ``jax.jit``.
+    """
+
+    def loss_fn(params, batch: PreferenceBatch):
+        chosen, rejected = pair_token_logps(params, model_config, batch, chunk_size=chunk_size)
+        out = preference_loss(
+            loss_name,
+            chosen,
+            batch.chosen_mask,
+            rejected,
+            batch.rejected_mask,
+            batch.ref_chosen_logps,
+            batch.ref_rejected_logps,
+            beta=beta,
+            **loss_kwargs,
+        )
+        metrics = dict(out.metrics)
+        metrics["nll"] = jax.lax.stop_gradient(_token_nll(chosen, batch.chosen_mask))
+        return out.loss, metrics
+
+    return loss_fn
+
+
+def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
+    """``L(θ) = mean_i λ_i·(1 − σ(±β·(r_i − z0)))``: KTO over ``N`` labelled completions.
+
+    Ethayarajh et al. 2024: ``r_i = lp_θ(y_i) − lp_ref(y_i)``, ``+`` and ``λ_D`` for desirable
+    completions, ``−`` and ``λ_U`` for undesirable ones (``jaxrl_llm.preference.kto``). The
+    reference point ``z0 = max(mean_i(lp_θ(y'_i) − lp_ref(y'_i)), 0)`` (detached) comes from
+    the batch's mismatched pairs: prompt ``i`` with another example's completion ``y'_i``,
+    scored in the same forward pass over ``2N`` rows. Metrics: ``rewards/chosen`` /
+    ``rewards/rejected`` (mean ``β·r`` over desirable / undesirable examples, as TRL reports),
+    ``rewards/margins``, ``logps/chosen`` / ``logps/rejected``, ``kl`` (``z0``) and ``nll``
+    (token-mean NLL of the desirable completions).
+    """
+
+    def loss_fn(params, batch: UnpairedBatch):
+        token_logps, kl_token_logps = unpaired_token_logps(
+            params, model_config, batch, chunk_size=chunk_size
+        )
+        policy = sequence_logps(token_logps, batch.completion_mask)
+        kl_policy = sequence_logps(kl_token_logps, batch.kl_completion_mask)
+        per_example = kto(
+            policy,
+            batch.ref_logps,
+            batch.labels,
+            kl_policy,
+            batch.ref_kl_logps,
+            beta=beta,
+            **kto_kwargs,
+        )
+        loss = jnp.mean(per_example)
+        sg = jax.lax.stop_gradient
+        desirable = batch.labels.astype(jnp.float32)
+        undesirable = 1.0 - desirable
+        reward = sg(beta * (policy - f32(batch.ref_logps)))
+        chosen, rejected = _masked_mean(reward, desirable), _masked_mean(reward, undesirable)
+        token_weights = batch.completion_mask * desirable[:, None]
+        metrics = {
+            "loss": sg(loss),
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margins": chosen - rejected,
+            "logps/chosen": _masked_mean(sg(policy), desirable),
+            "logps/rejected": _masked_mean(sg(policy), undesirable),
+            "kl": kto_reference_point(sg(kl_policy), f32(batch.ref_kl_logps)),
+            "nll": sg(_token_nll(token_logps, token_weights)),
+        }
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0):
+    """``L(φ) = mean_i ℓ_BT(r_φ(x_i, y_w^i), r_φ(x_i, y_l^i), m_i)``: a reward model's loss.
+
+    :func:`bradley_terry` on the scalar-head model's rewards ``r_φ``
+    (``heads.sequence_scores``, the head at the last real token; Ouyang et al. 2022), chosen
+    and rejected rows in one forward pass over ``2N`` rows. Metrics: ``loss``,
+    ``rewards/chosen``, ``rewards/rejected`` (mean rewards), ``rewards/margins`` and
+    ``rewards/accuracies`` (pair accuracy, the fraction with ``r_w > r_l``).
+    """
+
+    def loss_fn(params, batch: RewardBatch):
+        pairs = batch.pairs
+        n = pairs.chosen_tokens.shape[0]
+        rows = _both(
+            pairs.prompt_tokens,
+            pairs.prompt_mask,
+            pairs.chosen_tokens,
+            pairs.chosen_mask,
+            pairs.rejected_tokens,
+            pairs.rejected_mask,
+        )
+        scores = heads.sequence_scores(params, model_config, *rows)
+        rw, rl = scores[:n], scores[n:]
+        loss = jnp.mean(
+            bradley_terry(
+                rw,
+                rl,
+                margins=batch.margins,
+                center_rewards_coefficient=center_rewards_coefficient,
+            )
+        )
+        rw, rl = jax.lax.stop_gradient(rw), jax.lax.stop_gradient(rl)
+        return loss, {
+            "loss": jax.lax.stop_gradient(loss),
+            "rewards/chosen": jnp.mean(rw),
+            "rewards/rejected": jnp.mean(rl),
+            "rewards/margins": jnp.mean(rw - rl),
+            "rewards/accuracies": jnp.mean((rw > rl).astype(jnp.float32)),
+        }
+
+    return loss_fn
+
+
+def make_reference_fn(
+    model_config, *, unpaired: bool, chunk_size=None, param_shardings=None, row_sharding=None
+):
+    """A jitted ``(ref_params, batch) -> ([N], [N])`` of ``lp_ref(y) = Σ_t m_t·log π_ref(y_t)``.
+
+    For pairs (``PreferenceBatch``): the chosen and the rejected completions; for KTO
+    (``UnpairedBatch``): the completions and the mismatched ones. No gradient flows into
+    ``ref_params``; ``param_shardings`` are their ``NamedSharding``s, ``row_sharding`` that of
+    the ``[N]`` outputs (give the batch's, so they can join it without a reshard).
+    """
+
+    def fn(params, batch):
+        params = jax.lax.stop_gradient(params)
+        if unpaired:
+            first, second = unpaired_token_logps(params, model_config, batch, chunk_size=chunk_size)
+            masks = batch.completion_mask, batch.kl_completion_mask
+        else:
+            first, second = pair_token_logps(params, model_config, batch, chunk_size=chunk_size)
+            masks = batch.chosen_mask, batch.rejected_mask
+        return sequence_logps(first, masks[0]), sequence_logps(second, masks[1])
+
+    out_shardings = None if row_sharding is None else (row_sharding, row_sharding)
+    return jax.jit(fn, in_shardings=(param_shardings, None), out_shardings=out_shardings)
+
+
+# --------------------------------------------------------------------------------------------
+# The step
+
+
+def _split_micro_batches(batch, micro_batches: int):
+    """``[B, ...]`` leaves → ``[K, B/K, ...]``, micro-batch k holding rows ``k, k+K, …``."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches} does not divide the batch size {rows}")
+
+    def split(x):
+        return jnp.swapaxes(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def make_preference_step(loss_fn, optimizer, *, micro_batches: int = 1, param_shardings=None):
+    """A pure ``step(state, batch) -> (state, metrics)`` around ``loss_fn(params, batch)``.
+
+    ``g = (1/K)·Σ_k ∇L(micro-batch k)``: with K micro-batches the step averages their losses
+    (and metrics), as TRL's gradient accumulation does. That is the full-batch gradient for
+    losses that are means over pairs (the DPO family, Bradley-Terry); for ORPO / SimPO / CPO
+    (a batch token-mean NLL) and KTO (a batch KL estimate) each micro-batch uses its own.
+    Adds ``grad_norm``. On a mesh with explicit axes the gradient is computed with automatic
+    sharding propagation and returned in ``param_shardings``.
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def gradients(params, batch):
+        if micro_batches == 1:
+            return grad_fn(params, batch)
+
+        def body(acc, micro):
+            grads, metrics = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, acc, grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, stacked = jax.lax.scan(body, zeros, _split_micro_batches(batch, micro_batches))
+        grads = jax.tree.map(lambda g: g / micro_batches, grads)
+        return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), stacked)
+
+    def step(state: TrainState, batch):
+        params = state.params
+        mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
+        if mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types):
+            specs = jax.tree.map(lambda s: s.spec, param_shardings)
+            auto = jax.sharding.auto_axes(gradients, out_sharding=(specs, PartitionSpec()))
+            grads, metrics = auto(params, batch)
+        else:
+            grads, metrics = gradients(params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        metrics = dict(metrics)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        rng, _ = jax.random.split(state.rng)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=optax.apply_updates(params, updates),
+            opt_state=opt_state,
+            rng=rng,
+        )
+        return new_state, metrics
+
+    return step

@@ -1,0 +1,121 @@
+"""The CPU decode layout: per-layer weights and cache, unrolled, read and updated in place."""
+
+import importlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.models import ModelConfig
+from jaxrl_llm.sampling import layout
+from tests.sampling import random_params
+
+gen = importlib.import_module("jaxrl_llm.sampling.generate")
+
+# Distinct sizes, so that a copied weight or cache slice is recognisable by its element count.
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=67,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+)
+ROWS, PROMPT, NEW = 3, 16, 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = random_params(CONFIG, seed=4)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, CONFIG.vocab_size, size=(ROWS, PROMPT)).astype(np.int32)
+    mask = np.ones((ROWS, PROMPT), bool)
+    mask[0, :9] = False
+    return params, tokens, mask
+
+
+def _decode(setup, *, unroll, temperature):
+    params, tokens, mask = setup
+    sampling = gen.sampling_params(temperature=temperature, eos_ids=(), pad_id=0)
+    state = gen.prefill(params, CONFIG, tokens, mask, max_new_tokens=NEW, pad_id=0)
+    args = (params, state, jax.random.key(7), sampling)
+    static = dict(config=CONFIG, top_k=0, mesh=None, unroll=unroll)
+    return gen._decode(*args, **static), gen._decode.lower(*args, **static)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_unrolled_decode_equals_scanned_decode(setup, temperature):
+    scanned, _ = _decode(setup, unroll=False, temperature=temperature)
+    unrolled, _ = _decode(setup, unroll=True, temperature=temperature)
+    np.testing.assert_array_equal(unrolled.tokens, scanned.tokens)
+    np.testing.assert_allclose(unrolled.logprobs, scanned.logprobs, atol=1e-5)
+    assert not isinstance(unrolled.cache.k, tuple)  # restacked for the caller
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), unrolled.cache, scanned.cache
+    )
+    assert int(unrolled.step) == NEW
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """Compiled HLO text split into ``name -> body`` per computation."""
+    parts = re.split(r"\n(?=(?:ENTRY )?%[\w.\-]+ \()", hlo)
+    return {
+        re.match(r"(?:ENTRY )?%([\w.\-]+)", p).group(1): p
+        for p in parts
+        if p.startswith(("%", "ENTRY"))
+    }
+
+
+def _loop_instructions(hlo: str) -> list[str]:
+    """Instructions of the decode while loop's body and every non-fusion computation it runs."""
+    comps = _computations(hlo)
+    entry = next(body for name, body in comps.items() if body.startswith("ENTRY"))
+    todo = re.findall(r"while\(.*?body=%([\w.\-]+)", entry)
+    seen, lines = set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps[name].splitlines()[1:]:
+            lines.append(line)
+            todo += re.findall(r"(?:body|condition|to_apply)=%([\w.\-]+)", line)
+            todo += re.findall(r"branch_computations=\{([^}]*)\}", line) and [
+                b.strip().lstrip("%")
+                for b in re.findall(r"branch_computations=\{([^}]*)\}", line)[0].split(",")
+            ]
+    return lines
+
+
+def test_decode_loop_reads_weights_and_cache_in_place(setup):
+    """No weight or cache slice is copied inside the loop; the cache is only updated in place.
+
+    Before the per-layer layout, every step copied each layer's weights out of the stacked
+    arrays and a transposed copy of each layer's cache before the attention.
+    """
+    _, lowered = _decode(setup, unroll=True, temperature=1.0)
+    hlo = lowered.compile().as_text()
+    layer_cache = ROWS * CONFIG.num_key_value_heads * (PROMPT + NEW) * CONFIG.head_dim
+    smallest_weight = CONFIG.hidden_size * CONFIG.num_key_value_heads * CONFIG.head_dim
+    big = min(layer_cache, smallest_weight)
+    offenders = []
+    for line in _loop_instructions(hlo):
+        match = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]\{[^}]*\} (\S+?)\(", line)
+        if not match or match.group(3) in ("parameter", "get-tuple-element", "bitcast"):
+            continue
+        size = int(np.prod([int(d) for d in match.group(2).split(",") if d]))
+        if size >= big and "dynamic-update-slice" not in match.group(1):
+            offenders.append(line.strip()[:160])
+    assert not offenders, "\n".join(offenders)
+    assert any("dynamic-update-slice" in line for line in _loop_instructions(hlo))
+
+
+def test_worth_unstacking_on_cpu_up_to_a_size(setup, monkeypatch):
+    params = setup[0]
+    assert jax.devices()[0].platform == "cpu"
+    assert layout.worth_unstacking(params)
+    monkeypatch.setattr(layout, "UNROLL_MAX_BYTES", 1000)
+    assert not layout.worth_unstacking(params)

@@ -1,0 +1,117 @@
+"""``job: reward_model``: a Bradley-Terry reward model learns the synthetic preferences, is
+saved as a Hugging Face sequence classifier and reloads to identical scores."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm import data
+from jaxrl_llm.models import heads
+from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.preference import PreferenceTrainer, run
+from jaxrl_llm.train.preference_config import PreferenceConfig
+from jaxrl_llm.train.run_setup import build_policy
+from tests.train import rl_helpers
+
+# 32 training pairs in one batch (every step sees them all), one device, no SFT warm-up.
+TINY = (
+    "sft_warmup.steps=0",
+    "data.num_train=32",
+    "data.eval_size=16",
+    "trainer.batch_size=32",
+    "trainer.learning_rate=3e-3",
+    "logging.progress=false",
+    "logging.plots=false",
+    "logging.tensorboard=false",
+    "mesh.fsdp=1",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rm") / "run"
+    cfg = load_config(
+        PreferenceConfig,
+        rl_helpers.CONFIGS / "reward_model.yaml",
+        [*TINY, f"run_dir={run_dir}", "trainer.max_steps=30", "checkpoint.every_steps=30"],
+    )
+    return cfg, run(cfg)
+
+
+def _training_pairs(cfg, tokenizer):
+    pairs = data.arithmetic_preference_pairs(
+        cfg.data.num_train + cfg.data.eval_size, seed=cfg.seed
+    )[cfg.data.eval_size :]
+    arrays, _ = data.encode_pairs(
+        tokenizer,
+        [p.prompt for p in pairs],
+        [p.chosen for p in pairs],
+        [p.rejected for p in pairs],
+        max_prompt_tokens=16,
+        max_completion_tokens=16,
+    )
+    return arrays
+
+
+@pytest.mark.slow
+def test_reward_model_fits_the_pairs_and_reloads_identically(trained):
+    cfg, summary = trained
+    assert summary["job"] == "reward_model" and summary["loss"] == "bradley_terry"
+    rows = read_metrics(cfg.run_dir)
+    assert rows[0]["loss"] > 0.5 and rows[-1]["loss"] < 0.2
+    assert rows[-1]["rewards/accuracies"] >= 0.9
+    for key in ("loss", "rewards/accuracies", "rewards/margins"):
+        assert key in summary["eval_before"] and key in summary["eval_after"]
+
+    # The saved model scores the training pairs as the final state does, and ranks them.
+    rm_config, rm_params = heads.load_scalar_model(summary["reward_model"])
+    trainer = PreferenceTrainer(
+        load_config(PreferenceConfig, f"{cfg.run_dir}/config.yaml", ["resume=true"])
+    )
+    trainer._setup()
+    state_params = trainer.state.params
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+    assert rm_config.vocab_size == trainer.model_config.vocab_size
+    a = _training_pairs(cfg, trainer.tokenizer)
+    score = jax.jit(heads.sequence_scores, static_argnums=1)
+    scores = {}
+    for name, params, config in (("saved", rm_params, rm_config), ("state", state_params, None)):
+        config = trainer.model_config if config is None else config
+        chosen = score(
+            params, config, a.prompt_tokens, a.prompt_mask, a.chosen_tokens, a.chosen_mask
+        )
+        rejected = score(
+            params, config, a.prompt_tokens, a.prompt_mask, a.rejected_tokens, a.rejected_mask
+        )
+        scores[name] = np.asarray(chosen), np.asarray(rejected)
+    np.testing.assert_array_equal(scores["saved"][0], scores["state"][0])
+    np.testing.assert_array_equal(scores["saved"][1], scores["state"][1])
+    chosen, rejected = scores["saved"]
+    assert np.mean(chosen > rejected) >= 0.9
+
+
+def test_reward_model_from_a_sequence_classifier_refuses_an_sft_warm_up(tmp_path):
+    cfg = load_config(PreferenceConfig, rl_helpers.CONFIGS / "reward_model.yaml", list(TINY))
+    tokenizer, model_config, _ = build_policy(cfg, None)
+    params = jax.eval_shape(lambda: heads.init_scalar_params(model_config, jax.random.key(0)))
+    params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
+    heads.save_scalar_model(tmp_path / "rm", model_config, params, tokenizer=tokenizer)
+    overrides = [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'rm'}"]
+    cfg = load_config(
+        PreferenceConfig,
+        rl_helpers.CONFIGS / "reward_model.yaml",
+        [*TINY, *overrides, "sft_warmup.steps=5"],
+    )
+    with pytest.raises(ValueError, match="already a reward model .* sft_warmup.steps=0"):
+        PreferenceTrainer(cfg)
+    assert not (tmp_path / "run" / "config.yaml").exists()
