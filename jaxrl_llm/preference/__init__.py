@@ -11,16 +11,23 @@ for margins of any size. Hyper-parameters are static Python values (resolve conf
 scalar loss plus TRL-style metrics; the per-pair functions compose with anything else.
 """
 
-from jaxrl_llm.preference._dpo import LOSS_TYPES, dpo
+from jaxrl_llm.preference._dpo import LOSS_TYPES, check_dpo_settings, dpo
 from jaxrl_llm.preference._kto import kto, kto_reference_point
 from jaxrl_llm.preference._loss import PREFERENCE_LOSSES, preference_loss
 from jaxrl_llm.preference._reference_free import cpo, log1mexp, orpo, orpo_log_odds, simpo
-from jaxrl_llm.preference._sequence import average_logps, sequence_lengths, sequence_logps
+from jaxrl_llm.preference._sequence import (
+    average_logps,
+    check_label_smoothing,
+    sequence_lengths,
+    sequence_logps,
+)
 
 __all__ = [
     "LOSS_TYPES",
     "PREFERENCE_LOSSES",
     "average_logps",
+    "check_dpo_settings",
+    "check_label_smoothing",
     "cpo",
     "dpo",
     "kto",

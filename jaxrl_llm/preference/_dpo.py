@@ -154,6 +154,26 @@ def _loss_types_and_weights(
     return types, weights
 
 
+def check_dpo_settings(
+    types: Sequence[str], *, label_smoothing: float = 0.0, discopop_tau: float | None = None
+) -> float:
+    """Checks the hyper-parameters of the DPO ``types`` before anything is traced.
+
+    Returns:
+      The ``discopop`` temperature to use (``discopop_tau`` or its default 0.05).
+
+    Raises:
+      ValueError: ``label_smoothing`` outside [0, 0.5] or without effect on ``types``, ``robust``
+        with ε ≥ 0.5, ``exo_pair`` with ε = 0, ``discopop_tau`` without ``discopop`` or ≤ 0.
+    """
+    _check_label_smoothing(label_smoothing, types)
+    if discopop_tau is not None and "discopop" not in types:
+        raise ValueError(f"discopop_tau has no effect on loss_type {types}")
+    tau = _DEFAULT_DISCOPOP_TAU if discopop_tau is None else discopop_tau
+    check_positive("discopop_tau", tau)
+    return tau
+
+
 def _check_label_smoothing(label_smoothing: float, types: Sequence[str]) -> None:
     check_label_smoothing(label_smoothing)
     if label_smoothing > 0 and not any(t in _SMOOTHED for t in types):
@@ -248,12 +268,9 @@ def dpo(
         raise ValueError(f"unknown loss_kwargs {unknown}; dpo accepts {DPO_LOSS_KWARGS}")
     types, weights = _loss_types_and_weights(loss_type, loss_kwargs.get("loss_weights"))
     check_positive("beta", beta)
-    _check_label_smoothing(label_smoothing, types)
-    tau = loss_kwargs.get("discopop_tau")
-    if tau is not None and "discopop" not in types:
-        raise ValueError(f"discopop_tau has no effect on loss_type {types}")
-    tau = _DEFAULT_DISCOPOP_TAU if tau is None else tau
-    check_positive("discopop_tau", tau)
+    tau = check_dpo_settings(
+        types, label_smoothing=label_smoothing, discopop_tau=loss_kwargs.get("discopop_tau")
+    )
 
     check_rank("chosen", chosen, (0, 1))
     check_same_shape(

@@ -185,7 +185,7 @@ class CriticSection:
       path: a scalar-head model directory (``init: reward_model``).
       optimizer: ``separate`` (its own AdamW, learning rate below) or ``joint`` (one optimizer
         over policy and value parameters, loss ``pg + value_coef * vf``).
-      learning_rate, max_grad_norm: the separate optimizer.
+      learning_rate, max_grad_norm: the separate optimizer (``joint`` uses ``trainer.*``).
       warmup_steps: RL steps that train only the critic (the policy stays put), so advantages
         come from a fitted value function.
     """

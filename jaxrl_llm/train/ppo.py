@@ -11,6 +11,7 @@ separate optimizers or with one optimizer over both (``pg + value_coef·vf``). D
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -70,16 +71,29 @@ def make_joint_step(
     temperature=1.0,
     chunk_size=None,
     param_shardings=None,
+    value_config=None,
+    value_only=False,
 ):
-    """One optimizer over ``{"policy", "value"}``: loss ``pg_total + value_coef·vf_loss``."""
+    """One optimizer over ``{"policy", "value"}``: loss ``pg_total + value_coef·vf_loss``.
+
+    ``value_config`` is the value model's config when it differs from the policy's (a critic
+    initialised from a reward model). ``value_only`` drops the policy term (the critic's
+    warm-up): the policy's gradient is then exactly zero, so Adam leaves it in place (unless
+    the optimizer applies weight decay).
+    """
     policy_loss = make_policy_loss_fn(
         model_config, objective, temperature=temperature, chunk_size=chunk_size
     )
-    value_loss = make_value_loss_fn(model_config, objective)
+    value_loss = make_value_loss_fn(
+        model_config if value_config is None else value_config, objective
+    )
 
     def loss_fn(params, batch: RolloutBatch):
-        pg, pg_metrics = policy_loss(params["policy"], batch)
         vf, vf_metrics = value_loss(params["value"], batch)
+        if value_only:
+            total = objective.value_coef * vf
+            return total, {**vf_metrics, "total_loss": total}
+        pg, pg_metrics = policy_loss(params["policy"], batch)
         total = pg + objective.value_coef * vf
         return total, {**pg_metrics, **vf_metrics, "total_loss": total}
 
@@ -199,18 +213,20 @@ class PPOTrainer(RLTrainer):
         run, cfg = self.run, self.cfg
         common = {"micro_batches": cfg.trainer.micro_batches}
         if self.joint:
-            self.joint_fn = jit_step(
-                make_joint_step(
-                    run.model_config,
-                    run.objective,
-                    self.optimizer,
-                    temperature=cfg.rollout.temperature,
-                    chunk_size=cfg.model.chunk_size,
-                    param_shardings=self.joint_shardings.params,
-                    **common,
-                ),
-                self.joint_shardings,
+            joint_step = functools.partial(
+                make_joint_step,
+                run.model_config,
+                run.objective,
+                self.optimizer,
+                temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.chunk_size,
+                param_shardings=self.joint_shardings.params,
+                value_config=self.value_config,
+                **common,
             )
+            self.joint_fn = jit_step(joint_step(), self.joint_shardings)
+            if cfg.critic.warmup_steps:
+                self.joint_value_fn = jit_step(joint_step(value_only=True), self.joint_shardings)
             value_shardings = self.joint_shardings.params["value"]
         else:
             self.value_fn_step = jit_step(
@@ -257,10 +273,8 @@ class PPOTrainer(RLTrainer):
     def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
         warming_up = step < self.cfg.critic.warmup_steps
         if self.joint:
-            if warming_up:
-                # Only the value term: the policy gradient is zeroed by zero advantages.
-                minibatch = minibatch._replace(advantages=jnp.zeros_like(minibatch.advantages))
-            self.state, metrics = self.joint_fn(self.state, minibatch)
+            step_fn = self.joint_value_fn if warming_up else self.joint_fn
+            self.state, metrics = step_fn(self.state, minibatch)
             return metrics
         metrics: dict[str, Any] = {}
         if not warming_up:

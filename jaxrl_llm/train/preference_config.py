@@ -15,7 +15,7 @@ import json
 import os
 
 from jaxrl_llm import data
-from jaxrl_llm.preference import LOSS_TYPES
+from jaxrl_llm.preference import LOSS_TYPES, check_dpo_settings, check_label_smoothing
 from jaxrl_llm.train.config import (
     CheckpointSection,
     LoggingSection,
@@ -223,6 +223,17 @@ def check_config(cfg: PreferenceConfig) -> None:
             _choice("loss.loss_type", t, LOSS_TYPES)
         if any(w < 0 for w in weights):
             raise ValueError(f"loss.loss_type weights must be >= 0, got {weights}")
+        try:
+            check_dpo_settings(
+                types, label_smoothing=loss.label_smoothing, discopop_tau=loss.discopop_tau
+            )
+        except ValueError as err:
+            raise ValueError(f"loss.label_smoothing / loss.discopop_tau: {err}") from None
+    if loss.name in ("simpo", "cpo"):
+        try:
+            check_label_smoothing(loss.label_smoothing)
+        except ValueError as err:
+            raise ValueError(f"loss.label_smoothing: {err}") from None
     if loss.name not in ("simpo", "cpo") and (loss.gamma is not None or loss.cpo_alpha is not None):
         raise ValueError("loss.gamma and loss.cpo_alpha apply to simpo and cpo only")
     if loss.label_smoothing and loss.name not in ("dpo", "simpo", "cpo"):

@@ -191,8 +191,11 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
     the batch's mismatched pairs: prompt ``i`` with another example's completion ``y'_i``,
     scored in the same forward pass over ``2N`` rows. Metrics: ``rewards/chosen`` /
     ``rewards/rejected`` (mean ``β·r`` over desirable / undesirable examples, as TRL reports),
-    ``rewards/margins``, ``logps/chosen`` / ``logps/rejected``, ``kl`` (``z0``) and ``nll``
-    (token-mean NLL of the desirable completions).
+    ``rewards/margins``, ``rewards/accuracies`` (the fraction of examples on their label's side
+    of the reference point: ``r > z0`` when desirable, ``r < z0`` when not, i.e. whose KTO term
+    is below 1/2; unpaired data has no chosen-vs-rejected comparison), ``logps/chosen`` /
+    ``logps/rejected``, ``kl`` (``z0``) and ``nll`` (token-mean NLL of the desirable
+    completions).
     """
 
     def loss_fn(params, batch: UnpairedBatch):
@@ -217,14 +220,18 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
         reward = sg(beta * (policy - f32(batch.ref_logps)))
         chosen, rejected = _masked_mean(reward, desirable), _masked_mean(reward, undesirable)
         token_weights = batch.completion_mask * desirable[:, None]
+        z0 = kto_reference_point(sg(kl_policy), f32(batch.ref_kl_logps))
+        log_ratio = sg(policy - f32(batch.ref_logps))
+        on_side = jnp.where(desirable > 0, log_ratio > z0, log_ratio < z0)
         metrics = {
             "loss": sg(loss),
             "rewards/chosen": chosen,
             "rewards/rejected": rejected,
             "rewards/margins": chosen - rejected,
+            "rewards/accuracies": jnp.mean(on_side.astype(jnp.float32)),
             "logps/chosen": _masked_mean(sg(policy), desirable),
             "logps/rejected": _masked_mean(sg(policy), undesirable),
-            "kl": kto_reference_point(sg(kl_policy), f32(batch.ref_kl_logps)),
+            "kl": z0,
             "nll": sg(_token_nll(token_logps, token_weights)),
         }
         return loss, metrics

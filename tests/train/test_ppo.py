@@ -8,6 +8,7 @@ resumes exactly, and PPO on the built-in task improves held-out accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from jaxrl_llm.train.ppo import (
     make_value_fn,
     make_value_step,
 )
+from jaxrl_llm.train.run_setup import build_policy
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch
@@ -205,8 +207,7 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
     assert len(rows) == 3
     # Warm-up step: only the critic learns.
     assert "vf_loss" in rows[0] and "pg_loss" in rows[1]
-    if optimizer == "separate":
-        assert "pg_loss" not in rows[0]
+    assert "pg_loss" not in rows[0]
     for row in rows:
         for key in ("vf_loss", "vf_clipfrac", "critic/explained_variance"):
             assert math.isfinite(row[key]), (key, row)
@@ -231,6 +232,58 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
         host,
     )
     assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.parametrize("optimizer", ["separate", "joint"])
+def test_the_critic_warm_up_leaves_the_policy_in_place(tmp_path, optimizer):
+    cfg = _ppo_config(tmp_path / "run", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
+    fresh = PPOTrainer(cfg)
+    fresh._setup_state()
+    initial = jax.device_get(fresh.policy_params)
+    initial_values = jax.device_get(fresh.value_params)
+    fresh.checkpointer.close()
+    warmed = PPOTrainer(
+        _ppo_config(tmp_path / "run2", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
+    )
+    warmed.train()
+    same = jax.tree.map(np.array_equal, initial, jax.device_get(warmed.policy_params))
+    assert all(jax.tree.leaves(same))
+    moved = jax.tree.map(
+        lambda a, b: not np.array_equal(a, b), initial_values, jax.device_get(warmed.value_params)
+    )
+    assert any(jax.tree.leaves(moved))
+
+
+@pytest.mark.parametrize("optimizer", ["separate", "joint"])
+def test_a_critic_initialised_from_a_reward_model(tmp_path, optimizer):
+    """``critic.init=reward_model`` loads a saved scalar-head model (here a random one with a
+    smaller MLP than the policy's, so the value model's own config must be used throughout)."""
+    cfg = _ppo_config(tmp_path / "run", f"critic.optimizer={optimizer}", "trainer.max_steps=2")
+    tokenizer, policy_config, _ = build_policy(cfg, None)
+    rm_config = dataclasses.replace(policy_config, intermediate_size=32)
+    rm_params = heads.init_scalar_params(rm_config, jax.random.key(5))
+    heads.save_scalar_model(tmp_path / "rm", rm_config, rm_params, tokenizer=tokenizer)
+    trainer = PPOTrainer(
+        _ppo_config(
+            tmp_path / "run",
+            f"critic.optimizer={optimizer}",
+            "trainer.max_steps=2",
+            "critic.init=reward_model",
+            f"critic.path={tmp_path / 'rm'}",
+        )
+    )
+    trainer.train()
+    assert trainer.value_config.intermediate_size == 32
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(math.isfinite(r["vf_loss"]) for r in rows)
+    saved_config, _ = heads.load_scalar_model(tmp_path / "run" / "critic")
+    assert saved_config.intermediate_size == 32
+
+
+def test_a_randomly_initialised_critic_runs(tmp_path):
+    trainer = PPOTrainer(_ppo_config(tmp_path / "run", "critic.init=random"))
+    trainer.train()
+    assert all(math.isfinite(r["vf_loss"]) for r in read_metrics(tmp_path / "run"))
 
 
 def test_ppo_config_errors(tmp_path):

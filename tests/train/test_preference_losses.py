@@ -178,6 +178,9 @@ def test_kto_loss_uses_the_mismatched_pairs(model, pairs, rng):
     )
     desirable_mask = a.completion_mask & labels[:, None]
     np.testing.assert_allclose(metrics["nll"], ref.token_mean_nll(tok, desirable_mask), rtol=1e-5)
+    log_ratio = policy - ref_logps
+    on_side = np.where(labels, log_ratio > z0, log_ratio < z0)
+    np.testing.assert_allclose(metrics["rewards/accuracies"], on_side.mean(), rtol=1e-6)
 
 
 def test_bradley_terry_matches_the_reference(rng):
@@ -282,6 +285,15 @@ def test_micro_batches_average_to_the_full_batch_step(model, pairs):
         (["trainer.batch_size=6", "trainer.micro_batches=4"], r"micro_batches=4 must divide"),
         (["trainer.max_steps=0"], r"trainer.max_steps must be > 0"),
         (["loss.loss_type=[{type: sigmoid, weight: -1}]"], r"weights must be >= 0"),
+        # Refused before any model is built, not at the first traced step.
+        (["loss.loss_type=exo_pair"], r"loss.label_smoothing .*exo_pair.* must be > 0"),
+        (
+            ["loss.loss_type=robust", "loss.label_smoothing=0.5"],
+            r"loss.label_smoothing .*robust.* must be < 0.5",
+        ),
+        (["loss.loss_type=hinge", "loss.label_smoothing=0.1"], r"has no effect on loss_type"),
+        (["loss.discopop_tau=0.1"], r"discopop_tau has no effect"),
+        (["loss.name=simpo", "loss.label_smoothing=0.6"], r"label_smoothing must be in \[0, 0.5\]"),
     ],
 )
 def test_bad_configs_are_refused_by_name(overrides, message):
@@ -292,16 +304,19 @@ def test_bad_configs_are_refused_by_name(overrides, message):
 
 def test_make_loss_fn_passes_each_setting_to_its_loss(model):
     _, mc, _ = model
-    # A mixture, discopop's tau and label smoothing reach dpo (bad values are refused there).
+    # A mixture, discopop's tau and label smoothing reach dpo (bad values are refused by the
+    # config check, and again by dpo itself).
     cfg = load_config(
         PreferenceConfig,
         None,
         ["loss.loss_type=[{type: discopop, weight: 1.0}, {type: exo_pair, weight: 0.5}]"],
     )
-    check_config(cfg)
+    with pytest.raises(ValueError, match="exo_pair' takes log"):
+        check_config(cfg)
     with pytest.raises(ValueError, match="exo_pair' takes log"):
         jax.eval_shape(make_loss_fn(cfg, mc), *_abstract_pair_inputs(mc))
     cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, label_smoothing=0.01))
+    check_config(cfg)
     jax.eval_shape(make_loss_fn(cfg, mc), *_abstract_pair_inputs(mc))
 
 

@@ -3,6 +3,8 @@ saved as a Hugging Face sequence classifier and reloads to identical scores."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -115,3 +117,108 @@ def test_reward_model_from_a_sequence_classifier_refuses_an_sft_warm_up(tmp_path
     with pytest.raises(ValueError, match="already a reward model .* sft_warmup.steps=0"):
         PreferenceTrainer(cfg)
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+# -- a reward model learned from a simple rule, then used as the RL reward -------------------
+
+SEVEN = "7"
+
+
+def _rule_pairs(path, count: int, seed: int) -> None:
+    """JSONL pairs on arithmetic prompts: the chosen completion holds a 7, the rejected none.
+
+    Completions are random 1-3 digit strings, so only the rule separates chosen from rejected.
+    """
+    rng = np.random.default_rng(seed)
+    examples = data.arithmetic_examples(count, seed=seed)
+    no_seven = [d for d in "0123456789" if d != SEVEN]
+
+    def digits(with_seven: bool) -> str:
+        chars = list(rng.choice(no_seven, rng.integers(1, 4)))
+        if with_seven:
+            chars[rng.integers(len(chars))] = SEVEN
+        return "".join(chars)
+
+    with open(path, "w", encoding="utf-8") as f:
+        for ex in examples:
+            record = {"prompt": ex.prompt, "chosen": digits(True), "rejected": digits(False)}
+            f.write(json.dumps(record) + "\n")
+
+
+@pytest.fixture(scope="module")
+def rule_reward_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rule_rm")
+    _rule_pairs(root / "train.jsonl", 512, seed=1)
+    _rule_pairs(root / "eval.jsonl", 64, seed=2)
+    cfg = load_config(
+        PreferenceConfig,
+        rl_helpers.CONFIGS / "reward_model.yaml",
+        [
+            *TINY,
+            "data.task=jsonl",
+            f"data.train_path={root / 'train.jsonl'}",
+            f"data.eval_path={root / 'eval.jsonl'}",
+            "data.max_prompt_tokens=16",
+            "data.max_completion_tokens=8",
+            f"run_dir={root / 'run'}",
+            "trainer.max_steps=120",
+            "trainer.eval_every=0",
+            "checkpoint.every_steps=120",
+        ],
+    )
+    return root, run(cfg)
+
+
+@pytest.mark.slow
+def test_a_reward_model_learns_a_simple_rule_on_held_out_pairs(rule_reward_model):
+    _, summary = rule_reward_model
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert after["rewards/accuracies"] >= 0.95, (before, after)
+    assert after["rewards/margins"] > before["rewards/margins"] + 1.0, (before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule_weight", [0.0, 1.0])
+def test_the_learned_reward_drives_the_rl_loop(rule_reward_model, tmp_path, rule_weight):
+    """The reward model alone (rule reward weight 0), or added to math_match, is the reward the
+    RL loop maximises: its score of the policy's samples rises, and more of them hold a 7."""
+    root, summary = rule_reward_model
+    cfg = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "grpo.yaml",
+        tmp_path / "rl",
+        f"rewards=[{{name: math_match, weight: {rule_weight}}}]",
+        f"reward_model.path={summary['reward_model']}",
+        "reward_model.normalize=none",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=8",
+        "rollout.max_new_tokens=4",
+        "trainer.max_steps=25",
+        "trainer.learning_rate=3e-3",
+    )
+    from jaxrl_llm.train.loop import RLTrainer
+
+    trainer = RLTrainer(cfg)
+    trainer.train()
+    rows = read_metrics(tmp_path / "rl")
+    assert len(rows) == 25
+    learned = [row["reward/reward_model"] for row in rows]
+    assert all(np.isfinite(learned))
+    first, last = np.mean(learned[:5]), np.mean(learned[-5:])
+    assert last > first + 1.0, (first, last)
+    # The learned reward enters the total with weight 1, next to the rule reward.
+    for row in rows:
+        assert row["reward_mean"] == pytest.approx(
+            rule_weight * row["reward/math_match"] + row["reward/reward_model"], abs=1e-4
+        )
+    # What the reward model rewards is what the policy now writes.
+    samples = trainer.run.sample(
+        trainer.policy_params,
+        trainer.run.eval_examples,
+        jax.random.key(1),
+        temperature=1.0,
+        group_size=4,
+    )
+    texts = trainer.run.tokenizer.batch_decode(
+        np.where(samples.completion_mask, samples.completion_tokens, 0), skip_special_tokens=True
+    )
+    assert np.mean([SEVEN in text for text in texts]) > 0.5
