@@ -104,6 +104,13 @@ class Checkpointer:
             ),
             item_names=("reference",),
         )
+        # orbax deletes uncommitted ``<step>.orbax-checkpoint-tmp`` directories in a background
+        # thread that ``close`` does not join: finish it now, so two managers opened one after
+        # the other on one directory never race to delete the same files.
+        for manager in (self._state_manager, self._reference_manager):
+            await_cleanup = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+            if await_cleanup is not None:
+                await_cleanup()
 
     def all_steps(self) -> list[int]:
         """Steps of the state checkpoints present, ascending (including one being saved)."""

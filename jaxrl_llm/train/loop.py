@@ -70,8 +70,7 @@ class RLTrainer:
             raise ValueError(f"RLTrainer runs job 'rl', not {cfg.job!r}")
         objective = objectives.make(cfg.objective.name, **dict(cfg.objective.overrides))
         self._check_objective(objective)
-        if cfg.reference.mode not in _REFERENCE_MODES:
-            raise ValueError(f"reference.mode must be one of {_REFERENCE_MODES}")
+        _check_reference(cfg.reference)
         mesh = make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = build_policy(cfg, mesh)
         train_examples, eval_examples = load_examples(cfg)
@@ -90,9 +89,6 @@ class RLTrainer:
             reward_model=load_reward_model(cfg, model_config, mesh),
         )
         self._check_sizes(mesh)
-        # Only a config that passed every check is written to the run directory.
-        if self.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
         self.sampler = data.PromptSampler(train_examples, seed=cfg.seed)
         self.key = jax.random.key(cfg.seed)
         t = cfg.trainer
@@ -109,6 +105,15 @@ class RLTrainer:
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
         )
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not cfg.resume:
+            raise ValueError(
+                f"{self.run_dir} already holds checkpoints (latest step {latest}): pass "
+                "resume=true to continue, or choose another run_dir"
+            )
+        # Only a config that passed every check is written to the run directory.
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
         self.metrics_writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
         self._initial_params = params
 
@@ -160,12 +165,7 @@ class RLTrainer:
         run, cfg = self.run, self.cfg
         init_key, sft_key = jax.random.split(self.key)
         latest = self.checkpointer.latest_step()
-        if latest is not None and not cfg.resume:
-            raise ValueError(
-                f"{self.run_dir} already holds checkpoints (latest step {latest}): pass "
-                "resume=true to continue, or choose another run_dir"
-            )
-        params = self._initial_params
+        params, self._initial_params = self._initial_params, None  # the state takes them over
         if latest is None and cfg.sft_warmup.steps > 0:
             log.info("SFT warm-up: %d steps", cfg.sft_warmup.steps)
             params = sft_warmup(run, params, sft_key)
@@ -178,6 +178,9 @@ class RLTrainer:
         self._setup_extra_networks()
         needs_ref = run.objective.needs_reference
         self.reference = self.copy_params(self.policy_params) if needs_ref else None
+        if needs_ref and cfg.reference.mode == "ema":
+            # An f32 average: in bf16 the (1 - decay)-sized steps towards the policy round away.
+            self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref
         self.extra: dict[str, Any] = {}
         # Checkpoints are numbered by RL step; the optimizer's step count is not one (several
@@ -433,6 +436,18 @@ def _advantages(objective, rewards, mask, old, ref, *, group_size):
     return objectives.compute_advantages(
         objective, rewards, mask, group_size=group_size, old_logprobs=old, ref_logprobs=ref
     )
+
+
+def _check_reference(section) -> None:
+    if section.mode not in _REFERENCE_MODES:
+        raise ValueError(f"reference.mode must be one of {_REFERENCE_MODES}, got {section.mode!r}")
+    if section.mode == "refresh" and section.refresh_every < 1:
+        raise ValueError(
+            f"reference.mode=refresh needs reference.refresh_every >= 1 (steps between "
+            f"refreshes), got {section.refresh_every}"
+        )
+    if section.mode == "ema" and not 0.0 <= section.ema_decay < 1.0:
+        raise ValueError(f"reference.ema_decay must be in [0, 1), got {section.ema_decay}")
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -267,19 +267,64 @@ def test_resume_false_on_a_run_dir_with_checkpoints_is_refused(tmp_path, uninter
     cfg = dataclasses.replace(uninterrupted.cfg, run_dir=str(run_dir))
     assert cfg.resume is False
     rows = read_metrics(run_dir)
-    trainer = RLTrainer(cfg)
-    try:
-        with pytest.raises(
-            ValueError, match=r"already holds checkpoints \(latest step 6\).*resume=true"
-        ):
-            trainer.train()
-    finally:
-        trainer.checkpointer.close()
-        trainer.metrics_writer.close()
-    # Refused before anything was overwritten.
+    config_text = (run_dir / "config.yaml").read_text()
+    with pytest.raises(
+        ValueError, match=r"already holds checkpoints \(latest step 6\).*resume=true"
+    ):
+        RLTrainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=9)))
+    # Refused before anything was overwritten, the resolved config included.
+    assert (run_dir / "config.yaml").read_text() == config_text
     assert read_metrics(run_dir) == rows
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         assert ckpt.all_steps() == [3, 6]
+
+
+# -- reference policies --------------------------------------------------------------------------
+
+
+def _initial_policy(cfg: TrainConfig):
+    """The policy a run starts from (no SFT in the tiny configs), without training it."""
+    trainer = RLTrainer(dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}-initial"))
+    trainer._setup_state()
+    params = jax.device_get(trainer.policy_params)
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+    return params
+
+
+@pytest.mark.parametrize("mode", ["frozen", "refresh", "ema", "none"])
+def test_reference_modes(tmp_path, mode):
+    """frozen: the initial policy; refresh every 2 steps: the policy after step 2 (3 steps);
+    ema: (1 − d)·θ_1 + d·θ_0 after one step; none (no KL term): no reference at all."""
+    settings = {
+        "frozen": ("trainer.max_steps=3",),
+        "refresh": ("trainer.max_steps=2", "reference.mode=refresh", "reference.refresh_every=2"),
+        "ema": ("trainer.max_steps=1", "reference.mode=ema", "reference.ema_decay=0.75"),
+        "none": ("trainer.max_steps=1", "objective.overrides={kl_coef: 0.0}"),
+    }[mode]
+    cfg = rl_helpers.tiny_config(GRPO, tmp_path / "run", rl_helpers.SHAPED_REWARDS, *settings)
+    initial = _initial_policy(cfg)
+    trainer = RLTrainer(cfg)
+    trainer.train()
+    policy = jax.device_get(trainer.policy_params)
+    if mode == "none":
+        assert trainer.reference is None
+        return
+    reference = jax.device_get(trainer.reference)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), initial, policy)
+    assert any(jax.tree.leaves(moved))
+    if mode == "frozen":
+        want = initial
+    elif mode == "refresh":
+        want = policy
+    else:
+        want = jax.tree.map(lambda p0, p1: 0.75 * p0 + 0.25 * p1, initial, policy)
+        assert all(x.dtype == np.float32 for x in jax.tree.leaves(reference))
+    jax.tree.map(
+        lambda got, exp: np.testing.assert_allclose(got, exp, rtol=1e-6, atol=1e-7),
+        reference,
+        want,
+    )
 
 
 # -- configuration errors ------------------------------------------------------------------------
@@ -345,6 +390,16 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             id="dtype",
         ),
         pytest.param(["reference.mode=moving"], r"reference.mode must be one of", id="reference"),
+        pytest.param(
+            ["reference.mode=refresh"],
+            r"reference.mode=refresh needs reference.refresh_every >= 1",
+            id="refresh_every",
+        ),
+        pytest.param(
+            ["reference.mode=ema", "reference.ema_decay=1.0"],
+            r"reference.ema_decay must be in \[0, 1\)",
+            id="ema_decay",
+        ),
         pytest.param(["data.task=gsm8k"], r"data.task must be 'arithmetic' or 'jsonl'", id="task"),
         pytest.param(["data.task=jsonl"], r"data.task=jsonl needs data.train_path", id="jsonl"),
         pytest.param(["objective.name=grpoo"], r"unknown objective 'grpoo'", id="objective"),
