@@ -39,12 +39,15 @@ class ModelSection:
       dtype: parameter dtype (``float32`` | ``bfloat16``).
       tiny: size of the built-in model.
       chunk_size: sequence chunk of the log-prob computation (null: automatic).
+      remat: ``none`` or ``layer``: recompute each transformer layer in the backward pass
+        instead of storing its activations (less memory, about one more forward of compute).
     """
 
     path: str | None = None
     dtype: str = "float32"
     tiny: TinyModelConfig = TinyModelConfig()
     chunk_size: int | None = None
+    remat: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

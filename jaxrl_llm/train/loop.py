@@ -379,6 +379,7 @@ class RLTrainer:
                 micro_batches=cfg.trainer.micro_batches,
                 temperature=cfg.rollout.temperature,
                 chunk_size=cfg.model.chunk_size,
+                remat=cfg.model.remat,
                 param_shardings=self.shardings.params,
             ),
             self.shardings,

@@ -31,7 +31,7 @@ CRITIC_INITS = ("policy", "reward_model", "random")
 CRITIC_OPTIMIZERS = ("separate", "joint")
 
 
-def _values(model_config, params, batch: RolloutBatch) -> jax.Array:
+def _values(model_config, params, batch: RolloutBatch, remat: str = "none") -> jax.Array:
     return heads.token_values(
         params,
         model_config,
@@ -39,23 +39,27 @@ def _values(model_config, params, batch: RolloutBatch) -> jax.Array:
         batch.prompt_mask,
         batch.completion_tokens,
         batch.completion_mask,
+        remat=remat,
     )
 
 
-def make_value_loss_fn(model_config, objective: objectives.Objective):
+def make_value_loss_fn(model_config, objective: objectives.Objective, *, remat: str = "none"):
     """``(value_params, batch) -> (vf_loss, metrics)``; ``batch`` needs old values and returns."""
 
     def loss_fn(params, batch: RolloutBatch):
-        out = objectives.value_loss(objective, _values(model_config, params, batch), batch)
+        values = _values(model_config, params, batch, remat)
+        out = objectives.value_loss(objective, values, batch)
         return out.loss, out.metrics
 
     return loss_fn
 
 
-def make_value_step(model_config, objective, optimizer, *, micro_batches=1, param_shardings=None):
+def make_value_step(
+    model_config, objective, optimizer, *, micro_batches=1, remat="none", param_shardings=None
+):
     """A pure critic step ``(state, batch) -> (state, metrics)`` on the clipped value loss."""
     return make_step(
-        make_value_loss_fn(model_config, objective),
+        make_value_loss_fn(model_config, objective, remat=remat),
         optimizer,
         micro_batches=micro_batches,
         param_shardings=param_shardings,
@@ -70,6 +74,7 @@ def make_joint_step(
     micro_batches=1,
     temperature=1.0,
     chunk_size=None,
+    remat="none",
     param_shardings=None,
     value_config=None,
     value_only=False,
@@ -82,10 +87,10 @@ def make_joint_step(
     the optimizer applies weight decay).
     """
     policy_loss = make_policy_loss_fn(
-        model_config, objective, temperature=temperature, chunk_size=chunk_size
+        model_config, objective, temperature=temperature, chunk_size=chunk_size, remat=remat
     )
     value_loss = make_value_loss_fn(
-        model_config if value_config is None else value_config, objective
+        model_config if value_config is None else value_config, objective, remat=remat
     )
 
     def loss_fn(params, batch: RolloutBatch):
@@ -211,7 +216,7 @@ class PPOTrainer(RLTrainer):
     def _compile(self) -> None:
         super()._compile()
         run, cfg = self.run, self.cfg
-        common = {"micro_batches": cfg.trainer.micro_batches}
+        common = {"micro_batches": cfg.trainer.micro_batches, "remat": cfg.model.remat}
         if self.joint:
             joint_step = functools.partial(
                 make_joint_step,

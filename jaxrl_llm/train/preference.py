@@ -66,16 +66,19 @@ PLOT_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "eval/rewards/accu
 
 def make_loss_fn(cfg: PreferenceConfig, model_config):
     """The loss function the config names, with its hyper-parameters bound."""
-    loss, chunk = cfg.loss, cfg.model.chunk_size
+    loss, chunk, remat = cfg.loss, cfg.model.chunk_size, cfg.model.remat
     if loss.name == "bradley_terry":
         return make_reward_loss_fn(
-            model_config, center_rewards_coefficient=loss.center_rewards_coefficient
+            model_config,
+            center_rewards_coefficient=loss.center_rewards_coefficient,
+            remat=remat,
         )
     if loss.name == "kto":
         return make_kto_loss_fn(
             model_config,
             beta=loss.beta,
             chunk_size=chunk,
+            remat=remat,
             desirable_weight=loss.desirable_weight,
             undesirable_weight=loss.undesirable_weight,
         )
@@ -95,7 +98,9 @@ def make_loss_fn(cfg: PreferenceConfig, model_config):
             kwargs["gamma"] = loss.gamma
         if loss.cpo_alpha is not None:
             kwargs["cpo_alpha"] = loss.cpo_alpha
-    return make_pair_loss_fn(model_config, name, beta=loss.beta, chunk_size=chunk, **kwargs)
+    return make_pair_loss_fn(
+        model_config, name, beta=loss.beta, chunk_size=chunk, remat=remat, **kwargs
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +314,7 @@ class PreferenceTrainer:
                 mc,
                 optimizer,
                 chunk_size=self.cfg.model.chunk_size,
+                remat=self.cfg.model.remat,
                 param_shardings=shardings.params,
             ),
             shardings,

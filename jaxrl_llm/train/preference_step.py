@@ -120,7 +120,9 @@ def _both(prompt_tokens, prompt_mask, first_tokens, first_mask, second_tokens, s
     )
 
 
-def pair_token_logps(params, model_config, batch: PreferenceBatch, *, chunk_size=None):
+def pair_token_logps(
+    params, model_config, batch: PreferenceBatch, *, chunk_size=None, remat="none"
+):
     """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions."""
     n = batch.chosen_tokens.shape[0]
     rows = _both(
@@ -131,11 +133,15 @@ def pair_token_logps(params, model_config, batch: PreferenceBatch, *, chunk_size
         batch.rejected_tokens,
         batch.rejected_mask,
     )
-    token_logps = completion_logprobs(params, model_config, *rows, chunk_size=chunk_size)
+    token_logps = completion_logprobs(
+        params, model_config, *rows, chunk_size=chunk_size, remat=remat
+    )
     return token_logps[:n], token_logps[n:]
 
 
-def unpaired_token_logps(params, model_config, batch: UnpairedBatch, *, chunk_size=None):
+def unpaired_token_logps(
+    params, model_config, batch: UnpairedBatch, *, chunk_size=None, remat="none"
+):
     """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones."""
     n = batch.completion_tokens.shape[0]
     rows = _both(
@@ -146,11 +152,15 @@ def unpaired_token_logps(params, model_config, batch: UnpairedBatch, *, chunk_si
         batch.kl_completion_tokens,
         batch.kl_completion_mask,
     )
-    token_logps = completion_logprobs(params, model_config, *rows, chunk_size=chunk_size)
+    token_logps = completion_logprobs(
+        params, model_config, *rows, chunk_size=chunk_size, remat=remat
+    )
     return token_logps[:n], token_logps[n:]
 
 
-def make_pair_loss_fn(model_config, loss_name, *, beta, chunk_size=None, **loss_kwargs):
+def make_pair_loss_fn(
+    model_config, loss_name, *, beta, chunk_size=None, remat="none", **loss_kwargs
+):
     """``L(θ) = mean_i ℓ(lp_θ(y_w^i), lp_θ(y_l^i))``: a pair loss of a model, with metrics.
 
     ``ℓ`` is ``jaxrl_llm.preference.preference_loss``'s: a DPO loss type or a tuple of them
@@ -163,7 +173,9 @@ def make_pair_loss_fn(model_config, loss_name, *, beta, chunk_size=None, **loss_
     """
 
     def loss_fn(params, batch: PreferenceBatch):
-        chosen, rejected = pair_token_logps(params, model_config, batch, chunk_size=chunk_size)
+        chosen, rejected = pair_token_logps(
+            params, model_config, batch, chunk_size=chunk_size, remat=remat
+        )
         out = preference_loss(
             loss_name,
             chosen,
@@ -182,7 +194,7 @@ def make_pair_loss_fn(model_config, loss_name, *, beta, chunk_size=None, **loss_
     return loss_fn
 
 
-def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
+def make_kto_loss_fn(model_config, *, beta, chunk_size=None, remat="none", **kto_kwargs):
     """``L(θ) = mean_i λ_i·(1 − σ(±β·(r_i − z0)))``: KTO over ``N`` labelled completions.
 
     Ethayarajh et al. 2024: ``r_i = lp_θ(y_i) − lp_ref(y_i)``, ``+`` and ``λ_D`` for desirable
@@ -200,7 +212,7 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
 
     def loss_fn(params, batch: UnpairedBatch):
         token_logps, kl_token_logps = unpaired_token_logps(
-            params, model_config, batch, chunk_size=chunk_size
+            params, model_config, batch, chunk_size=chunk_size, remat=remat
         )
         policy = sequence_logps(token_logps, batch.completion_mask)
         kl_policy = sequence_logps(kl_token_logps, batch.kl_completion_mask)
@@ -239,7 +251,7 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, **kto_kwargs):
     return loss_fn
 
 
-def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0):
+def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0, remat="none"):
     """``L(φ) = mean_i ℓ_BT(r_φ(x_i, y_w^i), r_φ(x_i, y_l^i), m_i)``: a reward model's loss.
 
     :func:`bradley_terry` on the scalar-head model's rewards ``r_φ``
@@ -260,7 +272,7 @@ def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0):
             pairs.rejected_tokens,
             pairs.rejected_mask,
         )
-        scores = heads.sequence_scores(params, model_config, *rows)
+        scores = heads.sequence_scores(params, model_config, *rows, remat=remat)
         rw, rl = scores[:n], scores[n:]
         loss = jnp.mean(
             bradley_terry(

@@ -40,7 +40,9 @@ def process_rewards(prm_logprobs, ref_logprobs, mask, *, beta: float) -> jax.Arr
     return beta * (jnp.asarray(prm_logprobs, jnp.float32) - ref_logprobs) * mask
 
 
-def make_prm_loss_fn(model_config, *, beta: float, temperature: float = 1.0, chunk_size=None):
+def make_prm_loss_fn(
+    model_config, *, beta: float, temperature: float = 1.0, chunk_size=None, remat="none"
+):
     """``(prm_params, batch) -> (loss, metrics)``: BCE of the implicit outcome logit.
 
     ``batch.rewards`` holds the outcome labels in ``{0, 1}``; ``batch.ref_logprobs`` the
@@ -49,7 +51,14 @@ def make_prm_loss_fn(model_config, *, beta: float, temperature: float = 1.0, chu
     """
 
     def loss_fn(params, batch: RolloutBatch):
-        lp = _logprobs(model_config, params, batch, temperature=temperature, chunk_size=chunk_size)
+        lp = _logprobs(
+            model_config,
+            params,
+            batch,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            remat=remat,
+        )
         mask = jnp.asarray(batch.completion_mask, jnp.float32)
         logit = implicit_sequence_reward(lp, batch.ref_logprobs, mask, beta=beta)
         labels = jnp.asarray(batch.rewards, jnp.float32)
@@ -107,6 +116,7 @@ class PRIMETrainer(RLTrainer):
                     beta=beta,
                     temperature=cfg.rollout.temperature,
                     chunk_size=cfg.model.chunk_size,
+                    remat=cfg.model.remat,
                 ),
                 self.prm_optimizer,
                 micro_batches=cfg.trainer.micro_batches,

@@ -44,6 +44,10 @@ def build_policy(cfg: TrainConfig, mesh):
     """``(tokenizer, model_config, params or None)``; ``None`` means initialise randomly."""
     if cfg.model.dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {tuple(_DTYPES)}, got {cfg.model.dtype!r}")
+    if cfg.model.remat not in models.REMAT_POLICIES:
+        raise ValueError(
+            f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
+        )
     if cfg.model.path is not None:
         model_config, params = models.load_pretrained(
             cfg.model.path, dtype=_DTYPES[cfg.model.dtype], mesh=mesh
@@ -241,6 +245,7 @@ def sft_warmup(run: RunContext, params, key) -> Any:
             run.model_config,
             optimizer,
             chunk_size=run.cfg.model.chunk_size,
+            remat=run.cfg.model.remat,
             param_shardings=shardings.params,
         ),
         shardings,

@@ -155,6 +155,7 @@ def make_policy_loss_fn(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    remat: str = "none",
     compute_entropy: bool = True,
 ) -> LossFn:
     """``(params, batch) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``.
@@ -170,6 +171,7 @@ def make_policy_loss_fn(
             batch,
             temperature=temperature,
             chunk_size=chunk_size,
+            remat=remat,
             return_entropy=need_entropy,
         )
         token_logprobs, entropy = out if need_entropy else (out, None)
@@ -187,6 +189,7 @@ def make_policy_step(
     micro_batches: int = 1,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    remat: str = "none",
     compute_entropy: bool = True,
     param_shardings: PyTree | None = None,
 ) -> Step:
@@ -200,6 +203,8 @@ def make_policy_step(
       temperature: sampling temperature, applied to the recomputed log-probs (so the ratio
         starts at 1 when the policy has not moved).
       chunk_size: sequence chunk of the log-prob computation (memory ``O(B·chunk·V)``).
+      remat: the model's remat policy: ``"none"`` or ``"layer"`` (recompute each layer in the
+        backward pass instead of keeping its activations).
       compute_entropy: also compute the per-token entropy (metric; needed for an entropy bonus).
       param_shardings: see :func:`make_step`.
 
@@ -213,6 +218,7 @@ def make_policy_step(
         objective,
         temperature=temperature,
         chunk_size=chunk_size,
+        remat=remat,
         compute_entropy=compute_entropy,
     )
     return make_step(
@@ -226,6 +232,7 @@ def make_sft_step(
     *,
     micro_batches: int = 1,
     chunk_size: int | None = None,
+    remat: str = "none",
     param_shardings: PyTree | None = None,
 ) -> Step:
     """A supervised step: token-mean NLL ``−Σ m·log π(y_t) / N_tok`` of the completions.
@@ -234,7 +241,7 @@ def make_sft_step(
     """
 
     def loss_fn(params, batch: RolloutBatch):
-        token_logprobs = _logprobs(model_config, params, batch, chunk_size=chunk_size)
+        token_logprobs = _logprobs(model_config, params, batch, chunk_size=chunk_size, remat=remat)
         nll = aggregation.aggregate(
             -token_logprobs, batch.completion_mask, "token-mean", num_tokens=batch.num_tokens
         )

@@ -291,3 +291,24 @@ def test_shardings_must_match_params(checkpoints):
     path, _ = checkpoints["qwen3"]
     with pytest.raises(ValueError, match="shardings must match"):
         load_pretrained(path, shardings={"embed": None})
+
+
+def test_a_loaded_checkpoint_becomes_the_train_state_without_resharding(checkpoints):
+    """``load_pretrained(mesh=...)`` places every tensor where ``create_train_state`` keeps it,
+    so the state is built from the loaded arrays as they lie (no reshard, no host copy)."""
+    from jaxrl_llm import parallel
+    from jaxrl_llm.train.optim import make_optimizer
+    from jaxrl_llm.train.state import create_train_state
+
+    path, _ = checkpoints["llama"]
+    mesh = parallel.make_mesh(2, 2, 2)
+    config, params = load_pretrained(path, dtype=jnp.float32, mesh=mesh)
+    loaded = jax.tree.map(lambda p: p.sharding, params)
+    state, shardings = create_train_state(
+        config, make_optimizer(1e-3), key=jax.random.key(0), mesh=mesh, params=params
+    )
+    same = jax.tree.map(
+        lambda a, b, p: a.is_equivalent_to(b, p.ndim), loaded, shardings.params, params
+    )
+    assert all(jax.tree.leaves(same))
+    chex.assert_trees_all_equal(jax.device_get(state.params), jax.device_get(params))

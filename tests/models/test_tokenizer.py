@@ -41,3 +41,27 @@ def test_errors(tmp_path):
         load_tokenizer(tmp_path, padding_side="middle")
     with pytest.raises(ValueError, match="not a directory"):
         load_tokenizer(tmp_path / "absent")
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def test_the_checkpoint_chat_template_comes_along(tmp_path):
+    vocab = {word: i for i, word in enumerate([*WORDS, "user", "assistant", "system"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "the cat"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<s> user the cat </s> <s> assistant "
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == [1, 8, 5, 6, 2, 1, 9]

@@ -389,6 +389,9 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             r"model.dtype must be one of \('float32', 'bfloat16'\)",
             id="dtype",
         ),
+        pytest.param(
+            ["model.remat=full"], r"model.remat must be one of \('none', 'layer'\)", id="remat"
+        ),
         pytest.param(["reference.mode=moving"], r"reference.mode must be one of", id="reference"),
         pytest.param(
             ["reference.mode=refresh"],

@@ -16,7 +16,16 @@ from jaxrl_llm.train.step import jit_step, make_logprob_fn, make_policy_step
 from tests.train.step_problem import CONFIG, host_batch
 
 
-def _run(mesh_shape, steps, *, objective=None, micro_batches=1, optimizer=None, axis_types="auto"):
+def _run(
+    mesh_shape,
+    steps,
+    *,
+    objective=None,
+    micro_batches=1,
+    optimizer=None,
+    axis_types="auto",
+    remat="none",
+):
     data, fsdp, tensor = mesh_shape
     devices = jax.devices()[: data * fsdp * tensor]
     mesh = parallel.make_mesh(data, fsdp, tensor, devices=devices, axis_types=axis_types)
@@ -29,6 +38,7 @@ def _run(mesh_shape, steps, *, objective=None, micro_batches=1, optimizer=None, 
             objective,
             optimizer,
             micro_batches=micro_batches,
+            remat=remat,
             param_shardings=shardings.params,
         ),
         shardings,
@@ -81,6 +91,16 @@ def test_micro_batches_equal_full_batch(mode):
         )
 
 
+def test_layer_remat_gives_the_same_update(single_device_runs):
+    """``remat="layer"`` recomputes each layer in the backward pass: same numbers, less memory."""
+    expected, expected_metrics, _ = single_device_runs[1]
+    params, metrics, _ = _run((1, 1, 1), 1, optimizer=optax.sgd(0.5), remat="layer")
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, expected
+    )
+    np.testing.assert_allclose(metrics[0]["grad_norm"], expected_metrics[0]["grad_norm"], rtol=1e-5)
+
+
 def test_explicit_mesh_keeps_types_and_does_not_retrace():
     mesh = parallel.make_mesh(2, 2, 2, axis_types="explicit")
     assert all(t == AxisType.Explicit for t in mesh.axis_types)
@@ -93,9 +113,10 @@ def test_explicit_mesh_keeps_types_and_does_not_retrace():
     types_before = jax.tree.map(jax.typeof, state)
     with jax.set_mesh(mesh):
         for i in range(2):
-            old_leaf = jax.tree.leaves(state.params)[0]
+            old_leaves = jax.tree.leaves(state)
             state, metrics = step(state, parallel.shard_batch(host_batch(i), mesh))
-            assert old_leaf.is_deleted(), "the incoming state must be donated"
+            kept = [leaf.shape for leaf in old_leaves if not leaf.is_deleted()]
+            assert not kept, f"every leaf of the incoming state must be donated, kept {kept}"
     assert jax.tree.map(jax.typeof, state) == types_before
     assert step._cache_size() == 1
     assert np.isfinite(float(metrics["loss"]))
@@ -110,13 +131,18 @@ def test_state_is_born_sharded():
         assert leaf.sharding == sharding
     # Adam's moments follow their parameter's sharding; the step count is replicated.
     mu = state.opt_state[1][0].mu
-    jax.tree.map(lambda m, p: m.sharding.is_equivalent_to(p.sharding, m.ndim), mu, embed)
+    same = jax.tree.map(lambda m, p: m.sharding.is_equivalent_to(p.sharding, m.ndim), mu, embed)
+    assert all(jax.tree.leaves(same))
     assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(shardings.opt_state))
 
 
 def test_non_divisible_shapes_raise():
     mesh = parallel.make_mesh(1, 1, 8)
-    with pytest.raises(ValueError, match="tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"params\['layers'\]\['wk'\]: dim 2 \('kv_heads'\) of size 2 .* mesh axis "
+        r"'tensor' of size 8",
+    ):
         create_train_state(CONFIG, optim.make_optimizer(), key=jax.random.key(0), mesh=mesh)
     mesh = parallel.make_mesh(8, 1, 1)
     with pytest.raises(ValueError, match="12"):
