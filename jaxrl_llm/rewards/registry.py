@@ -1,12 +1,21 @@
-"""Rewards by name, so configs can list them: ``make_reward("format", tags=["think"])``."""
+"""Rewards by name, so configs can list them: ``make_reward("format", tags=["think"])``.
+
+Besides the registered names, a config may name any importable function as
+``"package.module:function"`` (verl's ``custom_reward_function``): either a plain
+``fn(prompt, completion, example, **kwargs) -> float`` or a ``fn(inp: RewardInput) -> float``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
 from typing import Any
 
-from jaxrl_llm.rewards.base import RewardFn
+from jaxrl_llm.rewards.base import RewardFn, RewardInput
 from jaxrl_llm.rewards.format import FormatReward
 from jaxrl_llm.rewards.length import OverlongPenalty
 from jaxrl_llm.rewards.math import MathMatch
@@ -31,16 +40,20 @@ def make_reward(name: str, **kwargs: Any) -> RewardFn:
     """Builds the reward registered as ``name`` with the given settings.
 
     Args:
-      name: a key of ``REWARDS``.
-      **kwargs: fields of that reward (e.g. ``max_length=..., buffer=...`` for ``overlong``).
+      name: a key of ``REWARDS``, or ``"package.module:function"`` naming a user function.
+      **kwargs: fields of that reward (e.g. ``max_length=..., buffer=...`` for ``overlong``);
+        for a user function, keyword arguments bound to it.
 
     Returns:
       A reward function ``fn(RewardInput) -> float``.
 
     Raises:
-      ValueError: on an unknown name (suggesting the nearest valid one) or unknown / missing
-        settings (listing the valid ones).
+      ValueError: on an unknown name (suggesting the nearest valid one), unknown / missing
+        settings (listing the valid ones), or a user function that cannot be imported or
+        takes neither ``(inp)`` nor ``(prompt, completion, example)``.
     """
+    if isinstance(name, str) and ":" in name:
+        return _import_reward(name, kwargs)
     if name not in REWARDS:
         close = _nearest(str(name), sorted(REWARDS))
         hint = f"; did you mean {close!r}?" if close else ""
@@ -55,3 +68,59 @@ def make_reward(name: str, **kwargs: Any) -> RewardFn:
             else []
         )
         raise ValueError(f"bad settings for reward {name!r}: {err} (fields: {fields})") from err
+
+
+class _PlainReward:
+    """Adapts ``fn(prompt, completion, example, **kwargs)`` to the ``RewardInput`` interface."""
+
+    def __init__(self, name: str, fn: Callable[..., float]):
+        self.name, self.fn = name, fn
+
+    def __call__(self, inp: RewardInput) -> float:
+        return self.fn(inp.prompt, inp.completion, inp.example)
+
+    def __repr__(self) -> str:
+        return f"reward {self.name!r}"
+
+
+def _import_reward(name: str, kwargs: dict[str, Any]) -> RewardFn:
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"reward {name!r}: cannot import {attr!r} from {module_name!r}: {err}"
+        ) from err
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is not callable: {fn!r}")
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
+    try:
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+    except (TypeError, ValueError):  # a builtin without a signature: assume RewardInput
+        params = [None]
+    if len(params) == 3:
+        return _PlainReward(name, fn)
+    if len(params) == 1:
+        return _Named(name, fn)
+    raise ValueError(
+        f"reward {name!r} must take (prompt, completion, example) or one RewardInput, "
+        f"not {len(params)} required positional arguments"
+    )
+
+
+class _Named:
+    """A ``fn(inp: RewardInput)`` reported under its config name."""
+
+    def __init__(self, name: str, fn: Callable[[RewardInput], float]):
+        self.name, self.fn = name, fn
+
+    def __call__(self, inp: RewardInput) -> float:
+        return self.fn(inp)
+
+    def __repr__(self) -> str:
+        return f"reward {self.name!r}"

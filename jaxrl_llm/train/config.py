@@ -85,7 +85,8 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardTerm:
-    """One weighted reward function from ``jaxrl_llm.rewards.REWARDS``.
+    """One weighted reward function: a name from ``jaxrl_llm.rewards.REWARDS``, or
+    ``"package.module:function"`` for your own ``fn(prompt, completion, example) -> float``.
 
     ``kwargs`` are the reward's keyword settings, e.g. ``overlong`` needs
     ``{max_tokens: 512, buffer_tokens: 64}`` (counted in tokens).

@@ -219,3 +219,47 @@ def test_bad_settings_list_the_fields():
         make_reward("overlong")
     with pytest.raises(ValueError, match="must not exceed"):
         make_reward("overlong", max_tokens=2, buffer_tokens=3)
+
+
+_USER_REWARDS = """
+def starts_with(prompt, completion, example, prefix="7"):
+    return float(completion.startswith(prefix)) + (0.5 if example["answer"] in prompt else 0.0)
+
+
+def from_input(inp):
+    return float(inp.completion_tokens or 0)
+
+
+def needs_two(prompt, completion):
+    return 0.0
+
+
+def broken(prompt, completion, example):
+    raise KeyError("score")
+"""
+
+
+def test_a_config_may_name_any_importable_reward_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(_USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plain = make_reward("my_rewards:starts_with")
+    inp = RewardInput("1+6=7?", "7", {"answer": "7"}, completion_tokens=2)
+    assert plain(inp) == 1.5
+    assert make_reward("my_rewards:starts_with", prefix="8")(inp) == 0.5
+    assert make_reward("my_rewards:from_input")(inp) == 2.0
+    # Reported under the config name, like the built-in rewards.
+    reward = combine_rewards([(plain, 2.0), (make_reward("my_rewards:from_input"), 1.0)])
+    totals, components = compute_rewards(reward, [inp])
+    assert totals.tolist() == [5.0]
+    assert {k: v.tolist() for k, v in components.items()} == {
+        "my_rewards:starts_with": [1.5],
+        "my_rewards:from_input": [2.0],
+    }
+    with pytest.raises(RewardError, match=r"'my_rewards:broken' .*raised KeyError"):
+        combine_rewards([(make_reward("my_rewards:broken"), 1.0)])(inp)
+    with pytest.raises(ValueError, match=r"cannot import 'absent' from 'my_rewards'"):
+        make_reward("my_rewards:absent")
+    with pytest.raises(ValueError, match=r"cannot import .* 'no_such_module'"):
+        make_reward("no_such_module:fn")
+    with pytest.raises(ValueError, match=r"must take \(prompt, completion, example\)"):
+        make_reward("my_rewards:needs_two")
