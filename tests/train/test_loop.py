@@ -135,6 +135,49 @@ def test_run_dir_is_complete(uninterrupted):
         assert ckpt.reference_steps() == [3]
 
 
+def _tensorboard_scalars(directory: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """``tag -> [(step, value)]`` read back from the TFRecord event files in ``directory``."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            length = int.from_bytes(data[offset : offset + 8], "little")
+            record = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4  # length, its CRC, the record, its CRC
+            event = event_pb2.Event.FromString(record)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_plots_and_tensorboard_events_are_written(tmp_path):
+    """A real run fills plots/ (matplotlib) and tensorboard/ (tensorboardX), both in the test
+    extra, with the metrics of metrics.jsonl."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboardX")
+    cfg = rl_helpers.tiny_config(
+        GRPO,
+        tmp_path / "run",
+        rl_helpers.SHAPED_REWARDS,
+        "trainer.max_steps=2",
+        "logging.plots=true",
+        "logging.tensorboard=true",
+    )
+    run(cfg)
+    run_dir = tmp_path / "run"
+    pngs = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
+    assert {"reward_mean.png", "accuracy.png", "completion_length_mean.png", "kl.png"} <= set(pngs)
+    assert all((run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
+    scalars = _tensorboard_scalars(run_dir / "tensorboard")
+    rows = read_metrics(run_dir)
+    for key in ("reward_mean", "kl", "entropy"):
+        assert [step for step, _ in scalars[key]] == [1, 2]
+        np.testing.assert_allclose([v for _, v in scalars[key]], [r[key] for r in rows], rtol=1e-6)
+
+
 def test_step_metrics_describe_the_sampled_batch(uninterrupted):
     """Rewards, lengths and GRPO advantages recomputed from each step's samples."""
     cfg = uninterrupted.cfg
