@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,44 @@ def _answer_text(value: Any, where: str, field: str) -> str:
     raise ValueError(f"{where}: field {field!r} must be a string or a number, got {value!r}")
 
 
+def jsonl_records(path: str | os.PathLike, fields: Sequence[str]) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for every non-blank line, each a JSON object holding ``fields``.
+
+    ``where`` is ``"path:line"``, for error messages about the record.
+
+    Raises:
+      FileNotFoundError: if ``path`` is not a file.
+      ValueError: naming ``path:line`` for invalid JSON, a line that is not an object or a
+        missing field; or if the file holds no record.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"JSONL dataset {path!r} does not exist or is not a file")
+    count = 0
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{where}: invalid JSON ({err.msg} at column {err.colno})"
+                ) from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            for field in fields:
+                if field not in record:
+                    raise ValueError(
+                        f"{where}: missing field {field!r} (fields present: {sorted(record)})"
+                    )
+            count += 1
+            yield where, record
+    if count == 0:
+        raise ValueError(f"JSONL dataset {path!r} holds no record")
+
+
 def load_jsonl(
     path: str | os.PathLike, *, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[Example]:
@@ -77,39 +115,15 @@ def load_jsonl(
     Raises:
       FileNotFoundError: if ``path`` is not a file.
       ValueError: naming ``path:line`` for invalid JSON, a line that is not an object, a
-        missing field or a field of the wrong type; or if the file holds no example.
+        missing field or a field of the wrong type; or if the file holds no record.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"JSONL dataset {path!r} does not exist or is not a file")
     examples = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{where}: invalid JSON ({err.msg} at column {err.colno})"
-                ) from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            for field in (prompt_field, answer_field):
-                if field not in record:
-                    raise ValueError(
-                        f"{where}: missing field {field!r} (fields present: {sorted(record)})"
-                    )
-            prompt = record.pop(prompt_field)
-            if not isinstance(prompt, str):
-                raise ValueError(
-                    f"{where}: field {prompt_field!r} must be a string, got {prompt!r}"
-                )
-            answer = _answer_text(record.pop(answer_field), where, answer_field)
-            examples.append(Example(prompt=prompt, answer=answer, extra=record))
-    if not examples:
-        raise ValueError(f"JSONL dataset {path!r} holds no example")
+    for where, record in jsonl_records(path, (prompt_field, answer_field)):
+        prompt = record.pop(prompt_field)
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: field {prompt_field!r} must be a string, got {prompt!r}")
+        answer = _answer_text(record.pop(answer_field), where, answer_field)
+        examples.append(Example(prompt=prompt, answer=answer, extra=record))
     return examples
 
 

@@ -19,7 +19,6 @@ resumable, seeded order.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxrl_llm.data.arithmetic import arithmetic_examples
-from jaxrl_llm.data.datasets import Example, PromptSampler
+from jaxrl_llm.data.datasets import Example, PromptSampler, jsonl_records
 
 
 def _check_text(value: Any, name: str) -> None:
@@ -92,36 +91,6 @@ class UnpairedExample:
 # --------------------------------------------------------------------------------------
 
 
-def _records(path: str | os.PathLike, fields: Sequence[str]):
-    """``(where, record)`` for every non-blank line, each a JSON object holding ``fields``."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"JSONL dataset {path!r} does not exist or is not a file")
-    count = 0
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{where}: invalid JSON ({err.msg} at column {err.colno})"
-                ) from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            for field in fields:
-                if field not in record:
-                    raise ValueError(
-                        f"{where}: missing field {field!r} (fields present: {sorted(record)})"
-                    )
-            count += 1
-            yield where, record
-    if count == 0:
-        raise ValueError(f"JSONL dataset {path!r} holds no record")
-
-
 def _text_field(record: dict, field: str, where: str) -> str:
     value = record.pop(field)
     if not isinstance(value, str):
@@ -157,7 +126,7 @@ def load_preference_jsonl(
     if margin_field is not None:
         fields.append(margin_field)
     pairs = []
-    for where, record in _records(path, fields):
+    for where, record in jsonl_records(path, fields):
         prompt = _text_field(record, prompt_field, where)
         chosen = _text_field(record, chosen_field, where)
         rejected = _text_field(record, rejected_field, where)
@@ -193,7 +162,7 @@ def load_unpaired_jsonl(
         wrong type; or if the file holds no record.
     """
     examples = []
-    for where, record in _records(path, [prompt_field, completion_field, label_field]):
+    for where, record in jsonl_records(path, [prompt_field, completion_field, label_field]):
         prompt = _text_field(record, prompt_field, where)
         completion = _text_field(record, completion_field, where)
         label = record.pop(label_field)

@@ -89,7 +89,7 @@ def test_load_jsonl_wrong_types(tmp_path, line, message):
 
 
 def test_load_jsonl_empty_file(tmp_path):
-    with pytest.raises(ValueError, match="no example"):
+    with pytest.raises(ValueError, match="holds no record"):
         load_jsonl(_write(tmp_path / "d.jsonl", ["", "  "]))
 
 
