@@ -120,42 +120,48 @@ def _both(prompt_tokens, prompt_mask, first_tokens, first_mask, second_tokens, s
     )
 
 
+def _logps_of_both(params, model_config, prompt_tokens, prompt_mask, *completions, **kwargs):
+    """Per-token log-probs of two ``[N, T]`` completion sets for the same prompts, one pass."""
+    n = completions[0].shape[0]
+    rows = _both(prompt_tokens, prompt_mask, *completions)
+    token_logps = completion_logprobs(params, model_config, *rows, **kwargs)
+    return token_logps[:n], token_logps[n:]
+
+
 def pair_token_logps(
     params, model_config, batch: PreferenceBatch, *, chunk_size=None, remat="none"
 ):
     """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions."""
-    n = batch.chosen_tokens.shape[0]
-    rows = _both(
+    return _logps_of_both(
+        params,
+        model_config,
         batch.prompt_tokens,
         batch.prompt_mask,
         batch.chosen_tokens,
         batch.chosen_mask,
         batch.rejected_tokens,
         batch.rejected_mask,
+        chunk_size=chunk_size,
+        remat=remat,
     )
-    token_logps = completion_logprobs(
-        params, model_config, *rows, chunk_size=chunk_size, remat=remat
-    )
-    return token_logps[:n], token_logps[n:]
 
 
 def unpaired_token_logps(
     params, model_config, batch: UnpairedBatch, *, chunk_size=None, remat="none"
 ):
     """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones."""
-    n = batch.completion_tokens.shape[0]
-    rows = _both(
+    return _logps_of_both(
+        params,
+        model_config,
         batch.prompt_tokens,
         batch.prompt_mask,
         batch.completion_tokens,
         batch.completion_mask,
         batch.kl_completion_tokens,
         batch.kl_completion_mask,
+        chunk_size=chunk_size,
+        remat=remat,
     )
-    token_logps = completion_logprobs(
-        params, model_config, *rows, chunk_size=chunk_size, remat=remat
-    )
-    return token_logps[:n], token_logps[n:]
 
 
 def make_pair_loss_fn(
