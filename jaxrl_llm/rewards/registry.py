@@ -70,14 +70,15 @@ def make_reward(name: str, **kwargs: Any) -> RewardFn:
         raise ValueError(f"bad settings for reward {name!r}: {err} (fields: {fields})") from err
 
 
-class _PlainReward:
-    """Adapts ``fn(prompt, completion, example, **kwargs)`` to the ``RewardInput`` interface."""
+class _UserReward:
+    """A user function reported under its config name: ``fn(inp: RewardInput)``, or with
+    ``plain`` a ``fn(prompt, completion, example)`` adapted to the ``RewardInput`` interface."""
 
-    def __init__(self, name: str, fn: Callable[..., float]):
-        self.name, self.fn = name, fn
+    def __init__(self, name: str, fn: Callable[..., float], *, plain: bool):
+        self.name, self.fn, self.plain = name, fn, plain
 
     def __call__(self, inp: RewardInput) -> float:
-        return self.fn(inp.prompt, inp.completion, inp.example)
+        return self.fn(inp.prompt, inp.completion, inp.example) if self.plain else self.fn(inp)
 
     def __repr__(self) -> str:
         return f"reward {self.name!r}"
@@ -103,24 +104,9 @@ def _import_reward(name: str, kwargs: dict[str, Any]) -> RewardFn:
         ]
     except (TypeError, ValueError):  # a builtin without a signature: assume RewardInput
         params = [None]
-    if len(params) == 3:
-        return _PlainReward(name, fn)
-    if len(params) == 1:
-        return _Named(name, fn)
+    if len(params) in (1, 3):
+        return _UserReward(name, fn, plain=len(params) == 3)
     raise ValueError(
         f"reward {name!r} must take (prompt, completion, example) or one RewardInput, "
         f"not {len(params)} required positional arguments"
     )
-
-
-class _Named:
-    """A ``fn(inp: RewardInput)`` reported under its config name."""
-
-    def __init__(self, name: str, fn: Callable[[RewardInput], float]):
-        self.name, self.fn = name, fn
-
-    def __call__(self, inp: RewardInput) -> float:
-        return self.fn(inp)
-
-    def __repr__(self) -> str:
-        return f"reward {self.name!r}"
