@@ -24,6 +24,11 @@ def _register_optional() -> None:
     optional = {
         "train": ("jaxrl_llm.train.cli", "train_main", "run an RL / SFT / preference job"),
         "generate": ("jaxrl_llm.sampling.cli", "generate_main", "sample completions from a model"),
+        "export": (
+            "jaxrl_llm.train.cli",
+            "export_main",
+            "write a Hugging Face checkpoint of a run's policy",
+        ),
     }
     for name, (module, func, help_text) in optional.items():
         try:

@@ -13,6 +13,25 @@ import jax
 Array = jax.Array
 
 
+class Sequences(NamedTuple):
+    """The token quadruple a model scores: prompts and their completions.
+
+    What every forward pass of the trainers takes (log-prob recompute, values, reward-model
+    scores, SFT); the loss inputs travel separately, so no placeholder arrays are ever built.
+
+    Attributes:
+      prompt_tokens: ``[B, P]`` int32, left-padded.
+      prompt_mask: ``[B, P]`` bool.
+      completion_tokens: ``[B, T]`` int32, right-padded.
+      completion_mask: ``[B, T]`` bool, 1 on generated tokens up to and including EOS.
+    """
+
+    prompt_tokens: Array
+    prompt_mask: Array
+    completion_tokens: Array
+    completion_mask: Array
+
+
 class RolloutBatch(NamedTuple):
     """One batch of sampled completions and everything the policy loss needs.
 
@@ -91,3 +110,10 @@ class Completion(NamedTuple):
     tokens: Array
     logprobs: Array
     mask: Array
+
+
+def sequences_of(batch: Any) -> Sequences:
+    """The ``Sequences`` of any batch that carries the four token fields."""
+    return Sequences(
+        batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
+    )

@@ -13,6 +13,14 @@ from jaxrl_llm.data.char_tokenizer import (
     SPECIAL_TOKENS,
     build_char_tokenizer,
 )
+from jaxrl_llm.data.encoding import (
+    decode_completions,
+    encode_completions,
+    encode_prompts,
+    pad_id,
+    prompt_lengths,
+    stop_token_ids,
+)
 from jaxrl_llm.data.datasets import Example, PromptSampler, format_prompt, load_jsonl, split_eval
 from jaxrl_llm.data.preferences import (
     IndexSampler,
@@ -46,8 +54,11 @@ __all__ = [
     "arithmetic_examples",
     "arithmetic_preference_pairs",
     "build_char_tokenizer",
+    "decode_completions",
     "demonstration",
+    "encode_completions",
     "encode_pairs",
+    "encode_prompts",
     "encode_unpaired",
     "format_prompt",
     "load_jsonl",
@@ -55,9 +66,12 @@ __all__ = [
     "load_unpaired_jsonl",
     "mismatched_partners",
     "num_problems",
+    "pad_id",
     "pair_keys",
     "pairs_to_unpaired",
+    "prompt_lengths",
     "solve_arithmetic",
     "split_eval",
+    "stop_token_ids",
     "unpaired_keys",
 ]

@@ -8,7 +8,6 @@ are printed decoded, special tokens removed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -38,19 +37,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _eos_ids(model_dir: str, config: Any, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, deduplicated."""
-    ids = list(config.eos_token_ids)
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            value = json.load(f).get("eos_token_id")
-        ids += [value] if isinstance(value, int) else list(value or ())
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
 def _encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool) -> tuple[Any, Any]:
     """Left-padded ``[N, P]`` token ids and mask as NumPy arrays."""
     if chat and getattr(tokenizer, "chat_template", None):
@@ -78,6 +64,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxrl_llm.data.encoding import stop_token_ids
     from jaxrl_llm.models import load_pretrained, load_tokenizer
     from jaxrl_llm.sampling.generate import generate
 
@@ -85,7 +72,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model_dir)
         config, params = load_pretrained(args.model_dir, dtype=jnp.dtype(args.dtype))
         tokens, mask = _encode(tokenizer, args.prompt, chat=not args.no_chat_template)
-        eos_ids = _eos_ids(args.model_dir, config, tokenizer)
+        eos_ids = stop_token_ids(tokenizer, config, args.model_dir)
         pad_id = tokenizer.pad_token_id
         if pad_id is None:
             pad_id = config.pad_token_id if config.pad_token_id is not None else 0

@@ -323,6 +323,39 @@ class Checkpointer:
         extra = restored["extra"]
         return restored["state"], dict(extra) if extra is not None else {}, reference
 
+    def restore_raw(self, step: int | None = None) -> tuple[PyTree, dict[str, Any]]:
+        """``(state, extra)`` of a checkpoint as saved, on the CPU, without an abstract target
+        (for export tools on one host: NamedTuples come back as dicts).
+
+        Raises:
+          FileNotFoundError: no checkpoint, or no checkpoint at ``step``.
+        """
+        if not _exists(self.directory):
+            raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        self._open()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        step = steps[-1] if step is None else _as_step(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        self._state_manager.wait_until_finished()
+        state_dir = os.path.join(self.directory, str(step), "state")
+        metadata = ocp.StandardCheckpointer().metadata(state_dir)
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), tree)
+        restored = self._state_manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
+            ),
+        )
+        return restored["state"], dict(restored["extra"] or {})
+
 
 def _exists(path: str) -> bool:
     if "://" in path:

@@ -1,25 +1,32 @@
-"""``jaxrl-llm train [CONFIG.yaml] [dotted.key=value ...]``.
+"""``jaxrl-llm train [CONFIG.yaml] [dotted.key=value ...]`` and ``jaxrl-llm export RUN_DIR``.
 
-The config's top-level ``job`` (or a ``job=...`` override; default ``rl``) picks the trainer:
-``rl`` runs the RL loop (``train.config.TrainConfig``), ``preference`` and ``reward_model`` run
-offline preference training (``train.preference_config.PreferenceConfig``).
+The config's top-level ``job`` (or a ``job=...`` override; default ``rl``) picks the wing:
+``rl`` runs the RL trainer (``train.rl``), ``preference`` and ``reward_model`` run offline
+preference training (``train.preference``). A user error — an unknown key, a missing file, a
+bad record, a batch that does not divide the mesh — prints one ``error:`` line and exits 2,
+leaving no run directory behind that the run created.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import pathlib
+import shutil
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import load_config, parse_yaml
 
 JOBS = ("rl", "preference", "reward_model")
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, KeyError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,28 +73,141 @@ def resolve_job(config_path: str | os.PathLike | None, overrides: Sequence[str])
     return job
 
 
+def config_class(job: str) -> type:
+    """The config dataclass of a job (imported lazily: JAX starts only when a job runs)."""
+    if job == "rl":
+        from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
+
+        return TrainConfig
+    from jaxrl_llm.train.preference.config import PreferenceConfig  # noqa: PLC0415
+
+    return PreferenceConfig
+
+
+def quiet_start() -> None:
+    """Logging for a CLI run: our INFO lines, nobody else's advisories.
+
+    A CPU run otherwise opens with JAX's note that no GPU/TPU backend was found, and, without
+    PyTorch, transformers' note that only tokenizers are available; neither means anything to
+    a JAX training run. Real warnings from our own code still show.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for name in ("jax", "absl", "transformers", "orbax", "tensorboardX", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _load(config_path, overrides):
+    job = resolve_job(config_path, overrides)
+    return job, load_config(config_class(job), config_path, overrides)
+
+
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line, resolves the config and runs the job."""
+    """Parses the command line, resolves the config and runs the job (exit 2: user error)."""
     args = _parser().parse_args(argv)
     config_path, overrides = args.config, list(args.overrides)
     if config_path is not None and "=" in config_path:
         config_path, overrides = None, [config_path, *overrides]
-    job = resolve_job(config_path, overrides)
+    quiet_start()
+    try:
+        job, cfg = _load(config_path, overrides)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run_dir = pathlib.Path(cfg.run_dir)
+    existed = run_dir.exists()
     if job == "rl":
-        cfg = load_config(TrainConfig, config_path, overrides)
+        from jaxrl_llm.train.rl.run import run  # noqa: PLC0415
     else:
-        from jaxrl_llm.train.preference_config import PreferenceConfig  # noqa: PLC0415
-
-        cfg = load_config(PreferenceConfig, config_path, overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # orbax logs every save step at INFO through absl.
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    # JAX starts only when a job runs.
-    if job == "rl":
-        from jaxrl_llm.train.loop import run  # noqa: PLC0415
-    else:
-        from jaxrl_llm.train.preference import run  # noqa: PLC0415
-
-    summary = run(cfg)
+        from jaxrl_llm.train.preference.run import run  # noqa: PLC0415
+    try:
+        summary = run(cfg)
+    except USER_ERRORS as err:
+        # A run refused before its first checkpoint leaves nothing it created behind.
+        if not existed and not (run_dir / "checkpoints").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+# -- jaxrl-llm export ------------------------------------------------------------------------
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    from jaxrl_llm.train.export import EXPORT_DTYPES  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm export",
+        description="Write a Hugging Face checkpoint of a run's policy (a reward-model run: "
+        "its sequence classifier) from one of its kept checkpoints.",
+    )
+    parser.add_argument("run_dir", help="a run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: last)")
+    parser.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="weights' dtype")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/hf-STEP)")
+    return parser
+
+
+def _policy_params(job: str, state: dict) -> Any:
+    """The policy's (or reward model's) parameters inside a raw checkpointed state."""
+    if "params" in state:  # a TrainState
+        params = state["params"]
+        return params["policy"] if job == "rl" and "policy" in params else params
+    return state["policy"]["params"]  # PPO with a separate critic, PRIME
+
+
+def export_run(run_dir, *, step: int | None = None, dtype: str | None = None, out=None) -> str:
+    """Writes a Hugging Face checkpoint of ``run_dir``'s policy at ``step`` (default: latest).
+
+    Raises:
+      FileNotFoundError: not a run directory, or no such checkpoint.
+    """
+    from jaxrl_llm import data, models  # noqa: PLC0415
+    from jaxrl_llm.train import export, setup  # noqa: PLC0415
+    from jaxrl_llm.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+    run_dir = pathlib.Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml")
+    job, cfg = _load(config_path, [])
+    checkpointer = Checkpointer(run_dir / "checkpoints", async_save=False)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        state, _ = checkpointer.restore_raw(step)
+    finally:
+        checkpointer.close()
+    params = _policy_params(job, state)
+    if cfg.model.path is not None:
+        tokenizer = models.load_tokenizer(cfg.model.path)
+        config = models.load_config(cfg.model.path)
+    else:
+        tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
+        config = setup.tiny_model_config(cfg.model, tokenizer, None)
+    # The built-in model's vocabulary was padded to the run's mesh: read it off the weights.
+    embed = params["backbone"]["embed"] if "backbone" in params else params["embed"]
+    config = dataclasses.replace(config, vocab_size=int(embed.shape[0]))
+    out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
+    if job == "reward_model":
+        return export.export_scalar_model(out, config, params, tokenizer, dtype=dtype)
+    stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
+    return export.export_policy(out, config, params, tokenizer, stop_ids=stop, dtype=dtype)
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``jaxrl-llm export`` (exit 2: user error)."""
+    args = _export_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    quiet_start()
+    try:
+        out = export_run(args.run_dir, step=args.step, dtype=args.dtype, out=args.out)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(out)
     return 0

@@ -5,7 +5,7 @@ A run directory holds::
     metrics.jsonl      one JSON object per step: {"step": n, "reward_mean": ..., ...}
     tensorboard/       event files (when tensorboardX is installed)
     summary.json       the end-of-run summary
-    plots/<key>.png    curves of chosen metrics (when matplotlib is installed)
+    plots/<key>.png    curves of chosen metrics (``train.plots``)
 
 Only the primary process (``jax.process_index() == 0``) writes, so every process of a
 multi-host job can make the same calls. On resume, ``truncate(step)`` drops the rows written
@@ -17,9 +17,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,8 +28,6 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
-PLOTS_DIR = "plots"
-DEFAULT_PLOT_KEYS = ("reward_mean", "accuracy", "completion_length_mean", "kl")
 
 _TENSORBOARD_OPENED = itertools.count()
 
@@ -265,68 +262,19 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable: {value!r}")
 
 
-def plot(run_dir: str | os.PathLike, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> list[str]:
-    """Plots ``keys`` of ``metrics.jsonl`` against the step, one PNG each under ``plots/``.
-
-    Keys absent from every row (or never finite) are skipped. Needs matplotlib (the ``plots``
-    extra); without it nothing is drawn and a note is logged.
-
-    Args:
-      run_dir: the run directory holding ``metrics.jsonl``.
-      keys: metric names; ``/`` in a name becomes ``_`` in the file name.
-
-    Returns:
-      The paths of the PNGs written.
-
-    Raises:
-      FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-    """
-    rows = read_metrics(run_dir)
-    try:
-        import matplotlib  # noqa: PLC0415  (optional dependency)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        log.info("matplotlib is not installed (pip install 'jaxrl-llm[plots]'); no plots drawn")
-        return []
-    out_dir = os.path.join(os.fspath(run_dir), PLOTS_DIR)
-    written = []
-    for key in keys:
-        points = [
-            (row["step"], row[key])
-            for row in rows
-            if isinstance(row.get(key), int | float) and math.isfinite(row[key])
-        ]
-        if not points:
-            continue
-        os.makedirs(out_dir, exist_ok=True)
-        steps, values = zip(*points)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, values, marker="." if len(points) < 50 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = os.path.join(out_dir, key.replace("/", "_") + ".png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 class ProgressBar:
-    """A tqdm bar over steps showing reward, accuracy and tokens/s.
+    """A tqdm bar over steps showing reward, accuracy, tokens/s and phase seconds.
 
-    Reads ``reward_mean``, ``accuracy`` and ``tokens_per_s`` from each step's metrics (any
-    missing one is left out).
+    Reads ``reward_mean``, ``accuracy``, ``tokens_per_s``, ``time/rollout`` and
+    ``time/update`` from each step's metrics (any missing one is left out).
     """
 
     POSTFIX_KEYS: tuple[tuple[str, str], ...] = (
         ("reward_mean", "reward"),
         ("accuracy", "acc"),
         ("tokens_per_s", "tok/s"),
+        ("time/rollout", "rollout s"),
+        ("time/update", "update s"),
     )
 
     def __init__(
@@ -381,7 +329,8 @@ class ProgressBar:
         for key, label in self.POSTFIX_KEYS:
             if metrics and key in metrics:
                 value = _scalar(metrics[key], key)
-                self._postfix[label] = f"{value:.0f}" if key == "tokens_per_s" else f"{value:.3f}"
+                fmt = "{:.0f}" if key == "tokens_per_s" else "{:.2f}" if "/" in key else "{:.3f}"
+                self._postfix[label] = fmt.format(value)
         if self._postfix:
             self._bar.set_postfix(self._postfix, refresh=False)
         self._bar.update(steps)

@@ -10,11 +10,7 @@ run before anything is built, so a bad combination fails with a message naming t
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
 
-from jaxrl_llm import data
 from jaxrl_llm.preference import LOSS_TYPES, check_dpo_settings, check_label_smoothing
 from jaxrl_llm.train.config import (
     CheckpointSection,
@@ -162,11 +158,12 @@ class PreferenceConfig:
     run_dir: str = "runs/preference"
     seed: int = 0
     resume: bool = False
+    resume_force: bool = False
     model: ModelSection = ModelSection()
     data: PreferenceDataSection = PreferenceDataSection()
     loss: PreferenceLossSection = PreferenceLossSection()
     trainer: PreferenceTrainerSection = PreferenceTrainerSection()
-    sft_warmup: SFTWarmupSection = SFTWarmupSection(steps=600, batch_size=64)
+    sft_warmup: SFTWarmupSection = SFTWarmupSection(batch_size=64)
     checkpoint: CheckpointSection = CheckpointSection()
     mesh: MeshSection = MeshSection()
     logging: LoggingSection = LoggingSection()
@@ -255,53 +252,5 @@ def check_config(cfg: PreferenceConfig) -> None:
             raise ValueError(f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
     _positive("data.eval_size", data.eval_size)
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
-    if cfg.sft_warmup.steps < 0:
+    if cfg.sft_warmup.steps is not None and cfg.sft_warmup.steps < 0:
         raise ValueError(f"sft_warmup.steps must be >= 0, got {cfg.sft_warmup.steps}")
-
-
-def load_records(cfg: PreferenceConfig) -> tuple[list, list]:
-    """``(train, eval)`` records of ``cfg.data``: ``PreferencePair``s, or for KTO
-    ``UnpairedExample``s (paired data is split into desirable and undesirable completions).
-
-    Raises:
-      FileNotFoundError / ValueError: from the JSONL loaders, naming the file and line.
-    """
-    d = cfg.data
-    if d.task == "arithmetic":
-        pairs = data.arithmetic_preference_pairs(
-            d.num_train + d.eval_size,
-            seed=cfg.seed,
-            digits=d.digits,
-            ops=d.ops,
-            max_offset=d.max_offset,
-        )
-        train, evaluation = pairs[d.eval_size :], pairs[: d.eval_size]
-    else:
-        if d.unpaired:
-            fields = {"completion_field": d.completion_field, "label_field": d.label_field}
-            load = functools.partial(data.load_unpaired_jsonl, **fields)
-        else:
-            fields = {"chosen_field": d.chosen_field, "rejected_field": d.rejected_field}
-            load = functools.partial(
-                data.load_preference_jsonl, margin_field=d.margin_field, **fields
-            )
-        train = load(d.train_path, prompt_field=d.prompt_field)
-        if d.eval_path is not None:
-            evaluation = load(d.eval_path, prompt_field=d.prompt_field)[: d.eval_size]
-        else:
-            train, evaluation = data.split_eval(train, eval_size=d.eval_size, seed=cfg.seed)
-    if cfg.loss.name == "kto" and not d.unpaired:
-        train, evaluation = data.pairs_to_unpaired(train), data.pairs_to_unpaired(evaluation)
-    return train, evaluation
-
-
-def is_scalar_model(path: str | None) -> bool:
-    """Whether ``path`` holds a ``*ForSequenceClassification`` checkpoint (a reward model)."""
-    if path is None:
-        return False
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        return False
-    with open(config_file, encoding="utf-8") as f:
-        archs = json.load(f).get("architectures") or []
-    return any(a.endswith("ForSequenceClassification") for a in archs)

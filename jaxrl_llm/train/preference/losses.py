@@ -1,7 +1,10 @@
-"""The device side of preference training: losses from a model, reference log-probs, the step.
+"""The device side of preference training: losses of a model's log-probs or scores, and the
+frozen reference pass.
 
-Everything here is pure and jit-able; configs are resolved into these functions' arguments by
-``train.preference`` before anything is traced. Pairs travel as ``types.PreferenceBatch``
+Everything here is pure and jit-able; configs are resolved into these functions' arguments
+before anything is traced. Each loss function has the ``train.step`` signature
+``(params, batch, totals) -> (loss, metrics)`` (``totals`` unused: the step averages
+micro-batches, ``accumulate="mean"``). Pairs travel as ``types.PreferenceBatch``
 (chosen and rejected completions scored in one forward pass over ``2N`` rows), KTO's
 labelled completions as :class:`UnpairedBatch`, a reward model's pairs as
 :class:`RewardBatch`.
@@ -9,19 +12,22 @@ labelled completions as :class:`UnpairedBatch`, a reward model's pairs as
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
-from jax.nn import log_sigmoid
-from jax.sharding import AxisType, PartitionSpec
 
-from jaxrl_llm._checks import check_non_negative, check_rank, check_same_shape, f32
+from jaxrl_llm._checks import f32
 from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import heads
-from jaxrl_llm.preference import kto, kto_reference_point, preference_loss, sequence_logps
-from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.preference import (
+    bradley_terry,
+    kto,
+    kto_reference_point,
+    preference_loss,
+    sequence_logps,
+)
+from jaxrl_llm.train.preference.config import PreferenceConfig, dpo_loss_types
 from jaxrl_llm.types import PreferenceBatch
 
 Array = jax.Array
@@ -59,44 +65,6 @@ class RewardBatch(NamedTuple):
 
     pairs: PreferenceBatch
     margins: Array
-
-
-# --------------------------------------------------------------------------------------------
-# Losses from a model
-
-
-def bradley_terry(
-    chosen_scores: Array,
-    rejected_scores: Array,
-    *,
-    margins: Array | None = None,
-    center_rewards_coefficient: float = 0.0,
-) -> Array:
-    """Per-pair reward-model loss ``ℓ = −logσ(r_w − r_l − m) + c·(r_w + r_l)²``.
-
-    The Bradley-Terry model of preferences (Bradley & Terry 1952) as a reward-model loss
-    (Ouyang et al. 2022, InstructGPT); ``m`` is a per-pair margin (Llama 2, Touvron et al.
-    2023) and ``c`` the reward-centring coefficient (Eisenstein et al. 2023): the mean over
-    pairs equals TRL RewardTrainer's loss.
-
-    Args:
-      chosen_scores: ``[N]`` rewards ``r_w`` of the chosen completions.
-      rejected_scores: ``[N]`` rewards ``r_l`` of the rejected completions.
-      margins: ``[N]`` margins ``m`` (default 0).
-      center_rewards_coefficient: ``c ≥ 0``.
-
-    Returns:
-      ``[N]`` float32 per-pair losses.
-    """
-    check_non_negative("center_rewards_coefficient", center_rewards_coefficient)
-    check_rank("chosen_scores", chosen_scores, 1)
-    check_same_shape(chosen_scores=chosen_scores, rejected_scores=rejected_scores, margins=margins)
-    rw, rl = f32(chosen_scores), f32(rejected_scores)
-    m = 0.0 if margins is None else f32(margins)
-    loss = -log_sigmoid(rw - rl - m)
-    if center_rewards_coefficient:
-        loss = loss + center_rewards_coefficient * jnp.square(rw + rl)
-    return loss
 
 
 def _masked_mean(x: Array, weights: Array) -> Array:
@@ -178,7 +146,7 @@ def make_pair_loss_fn(
     chosen completions. Hyper-parameters are bound here, before ``jax.jit``.
     """
 
-    def loss_fn(params, batch: PreferenceBatch):
+    def loss_fn(params, batch: PreferenceBatch, totals=None):
         chosen, rejected = pair_token_logps(
             params, model_config, batch, chunk_size=chunk_size, remat=remat
         )
@@ -216,7 +184,7 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, remat="none", **kto
     completions).
     """
 
-    def loss_fn(params, batch: UnpairedBatch):
+    def loss_fn(params, batch: UnpairedBatch, totals=None):
         token_logps, kl_token_logps = unpaired_token_logps(
             params, model_config, batch, chunk_size=chunk_size, remat=remat
         )
@@ -260,14 +228,14 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, remat="none", **kto
 def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0, remat="none"):
     """``L(φ) = mean_i ℓ_BT(r_φ(x_i, y_w^i), r_φ(x_i, y_l^i), m_i)``: a reward model's loss.
 
-    :func:`bradley_terry` on the scalar-head model's rewards ``r_φ``
+    ``jaxrl_llm.preference.bradley_terry`` on the scalar-head model's rewards ``r_φ``
     (``heads.sequence_scores``, the head at the last real token; Ouyang et al. 2022), chosen
     and rejected rows in one forward pass over ``2N`` rows. Metrics: ``loss``,
     ``rewards/chosen``, ``rewards/rejected`` (mean rewards), ``rewards/margins`` and
     ``rewards/accuracies`` (pair accuracy, the fraction with ``r_w > r_l``).
     """
 
-    def loss_fn(params, batch: RewardBatch):
+    def loss_fn(params, batch: RewardBatch, totals=None):
         pairs = batch.pairs
         n = pairs.chosen_tokens.shape[0]
         rows = _both(
@@ -325,68 +293,40 @@ def make_reference_fn(
     return jax.jit(fn, in_shardings=(param_shardings, None), out_shardings=out_shardings)
 
 
-# --------------------------------------------------------------------------------------------
-# The step
-
-
-def _split_micro_batches(batch, micro_batches: int):
-    """``[B, ...]`` leaves → ``[K, B/K, ...]``, micro-batch k holding rows ``k, k+K, …``."""
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    if rows % micro_batches:
-        raise ValueError(f"micro_batches={micro_batches} does not divide the batch size {rows}")
-
-    def split(x):
-        return jnp.swapaxes(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(split, batch)
-
-
-def make_preference_step(loss_fn, optimizer, *, micro_batches: int = 1, param_shardings=None):
-    """A pure ``step(state, batch) -> (state, metrics)`` around ``loss_fn(params, batch)``.
-
-    ``g = (1/K)·Σ_k ∇L(micro-batch k)``: with K micro-batches the step averages their losses
-    (and metrics), as TRL's gradient accumulation does. That is the full-batch gradient for
-    losses that are means over pairs (the DPO family, Bradley-Terry); for ORPO / SimPO / CPO
-    (a batch token-mean NLL) and KTO (a batch KL estimate) each micro-batch uses its own.
-    Adds ``grad_norm``. On a mesh with explicit axes the gradient is computed with automatic
-    sharding propagation and returned in ``param_shardings``.
-    """
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-
-    def gradients(params, batch):
-        if micro_batches == 1:
-            return grad_fn(params, batch)
-
-        def body(acc, micro):
-            grads, metrics = grad_fn(params, micro)
-            return jax.tree.map(jnp.add, acc, grads), metrics
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, stacked = jax.lax.scan(body, zeros, _split_micro_batches(batch, micro_batches))
-        grads = jax.tree.map(lambda g: g / micro_batches, grads)
-        return grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), stacked)
-
-    def step(state: TrainState, batch):
-        params = state.params
-        mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
-        if mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types):
-            specs = jax.tree.map(lambda s: s.spec, param_shardings)
-            auto = jax.sharding.auto_axes(gradients, out_sharding=(specs, PartitionSpec()))
-            grads, metrics = auto(params, batch)
-        else:
-            grads, metrics = gradients(params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        metrics = dict(metrics)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        rng, _ = jax.random.split(state.rng)
-        new_state = TrainState(
-            step=state.step + 1,
-            params=optax.apply_updates(params, updates),
-            opt_state=opt_state,
-            rng=rng,
+def make_loss_fn(cfg: PreferenceConfig, model_config):
+    """The loss function the config names, with its hyper-parameters bound."""
+    loss, chunk, remat = cfg.loss, cfg.model.chunk_size, cfg.model.remat
+    if loss.name == "bradley_terry":
+        return make_reward_loss_fn(
+            model_config,
+            center_rewards_coefficient=loss.center_rewards_coefficient,
+            remat=remat,
         )
-        return new_state, metrics
-
-    return step
+    if loss.name == "kto":
+        return make_kto_loss_fn(
+            model_config,
+            beta=loss.beta,
+            chunk_size=chunk,
+            remat=remat,
+            desirable_weight=loss.desirable_weight,
+            undesirable_weight=loss.undesirable_weight,
+        )
+    kwargs: dict[str, Any] = {}
+    if loss.label_smoothing:
+        kwargs["label_smoothing"] = loss.label_smoothing
+    if loss.name == "dpo":
+        types, weights = dpo_loss_types(loss)
+        name = types[0] if len(types) == 1 else types
+        if len(types) > 1:
+            kwargs["loss_weights"] = weights
+        if loss.discopop_tau is not None:
+            kwargs["discopop_tau"] = loss.discopop_tau
+    else:
+        name = loss.name
+        if loss.gamma is not None:
+            kwargs["gamma"] = loss.gamma
+        if loss.cpo_alpha is not None:
+            kwargs["cpo_alpha"] = loss.cpo_alpha
+    return make_pair_loss_fn(
+        model_config, name, beta=loss.beta, chunk_size=chunk, remat=remat, **kwargs
+    )

@@ -20,35 +20,26 @@ import numpy as np
 
 from jaxrl_llm import models, objectives
 from jaxrl_llm.models import heads
-from jaxrl_llm.train import rollout as rollout_lib
-from jaxrl_llm.train.loop import RLTrainer
+from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
+from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_policy_loss_fn, make_step
-from jaxrl_llm.types import RolloutBatch
-
-CRITIC_INITS = ("policy", "reward_model", "random")
-CRITIC_OPTIMIZERS = ("separate", "joint")
+from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.types import RolloutBatch, Sequences, sequences_of
 
 
-def _values(model_config, params, batch: RolloutBatch, remat: str = "none") -> jax.Array:
-    return heads.token_values(
-        params,
-        model_config,
-        batch.prompt_tokens,
-        batch.prompt_mask,
-        batch.completion_tokens,
-        batch.completion_mask,
-        remat=remat,
-    )
+def _values(model_config, params, seqs: Sequences, remat: str = "none") -> jax.Array:
+    return heads.token_values(params, model_config, *seqs, remat=remat)
 
 
 def make_value_loss_fn(model_config, objective: objectives.Objective, *, remat: str = "none"):
-    """``(value_params, batch) -> (vf_loss, metrics)``; ``batch`` needs old values and returns."""
+    """``(value_params, batch, totals) -> (vf_loss, metrics)``; ``batch`` needs old values and
+    returns."""
 
-    def loss_fn(params, batch: RolloutBatch):
-        values = _values(model_config, params, batch, remat)
-        out = objectives.value_loss(objective, values, batch)
+    def loss_fn(params, batch: RolloutBatch, totals):
+        values = _values(model_config, params, sequences_of(batch), remat)
+        out = objectives.value_loss(objective, values, with_totals(batch, totals))
         return out.loss, out.metrics
 
     return loss_fn
@@ -93,12 +84,12 @@ def make_joint_step(
         model_config if value_config is None else value_config, objective, remat=remat
     )
 
-    def loss_fn(params, batch: RolloutBatch):
-        vf, vf_metrics = value_loss(params["value"], batch)
+    def loss_fn(params, batch: RolloutBatch, totals):
+        vf, vf_metrics = value_loss(params["value"], batch, totals)
         if value_only:
             total = objective.value_coef * vf
             return total, {**vf_metrics, "total_loss": total}
-        pg, pg_metrics = policy_loss(params["policy"], batch)
+        pg, pg_metrics = policy_loss(params["policy"], batch, totals)
         total = pg + objective.value_coef * vf
         return total, {**pg_metrics, **vf_metrics, "total_loss": total}
 
@@ -108,10 +99,11 @@ def make_joint_step(
 
 
 def make_value_fn(model_config, *, param_shardings=None):
-    """A jitted ``(value_params, batch) -> [B, T]`` of rollout-time values (no gradient)."""
+    """A jitted ``(value_params, seqs) -> [B, T]`` of rollout-time values, 0 on padding."""
 
-    def fn(params, batch: RolloutBatch):
-        return _values(model_config, jax.lax.stop_gradient(params), batch)
+    def fn(params, seqs: Sequences):
+        values = _values(model_config, jax.lax.stop_gradient(params), seqs)
+        return values * seqs.completion_mask
 
     if param_shardings is None:
         return jax.jit(fn)
@@ -136,20 +128,9 @@ def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray
 class PPOTrainer(RLTrainer):
     """The RL loop plus a critic (objective with ``advantage="gae"``, e.g. the ``ppo`` preset)."""
 
-    def _check_objective(self, objective: objectives.Objective) -> None:
+    def check_objective(self, objective: objectives.Objective) -> None:
         if objective.advantage != "gae":
             raise ValueError(f"PPOTrainer needs gae advantages, not {objective.advantage!r}")
-        critic = self.cfg.critic
-        if critic.init not in CRITIC_INITS:
-            raise ValueError(f"critic.init must be one of {CRITIC_INITS}, got {critic.init!r}")
-        if critic.optimizer not in CRITIC_OPTIMIZERS:
-            raise ValueError(
-                f"critic.optimizer must be one of {CRITIC_OPTIMIZERS}, got {critic.optimizer!r}"
-            )
-        if critic.init == "reward_model" and critic.path is None:
-            raise ValueError("critic.init=reward_model needs critic.path (a scalar-head model)")
-        if critic.warmup_steps < 0:
-            raise ValueError(f"critic.warmup_steps must be >= 0, got {critic.warmup_steps}")
 
     @property
     def joint(self) -> bool:
@@ -186,7 +167,7 @@ class PPOTrainer(RLTrainer):
         backbone = self.state.params if critic.init == "policy" else None
         return run.model_config, heads.init_scalar_params(run.model_config, key, backbone=backbone)
 
-    def _setup_extra_networks(self) -> None:
+    def setup_extra_networks(self) -> None:
         run, critic = self.run, self.cfg.critic
         self.value_config, value_params = self._initial_value_params()
         axes = heads.scalar_logical_axes(self.value_config)
@@ -213,8 +194,8 @@ class PPOTrainer(RLTrainer):
             params_axes=axes,
         )
 
-    def _compile(self) -> None:
-        super()._compile()
+    def compile(self) -> None:
+        super().compile()
         run, cfg = self.run, self.cfg
         common = {"micro_batches": cfg.trainer.micro_batches, "remat": cfg.model.remat}
         if self.joint:
@@ -246,34 +227,22 @@ class PPOTrainer(RLTrainer):
             )
             value_shardings = self.value_shardings.params
         self.values_fn = make_value_fn(self.value_config, param_shardings=value_shardings)
-        self.gae_fn = jax.jit(
-            lambda rewards, mask, old, ref, values: objectives.compute_advantages(
-                run.objective,
-                rewards,
-                mask,
-                group_size=cfg.rollout.group_size,
-                old_logprobs=old,
-                ref_logprobs=ref,
-                values=values,
-            )
-        )
 
-    def score(self, step, samples, host, device_batch):
-        values = rollout_lib.fetch(self.values_fn(self.value_params, device_batch))
-        mask = samples.completion_mask
-        values = values * mask
-        adv, returns = self.gae_fn(
-            samples.rewards, mask, host.old_logprobs, host.ref_logprobs, values
+    def score(self, step, samples, seqs, old, ref, rewards):
+        values = self.values_fn(self.value_params, seqs)
+        adv, returns = self.advantage_fn(
+            rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, values=values
         )
-        adv, returns = np.asarray(adv, np.float32), np.asarray(returns, np.float32)
+        host_values, host_returns = setup.fetch(values), setup.fetch(returns)
+        mask = samples.completion_mask
         valid = np.asarray(mask, bool)
         metrics = {
-            "critic/explained_variance": explained_variance(values, returns, mask),
-            "critic/values_mean": float(values[valid].mean()) if valid.any() else 0.0,
-            "critic/returns_mean": float(returns[valid].mean()) if valid.any() else 0.0,
+            "critic/explained_variance": explained_variance(host_values, host_returns, mask),
+            "critic/values_mean": float(host_values[valid].mean()) if valid.any() else 0.0,
+            "critic/returns_mean": float(host_returns[valid].mean()) if valid.any() else 0.0,
         }
-        host = host._replace(advantages=adv, old_values=values, returns=returns)
-        return host, metrics
+        batch = self.rollout_batch(seqs, old, ref, rewards, adv, old_values=values, returns=returns)
+        return batch, metrics
 
     def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
         warming_up = step < self.cfg.critic.warmup_steps
@@ -290,17 +259,12 @@ class PPOTrainer(RLTrainer):
         value_metrics.pop("num_tokens", None)
         return {**metrics, **value_metrics}
 
-    def train(self) -> dict[str, Any]:
-        summary = super().train()
+    def export(self, directory) -> None:
+        super().export(directory)
         # The critic is saved in the Hugging Face scalar-head layout, like a reward model.
-        if self.is_main:
-            heads.save_scalar_model(
-                self.run_dir / "critic",
-                self.value_config,
-                jax.device_get(self.value_params),
-                tokenizer=self.run.tokenizer,
-            )
-        return summary
+        export.export_scalar_model(
+            self.run_dir / "critic", self.value_config, self.value_params, self.run.tokenizer
+        )
 
 
 __all__ = [

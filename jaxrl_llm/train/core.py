@@ -1,0 +1,324 @@
+"""The run core both wings stand on: run directory, resume guard, loop skeleton, outputs.
+
+:class:`Trainer` owns what every job does the same way: it refuses a run directory that already
+holds checkpoints unless ``resume=true`` (and then a config that changed in a way that breaks
+exact resumption unless ``resume_force=true``), writes ``config.yaml`` only once every check has
+passed, runs the step loop with evaluation, ``metrics.jsonl`` rows, per-phase timings, the
+progress bar and orbax checkpoints, and ends with ``summary.json``, ``plots/*.png`` and a
+Hugging Face checkpoint of the final policy in ``hf/``. A wing (``train.rl``,
+``train.preference``) supplies the state, one step, the evaluation and what to export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+
+from jaxrl_llm import parallel
+from jaxrl_llm.train import plots
+from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.config_io import load_config, save_config, to_dict
+from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar
+
+log = logging.getLogger("jaxrl_llm")
+
+# Keys a resumed run may change without breaking its equality with an uninterrupted run.
+RESUME_SAFE_KEYS = (
+    "resume",
+    "resume_force",
+    "trainer.max_steps",
+    "trainer.eval_every",
+    "checkpoint.every_steps",
+    "checkpoint.keep",
+    "checkpoint.async_save",
+    "logging.",
+)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
+    """``{dotted key: (old value, new value)}`` for every leaf that differs."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _resume_safe(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE_KEYS)
+
+
+class PhaseTimer:
+    """Seconds (and tokens) per phase of one step: ``with timer.phase("rollout", tokens=n):``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.tokens: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def count(self, name: str, tokens: float) -> None:
+        self.tokens[name] = self.tokens.get(name, 0.0) + float(tokens)
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<phase>`` seconds and ``tokens_per_s/<phase>`` where tokens were counted."""
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        for name, tokens in self.tokens.items():
+            out[f"tokens_per_s/{name}"] = tokens / max(self.seconds.get(name, 0.0), 1e-9)
+        return out
+
+
+class Trainer:
+    """One run of a job. Subclasses implement the hooks below; :meth:`fit` runs it.
+
+    Hooks:
+      ``setup()`` builds the state (after the run directory is opened), restoring from
+      ``self.latest`` when resuming; ``train_step(step, timer) -> metrics``;
+      ``evaluate() -> metrics``; ``checkpoint_state()`` / ``set_checkpoint_state(tree)`` and
+      ``reference_tree()``; ``export(directory)`` writes the Hugging Face checkpoint;
+      ``summary()`` adds job-specific entries.
+    """
+
+    plot_keys: tuple[str, ...] = plots.DEFAULT_PLOT_KEYS
+    eval_key = "eval_before"
+
+    def __init__(self, cfg):
+        parallel.initialize_distributed()
+        self.cfg = cfg
+        self.run_dir = pathlib.Path(cfg.run_dir)
+        self.is_main = jax.process_index() == 0
+        self.extra: dict[str, Any] = {}
+        self.latest: int | None = None
+        self.completed_steps = 0
+        self.reference_dirty = False
+
+    # -- the run directory ---------------------------------------------------------------------
+
+    def open_run(self) -> None:
+        """Checks the run directory against ``resume``, then writes ``config.yaml``.
+
+        Call once every config check has passed and the model and data are built, so a refused
+        run leaves no directory (or an untouched one) behind.
+        """
+        cfg = self.cfg
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints",
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+        )
+        self.latest = self.checkpointer.latest_step()
+        if self.latest is not None and not cfg.resume:
+            raise ValueError(
+                f"{self.run_dir} already holds checkpoints (latest step {self.latest}): pass "
+                "resume=true to continue, or choose another run_dir"
+            )
+        if self.latest is not None:
+            self._check_resume_config()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
+        self.metrics_writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
+
+    def _check_resume_config(self) -> None:
+        saved_path = self.run_dir / "config.yaml"
+        if not saved_path.exists():
+            return
+        changes = config_changes(
+            to_dict(load_config(type(self.cfg), saved_path)), to_dict(self.cfg)
+        )
+        if not changes:
+            return
+        described = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        unsafe = [k for k in changes if not _resume_safe(k)]
+        if unsafe and not getattr(self.cfg, "resume_force", False):
+            raise ValueError(
+                f"resume=true with a config that differs from {saved_path} ({described}); "
+                f"{', '.join(unsafe)} would make the resumed run differ from an uninterrupted "
+                "one: restore those values, or pass resume_force=true to resume anyway"
+            )
+        log.warning("resuming with a changed config: %s", described)
+
+    def start_lines(self, lines: Mapping[str, str]) -> None:
+        """Logs the run's opening summary (devices, mesh, model, task, run directory)."""
+        devices = jax.devices()
+        kinds = sorted({d.device_kind for d in devices})
+        head = {
+            "devices": f"{len(devices)} x {'/'.join(kinds)} ({jax.default_backend()}), "
+            f"{jax.process_count()} process(es)",
+            **lines,
+            "run directory": os.fspath(self.run_dir.resolve()),
+        }
+        for key, value in head.items():
+            log.info("%-14s %s", key + ":", value)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def checkpoint_state(self):
+        return self.state
+
+    def set_checkpoint_state(self, tree) -> None:
+        self.state = tree
+
+    def reference_tree(self):
+        """What the checkpoint keeps of the reference (None: nothing)."""
+        return None
+
+    def restore_reference(self, tree) -> None:
+        """Takes back what :meth:`reference_tree` saved."""
+
+    def abstract_reference(self):
+        return None
+
+    def restore_extra(self, extra: dict[str, Any]) -> None:
+        """Takes back the data position (and anything else) from a checkpoint's extras."""
+
+    def save_extra(self) -> dict[str, Any]:
+        return {}
+
+    def export(self, directory: pathlib.Path) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def progress_view(self, metrics: dict[str, float]) -> dict[str, float]:
+        """What the progress bar reads from a step's metrics."""
+        return metrics
+
+    @property
+    def start_step(self) -> int:
+        return 0 if self.latest is None else self.latest
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def restore(self, step: int) -> None:
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
+        state, extra, reference = self.checkpointer.restore(
+            step,
+            abstract_state=abstract(self.checkpoint_state()),
+            abstract_reference=self.abstract_reference(),
+        )
+        self.set_checkpoint_state(state)
+        self.extra = dict(extra)
+        if self.abstract_reference() is not None:
+            if reference is None:
+                raise ValueError(f"checkpoint {step} has no reference to resume from")
+            self.restore_reference(reference)
+            self.reference_dirty = False
+        self.restore_extra(self.extra)
+        self.metrics_writer.truncate(step)
+        log.info("resumed from step %d", step)
+
+    def save(self, step: int) -> None:
+        self.extra.update(self.save_extra())
+        self.checkpointer.save(
+            step,
+            self.checkpoint_state(),
+            extra=self.extra,
+            reference_params=self.reference_tree() if self.reference_dirty else None,
+        )
+        self.reference_dirty = False
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _plot(self) -> None:
+        if self.is_main and self.cfg.logging.plots:
+            plots.plot(self.run_dir, self.plot_keys)
+
+    def fit(self) -> dict[str, Any]:
+        """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``."""
+        cfg = self.cfg
+        self.setup()
+        if self.latest is None:
+            self.metrics_writer.truncate(0)
+        else:
+            self.restore(self.latest)
+        self.completed_steps = self.start_step
+        if self.eval_key not in self.extra:
+            with_time = time.perf_counter()
+            self.extra[self.eval_key] = self.evaluate()
+            log.info(
+                "evaluation before training (%.1f s): %s",
+                time.perf_counter() - with_time,
+                self.extra[self.eval_key],
+            )
+        max_steps = cfg.trainer.max_steps
+        bar = ProgressBar(max_steps, initial=self.start_step, disable=not cfg.logging.progress)
+        checkpoint_s = None
+        for step in range(self.start_step, max_steps):
+            timer = PhaseTimer()
+            start = time.perf_counter()
+            metrics = self.train_step(step, timer)
+            self.completed_steps = step + 1
+            if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
+                with timer.phase("evaluation"):
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+            metrics.update(timer.metrics())
+            # A checkpoint is written after its step's row (a run killed in between resumes at
+            # the previous checkpoint and rewrites the row), so its time shows in the next row.
+            if checkpoint_s is not None:
+                metrics["time/checkpoint"] = checkpoint_s
+            metrics["time/step"] = time.perf_counter() - start
+            if self.is_main:
+                self.metrics_writer.write(step + 1, metrics)
+            checkpoint_s = None
+            if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == max_steps:
+                saved = time.perf_counter()
+                self.save(step + 1)
+                checkpoint_s = time.perf_counter() - saved
+            bar.update(self.progress_view(metrics))
+            if any(k.startswith("eval/") for k in metrics):
+                self._plot()
+        bar.close()
+        after = self.evaluate()
+        summary = {
+            "job": cfg.job,
+            "steps": max_steps,
+            self.eval_key: self.extra[self.eval_key],
+            self.eval_key.replace("before", "after"): after,
+            **self.summary(),
+        }
+        self.checkpointer.wait()
+        hf_dir = self.run_dir / "hf"
+        self.export(hf_dir)
+        summary["hf"] = os.fspath(hf_dir)
+        if self.is_main:
+            self.metrics_writer.write_summary(summary)
+        self._plot()
+        self.metrics_writer.close()
+        self.checkpointer.close()
+        log.info("evaluation after training: %s", after)
+        log.info("Hugging Face checkpoint of the final policy: %s", hf_dir)
+        return summary

@@ -1,0 +1,326 @@
+"""The RL job's configuration (``job: rl``) and the one check every RL run passes first.
+
+Defaults describe the built-in tiny CPU task (``jaxrl-llm train`` with no config): a tiny
+Llama-shaped model with a character tokenizer learns 1–2 digit arithmetic, first from
+demonstrations (a short SFT warm-up), then with GRPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from jaxrl_llm import objectives
+from jaxrl_llm.train.config import (
+    CheckpointSection,
+    LoggingSection,
+    MeshSection,
+    ModelSection,
+    SFTWarmupSection,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Prompts and answers.
+
+    Attributes:
+      task: ``arithmetic`` (built-in) or ``jsonl``.
+      train_path: JSONL file with ``prompt`` / ``answer`` fields (``task: jsonl``).
+      eval_path: held-out JSONL; null = split ``eval_size`` examples off the training file.
+      eval_size: number of held-out prompts evaluated before / after RL and every
+        ``trainer.eval_every`` steps.
+      prompt_field, answer_field: JSONL field names.
+      chat_template: wrap prompts with the tokenizer's chat template.
+      system_prompt: optional system message for the chat template.
+      max_prompt_tokens: longer prompts are an error (never silently truncated).
+      num_train: built-in task size (training prompts).
+      digits: built-in task operand digit counts.
+      ops: built-in task operators.
+    """
+
+    task: str = "arithmetic"
+    train_path: str | None = None
+    eval_path: str | None = None
+    eval_size: int = 128
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat_template: bool = False
+    system_prompt: str | None = None
+    max_prompt_tokens: int = 512
+    num_train: int = 4000
+    digits: tuple[int, ...] = (1, 2)
+    ops: tuple[str, ...] = ("+", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardTerm:
+    """One weighted reward function: a name from ``jaxrl_llm.rewards.REWARDS``, or
+    ``"package.module:function"`` for your own ``fn(prompt, completion, example) -> float``.
+
+    ``kwargs`` are the reward's keyword settings, e.g. ``overlong`` needs
+    ``{max_tokens: 512, buffer_tokens: 64}`` (counted in tokens).
+    """
+
+    name: str = "math_match"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSection:
+    """An objective preset and overrides of any of its fields (``jaxrl_llm.objectives``).
+
+    Attributes:
+      name: a preset of ``objectives.available()``.
+      overrides: fields of ``objectives.Objective``, e.g. ``{clip_high: 0.28}`` or
+        ``{surrogate: my_surrogate}`` for one registered with ``objectives.register_surrogate``.
+      imports: modules imported before the objective is built (where your own surrogates and
+        estimators register themselves), e.g. ``[my_pkg.losses]``.
+    """
+
+    name: str = "grpo"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    imports: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Sampling.
+
+    Attributes:
+      prompts_per_step: prompts per RL step (each sampled ``group_size`` times).
+      group_size: completions per prompt, G.
+      max_new_tokens: completion length limit (T).
+      temperature, top_p, top_k, min_p: sampling; the trainer recomputes log-probs at the same
+        temperature.
+      max_resample_attempts: DAPO dynamic sampling: extra draws allowed to replace groups whose
+        rewards are all equal; groups still missing after that are kept with a zero mask.
+    """
+
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_resample_attempts: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """The optimisation.
+
+    Attributes:
+      max_steps: RL steps.
+      epochs: K update epochs over each rollout batch.
+      minibatches: optimizer steps per epoch (each over ``B / minibatches`` rows).
+      micro_batches: gradient-accumulation micro-batches inside each optimizer step.
+      learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
+      eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
+    """
+
+    max_steps: int = 200
+    epochs: int = 1
+    minibatches: int = 1
+    micro_batches: int = 1
+    learning_rate: float = 5e-4
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    eval_every: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSection:
+    """The reference policy of the KL term.
+
+    Attributes:
+      mode: ``frozen`` (the initial policy), ``refresh`` (π_ref ← π_θ every
+        ``refresh_every`` steps, DeepSeekMath's iterative scheme) or ``ema``
+        (π_ref ← (1 − ema_decay)·π_θ + ema_decay·π_ref each step). No reference is built when
+        the objective needs none.
+    """
+
+    mode: str = "frozen"
+    refresh_every: int = 0
+    ema_decay: float = 0.99
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection:
+    """PPO's value model: the transformer with a scalar head (``models.heads``).
+
+    Attributes:
+      init: ``policy`` (copy the policy's backbone, as verl and TRL do), ``reward_model`` (the
+        backbone and head of the reward model at ``path``) or ``random``.
+      path: a scalar-head model directory (``init: reward_model``).
+      optimizer: ``separate`` (its own AdamW, learning rate below) or ``joint`` (one optimizer
+        over policy and value parameters, loss ``pg + value_coef * vf``).
+      learning_rate, max_grad_norm: the separate optimizer (``joint`` uses ``trainer.*``).
+      warmup_steps: RL steps that train only the critic (the policy stays put), so advantages
+        come from a fitted value function.
+    """
+
+    init: str = "policy"
+    path: str | None = None
+    optimizer: str = "separate"
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimeSection:
+    """PRIME's implicit process reward model: a trainable copy of the policy.
+
+    Attributes:
+      learning_rate, max_grad_norm: its AdamW.
+      update: ``before`` (update on the step's outcome labels, then score — the PRIME paper's
+        order) or ``after`` (score with the current PRM, then update).
+    """
+
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    update: str = "before"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A trained scalar-head reward model scoring completions on device, added to the rewards.
+
+    Attributes:
+      path: a directory saved by ``models.heads.save_scalar_model`` (e.g. a ``job:
+        reward_model`` run's ``reward_model/``); null = no learned reward.
+      weight: its weight in the total reward.
+      normalize: ``batch`` (z-score over the rollout batch, as verl/TRL users whiten scores),
+        ``none``.
+    """
+
+    path: str | None = None
+    weight: float = 1.0
+    normalize: str = "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole RL run (``job: rl``; ``preference`` / ``reward_model`` jobs have their own
+    config in ``train.preference``). Keys other code relies on: ``run_dir``, ``seed``, ``resume``,
+    ``trainer.max_steps``, ``checkpoint.every_steps``, ``mesh.data|fsdp|tensor``."""
+
+    job: str = "rl"
+    run_dir: str = "runs/default"
+    seed: int = 0
+    resume: bool = False
+    resume_force: bool = False
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    rewards: tuple[RewardTerm, ...] = (RewardTerm(),)
+    objective: ObjectiveSection = ObjectiveSection()
+    rollout: RolloutSection = RolloutSection()
+    trainer: TrainerSection = TrainerSection()
+    sft_warmup: SFTWarmupSection = SFTWarmupSection()
+    reference: ReferenceSection = ReferenceSection()
+    critic: CriticSection = CriticSection()
+    prime: PrimeSection = PrimeSection()
+    reward_model: RewardModelSection = RewardModelSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    mesh: MeshSection = MeshSection()
+    logging: LoggingSection = LoggingSection()
+
+
+REFERENCE_MODES = ("frozen", "refresh", "ema")
+DATA_TASKS = ("arithmetic", "jsonl")
+CRITIC_INITS = ("policy", "reward_model", "random")
+CRITIC_OPTIMIZERS = ("separate", "joint")
+PRM_UPDATES = ("before", "after")
+RM_NORMALIZE = ("batch", "none")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {choices}, got {value!r}")
+
+
+def _at_least(key: str, value: int | float, low: int | float) -> None:
+    if not value >= low:
+        raise ValueError(f"{key} must be >= {low}, got {value!r}")
+
+
+def make_objective(section: ObjectiveSection) -> objectives.Objective:
+    """Imports ``objective.imports`` (user registrations), then builds the objective."""
+    for module in section.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(f"objective.imports: cannot import {module!r}: {err}") from None
+    try:
+        return objectives.make(section.name, **dict(section.overrides))
+    except ValueError as err:
+        raise ValueError(f"objective: {err}") from None
+
+
+def check_config(cfg: TrainConfig) -> objectives.Objective:
+    """Every check an RL run makes before it builds anything; returns the objective.
+
+    Raises:
+      ValueError: naming the key(s) of an invalid or inconsistent setting.
+    """
+    if cfg.job != "rl":
+        raise ValueError(f"the RL trainer runs job 'rl', not {cfg.job!r}")
+    objective = make_objective(cfg.objective)
+    r, t = cfg.rollout, cfg.trainer
+    for key, value in (
+        ("rollout.prompts_per_step", r.prompts_per_step),
+        ("rollout.group_size", r.group_size),
+        ("rollout.max_new_tokens", r.max_new_tokens),
+        ("trainer.max_steps", t.max_steps),
+        ("trainer.epochs", t.epochs),
+        ("trainer.minibatches", t.minibatches),
+        ("trainer.micro_batches", t.micro_batches),
+        ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+        ("data.eval_size", cfg.data.eval_size),
+    ):
+        _at_least(key, value, 1)
+    _at_least("rollout.temperature", r.temperature, 0.0)
+    _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
+    _at_least("trainer.eval_every", t.eval_every, 0)
+    rows = r.prompts_per_step * r.group_size
+    if rows % t.minibatches:
+        raise ValueError(
+            f"trainer.minibatches={t.minibatches} does not divide the rollout batch "
+            f"{rows} (rollout.prompts_per_step x rollout.group_size)"
+        )
+    if (rows // t.minibatches) % t.micro_batches:
+        raise ValueError(
+            f"trainer.micro_batches={t.micro_batches} does not divide the minibatch of "
+            f"{rows // t.minibatches} rows"
+        )
+    _choice("data.task", cfg.data.task, DATA_TASKS)
+    if cfg.data.task == "jsonl" and cfg.data.train_path is None:
+        raise ValueError("data.task=jsonl needs data.train_path")
+    ref = cfg.reference
+    _choice("reference.mode", ref.mode, REFERENCE_MODES)
+    if ref.mode == "refresh" and ref.refresh_every < 1:
+        raise ValueError(
+            f"reference.mode=refresh needs reference.refresh_every >= 1 (steps between "
+            f"refreshes), got {ref.refresh_every}"
+        )
+    if ref.mode == "ema" and not 0.0 <= ref.ema_decay < 1.0:
+        raise ValueError(f"reference.ema_decay must be in [0, 1), got {ref.ema_decay}")
+    _choice("reward_model.normalize", cfg.reward_model.normalize, RM_NORMALIZE)
+    if objective.advantage == "gae":
+        critic = cfg.critic
+        _choice("critic.init", critic.init, CRITIC_INITS)
+        _choice("critic.optimizer", critic.optimizer, CRITIC_OPTIMIZERS)
+        if critic.init == "reward_model" and critic.path is None:
+            raise ValueError("critic.init=reward_model needs critic.path (a scalar-head model)")
+        _at_least("critic.warmup_steps", critic.warmup_steps, 0)
+    if objective.advantage == "prime":
+        _choice("prime.update", cfg.prime.update, PRM_UPDATES)
+        if r.group_size < 2:
+            raise ValueError("PRIME's RLOO baselines need rollout.group_size >= 2")
+    return objective

@@ -1,0 +1,161 @@
+"""What an RL run holds between steps: task data, rewards, stop tokens, and how to sample.
+
+:class:`RunContext` is host-side orchestration (never traced): it formats prompts, samples and
+scores a batch (adding a learned reward model's scores on device), places batches on the mesh
+and evaluates greedily on the held-out prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import data, objectives
+from jaxrl_llm.models import heads
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl import rollout as rollout_lib
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.types import Sequences
+
+
+def load_examples(cfg: TrainConfig) -> tuple[list, list]:
+    """``(train, eval)`` examples of the configured task."""
+    section = cfg.data
+    if section.task == "arithmetic":
+        examples = data.arithmetic_examples(
+            section.num_train + section.eval_size,
+            seed=cfg.seed,
+            digits=section.digits,
+            ops=section.ops,
+        )
+        return examples[section.eval_size :], examples[: section.eval_size]
+    fields = {"prompt_field": section.prompt_field, "answer_field": section.answer_field}
+    train = data.load_jsonl(section.train_path, **fields)
+    if section.eval_path is not None:
+        return train, data.load_jsonl(section.eval_path, **fields)[: section.eval_size]
+    return data.split_eval(train, eval_size=section.eval_size, seed=cfg.seed)
+
+
+def load_reward_model(cfg: TrainConfig, policy_config, mesh):
+    """``(score_fn, params)`` of ``reward_model.path`` (scored on device), or None."""
+    section = cfg.reward_model
+    if section.path is None:
+        return None
+    rm_config, params = heads.load_scalar_model(section.path, dtype=jnp.float32, mesh=mesh)
+    if rm_config.vocab_size != policy_config.vocab_size:
+        raise ValueError(
+            f"reward_model.path {section.path} has vocab_size {rm_config.vocab_size}, the policy "
+            f"{policy_config.vocab_size}: the reward model must share the policy's tokenizer"
+        )
+
+    @jax.jit
+    def score_fn(params, seqs: Sequences):
+        return heads.sequence_scores(params, rm_config, *seqs)
+
+    return score_fn, params
+
+
+def normalize_scores(scores: np.ndarray, mode: str) -> np.ndarray:
+    """``batch``: ``(s − mean) / (std + 1e-6)`` over the rollout batch (f64, then f32);
+    ``none``: unchanged."""
+    scores = np.asarray(scores, np.float64)
+    if mode == "batch" and scores.size > 1:
+        scores = (scores - scores.mean()) / (scores.std() + 1e-6)
+    return scores.astype(np.float32)
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What one RL run holds between steps (host-side orchestration, not traced)."""
+
+    cfg: TrainConfig
+    mesh: Any
+    tokenizer: Any
+    model_config: Any
+    objective: objectives.Objective
+    reward_fn: Any
+    train_examples: list
+    eval_examples: list
+    stop_ids: tuple[int, ...]
+    reward_model: Any = None  # (score_fn, params) of a learned reward model, or None
+
+    def prompts(self, examples) -> list[str]:
+        return [
+            data.format_prompt(
+                ex.prompt,
+                self.tokenizer,
+                chat_template=self.cfg.data.chat_template,
+                system_prompt=self.cfg.data.system_prompt,
+            )
+            for ex in examples
+        ]
+
+    def to_device(self, host):
+        """Pads prompts to a bucketed width (few compiled programs) and shards the rows."""
+        return setup.to_device(setup.bucket_prompts(host), self.mesh)
+
+    def sample(
+        self, params, examples, key, *, temperature, group_size, timer=None
+    ) -> rollout_lib.Samples:
+        """``group_size`` completions of each example's prompt, scored (learned reward added)."""
+        r = self.cfg.rollout
+        samples = rollout_lib.sample_and_score(
+            params,
+            self.model_config,
+            self.tokenizer,
+            examples,
+            self.prompts(examples),
+            key=key,
+            reward_fn=self.reward_fn,
+            group_size=group_size,
+            max_new_tokens=r.max_new_tokens,
+            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+            temperature=temperature,
+            stop_ids=self.stop_ids,
+            add_special_tokens=not self.cfg.data.chat_template,
+            top_k=r.top_k if temperature > 0 else 0,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            mesh=self.mesh,
+            timer=timer,
+        )
+        if timer is None:
+            return self.add_learned_reward(samples)
+        with timer.phase("scoring"):
+            return self.add_learned_reward(samples)
+
+    def add_learned_reward(self, samples: rollout_lib.Samples) -> rollout_lib.Samples:
+        """Adds ``weight * normalise(RM score)`` of the learned reward model, scored on device."""
+        if self.reward_model is None:
+            return samples
+        score_fn, rm_params = self.reward_model
+        section = self.cfg.reward_model
+        seqs = Sequences(
+            samples.prompt_tokens,
+            samples.prompt_mask,
+            samples.completion_tokens,
+            samples.completion_mask,
+        )
+        scores = setup.fetch(score_fn(rm_params, self.to_device(seqs)))
+        scores = normalize_scores(scores, section.normalize)
+        components = dict(samples.components)
+        components["reward_model"] = scores
+        return samples._replace(
+            rewards=(samples.rewards + section.weight * scores).astype(np.float32),
+            components=components,
+        )
+
+    def evaluate(self, params) -> tuple[dict[str, float], rollout_lib.Samples]:
+        """Greedy accuracy and mean reward on the held-out prompts, and the samples."""
+        samples = self.sample(
+            params, self.eval_examples, jax.random.key(0), temperature=0.0, group_size=1
+        )
+        metrics = {
+            "accuracy": float(samples.correct.mean()),
+            "reward_mean": float(samples.rewards.mean()),
+        }
+        return metrics, samples

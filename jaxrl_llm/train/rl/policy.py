@@ -1,0 +1,105 @@
+"""The policy update of every RL objective: log-probs → ``objectives.policy_loss`` → step.
+
+Everything here is pure and jit-able; the objective and the model settings are bound before
+``jax.jit``. The step's batch is a :class:`~jaxrl_llm.types.RolloutBatch` whose token fields are
+set; the whole batch's token and row counts reach every micro-batch (``train.step``), so the
+accumulated gradient equals the full-batch gradient for every aggregation mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from jaxrl_llm import objectives
+from jaxrl_llm.train.forward import sequence_logprobs
+from jaxrl_llm.train.step import LossFn, Step, Totals, make_step
+from jaxrl_llm.types import RolloutBatch, sequences_of
+
+PyTree = Any
+
+
+def with_totals(batch: RolloutBatch, totals: Totals | None) -> RolloutBatch:
+    """The batch carrying the whole batch's normalisers (``num_tokens`` / ``num_seqs``)."""
+    if totals is None:
+        return batch
+    return batch._replace(num_tokens=totals.num_tokens, num_seqs=totals.num_seqs)
+
+
+def make_policy_loss_fn(
+    model_config,
+    objective: objectives.Objective,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    remat: str = "none",
+    compute_entropy: bool = True,
+) -> LossFn:
+    """``(params, batch, totals) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``.
+
+    See :func:`make_policy_step` for the arguments.
+    """
+    need_entropy = compute_entropy or objective.entropy_coef > 0
+
+    def loss_fn(params, batch: RolloutBatch, totals: Totals | None):
+        out = sequence_logprobs(
+            params,
+            model_config,
+            sequences_of(batch),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            remat=remat,
+            return_entropy=need_entropy,
+        )
+        token_logprobs, entropy = out if need_entropy else (out, None)
+        result = objectives.policy_loss(
+            objective, token_logprobs, with_totals(batch, totals), entropy=entropy
+        )
+        return result.loss, result.metrics
+
+    return loss_fn
+
+
+def make_policy_step(
+    model_config,
+    objective: objectives.Objective,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    remat: str = "none",
+    compute_entropy: bool = True,
+    param_shardings: PyTree | None = None,
+) -> Step:
+    """A pure policy-update step: log-probs → ``objectives.policy_loss`` → gradient → optax.
+
+    Args:
+      model_config: the policy's ``ModelConfig`` (static).
+      objective: the ``Objective`` (static).
+      optimizer: the optax transformation whose state is in ``TrainState.opt_state``.
+      micro_batches: gradient-accumulation micro-batches (``train.step.make_step``).
+      temperature: sampling temperature, applied to the recomputed log-probs (so the ratio
+        starts at 1 when the policy has not moved).
+      chunk_size: sequence chunk of the log-prob computation (memory ``O(B·chunk·V)``).
+      remat: ``"none"`` or ``"layer"`` (recompute each layer in the backward pass).
+      compute_entropy: also compute the per-token entropy (metric; needed for a bonus).
+      param_shardings: the parameters' shardings (``train.step.make_step``).
+
+    Returns:
+      ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
+      completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
+      them, ``ref_logprobs``.
+    """
+    loss_fn = make_policy_loss_fn(
+        model_config,
+        objective,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        remat=remat,
+        compute_entropy=compute_entropy,
+    )
+    return make_step(
+        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+    )

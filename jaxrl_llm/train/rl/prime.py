@@ -1,0 +1,139 @@
+"""PRIME: dense rewards from an implicit process reward model, learned online.
+
+Cui et al. 2025, "Process Reinforcement through Implicit Rewards". The implicit PRM is a
+trainable copy of the (warm-started) policy; its per-token reward is
+``r_t = β·(log π_prm(y_t) − log π_ref(y_t))``. Each step it is first trained on the step's
+outcome labels (``ℓ = BCE(σ(Σ_t r_t), correct)``, the paper's cross-entropy "implicit PRM"
+objective), then scores the same rollouts; advantages are RLOO over the dense process rewards
+plus RLOO over the outcome rewards, summed into returns (``objectives.compute_advantages``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm import implicit_prm, objectives
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.forward import sequence_logprobs
+from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.types import RolloutBatch, sequences_of
+
+
+def make_prm_loss_fn(
+    model_config, *, beta: float, temperature: float = 1.0, chunk_size=None, remat="none"
+):
+    """``(prm_params, batch, totals) -> (loss, metrics)``: ``implicit_prm.prm_loss``.
+
+    ``batch.rewards`` holds the outcome labels in ``{0, 1}``; ``batch.ref_logprobs`` the
+    reference log-probs. The loss averages over the whole batch's non-empty rows, so
+    micro-batches accumulate the full-batch gradient.
+    """
+
+    def loss_fn(params, batch: RolloutBatch, totals):
+        lp = sequence_logprobs(
+            params,
+            model_config,
+            sequences_of(batch),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            remat=remat,
+        )
+        out = implicit_prm.prm_loss(
+            lp,
+            batch.ref_logprobs,
+            batch.completion_mask,
+            batch.rewards,
+            beta=beta,
+            num_seqs=None if totals is None else totals.num_seqs,
+        )
+        return out.loss, out.metrics
+
+    return loss_fn
+
+
+class PRIMETrainer(RLTrainer):
+    """The RL loop plus PRIME's implicit PRM (objective with ``advantage="prime"``)."""
+
+    def check_objective(self, objective: objectives.Objective) -> None:
+        if objective.advantage != "prime":
+            raise ValueError(f"PRIMETrainer needs prime advantages, not {objective.advantage!r}")
+
+    def checkpoint_state(self):
+        return {"policy": self.state, "prm": self.prm_state}
+
+    def set_checkpoint_state(self, tree) -> None:
+        self.state, self.prm_state = tree["policy"], tree["prm"]
+
+    def setup_extra_networks(self) -> None:
+        section = self.cfg.prime
+        self.prm_optimizer = make_optimizer(
+            section.learning_rate, max_grad_norm=section.max_grad_norm
+        )
+        # The PRM starts as a copy of the (warm-started) policy, as in the paper.
+        self.prm_state, self.prm_shardings = create_train_state(
+            self.run.model_config,
+            self.prm_optimizer,
+            key=jax.random.fold_in(self.key, 9),
+            mesh=self.run.mesh,
+            params=self.copy_params(self.state.params),
+        )
+
+    def compile(self) -> None:
+        super().compile()
+        run, cfg = self.run, self.cfg
+        beta = run.objective.prime_beta
+        self.prm_step = jit_step(
+            make_step(
+                make_prm_loss_fn(
+                    run.model_config,
+                    beta=beta,
+                    temperature=cfg.rollout.temperature,
+                    chunk_size=cfg.model.chunk_size,
+                    remat=cfg.model.remat,
+                ),
+                self.prm_optimizer,
+                micro_batches=cfg.trainer.micro_batches,
+                param_shardings=self.prm_shardings.params,
+            ),
+            self.prm_shardings,
+        )
+
+    def _update_prm(self, seqs, ref, labels) -> dict[str, float]:
+        batch = RolloutBatch(
+            completion_mask=seqs.completion_mask,
+            old_logprobs=None,
+            advantages=None,
+            ref_logprobs=ref,
+            prompt_tokens=seqs.prompt_tokens,
+            prompt_mask=seqs.prompt_mask,
+            completion_tokens=seqs.completion_tokens,
+            rewards=labels,
+        )
+        self.prm_state, metrics = self.prm_step(self.prm_state, batch)
+        return {k: float(v) for k, v in jax.device_get(metrics).items() if k.startswith("prm/")}
+
+    def score(self, step, samples, seqs, old, ref, rewards):
+        metrics: dict[str, Any] = {}
+        labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
+        if self.cfg.prime.update == "before":
+            metrics.update(self._update_prm(seqs, ref, labels))
+        prm_lp = self.logprob_fn(self.prm_state.params, seqs)
+        dense = implicit_prm.process_rewards(
+            prm_lp, ref, seqs.completion_mask, beta=self.run.objective.prime_beta
+        )
+        adv, _ = self.advantage_fn(rewards, seqs.completion_mask, process_rewards=dense)
+        if self.cfg.prime.update == "after":
+            metrics.update(self._update_prm(seqs, ref, labels))
+        host_dense = setup.fetch(dense)
+        valid = np.asarray(samples.completion_mask, bool)
+        metrics["prm/process_reward_mean"] = float(host_dense[valid].mean()) if valid.any() else 0.0
+        return self.rollout_batch(seqs, old, ref, rewards, adv), metrics
+
+
+__all__ = ["PRIMETrainer", "make_prm_loss_fn"]

@@ -1,0 +1,216 @@
+"""Host side of an RL rollout: sample G completions per prompt, decode, score, select groups.
+
+Nothing here is traced: tokenising and rewards are Python; sampling calls the jitted sampler.
+On several processes every process gathers the whole sampled batch (it is small: tokens and
+log-probs), scores it identically, and later feeds only its own rows to the sharded step.
+:func:`collect` is the rollout of one RL step, including DAPO's dynamic sampling (groups whose
+rewards are all equal are replaced by fresh draws).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl_llm import sampling
+from jaxrl_llm.data.encoding import decode_completions, encode_prompts, pad_id
+from jaxrl_llm.rewards import RewardInput, compute_rewards, is_correct
+from jaxrl_llm.train.setup import fetch
+
+
+class Samples(NamedTuple):
+    """One sampled batch on the host; rows ``g*G … g*G+G-1`` answer prompt ``g``."""
+
+    prompt_tokens: np.ndarray  # [N*G, P] int32, left-padded
+    prompt_mask: np.ndarray  # [N*G, P] bool
+    completion_tokens: np.ndarray  # [N*G, T] int32, right-padded
+    completion_mask: np.ndarray  # [N*G, T] bool, includes EOS
+    completions: list[str]  # N*G decoded texts
+    prompts: list[str]  # N*G prompt texts
+    rewards: np.ndarray  # [N*G] f32
+    correct: np.ndarray  # [N*G] bool
+    components: dict[str, np.ndarray]  # reward name -> [N*G]
+    finished: np.ndarray  # [N*G] bool, ended with EOS within the length limit
+
+
+def sample_and_score(
+    params: Any,
+    model_config,
+    tokenizer,
+    examples: Sequence[Any],
+    prompts: Sequence[str],
+    *,
+    key: jax.Array,
+    reward_fn: Callable[[RewardInput], float],
+    group_size: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    temperature: float,
+    stop_ids: Sequence[int],
+    add_special_tokens: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    mesh: Any = None,
+    timer: Any = None,
+) -> Samples:
+    """Samples ``group_size`` completions for each prompt and scores them.
+
+    ``timer`` (a ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the
+    reward time as ``scoring``.
+    """
+    phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
+    with phase("rollout"):
+        prompt_tokens, prompt_mask = encode_prompts(
+            tokenizer,
+            prompts,
+            max_prompt_tokens=max_prompt_tokens,
+            add_special_tokens=add_special_tokens,
+        )
+        eos = tuple(stop_ids)
+        completion = sampling.generate(
+            params,
+            model_config,
+            prompt_tokens,
+            prompt_mask,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            eos_ids=eos,
+            pad_id=pad_id(tokenizer),
+            num_samples=group_size,
+            mesh=mesh,
+        )
+        tokens, mask = fetch(completion.tokens), fetch(completion.mask)
+    with phase("scoring"):
+        texts = decode_completions(tokenizer, tokens, mask)
+        lengths = mask.sum(axis=1)
+        last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
+        finished = (lengths > 0) & np.isin(last, eos)
+        row_examples = [ex for ex in examples for _ in range(group_size)]
+        row_prompts = [p for p in prompts for _ in range(group_size)]
+        inputs = [
+            RewardInput(prompt=p, completion=c, example=ex, completion_tokens=int(n))
+            for p, c, ex, n in zip(row_prompts, texts, row_examples, lengths)
+        ]
+        rewards, components = compute_rewards(reward_fn, inputs)
+        correct = np.array([is_correct(c, ex) for c, ex in zip(texts, row_examples)], bool)
+    return Samples(
+        prompt_tokens=np.repeat(prompt_tokens, group_size, axis=0),
+        prompt_mask=np.repeat(prompt_mask, group_size, axis=0),
+        completion_tokens=tokens,
+        completion_mask=mask,
+        completions=texts,
+        prompts=row_prompts,
+        rewards=np.asarray(rewards, np.float32),
+        correct=correct,
+        components=components,
+        finished=finished,
+    )
+
+
+def concat_samples(parts: Sequence[Samples]) -> Samples:
+    """Row-wise concatenation (prompt widths padded on the left to the widest)."""
+    width = max(p.prompt_tokens.shape[1] for p in parts)
+
+    def left_pad(x: np.ndarray, fill) -> np.ndarray:
+        return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=fill)
+
+    return Samples(
+        prompt_tokens=np.concatenate([left_pad(p.prompt_tokens, 0) for p in parts]),
+        prompt_mask=np.concatenate([left_pad(p.prompt_mask, False) for p in parts]),
+        completion_tokens=np.concatenate([p.completion_tokens for p in parts]),
+        completion_mask=np.concatenate([p.completion_mask for p in parts]),
+        completions=[c for p in parts for c in p.completions],
+        prompts=[c for p in parts for c in p.prompts],
+        rewards=np.concatenate([p.rewards for p in parts]),
+        correct=np.concatenate([p.correct for p in parts]),
+        components={
+            k: np.concatenate([p.components[k] for p in parts]) for k in parts[0].components
+        },
+        finished=np.concatenate([p.finished for p in parts]),
+    )
+
+
+def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samples:
+    """The rows of the given group indices, in that order."""
+    rows = (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+    take = lambda x: x[rows]  # noqa: E731
+    return Samples(
+        prompt_tokens=take(samples.prompt_tokens),
+        prompt_mask=take(samples.prompt_mask),
+        completion_tokens=take(samples.completion_tokens),
+        completion_mask=take(samples.completion_mask),
+        completions=[samples.completions[r] for r in rows],
+        prompts=[samples.prompts[r] for r in rows],
+        rewards=take(samples.rewards),
+        correct=take(samples.correct),
+        components={k: take(v) for k, v in samples.components.items()},
+        finished=take(samples.finished),
+    )
+
+
+def constant_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """``[N]`` bool: groups whose rewards are all equal (zero advantage under GRPO)."""
+    grouped = rewards.reshape(-1, group_size)
+    return grouped.max(axis=1) == grouped.min(axis=1)
+
+
+def collect(
+    draw: Callable[[int], Samples],
+    *,
+    prompts_per_step: int,
+    group_size: int,
+    dynamic_sampling: bool,
+    max_attempts: int,
+) -> tuple[Samples, dict[str, float]]:
+    """One RL step's rollout: ``prompts_per_step`` groups, DAPO dynamic sampling optional.
+
+    ``draw(attempt)`` samples ``prompts_per_step`` fresh prompts × ``group_size`` completions
+    (always a full draw: one sampler program). With ``dynamic_sampling`` (Yu et al. 2025,
+    DAPO) groups whose rewards are all equal (zero advantage) are dropped and the batch is
+    refilled from further draws, at most ``max_attempts`` extra; groups still missing are
+    filled with dropped groups under a zero completion mask (same batch shape: no re-trace).
+
+    Returns:
+      ``(samples, info)``; ``info`` has ``zero_variance_frac`` of the first draw and, with
+      dynamic sampling, ``dynamic/dropped_groups``, ``dynamic/filled_groups``,
+      ``dynamic/attempts``.
+    """
+    first = draw(0)
+    constant = constant_groups(first.rewards, group_size)
+    info: dict[str, float] = {"zero_variance_frac": float(constant.mean())}
+    if not dynamic_sampling:
+        return first, info
+    kept, dropped_pool = [], []
+    need, dropped, attempts, samples = prompts_per_step, 0, 0, first
+    while True:
+        good = np.flatnonzero(~constant)[:need]
+        kept.append(select_groups(samples, good, group_size))
+        dropped_pool.append(select_groups(samples, np.flatnonzero(constant), group_size))
+        dropped += int(constant.sum())
+        need -= len(good)
+        attempts += 1
+        if need <= 0 or attempts > max_attempts:
+            break
+        samples = draw(attempts)
+        constant = constant_groups(samples.rewards, group_size)
+    filled = max(need, 0)
+    if filled:
+        filler = select_groups(concat_samples(dropped_pool), np.arange(filled), group_size)
+        kept.append(filler._replace(completion_mask=np.zeros_like(filler.completion_mask)))
+    info.update(
+        {
+            "dynamic/dropped_groups": dropped,
+            "dynamic/filled_groups": filled,
+            "dynamic/attempts": attempts,
+        }
+    )
+    return (concat_samples(kept) if len(kept) > 1 else kept[0]), info

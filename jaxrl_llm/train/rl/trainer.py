@@ -1,0 +1,425 @@
+"""The RL trainer: rollout → reward → advantages → K epochs × minibatches of the sharded step.
+
+Each step draws prompts, samples G completions per prompt, scores them on the host (DAPO
+dynamic sampling optional), computes the behaviour (and reference) log-probs with the training
+forward on device, computes advantages on device, and runs the jitted policy step over
+minibatches drawn on device — the batch never goes back to the host between those phases.
+Every random draw is a function of ``(seed, step)`` and the data position is checkpointed, so a
+resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRIME
+(``train.rl.prime``) extend it through the ``score`` / ``update`` hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import data, objectives, rewards
+from jaxrl_llm.train import export, setup
+from jaxrl_llm.train.core import PhaseTimer, Trainer
+from jaxrl_llm.train.forward import make_logprob_fn
+from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.plots import RL_PLOT_KEYS
+from jaxrl_llm.train.rl import rollout as rollout_lib
+from jaxrl_llm.train.rl.config import TrainConfig, check_config
+from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model
+from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.sft import sft_warmup
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import jit_step
+from jaxrl_llm.types import RolloutBatch, Sequences
+
+log = logging.getLogger("jaxrl_llm")
+
+SFT_WARMUP_STEPS_BUILTIN = 800
+SAMPLES_FILE = "samples.jsonl"
+
+
+def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over minibatch updates (``*_max`` / ``*_min`` keys: max / min)."""
+    out = {}
+    for key in rows[0]:
+        values = np.array([float(r[key]) for r in rows])
+        if key.endswith("_max"):
+            out[key] = float(values.max())
+        elif key.endswith("_min"):
+            out[key] = float(values.min())
+        else:
+            out[key] = float(values.mean())
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _ema(reference, params, decay: float):
+    return jax.tree.map(
+        lambda r, p: decay * r + (1.0 - decay) * p.astype(r.dtype), reference, params
+    )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take_rows(tree, rows, row_sharding):
+    """The rows of every leaf, kept sharded over the batch axes (a minibatch on device)."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x[rows], row_sharding), tree)
+
+
+def _param_count(model_config) -> int:
+    from jaxrl_llm import models  # noqa: PLC0415
+
+    shapes = models.param_shapes(model_config)
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
+
+
+class RLTrainer(Trainer):
+    """One RL run: owns the state, the reference, the data position and the writers."""
+
+    plot_keys = RL_PLOT_KEYS
+    eval_key = "eval_before_rl"
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        objective = check_config(cfg)
+        self.check_objective(objective)
+        mesh = setup.make_run_mesh(cfg.mesh)
+        tokenizer, model_config, params = setup.build_policy(cfg, mesh)
+        self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
+        train_examples, eval_examples = load_examples(cfg)
+        reward_fn = rewards.combine_rewards(
+            [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
+        )
+        self.run = RunContext(
+            cfg,
+            mesh,
+            tokenizer,
+            model_config,
+            objective,
+            reward_fn,
+            train_examples,
+            eval_examples,
+            stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
+            reward_model=load_reward_model(cfg, model_config, mesh),
+        )
+        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        sizes = {
+            "rollout batch (prompts_per_step x group_size)": rows,
+            "minibatch": rows // cfg.trainer.minibatches,
+            "data.eval_size": cfg.data.eval_size,
+        }
+        if self.sft_steps:
+            sizes["sft_warmup.batch_size"] = cfg.sft_warmup.batch_size
+        setup.check_batch_sizes(sizes, mesh)
+        self.sampler = data.PromptSampler(train_examples, seed=cfg.seed)
+        self.key = jax.random.key(cfg.seed)
+        t = cfg.trainer
+        self.optimizer = make_optimizer(
+            t.learning_rate,
+            schedule=t.schedule,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.max_steps * t.epochs * t.minibatches,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+        )
+        self.open_run()
+        self._initial_params = params
+        self.start_lines(
+            {
+                "mesh": str(dict(mesh.shape)),
+                "model": f"{model_config.architecture}, {_param_count(model_config) / 1e6:.2f}M "
+                f"parameters ({cfg.model.path or 'built-in tiny model, random init'})",
+                "task": f"{cfg.data.task}: {len(train_examples)} train / "
+                f"{len(eval_examples)} eval prompts",
+                "objective": f"{objective.name} ({objective.advantage} advantages, "
+                f"{objective.surrogate}), {rows} completions per step",
+                "sft warm-up": f"{self.sft_steps} steps on demonstrations"
+                if self.sft_steps
+                else "off",
+            }
+        )
+
+    def check_objective(self, objective: objectives.Objective) -> None:
+        if objective.advantage in ("gae", "prime"):
+            raise ValueError(
+                f"objective {objective.name!r} ({objective.advantage} advantages) needs a critic "
+                "or a process reward model: run it with train.rl.run, which picks the trainer"
+            )
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def policy_params(self):
+        """The policy's parameters (subclasses may keep them inside a larger state)."""
+        return self.state.params
+
+    def _demonstrations(self, key: int = 1) -> Iterator[Sequences]:
+        run, cfg = self.run, self.cfg
+        rng = np.random.default_rng([cfg.seed, key])
+        while True:
+            idx = rng.integers(0, len(run.train_examples), cfg.sft_warmup.batch_size)
+            examples = [run.train_examples[j] for j in idx]
+            prompt_tokens, prompt_mask = data.encode_prompts(
+                run.tokenizer,
+                run.prompts(examples),
+                max_prompt_tokens=cfg.data.max_prompt_tokens,
+                add_special_tokens=not cfg.data.chat_template,
+            )
+            completion_tokens, completion_mask = data.encode_completions(
+                run.tokenizer,
+                [data.demonstration(ex) for ex in examples],
+                max_tokens=cfg.rollout.max_new_tokens,
+                eos_id=run.stop_ids[0],
+            )
+            yield Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+
+    def setup(self) -> None:
+        run, cfg = self.run, self.cfg
+        init_key, sft_key = jax.random.split(self.key)
+        params, self._initial_params = self._initial_params, None  # the state takes them over
+        if self.latest is None and self.sft_steps > 0:
+            log.warning(
+                "SFT warm-up: %d supervised steps on the task's demonstrations before RL "
+                "(sft_warmup.steps=0 turns it off)",
+                self.sft_steps,
+            )
+            params, _ = sft_warmup(
+                run.model_config,
+                params,
+                self._demonstrations(),
+                steps=self.sft_steps,
+                learning_rate=cfg.sft_warmup.learning_rate,
+                key=sft_key,
+                mesh=run.mesh,
+                to_device=run.to_device,
+                chunk_size=cfg.model.chunk_size,
+                remat=cfg.model.remat,
+            )
+        self.state, self.shardings = create_train_state(
+            run.model_config, self.optimizer, key=init_key, mesh=run.mesh, params=params
+        )
+        self.copy_params = setup.copy_fn(self.shardings.params)
+        self.row_sharding = setup.row_sharding(run.mesh)
+        if self.latest is None and self.is_main:
+            (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
+        self.setup_extra_networks()
+        needs_ref = run.objective.needs_reference
+        self.reference = self.copy_params(self.policy_params) if needs_ref else None
+        if needs_ref and cfg.reference.mode == "ema":
+            # An f32 average: in bf16 the (1 - decay)-sized steps towards the policy round away.
+            self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
+        self.reference_dirty = needs_ref
+        self.compile()
+
+    def setup_extra_networks(self) -> None:
+        """Hook: critics, process reward models (created after the policy state)."""
+
+    def compile(self) -> None:
+        run, cfg = self.run, self.cfg
+        self.update_fn = jit_step(
+            make_policy_step(
+                run.model_config,
+                run.objective,
+                self.optimizer,
+                micro_batches=cfg.trainer.micro_batches,
+                temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.chunk_size,
+                remat=cfg.model.remat,
+                param_shardings=self.shardings.params,
+            ),
+            self.shardings,
+        )
+        self.logprob_fn = make_logprob_fn(
+            run.model_config,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.chunk_size,
+            param_shardings=self.shardings.params,
+        )
+        self.advantage_fn = objectives.advantage_fn(
+            run.objective, group_size=cfg.rollout.group_size
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def reference_tree(self):
+        return self.reference
+
+    def abstract_reference(self):
+        if self.reference is None:
+            return None
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.reference
+        )
+
+    def restore_reference(self, tree) -> None:
+        self.reference = tree
+
+    def save_extra(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state()}
+
+    def restore_extra(self, extra: dict[str, Any]) -> None:
+        self.sampler.restore(extra["sampler"])
+
+    def _update_reference(self, step: int) -> None:
+        ref = self.cfg.reference
+        if self.reference is None:
+            return
+        if ref.mode == "refresh" and ref.refresh_every and step % ref.refresh_every == 0:
+            self.reference = self.copy_params(self.policy_params)
+            self.reference_dirty = True
+        elif ref.mode == "ema":
+            self.reference = _ema(self.reference, self.policy_params, ref.ema_decay)
+            self.reference_dirty = True
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
+        """The step's groups (DAPO dynamic sampling replaces zero-variance groups)."""
+        r = self.cfg.rollout
+        step_key = jax.random.fold_in(self.key, step)
+
+        def draw(attempt: int) -> rollout_lib.Samples:
+            return self.run.sample(
+                self.policy_params,
+                self.sampler.next_batch(r.prompts_per_step),
+                jax.random.fold_in(step_key, attempt),
+                temperature=r.temperature,
+                group_size=r.group_size,
+                timer=timer,
+            )
+
+        return rollout_lib.collect(
+            draw,
+            prompts_per_step=r.prompts_per_step,
+            group_size=r.group_size,
+            dynamic_sampling=self.run.objective.dynamic_sampling,
+            max_attempts=r.max_resample_attempts,
+        )
+
+    def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        run, cfg = self.run, self.cfg
+        samples, info = self.rollout(step, timer)
+        mask = samples.completion_mask
+        tokens = float(mask.sum())
+        timer.count("rollout", tokens)
+        with timer.phase("logprobs"):
+            seqs = run.to_device(
+                Sequences(
+                    samples.prompt_tokens,
+                    samples.prompt_mask,
+                    samples.completion_tokens,
+                    samples.completion_mask,
+                )
+            )
+            old = self.logprob_fn(self.policy_params, seqs)
+            ref = None if self.reference is None else self.logprob_fn(self.reference, seqs)
+            jax.block_until_ready((old, ref))
+        timer.count("logprobs", tokens * (1 if ref is None else 2))
+        with timer.phase("advantages"):
+            device_rewards = setup.to_device(samples.rewards, run.mesh)
+            batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
+            adv = setup.fetch(batch.advantages)
+        with timer.phase("update"):
+            updates = []
+            rows = mask.shape[0]
+            for epoch in range(cfg.trainer.epochs):
+                order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
+                for part in np.split(order, cfg.trainer.minibatches):
+                    minibatch = _take_rows(batch, jnp.asarray(part), self.row_sharding)
+                    updates.append(self.update(step, minibatch))
+            update_metrics = mean_metrics(jax.device_get(updates))
+        timer.count("update", tokens * cfg.trainer.epochs)
+        self._update_reference(step + 1)
+
+        lengths = mask.sum(axis=1)
+        valid_adv = adv if adv.ndim == 1 else adv[mask]
+        return {
+            "reward_mean": float(samples.rewards.mean()),
+            "reward_std": float(samples.rewards.std()),
+            "accuracy": float(samples.correct.mean()),
+            "advantage_mean": float(valid_adv.mean()),
+            "advantage_std": float(valid_adv.std()),
+            "advantage_max": float(valid_adv.max()),
+            "advantage_min": float(valid_adv.min()),
+            "completion_length_mean": float(lengths.mean()),
+            "completion_length_max": float(lengths.max()),
+            "completion_clipped_frac": float((~samples.finished).mean()),
+            **{f"reward/{k}": float(np.mean(v)) for k, v in samples.components.items()},
+            **{k: float(v) for k, v in info.items()},
+            **score_metrics,
+            **update_metrics,
+            "tokens_per_s": tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
+        }
+
+    def score(self, step, samples, seqs, old, ref, rewards) -> tuple[RolloutBatch, dict]:
+        """Hook: the update's batch (advantages, and whatever else the update needs)."""
+        adv, _ = self.advantage_fn(
+            rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref
+        )
+        return self.rollout_batch(seqs, old, ref, rewards, adv), {}
+
+    @staticmethod
+    def rollout_batch(seqs: Sequences, old, ref, rewards, advantages, **extra) -> RolloutBatch:
+        return RolloutBatch(
+            completion_mask=seqs.completion_mask,
+            old_logprobs=old,
+            advantages=advantages,
+            ref_logprobs=ref,
+            prompt_tokens=seqs.prompt_tokens,
+            prompt_mask=seqs.prompt_mask,
+            completion_tokens=seqs.completion_tokens,
+            rewards=rewards,
+            **extra,
+        )
+
+    def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
+        """Hook: one optimizer step on a device minibatch; returns its metrics."""
+        self.state, metrics = self.update_fn(self.state, minibatch)
+        return metrics
+
+    # -- evaluation and outputs ----------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        metrics, samples = self.run.evaluate(self.policy_params)
+        self._write_samples(samples)
+        return metrics
+
+    def _write_samples(self, samples: rollout_lib.Samples) -> None:
+        """Appends the evaluation's completions to ``samples.jsonl`` and logs a few."""
+        if not self.is_main:
+            return
+        step = self.completed_steps
+        path = self.run_dir / SAMPLES_FILE
+        with open(path, "a", encoding="utf-8") as f:
+            for i, (prompt, completion) in enumerate(zip(samples.prompts, samples.completions)):
+                row = {
+                    "step": step,
+                    "prompt": prompt,
+                    "completion": completion,
+                    "reward": float(samples.rewards[i]),
+                    "correct": bool(samples.correct[i]),
+                }
+                f.write(json.dumps(row) + "\n")
+        for i in range(min(self.cfg.logging.show_samples, len(samples.completions))):
+            log.info(
+                "sample %d: %r -> %r (reward %.3f)",
+                i,
+                samples.prompts[i][-60:],
+                samples.completions[i][:120],
+                float(samples.rewards[i]),
+            )
+
+    def export(self, directory) -> None:
+        export.export_policy(
+            directory,
+            self.run.model_config,
+            self.policy_params,
+            self.run.tokenizer,
+            stop_ids=self.run.stop_ids,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {"objective": self.run.objective.name}

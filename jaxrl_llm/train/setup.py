@@ -1,0 +1,162 @@
+"""What every job is made of before its first step: the mesh, the policy, batch placement.
+
+Shared by the RL and preference wings: ``make_run_mesh`` (``mesh.*``), ``build_policy``
+(``model.*``: a Hugging Face checkpoint or the built-in tiny model), ``to_device`` (host rows →
+a batch sharded over the mesh's batch axes, each process feeding only its own rows) and the
+size checks that turn a batch not dividing the mesh into a message naming the config key.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import data, models, parallel, sampling
+
+log = logging.getLogger("jaxrl_llm")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def make_run_mesh(section) -> jax.sharding.Mesh:
+    """The mesh of ``mesh.*``; without a ``-1`` the first ``data·fsdp·tensor`` devices are used."""
+    sizes = (section.data, section.fsdp, section.tensor)
+    devices = None
+    if -1 not in sizes:
+        count = int(np.prod(sizes))
+        if count > jax.device_count():
+            raise ValueError(f"mesh {sizes} needs {count} devices; {jax.device_count()} available")
+        devices = jax.devices()[:count]
+    return parallel.make_mesh(*sizes, devices=devices)
+
+
+def param_dtype(section) -> Any:
+    """The parameter dtype of ``model.dtype``."""
+    if section.dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {section.dtype!r}")
+    return DTYPES[section.dtype]
+
+
+def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
+    """The built-in Llama-shaped model of ``model.tiny`` over the character tokenizer.
+
+    Like Megatron's make-vocab-size-divisible-by, the embedding rows are rounded up to a
+    multiple of the tensor axis (and of ``model.tiny.vocab_multiple``); the extra ids decode
+    to nothing and earn no reward.
+    """
+    tiny = section.tiny
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    multiple = math.lcm(tiny.vocab_multiple, tensor)
+    return models.ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=-(-len(tokenizer) // multiple) * multiple,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        head_dim=tiny.head_dim,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_policy(cfg, mesh):
+    """``(tokenizer, model_config, params or None)`` of ``cfg.model``; None = random init.
+
+    Raises:
+      ValueError: an unknown ``model.dtype`` / ``model.remat``.
+      FileNotFoundError: ``model.path`` is not a checkpoint directory.
+    """
+    dtype = param_dtype(cfg.model)
+    if cfg.model.remat not in models.REMAT_POLICIES:
+        raise ValueError(
+            f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
+        )
+    if cfg.model.path is not None:
+        model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
+        return models.load_tokenizer(cfg.model.path), model_config, params
+    tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
+    return tokenizer, tiny_model_config(cfg.model, tokenizer, mesh), None
+
+
+def sft_warmup_steps(cfg, builtin_default: int) -> int:
+    """``sft_warmup.steps``, resolving ``null`` (the default): ``builtin_default`` steps for the
+    built-in tiny model (it knows nothing yet), 0 for a loaded checkpoint (never train a user's
+    model on the gold answers unasked)."""
+    steps = cfg.sft_warmup.steps
+    if steps is None:
+        return builtin_default if cfg.model.path is None else 0
+    if steps < 0:
+        raise ValueError(f"sft_warmup.steps must be >= 0, got {steps}")
+    return steps
+
+
+def batch_shards(mesh) -> int:
+    """Number of shards the batch dimension is split into (``data × fsdp``)."""
+    return int(np.prod([mesh.shape[a] for a in parallel.batch_mesh_axes(mesh)]))
+
+
+def check_batch_sizes(sizes: Mapping[str, int], mesh) -> None:
+    """Raises ValueError naming the first config key whose size the batch shards do not divide."""
+    shards = batch_shards(mesh)
+    for name, size in sizes.items():
+        if size % shards:
+            raise ValueError(
+                f"{name}={size} does not divide into the {shards} batch shards of the mesh "
+                f"{dict(mesh.shape)}"
+            )
+
+
+def row_sharding(mesh) -> jax.sharding.NamedSharding:
+    """Rows split over the mesh's batch axes, other dimensions replicated."""
+    axes = parallel.batch_mesh_axes(mesh)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(parallel.spec_entry(axes)))
+
+
+def bucket_prompts(host):
+    """Left-pads ``prompt_tokens`` / ``prompt_mask`` to a bucketed width (few programs)."""
+    width = sampling.bucket_length(host.prompt_tokens.shape[1])
+    extra = width - host.prompt_tokens.shape[1]
+    if not extra:
+        return host
+    return host._replace(
+        prompt_tokens=np.pad(host.prompt_tokens, ((0, 0), (extra, 0))),
+        prompt_mask=np.pad(host.prompt_mask, ((0, 0), (extra, 0))),
+    )
+
+
+def to_device(host, mesh):
+    """Shards a host batch (any pytree of ``[B, ...]`` arrays) over the mesh's batch axes.
+
+    On several processes each feeds only its own rows
+    (``jax.make_array_from_process_local_data``).
+    """
+    if jax.process_count() > 1:
+        rows = parallel.process_local_slice(jax.tree.leaves(host)[0].shape[0], mesh)
+        host = jax.tree.map(lambda x: x[rows], host)
+    return parallel.shard_batch(host, mesh)
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """A global array as a host NumPy array on every process."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def copy_fn(shardings):
+    """A jitted copy of a parameter tree into ``shardings`` (a reference, a PRM, ...)."""
+    return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)

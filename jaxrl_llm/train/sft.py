@@ -1,0 +1,119 @@
+"""Supervised fine-tuning: the token-mean NLL step and the one warm-up loop every job uses.
+
+An RL job warms its policy up on demonstrations (``data.demonstration`` of each prompt), a
+preference job on the chosen (KTO: desirable) completions, a reward model on the chosen
+completions before its head is added. All three run :func:`sft_warmup` over an iterator of host
+:class:`~jaxrl_llm.types.Sequences`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import optax
+
+from jaxrl_llm import aggregation
+from jaxrl_llm.train.forward import sequence_logprobs
+from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import Totals, jit_step, make_step
+from jaxrl_llm.types import Sequences
+
+log = logging.getLogger("jaxrl_llm")
+PyTree = Any
+
+
+def make_sft_loss_fn(model_config, *, chunk_size: int | None = None, remat: str = "none"):
+    """``(params, seqs, totals) -> (nll, metrics)``: ``−Σ m·log π(y_t) / N_tok`` of the batch."""
+
+    def loss_fn(params, seqs: Sequences, totals: Totals | None):
+        token_logprobs = sequence_logprobs(
+            params, model_config, seqs, chunk_size=chunk_size, remat=remat
+        )
+        nll = aggregation.aggregate(
+            -token_logprobs,
+            seqs.completion_mask,
+            "token-mean",
+            num_tokens=None if totals is None else totals.num_tokens,
+        )
+        return nll, {"nll": nll}
+
+    return loss_fn
+
+
+def make_sft_step(
+    model_config,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    chunk_size: int | None = None,
+    remat: str = "none",
+    param_shardings: PyTree | None = None,
+):
+    """A supervised step on :class:`Sequences` (token-mean NLL of the completions)."""
+    return make_step(
+        make_sft_loss_fn(model_config, chunk_size=chunk_size, remat=remat),
+        optimizer,
+        micro_batches=micro_batches,
+        param_shardings=param_shardings,
+    )
+
+
+def sft_warmup(
+    model_config,
+    params: PyTree | None,
+    batches: Iterator[Sequences],
+    *,
+    steps: int,
+    learning_rate: float,
+    key: jax.Array,
+    mesh,
+    to_device: Callable[[Sequences], Sequences],
+    chunk_size: int | None = None,
+    remat: str = "none",
+    param_dtype=None,
+    log_every: int = 100,
+) -> tuple[PyTree, list[float]]:
+    """``steps`` AdamW steps (global-norm clip 1) on the NLL of the given host batches.
+
+    Args:
+      model_config: the policy's ``ModelConfig``.
+      params: starting parameters, or None to initialise randomly.
+      batches: yields host ``Sequences`` (one per step).
+      steps: optimizer steps.
+      learning_rate: constant AdamW learning rate.
+      key: initialisation key (used when ``params`` is None).
+      mesh: the run's mesh.
+      to_device: shards a host batch over the mesh.
+      chunk_size, remat: the log-prob computation's settings.
+      param_dtype: dtype of freshly initialised parameters.
+      log_every: log the NLL every this many steps.
+
+    Returns:
+      ``(params, nll_history)``: the warmed-up parameters and each step's NLL.
+    """
+    optimizer = make_optimizer(learning_rate, max_grad_norm=1.0)
+    extra = {} if param_dtype is None else {"param_dtype": param_dtype}
+    state, shardings = create_train_state(
+        model_config, optimizer, key=key, mesh=mesh, params=params, **extra
+    )
+    step = jit_step(
+        make_sft_step(
+            model_config,
+            optimizer,
+            chunk_size=chunk_size,
+            remat=remat,
+            param_shardings=shardings.params,
+        ),
+        shardings,
+    )
+    history = []
+    for i in range(steps):
+        state, metrics = step(state, to_device(next(batches)))
+        history.append(metrics["nll"])
+        if (i + 1) % log_every == 0 or i + 1 == steps:
+            log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
+    return state.params, [float(x) for x in jax.device_get(history)]
