@@ -1,0 +1,112 @@
+"""A surrogate registered from user code trains end to end, with no library edit.
+
+The user's surrogate is a clipped REINFORCE, ``ℓ_t = −clip(r_t, 1−ε, 1+ε)·A·lp_t`` with the
+clipped ratio detached (CISPO-like but with a symmetric band and a user hyper-parameter ``ε``
+from ``Objective.extra``). The test checks (1) the registered function is what the jitted step
+calls — its own metric is in every row and its value equals a float64 NumPy evaluation of the
+formula on the step's inputs — and (2) the run trains: the policy moves.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import objectives
+from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.run import trainer_for
+
+NAME = "user_clipped_reinforce"
+
+
+def clipped_reinforce(objective, inputs):
+    eps = dict(objective.extra)["eps"]
+    ratio = jnp.exp(inputs.log_ratio)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps, 1.0 + eps))
+    per_token = -weight * inputs.advantages[:, None] * inputs.logprobs
+    clipped = (jnp.abs(ratio - 1.0) > eps).astype(jnp.float32)
+    return per_token, {"user/clip_frac": inputs.token_mean(clipped)}
+
+
+@pytest.fixture
+def registered():
+    objectives.register_surrogate(NAME, clipped_reinforce)
+    yield
+    objectives.unregister_surrogate(NAME)
+
+
+def test_user_surrogate_in_policy_loss_matches_numpy(registered):
+    rng = np.random.default_rng(0)
+    B, T = 4, 5
+    logprobs = -rng.uniform(0.1, 3.0, (B, T))
+    old = logprobs + rng.normal(0, 0.3, (B, T))
+    adv = rng.normal(size=B)
+    mask = np.ones((B, T))
+    mask[1, 3:] = 0
+    objective = objectives.make(
+        "grpo", surrogate=NAME, kl_coef=0.0, extra={"eps": 0.2}, aggregation="token-mean"
+    )
+    from jaxrl_llm.types import RolloutBatch  # noqa: PLC0415
+
+    batch = RolloutBatch(
+        completion_mask=jnp.asarray(mask, bool),
+        old_logprobs=jnp.asarray(old, jnp.float32),
+        advantages=jnp.asarray(adv, jnp.float32),
+    )
+    out = objectives.policy_loss(objective, jnp.asarray(logprobs, jnp.float32), batch)
+    ratio = np.exp(np.clip(logprobs - old, -20, 20))
+    want = np.sum(-np.clip(ratio, 0.8, 1.2) * adv[:, None] * logprobs * mask) / mask.sum()
+    np.testing.assert_allclose(float(out.loss), want, rtol=1e-5)
+    clip_frac = np.sum((np.abs(ratio - 1) > 0.2) * mask) / mask.sum()
+    np.testing.assert_allclose(float(out.metrics["user/clip_frac"]), clip_frac, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_user_surrogate_trains_end_to_end(registered, tmp_path):
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            "sft_warmup.steps=0",
+            "data.eval_size=8",
+            "data.num_train=100",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "trainer.max_steps=3",
+            "trainer.epochs=2",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.plots=false",
+            "mesh.fsdp=1",
+            f"run_dir={tmp_path / 'run'}",
+            f"objective.overrides={{surrogate: {NAME}, extra: {{eps: 0.1}}}}",
+            "rewards=[{name: math_match}, {name: overlong, kwargs: {max_tokens: 6, "
+            "buffer_tokens: 4}}]",
+        ],
+    )
+    trainer = trainer_for(cfg)
+    assert trainer.run.objective.surrogate == NAME
+    trainer.setup()
+    before = jax.tree.map(np.asarray, trainer.state.params)
+    trainer.latest = None
+    # fit() sets up again from scratch: use a fresh trainer for the run itself.
+    trainer = trainer_for(cfg)
+    trainer.fit()
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 3
+    assert all("user/clip_frac" in row for row in rows)
+    # Epoch 2 of each step sees a moved policy: some ratios leave the 0.1 band.
+    assert max(row["user/clip_frac"] for row in rows) > 0.0
+    from jaxrl_llm.train.checkpoint import Checkpointer  # noqa: PLC0415
+
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False)
+    state, _ = checkpointer.restore_raw(3)
+    checkpointer.close()
+    moved = [
+        not np.allclose(np.asarray(state["params"][k]), before[k]) for k in ("embed", "lm_head")
+    ]
+    assert any(moved)
