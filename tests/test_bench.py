@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import aggregation, bench, objectives
+from jaxrl_llm.bench import timing
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["losses", "--presets", "grpo", "--shapes", "4x16", "--repeats", "2", "--quiet"]
@@ -176,9 +177,9 @@ def test_time_loss_rejects_bad_input():
 
 def test_sample_times_adapts_repeats(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "_TIME_BUDGET_S", 1e-9)
+    monkeypatch.setattr(timing, "_TIME_BUDGET_S", 1e-9)
     first, times = bench.sample_times(lambda: calls.append(1))
-    assert len(times) == bench._MIN_REPEATS and len(calls) == bench._WARMUP + len(times)
+    assert len(times) == timing._MIN_REPEATS and len(calls) == timing._WARMUP + len(times)
     assert first >= 0 and np.all(times >= 0)
     _, times = bench.sample_times(lambda: None, repeats=3)
     assert len(times) == 3
@@ -243,7 +244,7 @@ def test_bench_main_without_torch(capsys, monkeypatch):
     # torch absent at runtime: the column says n/a, unless --torch insists.
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        bench.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
     )

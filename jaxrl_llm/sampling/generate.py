@@ -11,6 +11,10 @@ Prompt lengths are bucketed (powers of two ``>= 16`` by default; extra columns a
 so a stream of batches compiles a handful of programs. Temperature, top-p, min-p, the EOS ids
 and the pad id are traced: changing them does not recompile. ``top_k``, ``max_new_tokens``,
 ``num_samples``, the bucket and the batch size are static.
+
+The decode state and its traced hyper-parameters (``SamplingState``, ``SamplingParams``) live in
+``jaxrl_llm.sampling.state``, prompt checking and bucketing in ``jaxrl_llm.sampling.prompts``;
+their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,178 +22,24 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrl_llm.models import CACHE_AXES, KVCache, forward, init_cache, unembed
+from jaxrl_llm.models import forward, init_cache, unembed
 from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.prompts import MIN_BUCKET, bucket_length, check_prompts, pad_prompts
+from jaxrl_llm.sampling.state import (
+    SamplingParams,
+    SamplingState,
+    constrain_state,
+    grow_cache,
+    sampling_params,
+)
 from jaxrl_llm.types import Completion
 
 Array = jax.Array
-
-MIN_BUCKET = 16
-_MIN_EOS_SLOTS = 4
-
-
-class SamplingState(NamedTuple):
-    """The decode loop's carry (B = prompts x num_samples, T = max_new_tokens, S = P + T).
-
-    Attributes:
-      step: ``[]`` int32, completion columns filled so far; column ``step`` is sampled next.
-      tokens: ``[B, T]`` int32, sampled tokens; ``pad_id`` after a row's EOS and beyond ``step``.
-      logprobs: ``[B, T]`` f32, ``log_softmax(logits / T_eff)`` of each sampled token; 0 on padding.
-      mask: ``[B, T]`` bool, True on generated tokens up to and including the EOS.
-      done: ``[B]`` bool, the row has emitted an EOS.
-      positions: ``[B]`` int32, RoPE position of column ``step``'s token (prompt length + step).
-      logits: ``[B, V]`` f32, next-token logits for column ``step``.
-      cache: ``KVCache`` with k, v ``[L, B, K, S, H]`` and mask ``[B, S]``; slots ``[0, P)`` hold
-        the prompt, slot ``P + t`` the token of column ``t`` once it has been fed.
-    """
-
-    step: Array
-    tokens: Array
-    logprobs: Array
-    mask: Array
-    done: Array
-    positions: Array
-    logits: Array
-    cache: KVCache
-
-
-class SamplingParams(NamedTuple):
-    """Traced sampling hyper-parameters: changing any of them reuses the compiled programs.
-
-    Attributes:
-      temperature: ``[]`` f32, ``<= 0`` means greedy.
-      top_p: ``[]`` f32 in ``(0, 1]``.
-      min_p: ``[]`` f32 in ``[0, 1]``.
-      eos_ids: ``[E]`` int32, tokens that end a row, padded with -1 (which never matches).
-      pad_id: ``[]`` int32, written after a row's EOS.
-    """
-
-    temperature: Array
-    top_p: Array
-    min_p: Array
-    eos_ids: Array
-    pad_id: Array
-
-
-def _state_logical_axes(state: SamplingState) -> SamplingState:
-    """Logical axes of every state leaf, for the sampling rule table of ``jaxrl_llm.parallel``."""
-    cache_axes = CACHE_AXES
-    if isinstance(state.cache.k, tuple):  # unstacked: each layer's array drops the layers axis
-        layers = len(state.cache.k)
-        cache_axes = CACHE_AXES._replace(
-            k=(CACHE_AXES.k[1:],) * layers, v=(CACHE_AXES.v[1:],) * layers
-        )
-    return SamplingState(
-        step=(),
-        tokens=("batch", None),
-        logprobs=("batch", None),
-        mask=("batch", None),
-        done=("batch",),
-        positions=("batch",),
-        logits=("batch", "vocab"),
-        cache=cache_axes,
-    )
-
-
-def _constrain_state(state: SamplingState, mesh: Any) -> SamplingState:
-    """Pins the state to the sampling rules' sharding (rows over data+fsdp, kv-heads over tensor).
-
-    The parallel layer is imported lazily so that single-device sampling does not depend on it.
-    A batch or head count that does not divide its mesh axes raises there, naming the leaf.
-    """
-    if mesh is None:
-        return state
-    from jaxrl_llm.parallel import SAMPLING_RULES, logical_to_sharding
-
-    axes = _state_logical_axes(state)
-    shardings = logical_to_sharding(axes, mesh, SAMPLING_RULES, shapes=state)
-    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-    constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
-    return jax.tree.map(constrain, state, shardings)
-
-
-def bucket_length(length: int, buckets: Sequence[int] | None = None) -> int:
-    """The padded prompt length: the smallest bucket ``>= length``.
-
-    Default buckets are the powers of two ``>= 16``; custom ``buckets`` must contain a value
-    ``>= length``.
-    """
-    if length < 1:
-        raise ValueError(f"prompt length must be >= 1, got {length}")
-    if buckets is None:
-        return max(MIN_BUCKET, 1 << (length - 1).bit_length())
-    fitting = [b for b in sorted(buckets) if b >= length]
-    if not fitting:
-        raise ValueError(f"prompt length {length} exceeds the largest bucket {max(buckets)}")
-    return fitting[0]
-
-
-def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
-    if jnp.ndim(prompt_tokens) != 2:
-        raise ValueError(f"prompt_tokens must be [B, P], got shape {jnp.shape(prompt_tokens)}")
-    if jnp.shape(prompt_mask) != jnp.shape(prompt_tokens):
-        raise ValueError(
-            f"prompt_mask shape {jnp.shape(prompt_mask)} must equal prompt_tokens shape "
-            f"{jnp.shape(prompt_tokens)}"
-        )
-    if not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
-        raise ValueError(f"prompt_tokens must be integer, got {jnp.result_type(prompt_tokens)}")
-    if isinstance(prompt_mask, jax.core.Tracer) or (
-        isinstance(prompt_mask, jax.Array) and not prompt_mask.is_fully_addressable
-    ):
-        return  # values unknown here (traced, or spread over hosts of a pod)
-    # The last column must be every row's last real token: left padding, no empty row.
-    mask = np.asarray(prompt_mask).astype(bool)
-    if not mask[:, -1].all():
-        rows = np.flatnonzero(~mask[:, -1]).tolist()
-        raise ValueError(
-            f"prompts must be left-padded with at least one real token; rows {rows[:8]} have "
-            "padding (mask 0) in the last column"
-        )
-    if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
-        rows = np.flatnonzero((np.diff(mask.astype(np.int8), axis=1) < 0).any(axis=1)).tolist()
-        raise ValueError(f"prompts must be left-padded: rows {rows[:8]} have padding after a token")
-
-
-def pad_prompts(
-    prompt_tokens: Array,
-    prompt_mask: Array,
-    *,
-    pad_id: int,
-    buckets: Sequence[int] | None = None,
-) -> tuple[Array, Array]:
-    """Left-pads ``[B, P]`` prompts to ``[B, bucket_length(P)]`` (``pad_id``, mask 0).
-
-    Positions come from ``cumsum(mask) - 1``, so the extra columns change nothing but the shape.
-    """
-    _check_prompts(prompt_tokens, prompt_mask)
-    length = jnp.shape(prompt_tokens)[1]
-    extra = bucket_length(length, buckets) - length
-    # NumPy on host arrays (the usual case: fresh from a tokenizer) avoids tiny device programs.
-    xp = jnp if isinstance(prompt_tokens, jax.Array) else np
-    tokens = xp.asarray(prompt_tokens).astype(np.int32)
-    mask = xp.asarray(prompt_mask).astype(bool)
-    if extra:
-        tokens = xp.pad(tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
-        mask = xp.pad(mask, ((0, 0), (extra, 0)))
-    return tokens, mask
-
-
-def _grow_cache(cache: KVCache, num_samples: int, extra_slots: int) -> KVCache:
-    """Repeats each row ``num_samples`` times (groups contiguous) and appends empty slots."""
-
-    def grow(x: Array, batch_axis: int, seq_axis: int) -> Array:
-        widths = [(0, 0)] * x.ndim
-        widths[seq_axis] = (0, extra_slots)
-        return jnp.pad(jnp.repeat(x, num_samples, axis=batch_axis), widths)
-
-    return cache._replace(k=grow(cache.k, 1, 3), v=grow(cache.v, 1, 3), mask=grow(cache.mask, 0, 1))
 
 
 @functools.partial(
@@ -229,9 +79,9 @@ def _prefill(
         done=jnp.zeros((rows,), bool),
         positions=jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples),
         logits=jnp.repeat(logits, num_samples, axis=0),
-        cache=_grow_cache(cache, num_samples, max_new_tokens),
+        cache=grow_cache(cache, num_samples, max_new_tokens),
     )
-    return _constrain_state(state, mesh)
+    return constrain_state(state, mesh)
 
 
 def _decode_step(
@@ -279,7 +129,7 @@ def _decode_step(
         logits=unembed(params, config, hidden[:, 0]),
         cache=cache,
     )
-    return _constrain_state(state, mesh)
+    return constrain_state(state, mesh)
 
 
 @functools.partial(
@@ -311,38 +161,6 @@ def _decode(
     )
     state = jax.lax.while_loop(not_finished, body, state)
     return state._replace(cache=layout.stack_cache(state.cache))
-
-
-def sampling_params(
-    *,
-    temperature: float | Array = 1.0,
-    top_p: float | Array = 1.0,
-    min_p: float | Array = 0.0,
-    eos_ids: int | Sequence[int] | Array,
-    pad_id: int | Array,
-) -> SamplingParams:
-    """Validates the traced hyper-parameters and packs them as f32/int32 device scalars."""
-    strategies.check_sampling_args(
-        temperature=temperature, top_k=0, top_p=top_p, min_p=min_p, vocab_size=1
-    )
-    eos = np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), np.int64))
-    if eos.ndim != 1 or not np.issubdtype(eos.dtype, np.integer):
-        raise ValueError(f"eos_ids must be an int or a 1-D sequence of ints, got {eos_ids!r}")
-    if (eos < 0).any():
-        raise ValueError(f"eos_ids must be non-negative token ids, got {eos.tolist()}")
-    # Padded with -1 (never sampled) to a power of two >= 4, so the number of EOS ids does not
-    # change the compiled programs' input shapes.
-    slots = max(_MIN_EOS_SLOTS, 1 << max(len(eos) - 1, 0).bit_length())
-    eos = np.concatenate([eos, np.full(slots - len(eos), -1)])
-    if jnp.ndim(pad_id) != 0:
-        raise ValueError(f"pad_id must be a scalar int, got {pad_id!r}")
-    return SamplingParams(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_p=jnp.asarray(top_p, jnp.float32),
-        min_p=jnp.asarray(min_p, jnp.float32),
-        eos_ids=jnp.asarray(eos, jnp.int32),
-        pad_id=jnp.asarray(pad_id, jnp.int32),
-    )
 
 
 def _default_cache_dtype(params: Any) -> Any:
@@ -390,7 +208,7 @@ def prefill(
     """
     _check_positive_int("max_new_tokens", max_new_tokens)
     _check_positive_int("num_samples", num_samples)
-    _check_prompts(prompt_tokens, prompt_mask)
+    check_prompts(prompt_tokens, prompt_mask)
     return _prefill(
         params,
         jnp.asarray(prompt_tokens, jnp.int32),
@@ -510,3 +328,16 @@ def generate(
         )
         state = decode(params, config, state, key=key, sampling=sampling, top_k=top_k, mesh=mesh)
     return Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
+
+
+__all__ = [
+    "MIN_BUCKET",
+    "SamplingParams",
+    "SamplingState",
+    "bucket_length",
+    "decode",
+    "generate",
+    "pad_prompts",
+    "prefill",
+    "sampling_params",
+]

@@ -1,4 +1,4 @@
-"""The head-major KV cache, its attention, and decoding with per-layer (unrolled) layouts."""
+"""Decoding through the KV cache with stacked and per-layer (unrolled) layouts."""
 
 import chex
 import jax
@@ -6,10 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import CACHE_AXES, ModelConfig, forward, init_cache, init_params
-from jaxrl_llm.models.transformer import cache_attention
+from jaxrl_llm.models import ModelConfig, forward, init_cache, init_params
 from jaxrl_llm.sampling.layout import stack_cache, unstack_cache, unstack_layers
-from tests.reference import attention as ref
 
 jit_forward = jax.jit(forward, static_argnums=1)
 
@@ -24,59 +22,6 @@ CONFIG = ModelConfig(
     head_dim=8,
     qkv_bias=True,
 )
-
-
-def _random_attention_inputs(rng, *, batch=2, seq=3, heads=4, kv_heads=2, slots=7, dim=8):
-    q = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
-    k = rng.normal(size=(batch, kv_heads, slots, dim)).astype(np.float32)
-    v = rng.normal(size=(batch, kv_heads, slots, dim)).astype(np.float32)
-    mask = rng.random((batch, 1, seq, slots)) < 0.6
-    mask[..., 0] = True  # every query sees at least one slot
-    return q, k, v, mask
-
-
-def test_cache_attention_matches_reference_with_gqa(rng):
-    q, k, v, mask = _random_attention_inputs(rng)
-    got = jax.jit(cache_attention, static_argnames="scale")(q, k, v, mask, scale=8**-0.5)
-    chex.assert_shape(got, q.shape)
-    want = ref.cache_attention(q, k, v, mask, 8**-0.5)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
-    # Query head 1 reads kv head 0 and head 2 reads kv head 1: grouped, not interleaved.
-    other = ref.cache_attention(q, k[:, ::-1], v[:, ::-1], mask, 8**-0.5)
-    assert not np.allclose(np.asarray(got), other, atol=1e-3)
-
-
-def test_cache_attention_ignores_masked_slots(rng):
-    q, k, v, mask = _random_attention_inputs(rng, seq=1)
-    mask[:] = False
-    mask[..., :3] = True
-    noisy_k, noisy_v = k.copy(), v.copy()
-    noisy_k[:, :, 3:] = 1e4  # would dominate the softmax if it leaked in
-    noisy_v[:, :, 3:] = 1e6
-    got = cache_attention(q, noisy_k, noisy_v, mask, scale=0.5)
-    want = ref.cache_attention(q, k[:, :, :3], v[:, :, :3], mask[..., :3], 0.5)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
-
-
-def test_cache_attention_bf16_cache_is_close(rng):
-    q, k, v, mask = _random_attention_inputs(rng)
-    got = cache_attention(
-        jnp.asarray(q, jnp.bfloat16),
-        jnp.asarray(k, jnp.bfloat16),
-        jnp.asarray(v, jnp.bfloat16),
-        mask,
-        scale=8**-0.5,
-    )
-    assert got.dtype == jnp.bfloat16
-    want = ref.cache_attention(q, k, v, mask, 8**-0.5)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=5e-2, rtol=5e-2)
-
-
-def test_cache_layout_is_head_major():
-    cache = init_cache(CONFIG, 5, 11, dtype=jnp.float32)
-    chex.assert_shape([cache.k, cache.v], (3, 5, 2, 11, 8))
-    assert CACHE_AXES.k == ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-    assert CACHE_AXES.k == CACHE_AXES.v and CACHE_AXES.mask == ("batch", "cache_seq")
 
 
 @pytest.fixture(scope="module")

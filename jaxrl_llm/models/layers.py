@@ -1,0 +1,143 @@
+"""The decoder block (pre-norm attention + SwiGLU MLP), RMSNorm, and parameter creation.
+
+Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
+{batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq}.
+
+Shapes: B batch, S sequence, D hidden, N query heads, K key/value heads, H head dim,
+F MLP width, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm.models.attention import apply_rope, attention_mask, cache_attention
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.kv_cache import layer_slice, write_slots
+
+Array = jax.Array
+
+_INIT_STD = 0.02
+
+
+def param(value: Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """An ``nnx.Param`` holding ``value`` with one logical axis name per dimension."""
+    # eager_sharding=False: logical names are not mesh axes; the parallel layer maps them.
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
+    """Initial weights ``w ~ N(0, 0.02^2)`` of ``shape``, drawn in f32 and cast to ``dtype``."""
+    return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """``y = x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019), statistics in f32.
+
+    Like transformers, the normalised value is cast back to ``x.dtype`` before the scale.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x += Attn(RMSNorm(x)); x += W_down(silu(x W_gate) * x W_up)``.
+
+    Llama architecture (Touvron et al. 2023) with grouped-query attention (Ainslie et al. 2023:
+    K key/value heads shared by N/K query heads each), SwiGLU MLP (Shazeer 2020), optional
+    q/k/v/o biases (Qwen2) and per-head q/k RMSNorm before RoPE (Qwen3).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = h**-0.5
+        self.attn_norm = param(jnp.ones((d,), dtype), ("embed",))
+        self.wq = param(normal(rngs, (d, n, h), dtype), ("embed", "heads", "head_dim"))
+        self.wk = param(normal(rngs, (d, k, h), dtype), ("embed", "kv_heads", "head_dim"))
+        self.wv = param(normal(rngs, (d, k, h), dtype), ("embed", "kv_heads", "head_dim"))
+        self.wo = param(normal(rngs, (n, h, d), dtype), ("heads", "head_dim", "embed"))
+        # Optional parameters are assigned once (a Param or None) so NNX's data/static status
+        # of each attribute is fixed per config.
+        bias, qk_norm = config.qkv_bias, config.qk_norm
+        self.bq = param(jnp.zeros((n, h), dtype), ("heads", "head_dim")) if bias else None
+        self.bk = param(jnp.zeros((k, h), dtype), ("kv_heads", "head_dim")) if bias else None
+        self.bv = param(jnp.zeros((k, h), dtype), ("kv_heads", "head_dim")) if bias else None
+        self.bo = param(jnp.zeros((d,), dtype), ("embed",)) if config.o_bias else None
+        self.q_norm = param(jnp.ones((h,), dtype), ("head_dim",)) if qk_norm else None
+        self.k_norm = param(jnp.ones((h,), dtype), ("head_dim",)) if qk_norm else None
+        self.mlp_norm = param(jnp.ones((d,), dtype), ("embed",))
+        self.w_gate = param(normal(rngs, (d, f), dtype), ("embed", "mlp"))
+        self.w_up = param(normal(rngs, (d, f), dtype), ("embed", "mlp"))
+        self.w_down = param(normal(rngs, (f, d), dtype), ("mlp", "embed"))
+
+    def __call__(
+        self,
+        x: Array,
+        *,
+        cos: Array,
+        sin: Array,
+        query_slots: Array,
+        key_valid: Array,
+        kv: tuple[Array, Array] | None = None,
+        layer_index: Array | None = None,
+        cache_index: Array | None = None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """One block on ``x: [B, S, D]``.
+
+        Args:
+          x: ``[B, S, D]`` residual stream.
+          cos, sin: ``[B, S, H/2]`` RoPE angles of the S tokens.
+          query_slots: ``[S]`` int32 slot (column) of each query among the keys.
+          key_valid: ``[B, S_kv]`` bool, True on keys holding real tokens.
+          kv: the caches ``(k, v)``: stacked ``[L, B, K, S_max, H]`` (with ``layer_index``),
+            this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
+          layer_index: this layer's index into stacked caches (int32, may be traced).
+          cache_index: first cache slot written by this call (traced int32).
+
+        Returns:
+          ``(x [B, S, D], kv)`` with this call's keys/values written into ``kv``.
+        """
+        h = rms_norm(x, self.attn_norm[...], self.eps)
+        q = jnp.einsum("bsd,dnh->bsnh", h, self.wq[...])
+        k = jnp.einsum("bsd,dkh->bskh", h, self.wk[...])
+        v = jnp.einsum("bsd,dkh->bskh", h, self.wv[...])
+        if self.bq is not None:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm[...], self.eps)
+            k = rms_norm(k, self.k_norm[...], self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
+        # can fuse it into the attention instead of keeping an O(S^2) mask alive over the scan.
+        mask = attention_mask(key_valid, query_slots)
+        if kv is None:
+            attn = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=self.scale, implementation=None
+            )
+        else:
+            # Writing only this call's slots (not a whole layer slice) lets XLA update the
+            # cache in place inside the sampler's while loop; attention then reads it back.
+            kv = tuple(write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v)))
+            layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
+            attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+        if kv is None:
+            out = jnp.einsum("bsnh,nhd->bsd", attn, self.wo[...])
+        else:
+            # One [B, S, N*H] x [N*H, D] product: with the 4-D einsum XLA:CPU transposes the
+            # weight to match the attention output's layout on every decode step.
+            wo = self.wo[...]
+            out = attn.reshape(*attn.shape[:2], -1) @ wo.reshape(-1, wo.shape[-1])
+        if self.bo is not None:
+            out = out + self.bo[...]
+        x = x + out
+        h = rms_norm(x, self.mlp_norm[...], self.eps)
+        gate = jax.nn.silu(h @ self.w_gate[...])
+        x = x + (gate * (h @ self.w_up[...])) @ self.w_down[...]
+        return x, kv
