@@ -184,16 +184,55 @@ def test_traced_normalisers_do_not_recompile(rng, mode):
     assert len(traces) == 1
 
 
-def test_vmap_and_bf16(rng):
+def test_vmap(rng):
     values, mask = _batch(rng)
     stacked = jax.vmap(lambda v, m: aggregate(v, m, "seq-mean-token-mean"))(
         np.stack([values, 2 * values]), np.stack([mask, mask])
     )
     np.testing.assert_allclose(stacked, np.array([1.0, 2.0]) * float(stacked[0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mask_dtype", [np.float32, bool, jnp.bfloat16])
+def test_bf16_values_are_upcast_before_any_math(rng, mask_dtype):
+    """bf16 per-token losses give f32 results equal to f64 math on the bf16-rounded values
+    (sums in bf16 are off by up to 2^-9 relative per addition)."""
+    data = ref.bf16_batch(rng)
+    values, values64 = jnp.asarray(data["values"]), np.float64(data["values"])
+    mask = jnp.asarray(data["mask"]).astype(mask_dtype)
+    assert values.dtype == jnp.bfloat16
+    n_tok, n_seq = normalisers(mask)
+    chex.assert_type([n_tok, n_seq], jnp.float32)
+    assert (n_tok, n_seq) == ref.normalisers(data["mask"])
     for mode in MODES:
-        out = aggregate(jnp.asarray(values, jnp.bfloat16), mask, mode)
-        chex.assert_type(out, jnp.float32)
-        np.testing.assert_allclose(out, aggregate(values, mask, mode), rtol=0.02, atol=0.02)
+        for kw in ({}, {"num_tokens": n_tok + 3, "num_seqs": n_seq + 1, "norm_constant": 7.0}):
+            out = aggregate(values, mask, mode, **kw)
+            chex.assert_type(out, jnp.float32)
+            want = ref.aggregate(
+                values64, data["mask"], mode, **{k: float(v) for k, v in kw.items()}
+            )
+            np.testing.assert_allclose(np.float64(out), want, rtol=1e-6, atol=1e-6, err_msg=mode)
+    seq_values = jnp.asarray(data["advantages"])
+    out = sequence_mean(seq_values, mask)
+    chex.assert_type(out, jnp.float32)
+    want = ref.sequence_mean(np.float64(data["advantages"]), data["mask"])
+    np.testing.assert_allclose(np.float64(out), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_dtype", [np.float32, jnp.bfloat16])
+def test_bf16_counts_beyond_256_stay_exact(mask_dtype):
+    """bf16 holds integers exactly only up to 256 (1201 rounds to 1200): counts and sums kept
+    in bf16 go wrong on real batches. 1201 valid tokens of a constant loss 0.75."""
+    lengths = np.array([[400], [0], [301], [400], [100]])
+    mask = jnp.asarray(np.arange(400)[None, :] < lengths).astype(mask_dtype)
+    values = jnp.full(mask.shape, 0.75, jnp.bfloat16)
+    assert normalisers(mask) == (1201.0, 4.0)
+    assert aggregate(values, mask, "token-sum") == 900.75
+    assert aggregate(values, mask, "token-mean") == 0.75
+    assert aggregate(values, mask, "seq-mean-token-mean") == 0.75
+    assert aggregate(values, mask, "seq-mean-token-sum") == 900.75 / 4
+    np.testing.assert_allclose(
+        aggregate(values, mask, "seq-mean-token-sum-norm"), 900.75 / 4 / 400, rtol=1e-7
+    )
 
 
 def test_sequence_mean(rng):

@@ -48,13 +48,6 @@ def test_token_log_ratio_check_grads(rng):
     check_grads(ratios.token_log_ratio, (lp, old), order=1, modes=["rev"], eps=1e-3)
 
 
-def test_token_log_ratio_bf16_gives_f32(rng):
-    lp, old, _ = _batch(rng)
-    out = ratios.token_log_ratio(jnp.asarray(lp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16))
-    chex.assert_type(out, jnp.float32)
-    np.testing.assert_allclose(out, ratios.token_log_ratio(lp, old), atol=0.05)
-
-
 # ----------------------------------------------------------------------------- sequence_log_ratio
 
 
@@ -170,6 +163,64 @@ def test_gspo_sequence_objective_is_not_length_weighted():
     s = np.exp(ref.sequence_log_ratio(lp, old, mask))
     seq_loss = ref.ppo_clip(np.log(s)[:, None], np.asarray(adv), 3e-4, 4e-4)[:, 0]
     np.testing.assert_allclose(loss, seq_loss.mean(), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bf16 inputs
+
+
+def _assert_f32_math(got, want, name):
+    """f32 output equal to the f64 reference at f32 precision (bf16 math is ~1e-3 off)."""
+    chex.assert_type(got, jnp.float32)
+    np.testing.assert_allclose(np.float64(got), want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_bf16_inputs_are_upcast_before_any_math(rng):
+    """bf16 log-probs give f32 results equal to f64 math on the bf16-rounded inputs."""
+    data = ref.bf16_batch(rng)
+    lp, old, mask = (jnp.asarray(data[k]) for k in ("logprobs", "old_logprobs", "mask"))
+    lp64, old64 = np.float64(data["logprobs"]), np.float64(data["old_logprobs"])
+    assert lp.dtype == old.dtype == jnp.bfloat16
+    cases = {
+        "token": (ratios.token_log_ratio(lp, old), ref.token_log_ratio(lp64, old64)),
+        "token/clamp": (
+            ratios.token_log_ratio(lp, old, clamp=2.5),
+            ref.token_log_ratio(lp64, old64, 2.5),
+        ),
+        "sequence": (
+            ratios.sequence_log_ratio(lp, old, mask),
+            ref.sequence_log_ratio(lp64, old64, data["mask"]),
+        ),
+        "sequence/bf16 mask": (
+            ratios.sequence_log_ratio(lp, old, mask.astype(jnp.bfloat16)),
+            ref.sequence_log_ratio(lp64, old64, data["mask"]),
+        ),
+        "gspo_token": (
+            ratios.gspo_token_log_ratio(lp, old, mask),
+            ref.gspo_token_log_ratio(lp64, old64, data["mask"]),
+        ),
+        "gspo_token/cap": (
+            ratios.gspo_token_log_ratio(lp, old, mask, max_log_ratio=0.2),
+            ref.gspo_token_log_ratio(lp64, old64, data["mask"], 0.2),
+        ),
+    }
+    assert np.abs(cases["token/clamp"][1]).max() == 2.5  # the clamp binds
+    assert cases["gspo_token/cap"][1].max() == 0.2  # so does the cap
+    for name, (got, want) in cases.items():
+        _assert_f32_math(got, want, name)
+
+
+def test_bf16_gradient_is_the_rounded_f32_gradient(rng):
+    """The cotangent reaching a bf16 input is bf16, within bf16 rounding of the exact one."""
+    data = ref.bf16_batch(rng)
+    lp, old, mask = (jnp.asarray(data[k]) for k in ("logprobs", "old_logprobs", "mask"))
+
+    def f(x):
+        return jnp.sum(mask * jnp.exp(ratios.gspo_token_log_ratio(x, old, mask)))
+
+    grad = jax.grad(f)(lp)
+    assert grad.dtype == jnp.bfloat16
+    s = np.exp(ref.sequence_log_ratio(np.float64(data["logprobs"]), data["old_logprobs"], mask))
+    np.testing.assert_allclose(np.float64(grad), s[:, None] * data["mask"], rtol=2**-8)
 
 
 # ----------------------------------------------------------------------------- jit / vmap / errors

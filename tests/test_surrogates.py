@@ -351,22 +351,79 @@ def test_garbage_padding_gets_exactly_zero_gradient(rng):
     assert np.all(np.asarray(grad)[mask == 0] == 0.0)
 
 
-def test_bf16_inputs_give_f32(rng):
-    log_ratio, lp, adv, mask = _batch(rng)
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    pairs = [
-        (surrogates.ppo_clip(bf(log_ratio), bf(adv)), surrogates.ppo_clip(log_ratio, adv)),
-        (
-            surrogates.cispo(bf(log_ratio), bf(lp), bf(adv), clip_low=None, clip_high=4.0),
-            surrogates.cispo(log_ratio, lp, adv, clip_low=None, clip_high=4.0),
+def _bf16_case(rng, adv_rank):
+    """bf16 ``(log_ratio, logprobs, advantages, mask)`` and their exact values in f64."""
+    data = ref.bf16_batch(rng)
+    delta = np.float64(data["logprobs"]) - np.float64(data["old_logprobs"])
+    log_ratio = ref.bf16(delta)  # as if Δ were formed in bf16 upstream: |Δ| up to 8
+    adv = data["advantages" if adv_rank == 1 else "token_advantages"]
+    bf = [jnp.asarray(x) for x in (log_ratio, data["logprobs"], adv)]
+    exact = [np.float64(x) for x in (log_ratio, data["logprobs"], adv)]
+    return bf, exact, data["mask"]
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+def test_bf16_inputs_are_upcast_before_any_math(rng, adv_rank):
+    """bf16 inputs give f32 losses equal to f64 math on the bf16-rounded inputs (math in bf16
+    is off by up to 2^-9 relative per operation), and the same clipping indicators."""
+    (x, lp, a), (x64, lp64, a64), mask = _bf16_case(rng, adv_rank)
+    assert x.dtype == lp.dtype == a.dtype == jnp.bfloat16
+    ppo = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
+    cases = {
+        "ppo_clip": (surrogates.ppo_clip(x, a, **ppo), ref.ppo_clip(x64, a64, **ppo)),
+        "ppo_clip/no dual": (surrogates.ppo_clip(x, a), ref.ppo_clip(x64, a64)),
+        "cispo": (
+            surrogates.cispo(x, lp, a, clip_low=None, clip_high=4.0),
+            ref.cispo(x64, lp64, a64, None, 4.0),
         ),
-        (surrogates.sapo(bf(log_ratio), bf(adv)), surrogates.sapo(log_ratio, adv)),
-        (surrogates.gmpo(bf(log_ratio), bf(adv), mask), surrogates.gmpo(log_ratio, adv, mask)),
-        (surrogates.reinforce(bf(lp), bf(adv)), surrogates.reinforce(lp, adv)),
-    ]
-    for low, high in pairs:
-        chex.assert_type(low, jnp.float32)
-        np.testing.assert_allclose(low, high, rtol=0.05, atol=0.05)
+        "cispo/both bounds": (
+            surrogates.cispo(x, lp, a, clip_low=0.2, clip_high=0.28),
+            ref.cispo(x64, lp64, a64, 0.2, 0.28),
+        ),
+        "sapo": (surrogates.sapo(x, a), ref.sapo(x64, a64)),
+        "gmpo": (surrogates.gmpo(x, a, mask), ref.gmpo(x64, a64, mask)),
+        "reinforce": (surrogates.reinforce(lp, a), ref.reinforce(lp64, a64)),
+    }
+    for name, (got, want) in cases.items():
+        chex.assert_type(got, jnp.float32)
+        np.testing.assert_allclose(np.float64(got), want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+    indicators = {
+        "ppo_clip_metrics": (
+            surrogates.ppo_clip_metrics(x, a, **ppo),
+            ref.ppo_clip_metrics(x64, a64, **ppo),
+        ),
+        "cispo_metrics": (
+            surrogates.cispo_metrics(x, clip_low=0.2, clip_high=0.28),
+            {"clipped": ref.cispo_weight(x64, 0.2, 0.28) != np.exp(x64)},
+        ),
+        "gmpo_metrics": (
+            surrogates.gmpo_metrics(x, a, mask),
+            {"clipped": ref.gmpo_clipped(x64, a64, mask)},
+        ),
+    }
+    for name, (got, want) in indicators.items():
+        assert got.keys() == want.keys(), name
+        for key in want:
+            chex.assert_type(got[key], jnp.float32)
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name}/{key}")
+            assert 0 < np.mean(want[key]) < 1 or key == "clipped_lower", (name, key)
+
+
+def test_bf16_gradient_is_the_rounded_f32_gradient(rng):
+    """The cotangent reaching a bf16 input is bf16, within bf16 rounding of the exact one."""
+    (x, lp, a), (x64, lp64, a64), _ = _bf16_case(rng, 2)
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0}
+    grad = jax.grad(lambda v: surrogates.ppo_clip(v, a, **kw).sum())(x)
+    assert grad.dtype == jnp.bfloat16
+    want = ref.ppo_clip_grad(x64, a64, **kw)
+    assert np.count_nonzero(want) > want.size // 4
+    np.testing.assert_allclose(np.float64(grad), want, rtol=2**-8)
+    grad = jax.grad(lambda v: surrogates.cispo(x, v, a, clip_low=None, clip_high=4.0).sum())(lp)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.float64(grad), ref.cispo_grad_wrt_lp(x64, a64, None, 4.0), rtol=2**-8
+    )
 
 
 def test_jit_vmap_and_no_recompile(rng):

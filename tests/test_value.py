@@ -74,13 +74,34 @@ def test_check_grads(rng):
     check_grads(f, (values,), order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
 
 
-def test_bf16_jit_vmap_and_no_recompile(rng):
-    values, old, returns = _batch(rng)
-    bf = [jnp.asarray(x, jnp.bfloat16) for x in (values, old, returns)]
-    out = value.clipped_value_loss(*bf)
+# Not dyadic, so no difference of two bf16 values lies exactly on a clip kink.
+@pytest.mark.parametrize("clip", [0.2, 0.45])
+def test_bf16_inputs_are_upcast_before_any_math(rng, clip):
+    """bf16 critic outputs give f32 losses equal to f64 math on the bf16-rounded inputs (math
+    in bf16 is off by up to 2^-9 relative per operation), and the same clip indicators."""
+    data = ref.bf16_batch(rng)
+    bf = [jnp.asarray(data[k]) for k in ("values", "old_values", "returns")]
+    exact = [np.float64(data[k]) for k in ("values", "old_values", "returns")]
+    assert all(x.dtype == jnp.bfloat16 for x in bf)
+    out = value.clipped_value_loss(*bf, clip=clip)
     chex.assert_type(out, jnp.float32)
+    want = ref.clipped_value_loss(*exact, clip)
+    np.testing.assert_allclose(np.float64(out), want, rtol=1e-6, atol=1e-6)
+    frac = value.value_clip_fraction(*bf, clip=clip)
+    chex.assert_type(frac, jnp.float32)
+    want_frac = ref.value_clip_fraction(*exact, clip)
+    assert 0 < want_frac.mean() < 1
+    np.testing.assert_array_equal(frac, want_frac)
+    grad = jax.grad(lambda v: value.clipped_value_loss(v, *bf[1:], clip=clip).sum())(bf[0])
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.float64(grad), ref.clipped_value_loss_grad(*exact, clip), rtol=2**-8
+    )
+
+
+def test_jit_vmap_and_no_recompile(rng):
+    values, old, returns = _batch(rng)
     full = value.clipped_value_loss(values, old, returns)
-    np.testing.assert_allclose(out, full, rtol=0.05, atol=0.05)
     traces = []
 
     @jax.jit

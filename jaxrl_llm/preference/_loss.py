@@ -12,15 +12,30 @@ from jax.nn import log_sigmoid
 from jaxrl_llm._checks import check_batch_time, check_choice, check_rank, f32
 from jaxrl_llm.preference._dpo import DPO_LOSS_KWARGS, LOSS_TYPES, dpo
 from jaxrl_llm.preference._kto import kto, kto_reference_point
-from jaxrl_llm.preference._reference_free import cpo, orpo, orpo_log_odds, simpo
-from jaxrl_llm.preference._sequence import average_logps, sequence_lengths, sequence_logps
+from jaxrl_llm.preference._reference_free import (
+    alphapo,
+    alphapo_reward,
+    cpo,
+    orpo,
+    orpo_log_odds,
+    simpo,
+)
+from jaxrl_llm.preference._sequence import (
+    average_logps,
+    sequence_lengths,
+    sequence_logps,
+    token_mean_nll,
+)
 from jaxrl_llm.types import LossOutput
 
 Array = jax.Array
 
 #: Every ``loss_name`` :func:`preference_loss` accepts.
-PREFERENCE_LOSSES: tuple[str, ...] = LOSS_TYPES + ("kto", "orpo", "simpo", "cpo")
-_REFERENCE_FREE = ("orpo", "simpo", "cpo")
+PREFERENCE_LOSSES: tuple[str, ...] = LOSS_TYPES + ("kto", "orpo", "simpo", "cpo", "alphapo")
+#: ORPO's SFT-term conventions (``nll`` of :func:`preference_loss`): the paper's NLL of the
+#: chosen completion, or TRL ORPOTrainer's NLL of the whole chosen sequence.
+ORPO_NLL_MODES: tuple[str, ...] = ("completion", "prompt_and_completion")
+_REFERENCE_FREE = ("orpo", "simpo", "cpo", "alphapo")
 
 
 def _reference_sums(name: str, ref: Array | None, mask: Array, n: int) -> Array:
@@ -32,13 +47,6 @@ def _reference_sums(name: str, ref: Array | None, mask: Array, n: int) -> Array:
     if jnp.shape(ref)[0] != n:
         raise ValueError(f"{name} must have shape [N]=({n},) or [N, T], got {jnp.shape(ref)}")
     return f32(ref)
-
-
-def _batch_token_mean_nll(chosen_sum: Array, chosen_len: Array) -> Array:
-    # Spread TRL's batch NLL, −Σ lp / Σ n over all chosen tokens, evenly over pairs so the
-    # mean of the per-pair losses carries it exactly.
-    num_pairs = chosen_sum.shape[0]
-    return -chosen_sum * num_pairs / jnp.maximum(jnp.sum(chosen_len), 1.0)
 
 
 def _metrics(
@@ -66,9 +74,10 @@ _KTO_KWARGS = (
 )
 _PREFERENCE_KWARGS = {
     "kto": _KTO_KWARGS,
-    "orpo": (),
-    "simpo": ("gamma", "label_smoothing", "cpo_alpha"),
-    "cpo": ("gamma", "label_smoothing", "cpo_alpha"),
+    "orpo": ("nll", "prompt_logps", "prompt_mask"),
+    "simpo": ("gamma", "label_smoothing", "cpo_alpha", "alpha"),
+    "cpo": ("gamma", "label_smoothing", "cpo_alpha", "alpha"),
+    "alphapo": ("alpha", "gamma", "label_smoothing"),
 }
 
 
@@ -107,25 +116,59 @@ def _kto_loss(chosen, rejected, ref_chosen, ref_rejected, beta, kwargs) -> LossO
     return LossOutput(loss, metrics)
 
 
+def _orpo_prompt_terms(kwargs: dict[str, Any], num_pairs: int) -> tuple[Array, Array] | None:
+    mode = kwargs.pop("nll", "completion")
+    check_choice("nll", mode, ORPO_NLL_MODES)
+    prompt_logps, prompt_mask = kwargs.pop("prompt_logps", None), kwargs.pop("prompt_mask", None)
+    if mode == "completion":
+        if prompt_logps is not None or prompt_mask is not None:
+            raise ValueError(
+                "prompt_logps / prompt_mask are used by nll='prompt_and_completion' only"
+            )
+        return None
+    if prompt_logps is None or prompt_mask is None:
+        raise ValueError(
+            "nll='prompt_and_completion' needs prompt_logps and prompt_mask ([N, P]: the "
+            "per-token log-probs of the chosen rows' prompt tokens the model predicts)"
+        )
+    check_batch_time("prompt_logps", prompt_logps, prompt_mask)
+    if jnp.shape(prompt_mask)[0] != num_pairs:
+        raise ValueError(
+            f"prompt_mask {jnp.shape(prompt_mask)} must have N={num_pairs} rows, one per pair"
+        )
+    return sequence_logps(prompt_logps, prompt_mask), sequence_lengths(prompt_mask)
+
+
 def _reference_free_loss(
     loss_name, chosen_tok, chosen_mask, rejected_tok, rejected_mask, beta, kwargs
 ) -> LossOutput:
     lw = average_logps(chosen_tok, chosen_mask)
     ll = average_logps(rejected_tok, rejected_mask)
-    chosen_nll = _batch_token_mean_nll(
-        sequence_logps(chosen_tok, chosen_mask), sequence_lengths(chosen_mask)
+    prompt = _orpo_prompt_terms(kwargs, lw.shape[0]) if loss_name == "orpo" else None
+    chosen_nll = token_mean_nll(
+        sequence_logps(chosen_tok, chosen_mask),
+        sequence_lengths(chosen_mask),
+        prompt_logps=None if prompt is None else prompt[0],
+        prompt_len=None if prompt is None else prompt[1],
     )
     extra = {"nll_loss": jnp.mean(jax.lax.stop_gradient(chosen_nll))}
+    alpha = kwargs.get("alpha", 0.0)
     if loss_name == "orpo":
         per_pair = orpo(lw, ll, beta=beta, chosen_nll=chosen_nll)
         log_odds = jax.lax.stop_gradient(orpo_log_odds(lw, ll))
         extra["log_odds_chosen"] = jnp.mean(log_odds)
         extra["log_odds_ratio"] = jnp.mean(log_sigmoid(log_odds))
+    elif loss_name == "alphapo":
+        if "alpha" not in kwargs:
+            raise ValueError("loss 'alphapo' needs alpha (the reward shape; alpha=0 is SimPO)")
+        per_pair = alphapo(lw, ll, beta=beta, **kwargs)
     else:
         fn = simpo if loss_name == "simpo" else cpo
         per_pair = fn(lw, ll, beta=beta, chosen_nll=chosen_nll, **kwargs)
     loss = jnp.mean(per_pair)
-    return LossOutput(loss, {**_metrics(loss, beta * lw, beta * ll, lw, ll), **extra})
+    reward_w, reward_l = alphapo_reward(lw, alpha), alphapo_reward(ll, alpha)
+    metrics = _metrics(loss, beta * reward_w, beta * reward_l, lw, ll)
+    return LossOutput(loss, {**metrics, **extra})
 
 
 def preference_loss(
@@ -148,16 +191,24 @@ def preference_loss(
       (:func:`sequence_logps`), completion lengths from the masks;
     - ``"kto"``: :func:`kto` on the chosen completions (desirable) and the rejected ones
       (undesirable) as 2N examples, mean over the 2N;
-    - ``"orpo"``, ``"simpo"``, ``"cpo"``: :func:`orpo` / :func:`simpo` / :func:`cpo` on
-      token-averaged log-probs (:func:`average_logps`), no reference model. Their NLL term is
-      TRL's: the token mean over every chosen token of the batch.
+    - ``"orpo"``, ``"simpo"``, ``"cpo"``, ``"alphapo"``: :func:`orpo` / :func:`simpo` /
+      :func:`cpo` / :func:`alphapo` on token-averaged log-probs (:func:`average_logps`), no
+      reference model. Their NLL term is normalised as TRL's: :func:`token_mean_nll`, the
+      token mean over every chosen completion token of the batch. ORPO's ``nll`` chooses its
+      tokens: ``"completion"`` (default, the paper's) or ``"prompt_and_completion"`` (TRL's
+      ORPOTrainer: the prompt tokens the model predicts count too; pass their per-token
+      log-probs ``prompt_logps`` and ``prompt_mask``, ``[N, P]``, of the chosen rows, every
+      real prompt token but the first). CPO here scores token-averaged log-probs as the spec
+      says; the CPO paper and TRL's CPOTrainer sum them (call :func:`cpo` directly for that).
 
     Metrics (float32 scalars, means over pairs, no gradient): ``loss``, ``rewards/chosen``
-    (``β·c``; ``β·lw`` for the reference-free losses, as TRL reports), ``rewards/rejected``,
+    (``β·c``; ``β·lw`` for the reference-free losses, ``β·r_α(lw)`` with AlphaPO's ``α``, as
+    TRL reports), ``rewards/rejected``,
     ``rewards/accuracies`` (fraction with chosen reward > rejected), ``rewards/margins``,
     ``logps/chosen`` and ``logps/rejected`` (the sequence log-probs the loss used: summed, or
     token-averaged for the reference-free losses); plus ``kl`` (``z0``) for KTO,
-    ``nll_loss`` for ORPO/SimPO/CPO, ``log_odds_chosen`` and ``log_odds_ratio`` for ORPO.
+    ``nll_loss`` (the NLL term before its weight) for ORPO/SimPO/CPO/AlphaPO,
+    ``log_odds_chosen`` and ``log_odds_ratio`` for ORPO.
 
     Args:
       loss_name: one of :data:`PREFERENCE_LOSSES`, or a sequence of :data:`LOSS_TYPES`.
@@ -167,13 +218,15 @@ def preference_loss(
       rejected_mask: ``[N, T']`` mask of the rejected completions.
       ref_chosen_logps: reference log-probs of the chosen completions, summed ``[N]`` (as
         :class:`~jaxrl_llm.types.PreferenceBatch` stores them) or per-token ``[N, T]``.
-        Required by the DPO losses and KTO; must be ``None`` for ORPO, SimPO and CPO.
+        Required by the DPO losses and KTO; must be ``None`` for the reference-free ones.
       ref_rejected_logps: the same for the rejected completions.
       beta: ``β > 0``.
       **kwargs: per loss: DPO ``label_smoothing``, ``loss_weights``, ``discopop_tau``; KTO
         ``desirable_weight``, ``undesirable_weight``, ``kl_policy_logps``, ``kl_ref_logps``
         (summed ``[M]``, or per-token ``[M, T]`` with ``kl_mask``); SimPO/CPO ``gamma``,
-        ``label_smoothing``, ``cpo_alpha``; ORPO none.
+        ``label_smoothing``, ``cpo_alpha``, ``alpha``; AlphaPO ``alpha`` (required),
+        ``gamma``, ``label_smoothing``; ORPO ``nll`` (one of :data:`ORPO_NLL_MODES`),
+        ``prompt_logps``, ``prompt_mask``.
 
     Returns:
       ``LossOutput(loss, metrics)``, loss a float32 scalar.

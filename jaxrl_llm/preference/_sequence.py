@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm._checks import as_mask, check_batch_time, check_rank, f32
+from jaxrl_llm._checks import as_mask, check_batch_time, check_rank, check_same_shape, f32
 
 Array = jax.Array
 
@@ -61,3 +61,50 @@ def average_logps(token_logps: Array, mask: Array) -> Array:
       ``[N]`` float32 averages.
     """
     return sequence_logps(token_logps, mask) / jnp.maximum(sequence_lengths(mask), 1.0)
+
+
+def token_mean_nll(
+    chosen_logps: Array,
+    chosen_len: Array,
+    *,
+    prompt_logps: Array | None = None,
+    prompt_len: Array | None = None,
+) -> Array:
+    """``NLL = −(Σ_i lp(y_w^i) + Σ_i lp(x^i)) / max(Σ_i n_w^i + Σ_i n_x^i, 1)`` on every pair.
+
+    The token-mean negative log-likelihood over every chosen token of the batch, as TRL
+    computes its SFT terms (``nn.CrossEntropyLoss`` over the batch): the value is the same
+    for all ``N`` pairs, so the mean of per-pair losses carries it exactly and its gradient
+    with respect to each token is ``−1/Σn``. Without prompt terms it covers completion tokens
+    only (TRL's CPOTrainer NLL and DPOTrainer's ``sft`` loss type); with them it also covers
+    the prompt tokens the model predicts (TRL's ORPOTrainer NLL). It couples the pairs of a
+    batch, so a micro-batch (or a ``vmap`` over pairs) normalises by its own token count.
+
+    Args:
+      chosen_logps: ``[N]`` summed log-probs of the chosen completions (:func:`sequence_logps`).
+      chosen_len: ``[N]`` token counts of the chosen completions (:func:`sequence_lengths`).
+      prompt_logps: ``[N]`` summed log-probs of the prompt tokens the model predicts (every
+        real prompt token but the first, which has no context), or ``None``.
+      prompt_len: ``[N]`` counts of those prompt tokens; required with ``prompt_logps``.
+
+    Returns:
+      ``[N]`` float32, every entry the batch NLL (rank 0 in, rank 0 out).
+
+    Raises:
+      ValueError: on mismatched shapes, or only one of ``prompt_logps`` and ``prompt_len``.
+    """
+    check_rank("chosen_logps", chosen_logps, (0, 1))
+    if (prompt_logps is None) != (prompt_len is None):
+        raise ValueError("pass both prompt_logps and prompt_len, or neither (completion only)")
+    check_same_shape(
+        chosen_logps=chosen_logps,
+        chosen_len=chosen_len,
+        prompt_logps=prompt_logps,
+        prompt_len=prompt_len,
+    )
+    total = jnp.sum(f32(chosen_logps))
+    count = jnp.sum(f32(chosen_len))
+    if prompt_logps is not None:
+        total = total + jnp.sum(f32(prompt_logps))
+        count = count + jnp.sum(f32(prompt_len))
+    return jnp.broadcast_to(-total / jnp.maximum(count, 1.0), jnp.shape(chosen_logps))

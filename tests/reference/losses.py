@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 
@@ -304,3 +305,48 @@ def ragged_mask(rng, batch, time, *, empty_rows=(), full_rows=()):
     lengths[list(empty_rows)] = 0
     lengths[list(full_rows)] = time
     return (np.arange(time)[None, :] < lengths[:, None]).astype(np.float32)
+
+
+def bf16(x):
+    """``x`` rounded to bfloat16 (nearest even, as JAX's cast), as a NumPy ``bfloat16`` array.
+
+    ``np.float64(bf16(x))`` holds exactly the values a bf16 input carries, so a reference fed
+    with it differs from correct f32 loss math by f32 rounding only (~1e-7 relative), while
+    loss math done in bf16 is off by up to 2^-9 relative per operation.
+    """
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def bf16_batch(rng, batch=6, time=9):
+    """Realistic bf16 loss inputs as NumPy ``bfloat16`` arrays, plus an f32 0/1 ``mask``.
+
+    Log-probs lie in ``[-8, -0.01]``. Even rows of ``old`` / ``ref`` are near the current
+    policy (``|Δ|`` of a few tenths, the usual PPO regime), odd rows independent of it (``|Δ|``
+    up to 8, where a difference of two bf16 numbers is rarely a bf16 number); advantages,
+    values and returns are Gaussian. Row 1 of the mask is empty, row 0 full.
+    """
+    shape = (batch, time)
+    lp = rng.uniform(-8.0, -0.01, shape)
+    near = np.arange(batch)[:, None] % 2 == 0
+
+    def other():
+        return np.where(
+            near,
+            np.clip(lp + rng.normal(0.0, 0.3, shape), -8.0, -0.01),
+            rng.uniform(-8, -0.01, shape),
+        )
+
+    old_values = rng.normal(0.0, 2.0, shape)
+    arrays = {
+        "logprobs": lp,
+        "old_logprobs": other(),
+        "ref_logprobs": other(),
+        "advantages": rng.normal(0.0, 1.5, batch),
+        "token_advantages": rng.normal(0.0, 1.5, shape),
+        "values": old_values + rng.normal(0.0, 0.7, shape),
+        "old_values": old_values,
+        "returns": rng.normal(0.0, 2.0, shape),
+    }
+    out = {k: bf16(v) for k, v in arrays.items()}
+    out["mask"] = ragged_mask(rng, batch, time, empty_rows=(1,), full_rows=(0,))
+    return out

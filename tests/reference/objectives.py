@@ -288,6 +288,12 @@ def policy_loss(
     elif surrogate == "reinforce":
         per_token = -adv * lp
         grad = weights * -adv
+    elif callable(surrogate):
+        # A user surrogate of the registry tests, e.g. soft_clip below:
+        # (per_token, d per_token / d log r, {metric: per-token indicator}).
+        per_token, d_per_token, indicators = surrogate(log_ratio, adv)
+        grad = weights * d_per_token * d_log_ratio
+        metrics.update({key: mmean(value) for key, value in indicators.items()})
     else:
         raise ValueError(surrogate)
 
@@ -398,3 +404,49 @@ def prime_advantages(rewards, process_rewards, mask, *, group_size: int):
     total = (dense + outcome_token_rewards(outcome, m)) * m
     returns = np.flip(np.cumsum(np.flip(total, axis=1), axis=1), axis=1) * m
     return whiten(returns, m), returns
+
+
+# --------------------------------------------------------------------------------------------
+# User-registered pieces of the registry tests (not part of the spec)
+# --------------------------------------------------------------------------------------------
+
+
+def soft_clip(log_ratio, advantages, *, eps: float):
+    """A smooth clip: ``−A·(1 + ε·tanh((r − 1)/ε))`` per token.
+
+    Returns ``(loss, d loss / d log r = −A·(1 − tanh²(u))·r, {"soft_clip_frac": |r − 1| > ε})``
+    with ``u = (r − 1)/ε``; usable as ``cfg["surrogate"]`` of :func:`policy_loss`.
+    """
+    r = np.exp(_f64(log_ratio))
+    adv = _f64(advantages)
+    u = np.tanh((r - 1.0) / eps)
+    return -adv * (1.0 + eps * u), -adv * (1.0 - u**2) * r, {"soft_clip_frac": np.abs(r - 1) > eps}
+
+
+def sequence_reinforce(logprobs, advantages, mask):
+    """``mean_i(−A_i·Σ_t m·lp / max(L_i, 1))`` over non-empty rows, and ``d / d lp [B, T]``."""
+    m = _f64(mask)
+    lp = np.where(m > 0, _f64(logprobs), 0.0)
+    adv = _f64(advantages)
+    lengths = np.maximum(m.sum(axis=1), 1.0)
+    _, n_seq = normalisers(m)
+    loss = float(np.sum(-adv * lp.sum(axis=1) / lengths) / n_seq)
+    return loss, (-adv / lengths)[:, None] * m / n_seq
+
+
+def min_baseline_advantages(rewards, *, group_size: int, scale: float) -> np.ndarray:
+    """``scale·(r_i − min_{j∈g} r_j)``: a user sequence-level estimator."""
+    groups = _f64(rewards).reshape(-1, group_size)
+    return (scale * (groups - groups.min(axis=1, keepdims=True))).reshape(-1)
+
+
+def discounted_returns(token_rewards, mask, *, gamma: float) -> np.ndarray:
+    """``R_t = Σ_{u≥t} γ^(u−t)·r_u`` over the valid tokens of right-padded rows."""
+    m = _f64(mask)
+    rewards = np.where(m > 0, _f64(token_rewards), 0.0)
+    out = np.zeros_like(rewards)
+    running = np.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out * m

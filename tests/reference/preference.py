@@ -77,12 +77,40 @@ def dpo_single(loss_type, c, r, *, beta, eps=0.0, n_w=None, n_l=None, tau=0.05):
     raise KeyError(loss_type)
 
 
+def smoothed_sigmoid(z, eps):
+    return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
+
+
+def dpo_batch(loss_type, policy_w, policy_l, ref_w, ref_l, *, beta, eps=0.0, n_w=None, **_):
+    """The loss types whose per-pair value depends on the whole batch (AOT sorts, SFT sums)."""
+    pw, pl, rw, rl = (np.asarray(a, np.float64) for a in (policy_w, policy_l, ref_w, ref_l))
+    if loss_type == "aot":
+        delta = np.sort(pw - pl) - np.sort(rw - rl)
+        return smoothed_sigmoid(beta * delta, eps)
+    if loss_type == "aot_unpaired":
+        delta = np.sort(pw - rw) - np.sort(pl - rl)
+        return smoothed_sigmoid(beta * delta, eps)
+    if loss_type == "sft":
+        total_tokens = float(np.sum(np.asarray(n_w, np.float64)))
+        return np.full(pw.shape, -float(np.sum(pw)) / max(total_tokens, 1.0))
+    raise KeyError(loss_type)
+
+
+BATCH_TYPES = ("aot", "aot_unpaired", "sft")
+
+
 def dpo(policy_w, policy_l, ref_w, ref_l, loss_type, weights=None, **kw):
     c = np.asarray(policy_w, np.float64) - np.asarray(ref_w, np.float64)
     r = np.asarray(policy_l, np.float64) - np.asarray(ref_l, np.float64)
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     weights = (1.0,) * len(types) if weights is None else weights
-    return sum(w * dpo_single(t, c, r, **kw) for t, w in zip(types, weights))
+    total = 0.0
+    for t, w in zip(types, weights):
+        if t in BATCH_TYPES:
+            total = total + w * dpo_batch(t, policy_w, policy_l, ref_w, ref_l, **kw)
+        else:
+            total = total + w * dpo_single(t, c, r, **kw)
+    return total
 
 
 def kto(policy, ref, labels, kl_policy, kl_ref, *, beta, w_d=1.0, w_u=1.0):
@@ -114,17 +142,49 @@ def orpo(lw, ll, *, beta, nll=None):
     return nll - beta * log_sigmoid(log_odds), log_odds
 
 
-def simpo_cpo(lw, ll, *, beta, gamma, eps=0.0, alpha=0.0, nll=None):
+def alphapo_reward(lp, alpha):
+    """AlphaPO: (1 − p^(−α)) / α with p = e^lp; the log reward lp at α = 0."""
+    lp = np.asarray(lp, np.float64)
+    if alpha == 0:
+        return lp
+    return (1.0 - np.exp(lp) ** (-alpha)) / alpha
+
+
+def simpo_cpo(lw, ll, *, beta, gamma, eps=0.0, alpha=0.0, nll=None, loss_type="sigmoid", shape=0.0):
+    """CPO family; ``alpha`` weights the NLL term, ``shape`` is AlphaPO's reward α."""
     lw = np.asarray(lw, np.float64)
     ll = np.asarray(ll, np.float64)
-    logits = lw - ll - gamma / beta
-    loss = -(1 - eps) * log_sigmoid(beta * logits) - eps * log_sigmoid(-beta * logits)
+    u = alphapo_reward(lw, shape) - alphapo_reward(ll, shape)
+    if loss_type == "sigmoid":
+        logits = u - gamma / beta
+        loss = -(1 - eps) * log_sigmoid(beta * logits) - eps * log_sigmoid(-beta * logits)
+    elif loss_type == "hinge":
+        loss = np.maximum(0.0, 1.0 - beta * u)
+    elif loss_type == "ipo":
+        loss = (u - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise KeyError(loss_type)
     nll = -lw if nll is None else np.asarray(nll, np.float64)
     return loss + alpha * nll
 
 
-def batch_token_mean_nll(token_logps, mask):
-    """TRL's SFT term: −Σ over every chosen token of the batch / number of those tokens."""
+def batch_token_mean_nll(token_logps, mask, prompt_logps=None, prompt_mask=None):
+    """TRL's SFT term: −Σ over every chosen (and given prompt) token of the batch / their count."""
     token_logps = np.asarray(token_logps, np.float64)
     mask = np.asarray(mask, bool)
-    return -token_logps[mask].sum() / max(mask.sum(), 1)
+    total, count = token_logps[mask].sum(), mask.sum()
+    if prompt_logps is not None:
+        prompt_mask = np.asarray(prompt_mask, bool)
+        total += np.asarray(prompt_logps, np.float64)[prompt_mask].sum()
+        count += prompt_mask.sum()
+    return -total / max(count, 1)
+
+
+def bradley_terry(rw, rl, *, margins=None, center=0.0):
+    """Per pair: −log σ(r_w − r_l − m) + c·(r_w + r_l)²."""
+    out = []
+    for i in range(len(rw)):
+        m = 0.0 if margins is None else float(margins[i])
+        diff = float(rw[i]) - float(rl[i]) - m
+        out.append(-float(log_sigmoid(diff)) + center * (float(rw[i]) + float(rl[i])) ** 2)
+    return np.array(out)

@@ -1,0 +1,100 @@
+"""Objective presets: GRPO, DAPO, Dr.GRPO, GSPO, CISPO, ... as data over the loss pieces.
+
+An :class:`Objective` is a frozen description of which pieces to use (advantage estimator,
+ratio kind, surrogate and its bounds, KL kind / coefficient / placement, entropy coefficient,
+aggregation mode and constant), the way optax's aliases are presets over transforms. The
+presets in :data:`PRESETS` are rows of shared/SPEC_LOSSES.md's table; any combination of the
+pieces is equally valid (``make("grpo", surrogate="cispo", clip_low=None, clip_high=4.0)``).
+
+The pieces are registries kept as data, open to user entries without editing the library:
+:func:`register_surrogate` (``fn(objective, SurrogateInputs) -> (loss, metrics)``),
+:func:`register_estimator` (``fn(objective, AdvantageInputs) -> (advantages, returns)``)
+and :func:`register_ratio`; :data:`SURROGATES`, :data:`ADVANTAGES` (alias
+:data:`ESTIMATORS`) and :data:`RATIOS` are live read-only views of them. User
+hyper-parameters travel in ``Objective.extra`` (``make("grpo", surrogate="mine",
+extra={"alpha": 0.5})``).
+
+Configs stop at the jit boundary: an ``Objective`` is hashable and is closed over (or passed
+as a static argument); only arrays flow through the traced math. Register user pieces before
+building jitted steps: a compiled step keeps the function it was traced with.
+
+Metrics are normalised with the same global counts as the loss (``batch.num_tokens`` /
+``batch.num_seqs``), so summing the metrics of K micro-batches gives the full-batch metric,
+except keys ending in ``_min`` / ``_max``, which reduce by min / max.
+
+Modules: :mod:`.registry` (the generic registry), :mod:`.surrogate_registry`,
+:mod:`.estimator_registry`, :mod:`.objective` (``Objective``, presets), :mod:`.policy`
+(``policy_loss``), :mod:`.estimation` (``compute_advantages``, ``advantage_fn``) and
+:mod:`.terms` (``value_loss``, ``sft_loss``, ``combine``).
+"""
+
+# `objectives.advantages` has always been jaxrl_llm.advantages (tests/train use it).
+from jaxrl_llm import advantages
+from jaxrl_llm.objectives.estimation import advantage_fn, compute_advantages
+from jaxrl_llm.objectives.estimator_registry import (
+    ESTIMATORS,
+    OPTIONAL_INPUTS,
+    AdvantageInputs,
+    EstimatorSpec,
+    estimators_available,
+    outcome_token_rewards,
+    register_estimator,
+    unregister_estimator,
+)
+from jaxrl_llm.objectives.objective import (
+    KL_PLACEMENTS,
+    PRESETS,
+    Objective,
+    available,
+    make,
+)
+from jaxrl_llm.objectives.policy import policy_loss
+from jaxrl_llm.objectives.surrogate_registry import (
+    RATIOS,
+    SURROGATES,
+    SurrogateInputs,
+    SurrogateSpec,
+    ratios_available,
+    register_ratio,
+    register_surrogate,
+    surrogates_available,
+    unregister_ratio,
+    unregister_surrogate,
+)
+from jaxrl_llm.objectives.terms import combine, sft_loss, value_loss
+
+ADVANTAGES = ESTIMATORS
+
+__all__ = [
+    "ADVANTAGES",
+    "ESTIMATORS",
+    "KL_PLACEMENTS",
+    "OPTIONAL_INPUTS",
+    "PRESETS",
+    "RATIOS",
+    "SURROGATES",
+    "AdvantageInputs",
+    "EstimatorSpec",
+    "Objective",
+    "SurrogateInputs",
+    "SurrogateSpec",
+    "advantage_fn",
+    "advantages",
+    "available",
+    "combine",
+    "compute_advantages",
+    "estimators_available",
+    "make",
+    "outcome_token_rewards",
+    "policy_loss",
+    "ratios_available",
+    "register_estimator",
+    "register_ratio",
+    "register_surrogate",
+    "sft_loss",
+    "surrogates_available",
+    "unregister_estimator",
+    "unregister_ratio",
+    "unregister_surrogate",
+    "value_loss",
+]

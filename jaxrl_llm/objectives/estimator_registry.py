@@ -1,0 +1,292 @@
+"""Registry of advantage estimators, open to user entries.
+
+An estimator is registered as a function ``fn(objective, inputs) -> (advantages, returns)``:
+
+- ``objective``: the :class:`~jaxrl_llm.objectives.Objective` (its hyper-parameters,
+  including user ones in ``objective.extra_dict``);
+- ``inputs``: an :class:`AdvantageInputs` (rewards, mask, the static group size, the
+  KL-in-reward penalty and the optional arrays of one rollout batch);
+- ``advantages``: ``[B]`` or ``[B, T]`` float32; ``returns``: ``[B, T]`` value targets or
+  ``None``.
+
+The built-ins adapt :mod:`jaxrl_llm.advantages`, whose docstrings carry the formulas and
+papers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import _checks, advantages
+from jaxrl_llm.objectives.registry import Registry, check_registration
+
+if TYPE_CHECKING:
+    from jaxrl_llm.objectives.objective import Objective
+
+Array = jax.Array
+
+# The optional arrays of a rollout batch an estimator may ask for, and what they are.
+OPTIONAL_INPUTS: dict[str, str] = {
+    "old_logprobs": "behaviour log-probs [B, T]",
+    "ref_logprobs": "reference log-probs [B, T]",
+    "values": "critic values [B, T]",
+    "baseline_rewards": "greedy-completion rewards [B]",
+    "process_rewards": "dense implicit rewards beta*(lp_prm - lp_ref) [B, T]",
+}
+
+
+def outcome_token_rewards(rewards: Array, mask: Array) -> Array:
+    """Places each row's scalar reward on its last valid token: ``[B]`` -> ``[B, T]`` (f32)."""
+    _checks.check_rank("mask", mask, 2)
+    _checks.check_shape("rewards", rewards, mask.shape[:1])
+    mask = _checks.as_mask(mask)
+    positions = jnp.arange(mask.shape[1])
+    last = jnp.max(jnp.where(mask > 0, positions, -1), axis=1)
+    return jnp.where(positions[None, :] == last[:, None], _checks.f32(rewards)[:, None], 0.0)
+
+
+class AdvantageInputs(NamedTuple):
+    """One rollout batch as an estimator sees it; arrays float32.
+
+    Attributes:
+      rewards: ``[B]`` outcome reward per completion.
+      mask: ``[B, T]`` 0/1 completion mask.
+      group_size: completions per prompt (a static Python int; groups contiguous).
+      kl_penalty: ``[B, T]`` ``beta*kl(old, ref)*m`` when the objective puts KL in the
+        reward, zeros otherwise.
+      old_logprobs: ``[B, T]`` behaviour log-probs, or None.
+      ref_logprobs: ``[B, T]`` reference log-probs, or None.
+      values: ``[B, T]`` critic values, or None.
+      baseline_rewards: ``[B]`` greedy-completion rewards, or None.
+      process_rewards: ``[B, T]`` dense implicit rewards, or None.
+    """
+
+    rewards: Array
+    mask: Array
+    group_size: int
+    kl_penalty: Array
+    old_logprobs: Array | None = None
+    ref_logprobs: Array | None = None
+    values: Array | None = None
+    baseline_rewards: Array | None = None
+    process_rewards: Array | None = None
+
+    def token_rewards(self) -> Array:
+        """``[B, T]``: the reward on the last valid token, minus the per-token KL penalty."""
+        return outcome_token_rewards(self.rewards, self.mask) - self.kl_penalty
+
+    def sequence_rewards(self) -> Array:
+        """``[B]``: the reward minus the row sum of the KL penalty."""
+        return self.rewards - jnp.sum(self.kl_penalty, axis=1)
+
+
+EstimatorFn = Callable[["Objective", AdvantageInputs], tuple[Array, Array | None]]
+
+
+class EstimatorSpec(NamedTuple):
+    """A registered advantage estimator.
+
+    Attributes:
+      fn: ``fn(objective, inputs) -> (advantages [B] or [B, T], returns [B, T] or None)``.
+      requires: optional inputs (names of :data:`OPTIONAL_INPUTS`) that must not be None;
+        ``"values"`` makes the objective need a critic.
+      needs_reference: whether the trainer must keep a reference policy (e.g. PRIME's
+        implicit process rewards), whatever the KL settings.
+      min_group_size: smallest valid group size (RLOO-style baselines need 2).
+    """
+
+    fn: EstimatorFn
+    requires: tuple[str, ...] = ()
+    needs_reference: bool = False
+    min_group_size: int = 1
+
+
+_ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
+# Live read-only view: name -> EstimatorSpec.
+ESTIMATORS: Mapping[str, EstimatorSpec] = _ESTIMATORS.view
+
+
+def register_estimator(
+    name: str,
+    fn: EstimatorFn | None = None,
+    *,
+    override: bool = False,
+    requires: tuple[str, ...] = (),
+    needs_reference: bool = False,
+    min_group_size: int = 1,
+) -> Any:
+    """Registers an advantage estimator under ``name``; a decorator or a plain call.
+
+    ``@register_estimator("mine")`` above ``def mine(objective, inputs): ...``, or
+    ``register_estimator("mine", mine)``; then ``make("grpo", advantage="mine")``.
+
+    Args:
+      name: the value of ``Objective.advantage`` that selects it.
+      fn: ``fn(objective, inputs: AdvantageInputs) -> (advantages, returns | None)``;
+        ``None`` returns a decorator.
+      override: replace an already registered name (built-ins included).
+      requires: names of :data:`OPTIONAL_INPUTS` it cannot do without.
+      needs_reference: whether it needs a reference policy.
+      min_group_size: smallest group size it accepts.
+
+    Returns:
+      ``fn`` unchanged (or a decorator when ``fn`` is None).
+
+    Raises:
+      ValueError: ``name`` is taken and ``override`` is False, ``fn`` is not callable, or
+        ``requires`` / ``min_group_size`` is invalid.
+    """
+    check_registration("estimator", name, fn)
+    requires = (requires,) if isinstance(requires, str) else tuple(requires)
+    unknown = sorted(set(requires) - set(OPTIONAL_INPUTS))
+    if unknown:
+        raise ValueError(
+            f"requires names unknown inputs {unknown}; known: {tuple(OPTIONAL_INPUTS)}"
+        )
+    if not isinstance(min_group_size, int) or isinstance(min_group_size, bool):
+        raise ValueError(f"min_group_size must be an int, got {min_group_size!r}")
+    _checks.check_positive("min_group_size", min_group_size)
+    if fn is None:
+        return functools.partial(
+            register_estimator,
+            name,
+            override=override,
+            requires=requires,
+            needs_reference=needs_reference,
+            min_group_size=min_group_size,
+        )
+    spec = EstimatorSpec(fn, requires, bool(needs_reference), min_group_size)
+    _ESTIMATORS.add(name, spec, override=override)
+    return fn
+
+
+def unregister_estimator(name: str) -> None:
+    """Removes a user estimator (built-ins cannot be removed)."""
+    _ESTIMATORS.remove(name)
+
+
+def estimators_available() -> tuple[str, ...]:
+    """Registered estimator names, built-ins first."""
+    return _ESTIMATORS.names()
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The registered :class:`EstimatorSpec` of ``name`` (ValueError listing the names)."""
+    return _ESTIMATORS.get(name)
+
+
+# ------------------------------------------------------------------------------------------
+# Built-ins, in the order of shared/SPEC_LOSSES.md. Sequence-level estimators take the KL
+# penalty as its row sum off the scalar reward, token-level ones per token.
+# ------------------------------------------------------------------------------------------
+
+
+@register_estimator("grpo")
+def _grpo(objective: Objective, inputs: AdvantageInputs):
+    """``(r − μ_g) / (σ_g + eps)`` (GRPO), ``/ σ_batch`` or unscaled (Dr.GRPO)."""
+    adv = advantages.grpo(
+        inputs.sequence_rewards(),
+        group_size=inputs.group_size,
+        scale=objective.advantage_scale,
+        std_ddof=objective.std_ddof,
+    )
+    return adv, None
+
+
+@register_estimator("rloo")
+def _rloo(objective: Objective, inputs: AdvantageInputs):
+    """``r_i − mean_{j≠i} r_j`` (RLOO)."""
+    del objective
+    return advantages.rloo(inputs.sequence_rewards(), group_size=inputs.group_size), None
+
+
+@register_estimator("reinforce_pp")
+def _reinforce_pp(objective: Objective, inputs: AdvantageInputs):
+    """Whitened reward-to-go of the token rewards (REINFORCE++)."""
+    return advantages.reinforce_pp(inputs.token_rewards(), inputs.mask, gamma=objective.gamma), None
+
+
+@register_estimator("reinforce_pp_baseline")
+def _reinforce_pp_baseline(objective: Objective, inputs: AdvantageInputs):
+    """Whitened ``r − μ_g`` broadcast over tokens (REINFORCE++-baseline)."""
+    del objective
+    adv = advantages.reinforce_pp_baseline(
+        inputs.sequence_rewards(), inputs.mask, group_size=inputs.group_size
+    )
+    return adv, None
+
+
+@register_estimator("remax", requires=("baseline_rewards",))
+def _remax(objective: Objective, inputs: AdvantageInputs):
+    """``r − b``, ``b`` the greedy completion's reward (ReMax)."""
+    del objective
+    return advantages.remax(inputs.sequence_rewards(), inputs.baseline_rewards), None
+
+
+@register_estimator("opo")
+def _opo(objective: Objective, inputs: AdvantageInputs):
+    """``r − Σ L_j r_j / Σ L_j``, a length-weighted group baseline (OPO)."""
+    del objective
+    adv = advantages.opo(inputs.sequence_rewards(), inputs.mask, group_size=inputs.group_size)
+    return adv, None
+
+
+@register_estimator("gpg")
+def _gpg(objective: Objective, inputs: AdvantageInputs):
+    """``α·(r − μ_g)`` with GPG's correction for zero-advantage rows."""
+    del objective
+    return advantages.gpg(inputs.sequence_rewards(), group_size=inputs.group_size), None
+
+
+@register_estimator("pass_at_k", min_group_size=2)
+def _pass_at_k(objective: Objective, inputs: AdvantageInputs):
+    """The best row of each group gets ``r_max − r_second`` (Pass@k training)."""
+    adv = advantages.pass_at_k(
+        inputs.sequence_rewards(), group_size=inputs.group_size, scale=objective.advantage_scale
+    )
+    return adv, None
+
+
+@register_estimator("gae", requires=("values",))
+def _gae(objective: Objective, inputs: AdvantageInputs):
+    """GAE over the token rewards and critic values (PPO)."""
+    return advantages.gae(
+        inputs.token_rewards(), inputs.values, inputs.mask, gamma=objective.gamma, lam=objective.lam
+    )
+
+
+def _group_loo_token_rewards(token_rewards: Array, mask: Array, group_size: int) -> Array:
+    # PRIME's RLOO on dense rewards: r_t - mean_{j != i} (per-sequence mean of r over row j).
+    seq_mean = jnp.sum(token_rewards * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    group_sum = jnp.repeat(
+        seq_mean.reshape(-1, group_size).sum(axis=1), group_size, total_repeat_length=mask.shape[0]
+    )
+    scale = group_size / (group_size - 1)
+    return (token_rewards * scale - group_sum[:, None] / (group_size - 1)) * mask
+
+
+@register_estimator("prime", requires=("process_rewards",), needs_reference=True, min_group_size=2)
+def _prime(objective: Objective, inputs: AdvantageInputs):
+    """PRIME (Cui et al. 2025): RLOO over dense implicit rewards plus RLOO outcome rewards.
+
+    ``returns_t = Σ_{u≥t} (loo(p)_u + [u = last]·rloo(r) − kl_u)``; advantages are their
+    masked whitening.
+    """
+    del objective
+    mask = inputs.mask
+    _checks.check_batch_time("process_rewards", inputs.process_rewards, mask)
+    dense = _group_loo_token_rewards(_checks.f32(inputs.process_rewards), mask, inputs.group_size)
+    outcome = outcome_token_rewards(
+        advantages.rloo(inputs.rewards, group_size=inputs.group_size), mask
+    )
+    total = (dense + outcome - inputs.kl_penalty) * mask
+    returns = jnp.flip(jnp.cumsum(jnp.flip(total, 1), 1), 1)
+    return advantages.whiten(returns, mask) * mask, returns * mask
+
+
+_ESTIMATORS.mark_builtins()

@@ -1,0 +1,278 @@
+"""The :class:`Objective` dataclass and the presets of shared/SPEC_LOSSES.md.
+
+An :class:`Objective` is a frozen description of which pieces to use (advantage estimator,
+ratio kind, surrogate and its bounds, KL kind / coefficient / placement, entropy coefficient,
+aggregation mode and constant), the way optax's aliases are presets over transforms. The
+estimator, ratio and surrogate are names in registries that users extend
+(:func:`~jaxrl_llm.objectives.register_surrogate`, ...); construction validates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl_llm import _checks, aggregation, kl
+from jaxrl_llm.objectives import estimator_registry, surrogate_registry
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+KL_PLACEMENTS = ("loss", "reward")
+
+
+def _freeze(value: Any, where: str) -> Any:
+    """A hashable version of a user hyper-parameter (lists become tuples)."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item, where) for item in value)
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(
+            f"{where}={value!r} is not hashable; Objective.extra values must be hashable "
+            "(numbers, strings, tuples) so that objectives stay jit-static"
+        ) from None
+    return value
+
+
+def freeze_extra(extra: Mapping[str, Any] | Any) -> tuple[tuple[str, Any], ...]:
+    """``{name: value}`` (or ``(name, value)`` pairs) -> sorted hashable pairs."""
+    pairs = list(extra.items() if isinstance(extra, Mapping) else extra)
+    if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in pairs):
+        raise ValueError(f"extra must be a mapping or (name, value) pairs, got {extra!r}")
+    names = [name for name, _ in pairs]
+    if not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"extra names must be non-empty strings, got {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"extra names must be unique, got {names}")
+    return tuple(sorted((name, _freeze(value, f"extra[{name!r}]")) for name, value in pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Which loss pieces make up a policy objective, and their hyper-parameters.
+
+    Attributes:
+      name: preset name (informational).
+      advantage: a registered advantage estimator (:func:`estimators_available`).
+      advantage_scale: ``"group" | "batch" | "none"`` for ``grpo`` / ``pass_at_k``.
+      std_ddof: ddof of the group std (1 as verl/TRL, 0 as the GRPO paper).
+      dynamic_sampling: drop groups whose rewards are all equal and refill the batch (DAPO).
+      gamma: discount for ``reinforce_pp`` / ``gae``.
+      lam: GAE lambda.
+      ratio: a registered ratio kind: ``"token"`` (PPO) or ``"gspo_token"`` (GSPO's
+        length-normalised sequence ratio).
+      ratio_clamp: clamp of the token log-ratio before ``exp``.
+      max_log_ratio: upper clamp of the GSPO log-ratio.
+      surrogate: a registered surrogate (:func:`surrogates_available`).
+      clip_low: lower clip epsilon (``None``: no lower bound, for surrogates registered with
+        ``clip_low_optional``, i.e. CISPO).
+      clip_high: upper clip epsilon (CISPO: the ratio is capped at ``1 + clip_high``).
+      dual_clip: dual-clip constant ``c > 1`` for ``A < 0`` (``None``: off).
+      tau_pos: SAPO temperature for positive advantages.
+      tau_neg: SAPO temperature for negative advantages.
+      kl_kind: ``"k1" | "k2" | "k3" | "abs"`` or ``None`` (no KL, no reference model needed).
+      kl_coef: KL coefficient (beta).
+      kl_placement: ``"loss"`` (aggregated like the policy loss) or ``"reward"``
+        (``r_t -= beta*kl_t``).
+      kl_straight_through: value of ``kl_kind``, gradient of k2.
+      entropy_coef: coefficient of the entropy bonus (loss ``-= coef * entropy``).
+      aggregation: aggregation mode (see :mod:`jaxrl_llm.aggregation`). GMPO's policy term is
+        per sequence and always averages over non-empty sequences; the mode then applies to
+        its KL and entropy terms.
+      norm_constant: constant of ``seq-mean-token-sum-norm`` (``None``: the completion width T).
+      value_clip: critic clip range (PPO).
+      value_coef: weight of the value loss when trained jointly (PPO).
+      prime_beta: beta of PRIME's implicit process reward ``beta*(lp_prm - lp_ref)``.
+      extra: hyper-parameters of user surrogates / estimators as sorted ``(name, value)``
+        pairs; a dict is accepted and converted (read them with :attr:`extra_dict`).
+    """
+
+    name: str = "custom"
+    advantage: str = "grpo"
+    advantage_scale: str = "group"
+    std_ddof: int = 1
+    dynamic_sampling: bool = False
+    gamma: float = 1.0
+    lam: float = 1.0
+    ratio: str = "token"
+    ratio_clamp: float = 20.0
+    max_log_ratio: float = 10.0
+    surrogate: str = "ppo_clip"
+    clip_low: float | None = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    kl_kind: str | None = None
+    kl_coef: float = 0.0
+    kl_placement: str = "loss"
+    kl_straight_through: bool = False
+    entropy_coef: float = 0.0
+    aggregation: str = "token-mean"
+    norm_constant: float | None = None
+    value_clip: float = 0.5
+    value_coef: float = 0.5
+    prime_beta: float = 0.05
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        # Frozen: the one normalisation goes through object.__setattr__.
+        object.__setattr__(self, "extra", freeze_extra(self.extra))
+        _checks.check_choice("advantage estimator", self.advantage, estimator_registry.ESTIMATORS)
+        _checks.check_choice("advantage_scale", self.advantage_scale, ADVANTAGE_SCALES)
+        _checks.check_choice("ratio", self.ratio, surrogate_registry.RATIOS)
+        _checks.check_choice("surrogate", self.surrogate, surrogate_registry.SURROGATES)
+        _checks.check_choice("kl_kind", self.kl_kind, (None, *kl.KINDS))
+        _checks.check_choice("kl_placement", self.kl_placement, KL_PLACEMENTS)
+        _checks.check_choice("aggregation mode", self.aggregation, aggregation.MODES)
+        surrogate = surrogate_registry.surrogate_spec(self.surrogate)
+        if self.clip_low is None and not surrogate.clip_low_optional:
+            takes_none = [
+                name
+                for name, spec in surrogate_registry.SURROGATES.items()
+                if spec.clip_low_optional
+            ]
+            raise ValueError(
+                f"clip_low=None (no lower bound) is not valid for surrogate {self.surrogate!r}; "
+                f"surrogates that take it: {takes_none}"
+            )
+        _checks.check_clip_bounds(self.clip_low, self.clip_high)
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip!r}")
+        for field in ("kl_coef", "entropy_coef", "value_clip", "value_coef", "prime_beta"):
+            _checks.check_non_negative(field, getattr(self, field))
+        for field in ("ratio_clamp", "max_log_ratio", "tau_pos", "tau_neg"):
+            _checks.check_positive(field, getattr(self, field))
+        _checks.check_positive("norm_constant", self.norm_constant)
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if surrogate.ratios is not None and self.ratio not in surrogate.ratios:
+            raise ValueError(
+                f"surrogate {self.surrogate!r} takes no {self.ratio!r} ratio; "
+                f"it takes {surrogate.ratios}"
+            )
+
+    @property
+    def extra_dict(self) -> dict[str, Any]:
+        """The user hyper-parameters of :attr:`extra` as a (fresh) dict."""
+        return dict(self.extra)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a reference policy's log-probs are needed (no KL term: no reference model)."""
+        estimator = estimator_registry.estimator_spec(self.advantage)
+        return self.kl_kind is not None and self.kl_coef > 0 or estimator.needs_reference
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the behaviour policy's log-probs enter the loss (all but REINFORCE/GPG)."""
+        return surrogate_registry.surrogate_spec(self.surrogate).needs_old_logprobs
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the estimator needs critic values (GAE)."""
+        return "values" in estimator_registry.estimator_spec(self.advantage).requires
+
+
+PRESETS: dict[str, Objective] = {
+    preset.name: preset
+    for preset in (
+        Objective(
+            name="grpo",
+            kl_kind="k3",
+            kl_coef=0.04,
+            aggregation="seq-mean-token-mean",
+        ),
+        Objective(
+            name="dapo",
+            dynamic_sampling=True,
+            clip_high=0.28,
+            aggregation="token-mean",
+        ),
+        Objective(
+            name="dr_grpo",
+            advantage_scale="none",
+            aggregation="seq-mean-token-sum-norm",
+        ),
+        Objective(
+            name="gspo",
+            ratio="gspo_token",
+            clip_low=3e-4,
+            clip_high=4e-4,
+            aggregation="seq-mean-token-mean",
+        ),
+        Objective(
+            name="gspo_token",
+            ratio="gspo_token",
+            clip_low=3e-4,
+            clip_high=4e-4,
+            aggregation="seq-mean-token-mean",
+        ),
+        Objective(
+            name="cispo",
+            surrogate="cispo",
+            clip_low=None,
+            clip_high=4.0,
+            aggregation="token-mean",
+        ),
+        Objective(
+            name="gmpo",
+            surrogate="gmpo",
+            clip_low=0.4,
+            clip_high=0.4,
+            aggregation="seq-mean-token-mean",
+        ),
+        Objective(
+            name="sapo",
+            surrogate="sapo",
+            aggregation="seq-mean-token-mean",
+        ),
+        Objective(name="rloo", advantage="rloo", aggregation="token-mean"),
+        Objective(
+            name="reinforce_pp",
+            advantage="reinforce_pp",
+            kl_kind="k1",
+            kl_coef=0.01,
+            kl_placement="reward",
+            aggregation="token-mean",
+        ),
+        Objective(name="gpg", advantage="gpg", surrogate="reinforce", aggregation="token-mean"),
+        Objective(
+            name="ppo",
+            advantage="gae",
+            dual_clip=3.0,
+            kl_kind="k1",
+            kl_coef=0.05,
+            kl_placement="reward",
+            aggregation="token-mean",
+        ),
+        Objective(name="prime", advantage="prime", aggregation="token-mean"),
+    )
+}
+
+
+def available() -> tuple[str, ...]:
+    """Names of every preset, in the order of shared/SPEC_LOSSES.md."""
+    return tuple(PRESETS)
+
+
+def make(name: str, **overrides: Any) -> Objective:
+    """A preset with any hyper-parameter overridden.
+
+    Args:
+      name: one of :func:`available`.
+      **overrides: fields of :class:`Objective` (``extra`` may be a dict).
+
+    Returns:
+      The validated objective.
+
+    Raises:
+      ValueError: unknown preset or field, or an invalid combination.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown objective {name!r}; available: {available()}")
+    fields = {f.name for f in dataclasses.fields(Objective)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown Objective field(s) {unknown}; valid fields: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,164 @@
+"""The policy loss of an objective: registered ratio and surrogate, plus KL and entropy terms."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import _checks, aggregation, kl
+from jaxrl_llm.objectives import _metrics, surrogate_registry
+from jaxrl_llm.objectives.objective import Objective
+from jaxrl_llm.types import LossOutput, RolloutBatch
+
+Array = jax.Array
+
+# Metrics policy_loss reports itself; a surrogate's metrics may not shadow them.
+RESERVED_METRICS = frozenset(
+    {
+        "pg_loss",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "kl",
+        "kl_loss",
+        "entropy",
+        "entropy_loss",
+        "loss",
+    }
+)
+
+
+def _surrogate_term(
+    objective: Objective, inputs: surrogate_registry.SurrogateInputs
+) -> tuple[Array, dict[str, Array]]:
+    """``(pg_loss, metrics)`` of the registered surrogate, its output checked and reduced."""
+    out = surrogate_registry.surrogate_spec(objective.surrogate).fn(objective, inputs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} must return (loss, metrics), got {type(out)}"
+        )
+    loss, metrics = out
+    if not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} must return metrics as a mapping, got {metrics!r}"
+        )
+    shadowed = sorted(RESERVED_METRICS & set(metrics))
+    if shadowed:
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} returned metrics {shadowed}, which policy_loss "
+            "reports itself; rename them"
+        )
+    shape = jnp.shape(loss)
+    if shape == jnp.shape(inputs.mask):
+        return inputs.aggregate(loss), dict(metrics)
+    if shape == ():
+        return _checks.f32(loss), dict(metrics)
+    raise ValueError(
+        f"surrogate {objective.surrogate!r} returned a loss of shape {shape}; expected a "
+        f"per-token [B, T]={jnp.shape(inputs.mask)} loss or a scalar"
+    )
+
+
+def policy_loss(
+    objective: Objective,
+    logprobs: Array,
+    batch: RolloutBatch,
+    *,
+    entropy: Array | None = None,
+) -> LossOutput:
+    """The policy loss of an objective on one (micro-)batch.
+
+    ``loss = agg(surr(ratio(lp, old), A)) + kl_coef·agg(kl(lp, ref)) − entropy_coef·agg(H)``
+    where the KL term is present only for ``kl_placement="loss"``, and ``agg`` is
+    ``objective.aggregation`` with ``batch.num_tokens`` / ``batch.num_seqs`` as global
+    normalisers (so K micro-batches sum to the full-batch loss and gradient). ``ratio`` and
+    ``surr`` are the registered functions named by ``objective.ratio`` / ``.surrogate``; a
+    surrogate that returns a scalar (GMPO) is not aggregated again.
+
+    Args:
+      objective: which pieces to use.
+      logprobs: ``[B, T]`` current policy log-probs (carry the gradient).
+      batch: ``RolloutBatch`` with ``completion_mask``, ``old_logprobs`` and ``advantages``
+        (``[B]`` or ``[B, T]``); ``ref_logprobs`` when the objective puts KL in the loss.
+      entropy: optional ``[B, T]`` per-token entropy (needed when ``entropy_coef > 0``).
+
+    Returns:
+      ``LossOutput(loss, metrics)``; metrics as listed in shared/SPEC_LOSSES.md, the
+      surrogate's first.
+
+    Raises:
+      ValueError: on mismatched shapes, a missing reference or entropy, or a surrogate whose
+        output is malformed.
+    """
+    mask = _checks.as_mask(batch.completion_mask)
+    _checks.check_batch_time("logprobs", logprobs, mask)
+    _checks.check_batch_time("old_logprobs", batch.old_logprobs, mask)
+    _checks.check_advantages(batch.advantages, mask)
+    logprobs = _checks.f32(logprobs)
+    old_logprobs = jax.lax.stop_gradient(_checks.f32(batch.old_logprobs))
+    adv = jax.lax.stop_gradient(_checks.f32(batch.advantages))
+    kl_in_loss = objective.kl_kind is not None and objective.kl_placement == "loss"
+    if kl_in_loss and objective.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError(
+            f"objective {objective.name!r} puts KL in the loss: batch.ref_logprobs is None"
+        )
+    if objective.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+
+    default_tokens, default_seqs = aggregation.normalisers(mask)
+    num_tokens = default_tokens if batch.num_tokens is None else batch.num_tokens
+    num_seqs = default_seqs if batch.num_seqs is None else batch.num_seqs
+    log_ratio = surrogate_registry.ratio_fn(objective.ratio)(
+        objective, logprobs, old_logprobs, mask
+    )
+    inputs = surrogate_registry.SurrogateInputs(
+        log_ratio=log_ratio,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=adv,
+        mask=mask,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        aggregation=objective.aggregation,
+        norm_constant=objective.norm_constant,
+    )
+
+    pg_loss, metrics = _surrogate_term(objective, inputs)
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss
+
+    ratio = jnp.exp(jnp.clip(log_ratio, -objective.ratio_clamp, objective.ratio_clamp))
+    metrics["approx_kl"] = inputs.token_mean(-(logprobs - old_logprobs))
+    metrics["ratio_mean"] = inputs.token_mean(ratio)
+    metrics["ratio_min"] = _metrics.masked_extreme(ratio, mask, jnp.min, jnp.inf)
+    metrics["ratio_max"] = _metrics.masked_extreme(ratio, mask, jnp.max, -jnp.inf)
+
+    if batch.ref_logprobs is not None and objective.kl_kind is not None:
+        _checks.check_batch_time("ref_logprobs", batch.ref_logprobs, mask)
+        ref = jax.lax.stop_gradient(_checks.f32(batch.ref_logprobs))
+        per_token_kl = kl.estimate(
+            logprobs,
+            ref,
+            kind=objective.kl_kind,
+            straight_through=objective.kl_straight_through,
+        )
+        metrics["kl"] = inputs.token_mean(per_token_kl)
+        if kl_in_loss:
+            kl_loss = inputs.aggregate(per_token_kl)
+            metrics["kl_loss"] = kl_loss
+            loss = loss + objective.kl_coef * kl_loss
+
+    if entropy is not None:
+        _checks.check_batch_time("entropy", entropy, mask)
+        entropy = _checks.f32(entropy)
+        metrics["entropy"] = inputs.token_mean(jax.lax.stop_gradient(entropy))
+        if objective.entropy_coef > 0:
+            entropy_loss = inputs.aggregate(entropy)
+            metrics["entropy_loss"] = entropy_loss
+            loss = loss - objective.entropy_coef * entropy_loss
+
+    metrics["loss"] = loss
+    return LossOutput(loss=loss, metrics=metrics)

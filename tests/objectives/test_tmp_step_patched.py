@@ -1,0 +1,169 @@
+"""The sharded policy step: mesh parity, micro-batch invariance, donation, no retrace."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+from jaxrl_llm import aggregation, objectives, parallel
+from jaxrl_llm.train import optim
+from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.forward import make_logprob_fn
+from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.step import jit_step
+from tests.train.step_problem import CONFIG, host_batch
+
+
+def _run(
+    mesh_shape,
+    steps,
+    *,
+    objective=None,
+    micro_batches=1,
+    optimizer=None,
+    axis_types="auto",
+    remat="none",
+):
+    data, fsdp, tensor = mesh_shape
+    devices = jax.devices()[: data * fsdp * tensor]
+    mesh = parallel.make_mesh(data, fsdp, tensor, devices=devices, axis_types=axis_types)
+    objective = objective or objectives.make("grpo")
+    optimizer = optimizer or optim.make_optimizer(1e-3)
+    state, shardings = create_train_state(CONFIG, optimizer, key=jax.random.key(0), mesh=mesh)
+    step = jit_step(
+        make_policy_step(
+            CONFIG,
+            objective,
+            optimizer,
+            micro_batches=micro_batches,
+            remat=remat,
+            param_shardings=shardings.params,
+        ),
+        shardings,
+    )
+    metrics = []
+    for i in range(steps):
+        batch = parallel.shard_batch(host_batch(i), mesh)
+        state, m = step(state, batch)
+        metrics.append(jax.device_get(m))
+    return jax.device_get(state.params), metrics, step
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+    return {steps: _run((1, 1, 1), steps, optimizer=optax.sgd(0.5)) for steps in (1, 3)}
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_meshes_match_single_device(single_device_runs, mesh_shape, steps):
+    expected, expected_metrics, _ = single_device_runs[steps]
+    params, metrics, _ = _run(mesh_shape, steps, optimizer=optax.sgd(0.5))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, expected
+    )
+    np.testing.assert_allclose(metrics[-1]["loss"], expected_metrics[-1]["loss"], rtol=1e-5)
+
+
+def test_adamw_on_a_mesh_matches_single_device():
+    # Adam divides by sqrt(v): elements whose gradient is ~0 amplify reduction-order noise, so the
+    # comparison is on the update as a whole (relative norm), not per element.
+    one, _, _ = _run((1, 1, 1), 2)
+    many, _, _ = _run((2, 2, 2), 2)
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.linalg.norm(a - b), one, many))
+    norm = jax.tree.leaves(jax.tree.map(np.linalg.norm, one))
+    assert max(d / n for d, n in zip(diff, norm)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", aggregation.MODES)
+def test_micro_batches_equal_full_batch(mode):
+    objective = objectives.make("grpo", aggregation=mode)
+    full, full_metrics, _ = _run((2, 1, 1), 1, objective=objective, optimizer=optax.sgd(1.0))
+    micro, micro_metrics, _ = _run(
+        (2, 1, 1), 1, objective=objective, micro_batches=4, optimizer=optax.sgd(1.0)
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), micro, full)
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "ratio_max", "ratio_min", "grad_norm"):
+        np.testing.assert_allclose(
+            micro_metrics[0][key], full_metrics[0][key], rtol=2e-5, atol=1e-7
+        )
+
+
+def test_layer_remat_gives_the_same_update(single_device_runs):
+    """``remat="layer"`` recomputes each layer in the backward pass: same numbers, less memory."""
+    expected, expected_metrics, _ = single_device_runs[1]
+    params, metrics, _ = _run((1, 1, 1), 1, optimizer=optax.sgd(0.5), remat="layer")
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, expected
+    )
+    np.testing.assert_allclose(metrics[0]["grad_norm"], expected_metrics[0]["grad_norm"], rtol=1e-5)
+
+
+def test_explicit_mesh_keeps_types_and_does_not_retrace():
+    mesh = parallel.make_mesh(2, 2, 2, axis_types="explicit")
+    assert all(t == AxisType.Explicit for t in mesh.axis_types)
+    optimizer = optim.make_optimizer(1e-3)
+    objective = objectives.make("grpo")
+    state, shardings = create_train_state(CONFIG, optimizer, key=jax.random.key(0), mesh=mesh)
+    step = jit_step(
+        make_policy_step(CONFIG, objective, optimizer, param_shardings=shardings.params), shardings
+    )
+    types_before = jax.tree.map(jax.typeof, state)
+    with jax.set_mesh(mesh):
+        for i in range(2):
+            old_leaves = jax.tree.leaves(state)
+            state, metrics = step(state, parallel.shard_batch(host_batch(i), mesh))
+            kept = [leaf.shape for leaf in old_leaves if not leaf.is_deleted()]
+            assert not kept, f"every leaf of the incoming state must be donated, kept {kept}"
+    assert jax.tree.map(jax.typeof, state) == types_before
+    assert step._cache_size() == 1
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_state_is_born_sharded():
+    mesh = parallel.make_mesh(2, 2, 2)
+    optimizer = optim.make_optimizer(1e-3)
+    state, shardings = create_train_state(CONFIG, optimizer, key=jax.random.key(0), mesh=mesh)
+    embed = state.params
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert leaf.sharding == sharding
+    # Adam's moments follow their parameter's sharding; the step count is replicated.
+    mu = state.opt_state[1][0].mu
+    same = jax.tree.map(lambda m, p: m.sharding.is_equivalent_to(p.sharding, m.ndim), mu, embed)
+    assert all(jax.tree.leaves(same))
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(shardings.opt_state))
+
+
+def test_non_divisible_shapes_raise():
+    mesh = parallel.make_mesh(1, 1, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"params\['layers'\]\['wk'\]: dim 2 \('kv_heads'\) of size 2 .* mesh axis "
+        r"'tensor' of size 8",
+    ):
+        create_train_state(CONFIG, optim.make_optimizer(), key=jax.random.key(0), mesh=mesh)
+    mesh = parallel.make_mesh(8, 1, 1)
+    with pytest.raises(ValueError, match="12"):
+        parallel.shard_batch(host_batch(0, batch=12), mesh)
+    step = make_policy_step(CONFIG, objectives.make("grpo"), optax.sgd(0.1), micro_batches=3)
+    state, _ = create_train_state(CONFIG, optax.sgd(0.1), key=jax.random.key(0), mesh=mesh)
+    with pytest.raises(ValueError, match="micro_batches=3"):
+        jax.jit(step)(state, jax.tree.map(jnp.asarray, host_batch(0)))
+
+
+def test_logprob_fn_gives_ratio_one_on_policy():
+    mesh = parallel.make_mesh(2, 2, 2)
+    state, shardings = create_train_state(
+        CONFIG, optim.make_optimizer(), key=jax.random.key(0), mesh=mesh
+    )
+    batch = parallel.shard_batch(host_batch(0), mesh)
+    old = make_logprob_fn(CONFIG, param_shardings=shardings.params)(state.params, batch)
+    step = make_policy_step(CONFIG, objectives.make("grpo", kl_coef=0.0), optax.sgd(0.0))
+    _, metrics = jax.jit(step)(state, batch._replace(old_logprobs=old))
+    np.testing.assert_allclose(metrics["ratio_max"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(metrics["ratio_min"], 1.0, rtol=1e-5)
+    assert float(metrics["clip_frac"]) == 0.0
