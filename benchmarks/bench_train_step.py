@@ -46,8 +46,9 @@ import numpy as np
 from jaxrl_llm import advantages, bench, objectives, parallel
 from jaxrl_llm.models import load_pretrained
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_policy_step
+from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch
 
 # Llama-shaped models: (vocab, hidden, intermediate, layers, heads, kv_heads).

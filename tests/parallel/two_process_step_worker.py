@@ -134,8 +134,9 @@ def run(mesh, optimizer_name: str, problem) -> tuple[dict[str, np.ndarray], dict
     from jax.experimental import multihost_utils
 
     from jaxrl_llm import models, objectives, parallel
+    from jaxrl_llm.train.rl.policy import make_policy_step
     from jaxrl_llm.train.state import create_train_state
-    from jaxrl_llm.train.step import jit_step, make_policy_step
+    from jaxrl_llm.train.step import jit_step
     from tests.train.step_problem import BATCH, CONFIG
 
     host_params, batches = problem

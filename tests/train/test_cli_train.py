@@ -1,17 +1,23 @@
-"""``jaxrl-llm train`` from the command line: a tiny run end to end, and config errors by name."""
+"""``jaxrl-llm train`` from the command line: a tiny run end to end, and user errors.
+
+A user error (an unknown or mistyped key, a missing config or data file) exits with status 2
+after one ``error:`` line naming the problem, and leaves no run directory behind.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from jaxrl_llm import cli
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.metrics import read_metrics
-from tests.train import rl_helpers
+from jaxrl_llm.train.rl.config import TrainConfig
+from tests.train.helpers import assert_user_error
+from tests.train.rl import rl_helpers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,27 +84,56 @@ def test_train_help_lists_the_overrides(capsys):
         pytest.param("logging.plots=3", r"config key 'logging.plots' expects a bool", id="bool"),
     ],
 )
-def test_config_errors_name_the_key(tmp_path, override, message):
-    with pytest.raises(ValueError, match=message):
-        cli.main(["train", f"run_dir={tmp_path}", override])
-    assert not (tmp_path / "config.yaml").exists()
+def test_config_errors_name_the_key(tmp_path, capsys, override, message):
+    run_dir = tmp_path / "run"
+    assert_user_error(capsys, ["train", f"run_dir={run_dir}", override], message)
+    assert not run_dir.exists()
 
 
-def test_an_override_without_a_value_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"malformed override 'trainer.max_steps'"):
-        cli.main(["train", str(rl_helpers.CONFIGS / "grpo.yaml"), "trainer.max_steps"])
+def test_an_override_without_a_value_is_refused(capsys):
+    assert_user_error(
+        capsys,
+        ["train", str(rl_helpers.CONFIGS / "grpo.yaml"), "trainer.max_steps"],
+        r"malformed override 'trainer.max_steps'",
+    )
 
 
-def test_errors_in_a_yaml_file_name_the_dotted_key(tmp_path):
+def test_errors_in_a_yaml_file_name_the_dotted_key(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("trainer:\n  learning_rate: 1e-3\nrollout:\n  group_sise: 4\n")
-    with pytest.raises(ValueError, match=r"did you mean 'rollout.group_size'\?"):
-        cli.main(["train", str(path), f"run_dir={tmp_path}"])
+    run_dir = tmp_path / "run"
+    argv = ["train", str(path), f"run_dir={run_dir}"]
+    assert_user_error(capsys, argv, r"did you mean 'rollout.group_size'\?")
     path.write_text("rollout:\n  prompts_per_step: [4]\n")
-    with pytest.raises(ValueError, match=r"config key 'rollout.prompts_per_step' expects an int"):
-        cli.main(["train", str(path), f"run_dir={tmp_path}"])
+    assert_user_error(capsys, argv, r"config key 'rollout.prompts_per_step' expects an int")
+    assert not run_dir.exists()
 
 
-def test_a_missing_config_file_is_reported(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config file not found"):
-        cli.main(["train", str(tmp_path / "missing.yaml")])
+def test_a_missing_config_file_is_reported(tmp_path, capsys):
+    assert_user_error(capsys, ["train", str(tmp_path / "missing.yaml")], "config file not found")
+
+
+def test_a_missing_data_file_is_reported_and_leaves_no_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "missing.jsonl"
+    argv = [
+        "train",
+        str(rl_helpers.CONFIGS / "grpo.yaml"),
+        *rl_helpers.TINY,
+        f"run_dir={run_dir}",
+        "data.task=jsonl",
+        f"data.train_path={missing}",
+    ]
+    line = assert_user_error(capsys, argv, re.escape(str(missing)))
+    assert "Traceback" not in line
+    assert not run_dir.exists()
+
+
+def test_an_existing_run_directory_is_kept_on_a_user_error(tmp_path, capsys):
+    """The run directory is removed only when the refused run created it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    argv = [*rl_helpers.TINY, f"run_dir={run_dir}", "data.task=jsonl"]
+    assert_user_error(capsys, ["train", *argv], r"data.task=jsonl needs data.train_path")
+    assert (run_dir / "notes.txt").read_text() == "mine"

@@ -1,10 +1,10 @@
-"""metrics.jsonl rows, truncation on resume, summary.json, TensorBoard, plots, progress bar."""
+"""metrics.jsonl rows, truncation on resume, summary.json, TensorBoard, progress bar (plots:
+test_plots.py)."""
 
 from __future__ import annotations
 
 import io
 import json
-import logging
 import math
 import sys
 import types
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar, plot, read_metrics
+from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar, read_metrics
 
 
 def _lines(run_dir) -> list[dict]:
@@ -235,38 +235,6 @@ def test_tensorboard_off_or_missing(tmp_path, fake_tensorboard, monkeypatch):
     with MetricsWriter(tmp_path / "missing", primary=True) as writer:
         writer.write(1, {"a": 1.0})
     assert _lines(tmp_path / "missing") == [{"step": 1, "a": 1.0}]
-
-
-# -- plots ---------------------------------------------------------------------------------------
-
-
-def test_plot_without_matplotlib_logs_a_note(tmp_path, monkeypatch, caplog):
-    _write_run(tmp_path, [1, 2])
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with caplog.at_level(logging.INFO, logger="jaxrl_llm.train.metrics"):
-        assert plot(tmp_path) == []
-    assert "matplotlib is not installed" in caplog.text
-    assert not (tmp_path / "plots").exists()
-
-
-def test_plot_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
-    with MetricsWriter(tmp_path, tensorboard=False, primary=True) as writer:
-        for step in range(1, 5):
-            writer.write(step, {"reward_mean": step / 4, "eval/accuracy": 0.5, "nan": math.nan})
-    written = plot(tmp_path, keys=("reward_mean", "eval/accuracy", "absent", "nan"))
-    assert written == [
-        str(tmp_path / "plots" / "reward_mean.png"),
-        str(tmp_path / "plots" / "eval_accuracy.png"),
-    ]
-    for path in written:
-        with open(path, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_plot_needs_metrics(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        plot(tmp_path)
 
 
 # -- progress bar --------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
-"""The sharded policy step: mesh parity, micro-batch invariance, donation, no retrace."""
+"""The one optimizer step (``train.step``): mesh parity, micro-batch invariance (both ways of
+accumulating), donation, no retrace. The RL policy step (``train.rl.policy``) is the loss under
+test on the meshes; a toy loss checks the accumulation against float64 NumPy."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +15,11 @@ from jax.sharding import AxisType
 
 from jaxrl_llm import aggregation, objectives, parallel
 from jaxrl_llm.train import optim
-from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_logprob_fn, make_policy_step
+from jaxrl_llm.train.forward import make_logprob_fn
+from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.state import TrainState, create_train_state
+from jaxrl_llm.train.step import Totals, jit_step, make_step
+from jaxrl_llm.types import sequences_of
 from tests.train.step_problem import CONFIG, host_batch
 
 
@@ -159,9 +166,93 @@ def test_logprob_fn_gives_ratio_one_on_policy():
         CONFIG, optim.make_optimizer(), key=jax.random.key(0), mesh=mesh
     )
     batch = parallel.shard_batch(host_batch(0), mesh)
-    old = make_logprob_fn(CONFIG, param_shardings=shardings.params)(state.params, batch)
+    old = make_logprob_fn(CONFIG, param_shardings=shardings.params)(
+        state.params, sequences_of(batch)
+    )
     step = make_policy_step(CONFIG, objectives.make("grpo", kl_coef=0.0), optax.sgd(0.0))
     _, metrics = jax.jit(step)(state, batch._replace(old_logprobs=old))
     np.testing.assert_allclose(metrics["ratio_max"], 1.0, rtol=1e-5)
     np.testing.assert_allclose(metrics["ratio_min"], 1.0, rtol=1e-5)
     assert float(metrics["clip_frac"]) == 0.0
+
+
+# -- make_step on a toy loss -------------------------------------------------------------------
+
+
+class ToyBatch(NamedTuple):
+    x: jax.Array  # [B, D]
+    completion_mask: jax.Array  # [B, T]
+
+
+def _toy_batch(rows=8, dim=3, length=4):
+    rng = np.random.default_rng(0)
+    lengths = np.array([0, 1, 4, 2, 3, 4, 1, 2])[:rows]  # row 0 empty
+    mask = np.arange(length)[None] < lengths[:, None]
+    return ToyBatch(rng.normal(size=(rows, dim)).astype(np.float32), mask)
+
+
+def _toy_sum_loss(params, batch, totals: Totals | None):
+    """``Σ_i n_i·(x_i·w)² / N_tok``: a token-weighted loss normalised by the whole batch."""
+    tokens = jnp.sum(batch.completion_mask, axis=1).astype(jnp.float32)
+    pred = batch.x @ params["w"]
+    loss = jnp.sum(tokens * pred**2) / totals.num_tokens
+    return loss, {"loss": loss, "pred_max": jnp.max(pred), "rows": jnp.float32(len(pred))}
+
+
+def _toy_mean_loss(params, batch, totals):
+    """``mean_i (x_i·w − 1)²``: a mean over rows (the preference losses' shape)."""
+    assert totals is None
+    loss = jnp.mean((batch.x @ params["w"] - 1.0) ** 2)
+    return loss, {"loss": loss}
+
+
+def _toy_state(optimizer, w):
+    params = {"w": jnp.asarray(w, jnp.float32)}
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key(0))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_summed_micro_batches_give_the_full_batch_update(micro_batches):
+    lr, w = 0.1, np.array([0.5, -1.0, 2.0])
+    batch = _toy_batch()
+    step = jax.jit(make_step(_toy_sum_loss, optax.sgd(lr), micro_batches=micro_batches))
+    state, metrics = step(_toy_state(optax.sgd(lr), w), batch)
+    x = batch.x.astype(np.float64)
+    tokens = batch.completion_mask.sum(axis=1).astype(np.float64)
+    pred = x @ w
+    grad = 2.0 * (tokens * pred) @ x / tokens.sum()
+    np.testing.assert_allclose(state.params["w"], w - lr * grad, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], np.sum(tokens * pred**2) / tokens.sum(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], np.linalg.norm(grad), rtol=1e-5)
+    # Metrics are summed over micro-batches, except *_max (max) ...
+    np.testing.assert_allclose(metrics["pred_max"], pred.max(), rtol=1e-5)
+    assert float(metrics["rows"]) == len(pred)
+    # ... and the whole batch's token count is reported.
+    assert float(metrics["num_tokens"]) == tokens.sum()
+    assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_averaged_micro_batches_give_the_full_batch_update(micro_batches):
+    lr, w = 0.1, np.array([0.5, -1.0, 2.0])
+    batch = _toy_batch()
+    step = jax.jit(
+        make_step(_toy_mean_loss, optax.sgd(lr), micro_batches=micro_batches, accumulate="mean")
+    )
+    state, metrics = step(_toy_state(optax.sgd(lr), w), batch)
+    x = batch.x.astype(np.float64)
+    residual = x @ w - 1.0
+    grad = 2.0 * residual @ x / len(x)
+    np.testing.assert_allclose(state.params["w"], w - lr * grad, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], np.mean(residual**2), rtol=1e-5)
+    assert "num_tokens" not in metrics
+
+
+def test_make_step_checks_its_arguments():
+    with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
+        make_step(_toy_sum_loss, optax.sgd(0.1), micro_batches=0)
+    with pytest.raises(ValueError, match=r"accumulate must be one of \('sum', 'mean'\)"):
+        make_step(_toy_sum_loss, optax.sgd(0.1), accumulate="max")
+    step = make_step(_toy_sum_loss, optax.sgd(0.1), micro_batches=3)
+    with pytest.raises(ValueError, match="micro_batches=3 does not divide the batch size B=8"):
+        jax.jit(step)(_toy_state(optax.sgd(0.1), np.zeros(3)), _toy_batch())

@@ -1,9 +1,11 @@
 """``job: reward_model``: a Bradley-Terry reward model learns the synthetic preferences, is
-saved as a Hugging Face sequence classifier and reloads to identical scores."""
+saved as a Hugging Face sequence classifier (``run_dir/hf``) and reloads to identical scores;
+then it is the RL trainer's learned reward (``reward_model.path``)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -13,10 +15,12 @@ from jaxrl_llm import data
 from jaxrl_llm.models import heads
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.metrics import read_metrics
-from jaxrl_llm.train.preference import PreferenceTrainer, run
-from jaxrl_llm.train.preference_config import PreferenceConfig
-from jaxrl_llm.train.run_setup import build_policy
-from tests.train import rl_helpers
+from jaxrl_llm.train.preference.config import PreferenceConfig
+from jaxrl_llm.train.preference.run import run
+from jaxrl_llm.train.preference.trainer import PreferenceTrainer
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from jaxrl_llm.train.setup import build_policy
+from tests.train.rl import rl_helpers
 
 # 32 training pairs in one batch (every step sees them all), one device, no SFT warm-up.
 TINY = (
@@ -74,12 +78,16 @@ def test_reward_model_fits_the_pairs_and_reloads_identically(trained):
     for key in ("loss", "rewards/accuracies", "rewards/margins"):
         assert key in summary["eval_before"] and key in summary["eval_after"]
 
-    # The saved model scores the training pairs as the final state does, and ranks them.
-    rm_config, rm_params = heads.load_scalar_model(summary["reward_model"])
+    # The saved model scores the training pairs as the final state does, and ranks them. Like
+    # every job, the reward-model job leaves its final model in run_dir/hf (nothing else).
+    assert pathlib.Path(summary["hf"]) == pathlib.Path(cfg.run_dir) / "hf"
+    assert not (pathlib.Path(cfg.run_dir) / "reward_model").exists()
+    rm_config, rm_params = heads.load_scalar_model(summary["hf"])
     trainer = PreferenceTrainer(
         load_config(PreferenceConfig, f"{cfg.run_dir}/config.yaml", ["resume=true"])
     )
-    trainer._setup()
+    trainer.setup()
+    trainer.restore(trainer.latest)
     state_params = trainer.state.params
     trainer.checkpointer.close()
     trainer.metrics_writer.close()
@@ -187,7 +195,7 @@ def test_the_learned_reward_drives_the_rl_loop(rule_reward_model, tmp_path, rule
         rl_helpers.CONFIGS / "grpo.yaml",
         tmp_path / "rl",
         f"rewards=[{{name: math_match, weight: {rule_weight}}}]",
-        f"reward_model.path={summary['reward_model']}",
+        f"reward_model.path={summary['hf']}",
         "reward_model.normalize=none",
         "rollout.prompts_per_step=8",
         "rollout.group_size=8",
@@ -195,10 +203,8 @@ def test_the_learned_reward_drives_the_rl_loop(rule_reward_model, tmp_path, rule
         "trainer.max_steps=25",
         "trainer.learning_rate=3e-3",
     )
-    from jaxrl_llm.train.loop import RLTrainer
-
     trainer = RLTrainer(cfg)
-    trainer.train()
+    trainer.fit()
     rows = read_metrics(tmp_path / "rl")
     assert len(rows) == 25
     learned = [row["reward/reward_model"] for row in rows]

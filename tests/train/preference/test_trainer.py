@@ -21,11 +21,11 @@ from jaxrl_llm import data
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.metrics import read_metrics
-from jaxrl_llm.train.preference import PreferenceTrainer, run
-from jaxrl_llm.train.preference_config import PreferenceConfig
-from tests.train import rl_helpers
+from jaxrl_llm.train.preference.config import PreferenceConfig
+from jaxrl_llm.train.preference.run import run
+from jaxrl_llm.train.preference.trainer import SFT_WARMUP_STEPS_BUILTIN, PreferenceTrainer
+from tests.train import helpers
 
-CONFIGS = rl_helpers.CONFIGS
 # One device, no SFT, 16 training pairs (an epoch is 2 steps), 16 held out, batches of 8.
 TINY = (
     "sft_warmup.steps=0",
@@ -54,12 +54,14 @@ METRIC_KEYS = (
 
 @pytest.fixture(scope="module", autouse=True)
 def _compilation_cache(tmp_path_factory):
-    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+    with helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
         yield
 
 
 def config(name: str, run_dir, *overrides: str) -> PreferenceConfig:
-    return load_config(PreferenceConfig, CONFIGS / name, [*TINY, f"run_dir={run_dir}", *overrides])
+    return load_config(
+        PreferenceConfig, helpers.CONFIGS / name, [*TINY, f"run_dir={run_dir}", *overrides]
+    )
 
 
 def final_state(run_dir):
@@ -67,7 +69,8 @@ def final_state(run_dir):
     trainer = PreferenceTrainer(
         load_config(PreferenceConfig, run_dir / "config.yaml", ["resume=true"])
     )
-    trainer._setup()
+    trainer.setup()
+    trainer.restore(trainer.latest)
     out = jax.device_get(trainer.state), trainer.sampler.state(), trainer.extra
     trainer.checkpointer.close()
     trainer.metrics_writer.close()
@@ -75,7 +78,7 @@ def final_state(run_dir):
 
 
 def without_timing(rows):
-    return rl_helpers.without_timing(rows)
+    return helpers.without_timing(rows)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +109,12 @@ def test_dpo_run_writes_the_run_directory(straight):
         assert ckpt.all_steps() == [4, 8]
         # The precomputed reference log-probs are saved once, with the first checkpoint.
         assert ckpt.reference_steps() == [4]
-    # The trained policy is exported as a Hugging Face checkpoint.
-    assert (run_dir / "policy" / "config.json").is_file()
+    # The trained policy is exported as a Hugging Face checkpoint in run_dir/hf, as by every
+    # job (no run_dir/policy any more).
+    assert summary["hf"] == str(run_dir / "hf")
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (run_dir / "hf" / name).is_file(), name
+    assert not (run_dir / "policy").exists()
 
 
 def test_dpo_starts_at_log_2_and_learns_the_preference(straight):
@@ -164,6 +171,17 @@ def test_resume_reproduces_the_uninterrupted_run(straight, tmp_path):
     chex.assert_trees_all_equal(got_state, want_state)
     assert got_sampler == want_sampler
     assert got_extra == want_extra
+
+
+def test_sft_warm_up_null_resolves_to_the_builtin_length(tmp_path):
+    """``sft_warmup.steps`` left null: 600 supervised steps for the built-in tiny model."""
+    tiny = [o for o in TINY if not o.startswith("sft_warmup.")]
+    cfg = load_config(PreferenceConfig, None, [*tiny, f"run_dir={tmp_path}"])
+    assert cfg.sft_warmup.steps is None
+    trainer = PreferenceTrainer(cfg)
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+    assert trainer.sft_steps == SFT_WARMUP_STEPS_BUILTIN == 600
 
 
 def test_an_existing_run_is_not_overwritten(straight):

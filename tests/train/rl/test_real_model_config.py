@@ -15,10 +15,10 @@ import string
 import pytest
 
 from jaxrl_llm import data
-from jaxrl_llm.train.loop import RLTrainer
 from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.trainer import RLTrainer
 from tests.models import hf_utils
-from tests.train import rl_helpers
+from tests.train.rl import rl_helpers
 
 CONFIG = rl_helpers.CONFIGS / "qwen2.5-0.5b-gsm8k-grpo.yaml"
 # Printable ASCII without tabs and line breaks: covers the system prompt and the questions.
@@ -83,7 +83,7 @@ def test_real_model_recipe_runs_on_a_tiny_local_checkpoint(tmp_path, checkpoint_
     assert cfg.sft_warmup.steps == 0
 
     trainer = RLTrainer(cfg)
-    summary = trainer.train()
+    summary = trainer.fit()
 
     assert trainer.run.model_config.vocab_size == len(ALPHABET) + len(data.SPECIAL_TOKENS)
     assert len(trainer.run.train_examples) == 24 and len(trainer.run.eval_examples) == 4

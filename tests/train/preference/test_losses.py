@@ -4,7 +4,8 @@ Per-token log-probs and reward-model scores come from the (separately tested) mo
 at a time; the references then compute the losses and metrics in float64 NumPy. What is
 checked: the one-forward-pass concatenation of chosen and rejected rows, the wiring of the
 reference log-probs and of KTO's mismatched pairs, the metric definitions, the Bradley-Terry
-loss, and the micro-batched step.
+loss (``jaxrl_llm.preference.bradley_terry``) and the reward model's loss, and the step with
+micro-batches averaged (``train.step.make_step(..., accumulate="mean")``).
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ import pytest
 from jaxrl_llm import data, models
 from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import heads
+from jaxrl_llm.preference import bradley_terry
 from jaxrl_llm.train.config_io import load_config
-from jaxrl_llm.train.preference import (
+from jaxrl_llm.train.preference.config import PreferenceConfig, check_config
+from jaxrl_llm.train.preference.losses import (
     RewardBatch,
     UnpairedBatch,
-    bradley_terry,
     make_kto_loss_fn,
     make_loss_fn,
     make_pair_loss_fn,
-    make_preference_step,
     make_reward_loss_fn,
 )
-from jaxrl_llm.train.preference_config import PreferenceConfig, check_config
-from jaxrl_llm.train.run_setup import build_policy
+from jaxrl_llm.train.setup import build_policy
 from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.train.step import make_step
 from jaxrl_llm.types import PreferenceBatch
 from tests.reference import preference as ref_pref
 from tests.reference import preference_training as ref
@@ -248,7 +249,7 @@ def test_micro_batches_average_to_the_full_batch_step(model, pairs):
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key(0))
     outputs = {}
     for k in (1, 2):
-        step = jax.jit(make_preference_step(loss_fn, optimizer, micro_batches=k))
+        step = jax.jit(make_step(loss_fn, optimizer, micro_batches=k, accumulate="mean"))
         outputs[k] = jax.device_get(step(state, batch))
     (full_state, full_metrics) = outputs[1]
     # The DPO loss is a mean over pairs, so averaging equal micro-batches is exact.
@@ -257,8 +258,8 @@ def test_micro_batches_average_to_the_full_batch_step(model, pairs):
     np.testing.assert_allclose(micro_metrics["loss"], full_metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(micro_metrics["grad_norm"], full_metrics["grad_norm"], rtol=1e-4)
     assert int(full_state.step) == 1
-    with pytest.raises(ValueError, match="micro_batches=4 does not divide the batch size 6"):
-        jax.jit(make_preference_step(loss_fn, optimizer, micro_batches=4))(state, batch)
+    with pytest.raises(ValueError, match="micro_batches=4 does not divide the batch size B=6"):
+        jax.jit(make_step(loss_fn, optimizer, micro_batches=4, accumulate="mean"))(state, batch)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""PRIME (issue 8): implicit process rewards, the PRM's cross-entropy update, a short run."""
+"""PRIME (issue 8): implicit process rewards, the PRM's cross-entropy update, a short run.
+
+The process-reward math lives in ``jaxrl_llm.implicit_prm``; the trainer's PRM loss function
+and ``PRIMETrainer`` in ``jaxrl_llm.train.rl.prime``.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +14,15 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models, objectives, parallel
+from jaxrl_llm.implicit_prm import implicit_sequence_reward, process_rewards
+from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.prime import (
-    PRIMETrainer,
-    implicit_sequence_reward,
-    make_prm_loss_fn,
-    process_rewards,
-)
+from jaxrl_llm.train.rl.prime import PRIMETrainer, make_prm_loss_fn
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_logprob_fn, make_step
-from jaxrl_llm.types import RolloutBatch
-from tests.train import rl_helpers
+from jaxrl_llm.train.step import Totals, jit_step, make_step
+from jaxrl_llm.types import RolloutBatch, sequences_of
+from tests.train.rl import rl_helpers
 
 CONFIG = models.ModelConfig(
     architecture="LlamaForCausalLM",
@@ -98,18 +99,19 @@ def test_prm_loss_is_bce_of_the_implicit_logit_and_learns_the_labels():
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     ref_params = models.init_params(CONFIG, jax.random.key(0))
     batch = _batch()
-    ref = np.asarray(make_logprob_fn(CONFIG)(ref_params, batch))
+    seqs = sequences_of(batch)
+    ref = np.asarray(make_logprob_fn(CONFIG)(ref_params, seqs))
     batch = batch._replace(ref_logprobs=ref)
     beta = 0.5
     loss_fn = make_prm_loss_fn(CONFIG, beta=beta)
     # A PRM that moved away from the reference: float64 BCE reference.
     moved = jax.tree.map(lambda x: x * 1.1, ref_params)
-    lp = np.asarray(make_logprob_fn(CONFIG)(moved, batch), np.float64)
+    lp = np.asarray(make_logprob_fn(CONFIG)(moved, seqs), np.float64)
     logit = beta * ((lp - ref) * batch.completion_mask).sum(axis=1)
     labels = batch.rewards.astype(np.float64)
     want = np.mean(np.logaddexp(0.0, logit) - labels * logit)
-    full = batch._replace(num_seqs=jnp.float32(len(labels)))
-    loss, metrics = loss_fn(moved, full)
+    totals = Totals(jnp.float32(batch.completion_mask.sum()), jnp.float32(len(labels)))
+    loss, metrics = loss_fn(moved, batch, totals)
     assert float(loss) == pytest.approx(want, rel=1e-5)
     assert float(metrics["prm/accuracy"]) == pytest.approx(np.mean((logit > 0) == (labels > 0.5)))
 
@@ -129,7 +131,7 @@ def test_prm_loss_is_bce_of_the_implicit_logit_and_learns_the_labels():
 @pytest.mark.slow
 @pytest.mark.parametrize("update", ["after"])
 def test_prime_run_completes_with_prm_metrics(tmp_path, update):
-    # ("before", the default, runs in tests/train/test_recipes.py.)
+    # ("before", the default, runs in tests/train/rl/test_recipes.py.)
     cfg = rl_helpers.tiny_config(
         rl_helpers.CONFIGS / "prime.yaml",
         tmp_path / "prime",
@@ -138,7 +140,7 @@ def test_prime_run_completes_with_prm_metrics(tmp_path, update):
         f"prime.update={update}",
     )
     trainer = PRIMETrainer(cfg)
-    trainer.train()
+    trainer.fit()
     rows = read_metrics(tmp_path / "prime")
     assert len(rows) == 2
     for row in rows:

@@ -11,15 +11,15 @@ numbers (21.9% -> 42.2%).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.config import TrainConfig
+from tests.train.helpers import single_device_env
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.slow
 MIN_GAIN = 0.15
 # Caps the RL steps so the test stays within CI time should the default grow.
 MAX_STEPS = 200
-
-
-def _single_device_env() -> dict[str, str]:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": "cpu"}
 
 
 def test_default_run_improves_held_out_accuracy(tmp_path):
@@ -48,12 +42,18 @@ def test_default_run_improves_held_out_accuracy(tmp_path):
         capture_output=True,
         text=True,
         timeout=1200,
-        env=_single_device_env(),
+        env=single_device_env(),
     )
     assert result.returncode == 0, result.stderr[-5000:]
 
     summary = json.loads(result.stdout)
     assert len(read_metrics(run_dir)) == steps
+    # sft_warmup.steps is null by default: 800 steps for the built-in model, said up front.
+    assert "SFT warm-up: 800 supervised steps" in result.stderr
+    # What a run leaves: the final policy as a Hugging Face checkpoint, and the curves.
+    assert pathlib.Path(summary["hf"]) == run_dir / "hf"
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / "plots" / "reward_mean.png").is_file()
     before = summary["eval_before_rl"]["accuracy"]
     after = summary["eval_after_rl"]["accuracy"]
     assert after >= before + MIN_GAIN, (

@@ -1,31 +1,31 @@
-"""Shared pieces of the RL-loop tests: tiny configs, a shared compilation cache, run checks.
+"""Shared pieces of the RL-job tests: tiny configs, run checks (rows, summary, run directory).
 
-The loop compiles a sampler, a log-prob program and a policy step per run; most programs are
-the same from one tiny run to the next, so the tests share a persistent compilation cache
-(in the session's temporary directory) and only an objective's own programs compile anew.
+The compilation cache and the other job-independent helpers live in ``tests.train.helpers``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
-from jax.experimental.compilation_cache import compilation_cache
+import pytest
 
-from jaxrl_llm import objectives
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import load_config
-from jaxrl_llm.train.loop import build_policy
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs"
+from jaxrl_llm.train.rl.config import TrainConfig, make_objective
+from jaxrl_llm.train.setup import build_policy
+from tests.train.helpers import (  # noqa: F401  (re-exported for the RL tests)
+    CONFIGS,
+    cache_env,
+    persistent_compilation_cache,
+    read_json,
+    read_jsonl,
+    single_device_env,
+    without_timing,
+)
 
 # One device (conftest fakes 8), no SFT, 4 prompts x 4 samples, 16 held-out prompts.
 TINY = (
@@ -46,9 +46,16 @@ SHAPED_REWARDS = (
     "rewards=[{name: math_match}, {name: overlong, kwargs: {max_tokens: 6, buffer_tokens: 4}}]"
 )
 
-# Wall-clock metrics: they differ between otherwise identical runs.
-TIMING_PREFIX = "time/"
-TIMING_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/step", "tokens_per_s")
+# The phases every RL step times (``time/<phase>`` seconds), and those that count tokens
+# (``tokens_per_s/<phase>``); ``tokens_per_s`` is the sampler's throughput, as the bar shows.
+STEP_PHASES = ("rollout", "scoring", "logprobs", "advantages", "update")
+TOKEN_PHASES = ("rollout", "logprobs", "update")
+TIMING_KEYS = (
+    *(f"time/{p}" for p in STEP_PHASES),
+    "time/step",
+    *(f"tokens_per_s/{p}" for p in TOKEN_PHASES),
+    "tokens_per_s",
+)
 
 # Keys every step row has, whatever the objective (issue 7).
 ROW_KEYS = (
@@ -69,6 +76,7 @@ ROW_KEYS = (
 )
 CLIPPING_SURROGATES = ("ppo_clip", "cispo", "gmpo")
 DYNAMIC_KEYS = ("dynamic/dropped_groups", "dynamic/filled_groups", "dynamic/attempts")
+SAMPLE_KEYS = {"step", "prompt", "completion", "reward", "correct"}
 
 
 def tiny_config(
@@ -78,47 +86,9 @@ def tiny_config(
     return load_config(TrainConfig, config_path, [*TINY, f"run_dir={run_dir}", *overrides])
 
 
-@contextlib.contextmanager
-def persistent_compilation_cache(directory: str | os.PathLike) -> Iterator[None]:
-    """Enables JAX's on-disk compilation cache for every program, then restores the settings."""
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    previous = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
-
-
-def cache_env(directory: str | os.PathLike) -> dict[str, str]:
-    """Environment variables giving a subprocess the same compilation cache."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": os.fspath(directory),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
-def without_timing(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Metric rows without the wall-clock keys."""
-    return [
-        {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIX) and k != "tokens_per_s"}
-        for row in rows
-    ]
-
-
 def expected_keys(cfg: TrainConfig) -> set[str]:
     """The keys a step row of this config must hold."""
-    objective = objectives.make(cfg.objective.name, **dict(cfg.objective.overrides))
+    objective = make_objective(cfg.objective)
     keys = {"step", *ROW_KEYS}
     if objective.surrogate in CLIPPING_SURROGATES:
         keys.add("clip_frac")
@@ -135,6 +105,30 @@ def model_vocab_size(cfg: TrainConfig) -> int:
     return model_config.vocab_size
 
 
+def _check_timing(row: dict[str, float], cfg: TrainConfig, reference: bool) -> None:
+    """Phase seconds add up within the step; each throughput is its phase's tokens / seconds."""
+    step = row["step"]
+    for key in TIMING_KEYS:
+        assert row[key] >= 0.0, key
+    evaluated = bool(cfg.trainer.eval_every) and step % cfg.trainer.eval_every == 0
+    assert ("time/evaluation" in row) == evaluated, step
+    assert ("eval/accuracy" in row) == evaluated, step
+    # A checkpoint's time shows in the row after it (a fresh run's rows only).
+    saved_before = step > 1 and (step - 1) % cfg.checkpoint.every_steps == 0
+    assert ("time/checkpoint" in row) == saved_before, step
+    inside = sum(row.get(f"time/{p}", 0.0) for p in (*STEP_PHASES, "evaluation"))
+    assert row["time/step"] >= inside
+    # Tokens of the step's batch: sampled once, scored by the policy (and the reference), then
+    # seen once per epoch by the update.
+    tokens = row["completion_length_mean"] * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    passes = {"rollout": 1, "logprobs": 2 if reference else 1, "update": cfg.trainer.epochs}
+    for phase, count in passes.items():
+        got = row[f"tokens_per_s/{phase}"] * row[f"time/{phase}"]
+        assert got == pytest.approx(tokens * count, rel=1e-6), (phase, got, tokens * count)
+    assert row["tokens_per_s"] == row["tokens_per_s/rollout"]
+    assert row["tokens_per_s"] > 0.0
+
+
 def check_rows(
     rows: Sequence[dict[str, float]], cfg: TrainConfig, *, vocab_size: int | None = None
 ) -> None:
@@ -145,6 +139,7 @@ def check_rows(
     vocab_size = model_vocab_size(cfg) if vocab_size is None else vocab_size
     assert [row["step"] for row in rows] == list(range(1, cfg.trainer.max_steps + 1))
     keys = expected_keys(cfg)
+    reference = make_objective(cfg.objective).needs_reference
     prompts = cfg.rollout.prompts_per_step
     for row in rows:
         step = row["step"]
@@ -167,37 +162,49 @@ def check_rows(
         assert 0.0 <= row["entropy"] <= math.log(vocab_size) + 1e-4
         if "clip_frac" in keys:
             assert 0.0 <= row["clip_frac"] <= 1.0
-        for key in TIMING_KEYS:
-            assert row[key] >= 0.0, key
-        assert row["time/step"] >= row["time/rollout"]
-        assert row["tokens_per_s"] > 0.0
+        _check_timing(row, cfg, reference)
         if "dynamic/dropped_groups" in keys:
             for key in DYNAMIC_KEYS:
                 assert row[key] == int(row[key]) >= 0, key
             assert row["dynamic/filled_groups"] <= prompts
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def check_summary(run_dir: pathlib.Path, summary: dict[str, Any], cfg: TrainConfig) -> None:
-    """summary.json equals the returned summary and holds both evaluations."""
+    """summary.json equals the returned summary and holds both evaluations and ``hf``."""
     assert read_json(run_dir / "summary.json") == summary
     for phase in ("eval_before_rl", "eval_after_rl"):
         result = summary[phase]
         assert set(result) >= {"accuracy", "reward_mean"}, phase
         assert 0.0 <= result["accuracy"] <= 1.0
         assert math.isfinite(result["reward_mean"])
+    assert summary["job"] == "rl"
     assert summary["steps"] == cfg.trainer.max_steps
     assert summary["objective"] == cfg.objective.name
+    assert pathlib.Path(summary["hf"]) == run_dir / "hf"
+
+
+def check_samples(run_dir: pathlib.Path, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """``samples.jsonl``: one row per held-out prompt and evaluation, the steps in order."""
+    rows = read_jsonl(run_dir / "samples.jsonl")
+    assert rows, "samples.jsonl is empty"
+    for row in rows:
+        assert set(row) == SAMPLE_KEYS, row
+        assert isinstance(row["prompt"], str) and isinstance(row["completion"], str)
+        assert isinstance(row["correct"], bool) and math.isfinite(row["reward"])
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(steps)
+    assert len(rows) % cfg.data.eval_size == 0
+    return rows
 
 
 def check_run_dir(run_dir: pathlib.Path, cfg: TrainConfig, summary: dict[str, Any]) -> None:
-    """config.yaml reloads equal, metrics/summary are complete, the last step is checkpointed."""
+    """config.yaml reloads equal, metrics/summary/samples are complete, the last step is
+    checkpointed and the final policy is a Hugging Face checkpoint in ``hf/``."""
     assert load_config(TrainConfig, run_dir / "config.yaml") == cfg
     check_summary(run_dir, summary, cfg)
+    check_samples(run_dir, cfg)
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (run_dir / "hf" / name).is_file(), name
     assert (run_dir / "checkpoints").is_dir()
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         assert ckpt.latest_step() == cfg.trainer.max_steps

@@ -1,4 +1,5 @@
-"""The RL loop end to end on the built-in task: step metrics, resume, interrupted saves, errors.
+"""The RL trainer end to end on the built-in task: step metrics, resume, interrupted saves,
+evaluation samples, plots, errors.
 
 One uninterrupted 6-step GRPO run (checkpoints every 3 steps, two minibatches per step, a
 learning-rate warm-up and evaluations every 3 steps) is the reference. A run stopped at step 3
@@ -23,13 +24,17 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl_llm import models
+from jaxrl_llm.rewards import is_correct
 from jaxrl_llm.train.checkpoint import Checkpointer
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import load_config
-from jaxrl_llm.train.loop import RLTrainer, run
 from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.context import load_examples
+from jaxrl_llm.train.rl.run import run
+from jaxrl_llm.train.rl.trainer import RLTrainer
 from tests.reference import advantages as ref_advantages
-from tests.train import rl_helpers
+from tests.train.rl import rl_helpers
 
 GRPO = rl_helpers.CONFIGS / "grpo.yaml"
 RESUME_OVERRIDES = (
@@ -71,15 +76,15 @@ def uninterrupted(tmp_path_factory):
     """The reference run, recording what each step sampled."""
     cfg = _resume_config(tmp_path_factory.mktemp("uninterrupted"))
     rollouts = []
-    original = RLTrainer._rollout
+    original = RLTrainer.rollout
 
-    def recording_rollout(self, step):
-        samples, info = original(self, step)
+    def recording_rollout(self, step, timer):
+        samples, info = original(self, step, timer)
         rollouts.append(samples)
         return samples, info
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RLTrainer, "_rollout", recording_rollout)
+        patch.setattr(RLTrainer, "rollout", recording_rollout)
         summary = run(cfg)
     return Uninterrupted(cfg, summary, rollouts)
 
@@ -92,7 +97,7 @@ def _restore_latest(run_dir, cfg: TrainConfig, scratch: pathlib.Path):
     """
     template = RLTrainer(dataclasses.replace(cfg, run_dir=str(scratch)))
     try:
-        template._setup_state()
+        template.setup()
         with Checkpointer(pathlib.Path(run_dir) / "checkpoints") as ckpt:
             state, extra, reference = ckpt.restore(
                 abstract_state=template.state, abstract_reference=template.reference
@@ -104,10 +109,21 @@ def _restore_latest(run_dir, cfg: TrainConfig, scratch: pathlib.Path):
     return jax.device_get(state), extra, jax.device_get(reference)
 
 
+def _without_hf(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k != "hf"}
+
+
 def _assert_same_run(cfg: TrainConfig, summary: dict, expected: Uninterrupted, scratch) -> None:
     run_dir = pathlib.Path(cfg.run_dir)
-    assert summary == expected.summary
-    assert rl_helpers.read_json(run_dir / "summary.json") == expected.summary
+    # Only the path of the exported policy differs: the policy itself must not.
+    assert _without_hf(summary) == _without_hf(expected.summary)
+    assert summary["hf"] == str(run_dir / "hf")
+    assert rl_helpers.read_json(run_dir / "summary.json") == summary
+    _, exported = models.load_pretrained(run_dir / "hf", dtype=np.float32)
+    _, expected_export = models.load_pretrained(
+        pathlib.Path(expected.cfg.run_dir) / "hf", dtype=np.float32
+    )
+    chex.assert_trees_all_equal(exported, expected_export)
     rows = rl_helpers.without_timing(read_metrics(run_dir))
     assert rows == rl_helpers.without_timing(read_metrics(expected.cfg.run_dir))
     state, extra, reference = _restore_latest(run_dir, cfg, scratch / "a")
@@ -154,9 +170,8 @@ def _tensorboard_scalars(directory: pathlib.Path) -> dict[str, list[tuple[int, f
 
 
 def test_plots_and_tensorboard_events_are_written(tmp_path):
-    """A real run fills plots/ (matplotlib) and tensorboard/ (tensorboardX), both in the test
-    extra, with the metrics of metrics.jsonl."""
-    pytest.importorskip("matplotlib")
+    """A real run fills plots/ (matplotlib, drawn whenever ``logging.plots``) and tensorboard/
+    (tensorboardX, in the test extra) with the metrics of metrics.jsonl."""
     pytest.importorskip("tensorboardX")
     cfg = rl_helpers.tiny_config(
         GRPO,
@@ -169,13 +184,52 @@ def test_plots_and_tensorboard_events_are_written(tmp_path):
     run(cfg)
     run_dir = tmp_path / "run"
     pngs = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
-    assert {"reward_mean.png", "accuracy.png", "completion_length_mean.png", "kl.png"} <= set(pngs)
+    want = {"reward_mean.png", "accuracy.png", "completion_length_mean.png", "kl.png"}
+    assert want | {"time_step.png", "entropy.png"} <= set(pngs)
     assert all((run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in pngs)
     scalars = _tensorboard_scalars(run_dir / "tensorboard")
     rows = read_metrics(run_dir)
     for key in ("reward_mean", "kl", "entropy"):
         assert [step for step, _ in scalars[key]] == [1, 2]
         np.testing.assert_allclose([v for _, v in scalars[key]], [r[key] for r in rows], rtol=1e-6)
+
+
+def test_samples_jsonl_holds_every_evaluation(uninterrupted):
+    """One block of greedy completions of the held-out prompts per evaluation -- before the
+    run, every ``eval_every`` steps, and after it -- each agreeing with that evaluation's
+    accuracy and mean reward."""
+    cfg, summary = uninterrupted.cfg, uninterrupted.summary
+    run_dir = pathlib.Path(cfg.run_dir)
+    samples = rl_helpers.check_samples(run_dir, cfg)
+    size = cfg.data.eval_size
+    blocks = [samples[i : i + size] for i in range(0, len(samples), size)]
+    assert [{row["step"] for row in block} for block in blocks] == [{0}, {3}, {6}, {6}]
+    _, eval_examples = load_examples(cfg)
+    assert len(eval_examples) == size
+    rows = {row["step"]: row for row in read_metrics(run_dir)}
+    expected = [
+        summary["eval_before_rl"],
+        {"accuracy": rows[3]["eval/accuracy"], "reward_mean": rows[3]["eval/reward_mean"]},
+        {"accuracy": rows[6]["eval/accuracy"], "reward_mean": rows[6]["eval/reward_mean"]},
+        summary["eval_after_rl"],
+    ]
+    for block, want in zip(blocks, expected, strict=True):
+        assert [row["prompt"] for row in block] == [ex.prompt for ex in eval_examples]
+        assert np.mean([row["correct"] for row in block]) == pytest.approx(want["accuracy"])
+        assert np.mean([row["reward"] for row in block]) == pytest.approx(want["reward_mean"])
+        # ``correct`` is the answer check of the completion text.
+        for row, example in zip(block, eval_examples):
+            assert row["correct"] == is_correct(row["completion"], example)
+
+
+def test_the_final_policy_is_a_hugging_face_checkpoint(uninterrupted, tmp_path):
+    """``run_dir/hf`` holds the last step's policy, reloadable as it was trained."""
+    cfg = uninterrupted.cfg
+    run_dir = pathlib.Path(cfg.run_dir)
+    config, params = models.load_pretrained(run_dir / "hf", dtype=np.float32)
+    state, _, _ = _restore_latest(run_dir, cfg, tmp_path / "template")
+    assert config.vocab_size == rl_helpers.model_vocab_size(cfg)
+    chex.assert_trees_all_close(jax.device_get(params), state.params, rtol=0, atol=0)
 
 
 def test_step_metrics_describe_the_sampled_batch(uninterrupted):
@@ -322,13 +376,41 @@ def test_resume_false_on_a_run_dir_with_checkpoints_is_refused(tmp_path, uninter
         assert ckpt.all_steps() == [3, 6]
 
 
+def test_resume_with_a_changed_config_refuses_keys_that_break_exactness(tmp_path, uninterrupted):
+    """A resumed run may change the step count, evaluation and checkpoint cadence and logging;
+    anything else (here the learning rate) is refused by name unless ``resume_force=true``."""
+    run_dir = tmp_path / "existing"
+    shutil.copytree(uninterrupted.cfg.run_dir, run_dir)
+    cfg = dataclasses.replace(uninterrupted.cfg, run_dir=str(run_dir), resume=True)
+    config_text = (run_dir / "config.yaml").read_text()
+    changed = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, learning_rate=1e-3, max_steps=9)
+    )
+    with pytest.raises(ValueError, match=r"trainer.learning_rate: 0.0005 -> 0.001.*resume_force"):
+        RLTrainer(changed)
+    assert (run_dir / "config.yaml").read_text() == config_text
+    with pytest.raises(ValueError, match=r"; trainer.learning_rate would make") as info:
+        RLTrainer(changed)
+    assert "trainer.max_steps would" not in str(info.value)
+
+    for accepted in (
+        dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=9)),
+        dataclasses.replace(changed, resume_force=True),
+    ):
+        trainer = RLTrainer(accepted)
+        trainer.checkpointer.close()
+        trainer.metrics_writer.close()
+        assert trainer.latest == 6
+        assert load_config(TrainConfig, run_dir / "config.yaml") == accepted
+
+
 # -- reference policies --------------------------------------------------------------------------
 
 
 def _initial_policy(cfg: TrainConfig):
     """The policy a run starts from (no SFT in the tiny configs), without training it."""
     trainer = RLTrainer(dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}-initial"))
-    trainer._setup_state()
+    trainer.setup()
     params = jax.device_get(trainer.policy_params)
     trainer.checkpointer.close()
     trainer.metrics_writer.close()
@@ -348,7 +430,7 @@ def test_reference_modes(tmp_path, mode):
     cfg = rl_helpers.tiny_config(GRPO, tmp_path / "run", rl_helpers.SHAPED_REWARDS, *settings)
     initial = _initial_policy(cfg)
     trainer = RLTrainer(cfg)
-    trainer.train()
+    trainer.fit()
     policy = jax.device_get(trainer.policy_params)
     if mode == "none":
         assert trainer.reference is None
@@ -395,7 +477,7 @@ def test_objectives_needing_a_critic_or_prm_are_refused(tmp_path, name):
         ),
         pytest.param(
             ["trainer.minibatches=3"],
-            r"trainer.minibatches=3 does not divide 16",
+            r"trainer.minibatches=3 does not divide the rollout batch 16",
             id="minibatches",
         ),
         pytest.param(
@@ -446,7 +528,9 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             r"reference.ema_decay must be in \[0, 1\)",
             id="ema_decay",
         ),
-        pytest.param(["data.task=gsm8k"], r"data.task must be 'arithmetic' or 'jsonl'", id="task"),
+        pytest.param(
+            ["data.task=gsm8k"], r"data.task must be one of \('arithmetic', 'jsonl'\)", id="task"
+        ),
         pytest.param(["data.task=jsonl"], r"data.task=jsonl needs data.train_path", id="jsonl"),
         pytest.param(["objective.name=grpoo"], r"unknown objective 'grpoo'", id="objective"),
         pytest.param(

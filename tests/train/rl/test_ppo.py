@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -24,18 +23,18 @@ from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.models import heads
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.ppo import (
+from jaxrl_llm.train.rl.ppo import (
     PPOTrainer,
     explained_variance,
     make_joint_step,
     make_value_fn,
     make_value_step,
 )
-from jaxrl_llm.train.run_setup import build_policy
+from jaxrl_llm.train.setup import build_policy
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
-from jaxrl_llm.types import RolloutBatch
-from tests.train import rl_helpers
+from jaxrl_llm.types import RolloutBatch, sequences_of
+from tests.train.rl import rl_helpers
 
 CONFIG = models.ModelConfig(
     architecture="LlamaForCausalLM",
@@ -127,7 +126,7 @@ def test_value_step_fits_the_returns_and_reports_value_metrics():
     assert set(metrics) >= {"vf_loss", "vf_clipfrac", "value_mean", "grad_norm"}
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.5 * losses[0]
-    values = np.asarray(make_value_fn(CONFIG)(state.params, batch))
+    values = np.asarray(make_value_fn(CONFIG)(state.params, sequences_of(batch)))
     # Masked positions hold exactly 0; the fit explains most of the returns' variance.
     assert np.all(values[~batch.completion_mask] == 0.0)
     assert explained_variance(values, batch.returns, batch.completion_mask) > 0.5
@@ -142,7 +141,7 @@ def test_value_clip_fraction_matches_reference():
     step = jit_step(make_value_step(CONFIG, objective, optimizer), shardings)
     batch = _batch()
     state, _ = step(state, batch)
-    values = np.asarray(make_value_fn(CONFIG)(state.params, batch), np.float64)
+    values = np.asarray(make_value_fn(CONFIG)(state.params, sequences_of(batch)), np.float64)
     # PPO's vf_clipfrac: share of valid tokens where the clipped branch is the larger loss.
     old = np.zeros_like(values)
     clipped = np.clip(values, old - clip, old + clip)
@@ -202,7 +201,7 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
     straight_dir = tmp_path / "straight"
     cfg = _ppo_config(straight_dir, f"critic.optimizer={optimizer}")
     trainer = PPOTrainer(cfg)
-    trainer.train()
+    trainer.fit()
     rows = read_metrics(straight_dir)
     assert len(rows) == 3
     # Warm-up step: only the critic learns.
@@ -217,14 +216,16 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
     chex_equal = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), params, host)
     assert all(jax.tree.leaves(chex_equal))
     assert config.vocab_size == trainer.run.model_config.vocab_size
+    # Beside it, the policy, as every job leaves it.
+    assert (straight_dir / "hf" / "config.json").is_file()
 
     # 2 steps, stop, resume to 3: the same metrics (minus wall clock) and the same critic.
     resumed_dir = tmp_path / "resumed"
     PPOTrainer(
         _ppo_config(resumed_dir, f"critic.optimizer={optimizer}", "trainer.max_steps=2")
-    ).train()
+    ).fit()
     resumed = PPOTrainer(_ppo_config(resumed_dir, f"critic.optimizer={optimizer}", "resume=true"))
-    resumed.train()
+    resumed.fit()
     assert rl_helpers.without_timing(read_metrics(resumed_dir)) == rl_helpers.without_timing(rows)
     same = jax.tree.map(
         lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
@@ -238,14 +239,15 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
 def test_the_critic_warm_up_leaves_the_policy_in_place(tmp_path, optimizer):
     cfg = _ppo_config(tmp_path / "run", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
     fresh = PPOTrainer(cfg)
-    fresh._setup_state()
+    fresh.setup()
     initial = jax.device_get(fresh.policy_params)
     initial_values = jax.device_get(fresh.value_params)
     fresh.checkpointer.close()
+    fresh.metrics_writer.close()
     warmed = PPOTrainer(
         _ppo_config(tmp_path / "run2", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
     )
-    warmed.train()
+    warmed.fit()
     same = jax.tree.map(np.array_equal, initial, jax.device_get(warmed.policy_params))
     assert all(jax.tree.leaves(same))
     moved = jax.tree.map(
@@ -272,7 +274,7 @@ def test_a_critic_initialised_from_a_reward_model(tmp_path, optimizer):
             f"critic.path={tmp_path / 'rm'}",
         )
     )
-    trainer.train()
+    trainer.fit()
     assert trainer.value_config.intermediate_size == 32
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2 and all(math.isfinite(r["vf_loss"]) for r in rows)
@@ -282,7 +284,7 @@ def test_a_critic_initialised_from_a_reward_model(tmp_path, optimizer):
 
 def test_a_randomly_initialised_critic_runs(tmp_path):
     trainer = PPOTrainer(_ppo_config(tmp_path / "run", "critic.init=random"))
-    trainer.train()
+    trainer.fit()
     assert all(math.isfinite(r["vf_loss"]) for r in read_metrics(tmp_path / "run"))
 
 
@@ -295,12 +297,6 @@ def test_ppo_config_errors(tmp_path):
         PPOTrainer(_ppo_config(tmp_path / "c", "critic.optimizer=shared"))
     with pytest.raises(ValueError, match="gae"):
         PPOTrainer(rl_helpers.tiny_config(rl_helpers.CONFIGS / "grpo.yaml", tmp_path / "d"))
-
-
-def _single_device_env() -> dict[str, str]:
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.mark.slow
@@ -324,7 +320,7 @@ def test_ppo_on_the_built_in_task_improves_held_out_accuracy(tmp_path):
         capture_output=True,
         text=True,
         timeout=1200,
-        env=_single_device_env(),
+        env=rl_helpers.single_device_env(),
     )
     assert result.returncode == 0, result.stderr[-5000:]
     summary = json.loads(result.stdout)

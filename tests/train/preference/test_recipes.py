@@ -1,6 +1,6 @@
 """Every preference loss trains from its config: each DPO loss type, ORPO and CPO for a few
 optimizer steps on a tiny model, and SimPO as a whole run of the reference-free path (DPO and
-KTO run end to end in test_preference.py). Each compiles its own programs, so these are
+KTO run end to end in test_trainer.py). Each compiles its own programs, so these are
 marked slow."""
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from jaxrl_llm.preference import LOSS_TYPES
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.preference import make_loss_fn, make_preference_step, make_reference_fn, run
-from jaxrl_llm.train.preference_config import PreferenceConfig, check_config
-from jaxrl_llm.train.run_setup import build_policy
+from jaxrl_llm.train.preference.config import PreferenceConfig, check_config
+from jaxrl_llm.train.preference.losses import make_loss_fn, make_reference_fn
+from jaxrl_llm.train.preference.run import run
+from jaxrl_llm.train.setup import build_policy
 from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.train.step import make_step
 from jaxrl_llm.types import PreferenceBatch
-from tests.train import rl_helpers
+from tests.train import helpers
 
-CONFIGS = rl_helpers.CONFIGS
+CONFIGS = helpers.CONFIGS
 SMALL_MODEL = (
     "model.tiny.hidden_size=32",
     "model.tiny.intermediate_size=64",
@@ -51,7 +53,7 @@ EXTRA = {"exo_pair": ["loss.label_smoothing=1e-3"]}
 
 @pytest.fixture(scope="module", autouse=True)
 def _compilation_cache(tmp_path_factory):
-    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+    with helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
         yield
 
 
@@ -88,7 +90,7 @@ def test_every_loss_trains_from_config(setup, loss_type):
         cfg = load_config(PreferenceConfig, CONFIGS / "dpo.yaml", [*SMALL_MODEL, *overrides])
     check_config(cfg)
     optimizer = make_optimizer(1e-2)
-    step = jax.jit(make_preference_step(make_loss_fn(cfg, model_config), optimizer))
+    step = jax.jit(make_step(make_loss_fn(cfg, model_config), optimizer, accumulate="mean"))
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.key(0))
     history = []
     for _ in range(3):
@@ -131,3 +133,4 @@ def test_a_reference_free_config_runs(tmp_path):
         rows[0]["rewards/chosen"], cfg.loss.beta * rows[0]["logps/chosen"], rtol=1e-5
     )
     assert summary["loss"] == name
+    assert summary["hf"] == str(tmp_path / "hf")

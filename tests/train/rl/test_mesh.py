@@ -1,4 +1,4 @@
-"""The loop on a data x fsdp x tensor = 2 x 2 x 2 mesh of 8 fake CPU devices (issue 7).
+"""The RL trainer on a data x fsdp x tensor = 2 x 2 x 2 mesh of 8 fake CPU devices (issue 7).
 
 The same config that runs on one device runs unchanged on the mesh: the state is sharded over
 every axis, the batch over data x fsdp, and the first step samples and scores the same batch
@@ -12,9 +12,9 @@ import pathlib
 import jax
 import pytest
 
-from jaxrl_llm.train.loop import RLTrainer
 from jaxrl_llm.train.metrics import read_metrics
-from tests.train import rl_helpers
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from tests.train.rl import rl_helpers
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def _mesh_axes(sharding) -> set[str]:
 def test_two_steps_on_a_2x2x2_mesh(tmp_path):
     cfg = _config(tmp_path / "mesh", *MESH)
     trainer = RLTrainer(cfg)
-    summary = trainer.train()
+    summary = trainer.fit()
 
     mesh = trainer.run.mesh
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
@@ -65,7 +65,7 @@ def test_two_steps_on_a_2x2x2_mesh(tmp_path):
 
     # The one-device run of the same config samples the same first batch.
     single_cfg = _config(tmp_path / "single")
-    single = RLTrainer(single_cfg).train()
+    single = RLTrainer(single_cfg).fit()
     first, single_first = rows[0], read_metrics(tmp_path / "single")[0]
     assert summary["eval_before_rl"] == single["eval_before_rl"]
     for key in ("reward_mean", "accuracy", "completion_length_mean", "zero_variance_frac"):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from jaxrl_llm import objectives
-from jaxrl_llm.train.config import TrainConfig
 from jaxrl_llm.train.config_io import load_config, parse_yaml
-from jaxrl_llm.train.loop import run
 from jaxrl_llm.train.metrics import read_metrics
-from tests.train import rl_helpers
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.run import run
+from tests.train.rl import rl_helpers
 
 # One config per preset of objectives.available().
 RECIPES = objectives.available()

@@ -1,0 +1,98 @@
+"""Pieces every training test shares: the configs folder, a persistent compilation cache,
+metric rows without their wall-clock keys, a one-device environment for subprocess runs.
+
+The jobs compile a sampler, log-prob programs and an optimizer step per run; most programs are
+the same from one tiny run to the next, so the tests share a persistent compilation cache (in
+the session's temporary directory) and only a run's own programs compile anew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from jaxrl_llm import cli
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+
+# Wall-clock metrics (``time/<phase>``, ``tokens_per_s`` and ``tokens_per_s/<phase>``): they
+# differ between otherwise identical runs.
+TIMING_PREFIXES = ("time/", "tokens_per_s")
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(directory: str | os.PathLike) -> Iterator[None]:
+    """Enables JAX's on-disk compilation cache for every program, then restores the settings."""
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    previous = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def cache_env(directory: str | os.PathLike) -> dict[str, str]:
+    """Environment variables giving a subprocess the same compilation cache."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.fspath(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def single_device_env() -> dict[str, str]:
+    """The environment without the test session's 8 fake CPU devices (a user's one CPU)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": "cpu"}
+
+
+def is_timing(key: str) -> bool:
+    return key.startswith(TIMING_PREFIXES)
+
+
+def without_timing(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Metric rows without the wall-clock keys."""
+    return [{k: v for k, v in row.items() if not is_timing(k)} for row in rows]
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def assert_user_error(capsys, argv, message: str) -> str:
+    """``jaxrl-llm ARGV`` exits 2 with one ``error:`` line matching ``message``; returns it."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: "), lines[0]
+    assert re.search(message, lines[0]), lines[0]
+    return lines[0]

@@ -1,0 +1,296 @@
+"""An RL step's rollout (``train.rl.rollout.collect``) and DAPO dynamic sampling.
+
+First ``collect`` alone, on a fake ``draw`` whose groups are labelled by draw and position, so
+each test reads off which groups the batch kept, in which order, and what filled the rest.
+Then the trainer's rollout with the real sampler and a reward scripted by call order (rewards
+are scored row by row, draw by draw): the batch it assembles is always
+``prompts_per_step * group_size`` rows, the varied groups in draw order with their own prompts,
+the counts in the metrics, and zero-mask filler when attempts run out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import data
+from jaxrl_llm.train.core import PhaseTimer
+from jaxrl_llm.train.rl.rollout import Samples, collect
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from tests.train.rl import rl_helpers
+
+PROMPTS, GROUP = 4, 4
+CONSTANT, VARIED = "constant", "varied"
+LENGTH = 3
+
+
+# -- collect on a fake draw --------------------------------------------------------------------
+
+
+def fake_draw(kinds: list[list[str]]):
+    """``draw(attempt)`` returning draw ``attempt`` of ``kinds`` (one kind per group).
+
+    Group ``g`` of draw ``d`` is named ``"d{d}g{g}"`` in ``prompts``; its prompts are ``2 + d``
+    tokens wide (so concatenating draws must pad them); a constant group's rewards are all 0,
+    a varied one's are ``0, 1, ..., G-1``. ``draw.calls`` records the attempts asked for.
+    """
+
+    def draw(attempt: int) -> Samples:
+        draw.calls.append(attempt)
+        groups = kinds[attempt]
+        rows = len(groups) * GROUP
+        group = np.repeat(np.arange(len(groups)), GROUP)
+        member = np.tile(np.arange(GROUP), len(groups))
+        varied = np.array([groups[g] == VARIED for g in group])
+        rewards = np.where(varied, member, 0).astype(np.float32)
+        width = 2 + attempt
+        return Samples(
+            prompt_tokens=np.full((rows, width), 1 + 10 * attempt, np.int32) + group[:, None],
+            prompt_mask=np.ones((rows, width), bool),
+            completion_tokens=np.full((rows, LENGTH), 7, np.int32),
+            completion_mask=np.ones((rows, LENGTH), bool),
+            completions=[f"d{attempt}g{g}m{m}" for g, m in zip(group, member)],
+            prompts=[f"d{attempt}g{g}" for g in group],
+            rewards=rewards,
+            correct=rewards > 0,
+            components={"scripted": rewards},
+            finished=np.ones(rows, bool),
+        )
+
+    draw.calls = []
+    return draw
+
+
+def group_names(samples: Samples) -> list[str]:
+    """The name of each group of the batch (every row of a group must share it)."""
+    names = np.asarray(samples.prompts).reshape(-1, GROUP)
+    assert (names == names[:, :1]).all()
+    return names[:, 0].tolist()
+
+
+def _collect(draw, *, dynamic_sampling=True, max_attempts=4):
+    return collect(
+        draw,
+        prompts_per_step=PROMPTS,
+        group_size=GROUP,
+        dynamic_sampling=dynamic_sampling,
+        max_attempts=max_attempts,
+    )
+
+
+def test_without_dynamic_sampling_the_first_draw_is_the_batch():
+    draw = fake_draw([[CONSTANT, VARIED, CONSTANT, CONSTANT]])
+    samples, info = _collect(draw, dynamic_sampling=False)
+    assert draw.calls == [0]
+    assert group_names(samples) == ["d0g0", "d0g1", "d0g2", "d0g3"]
+    assert samples.completion_mask.all()
+    assert info == {"zero_variance_frac": 0.75}
+
+
+def test_constant_groups_are_replaced_in_draw_order():
+    draw = fake_draw([[CONSTANT, VARIED, CONSTANT, CONSTANT], [VARIED, VARIED, CONSTANT, VARIED]])
+    samples, info = _collect(draw)
+    assert draw.calls == [0, 1]
+    assert group_names(samples) == ["d0g1", "d1g0", "d1g1", "d1g3"]
+    assert samples.rewards.tolist() == [0.0, 1.0, 2.0, 3.0] * PROMPTS
+    assert samples.components["scripted"].tolist() == samples.rewards.tolist()
+    assert samples.completion_mask.all() and samples.finished.all()
+    # Every row keeps its own fields: completions, correctness and tokens move together.
+    assert samples.completions[:GROUP] == [f"d0g1m{m}" for m in range(GROUP)]
+    assert samples.correct.tolist() == (samples.rewards > 0).tolist()
+    assert info == {
+        "zero_variance_frac": 0.75,  # of the first draw
+        "dynamic/dropped_groups": 4,  # 3 of the first draw, 1 of the second
+        "dynamic/filled_groups": 0,
+        "dynamic/attempts": 2,
+    }
+
+
+def test_prompts_of_different_widths_are_left_padded():
+    draw = fake_draw([[VARIED, CONSTANT, CONSTANT, CONSTANT], [VARIED] * PROMPTS])
+    samples, _ = _collect(draw)
+    # Draw 0's prompts are 2 tokens wide, draw 1's 3: the batch is 3 wide, draw 0's rows
+    # padded on the left with masked zeros.
+    assert samples.prompt_tokens.shape == (PROMPTS * GROUP, 3)
+    first = slice(0, GROUP)
+    assert (samples.prompt_tokens[first, 0] == 0).all()
+    assert not samples.prompt_mask[first, 0].any()
+    assert (samples.prompt_tokens[first, 1:] == 1).all() and samples.prompt_mask[first, 1:].all()
+    assert samples.prompt_mask[GROUP:].all()
+    assert (samples.prompt_tokens[GROUP : 2 * GROUP] == 11).all()  # draw 1, group 0
+
+
+def test_a_later_draw_is_taken_in_order_up_to_what_is_missing():
+    draw = fake_draw([[CONSTANT, VARIED, VARIED, VARIED], [CONSTANT, VARIED, VARIED, VARIED]])
+    samples, info = _collect(draw)
+    assert group_names(samples) == ["d0g1", "d0g2", "d0g3", "d1g1"]
+    assert info["dynamic/dropped_groups"] == 2
+    assert info["dynamic/attempts"] == 2
+    assert info["zero_variance_frac"] == 0.25
+
+
+def test_a_full_first_draw_needs_no_second():
+    draw = fake_draw([[VARIED] * PROMPTS])
+    samples, info = _collect(draw)
+    assert draw.calls == [0]
+    assert group_names(samples) == ["d0g0", "d0g1", "d0g2", "d0g3"]
+    assert info["dynamic/dropped_groups"] == 0
+    assert info["dynamic/attempts"] == 1
+    assert info["zero_variance_frac"] == 0.0
+
+
+@pytest.mark.parametrize("max_attempts", [0, 1, 2])
+def test_out_of_attempts_fills_with_dropped_groups_under_a_zero_mask(max_attempts):
+    kinds = [[CONSTANT, CONSTANT, VARIED, CONSTANT]] + [[CONSTANT] * PROMPTS] * max_attempts
+    draw = fake_draw(kinds)
+    samples, info = _collect(draw, max_attempts=max_attempts)
+    # One first draw, then at most ``max_attempts`` more.
+    assert draw.calls == list(range(max_attempts + 1))
+    names = group_names(samples)
+    assert names[0] == "d0g2"
+    # The filler is the first dropped groups (the batch keeps its shape: no re-trace)...
+    assert names[1:] == ["d0g0", "d0g1", "d0g3"]
+    assert samples.completion_mask[:GROUP].all()
+    # ... and contributes no token.
+    assert not samples.completion_mask[GROUP:].any()
+    assert samples.completion_mask.shape == (PROMPTS * GROUP, LENGTH)
+    assert info == {
+        "zero_variance_frac": 0.75,
+        "dynamic/dropped_groups": 3 + PROMPTS * max_attempts,
+        "dynamic/filled_groups": 3,
+        "dynamic/attempts": max_attempts + 1,
+    }
+
+
+# -- the trainer's rollout with the real sampler ---------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """A DAPO trainer with its state set up (no step taken), at most one extra draw."""
+    cfg = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "dapo.yaml",
+        tmp_path_factory.mktemp("dapo"),
+        "rollout.max_resample_attempts=1",
+    )
+    trainer = RLTrainer(cfg)
+    assert trainer.run.objective.dynamic_sampling
+    trainer.setup()
+    yield trainer
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+
+
+@dataclasses.dataclass
+class ScriptedReward:
+    """Reward of the ``i``-th scored row: draw ``i // (P·G)``, group ``(i % (P·G)) // G``.
+
+    A constant group scores 0 on every row; a varied one scores its row index in the group.
+    """
+
+    draws: list[list[str]]
+    calls: int = 0
+
+    def __call__(self, inp) -> float:
+        draw, row = divmod(self.calls, PROMPTS * GROUP)
+        self.calls += 1
+        group, member = divmod(row, GROUP)
+        return float(member) if self.draws[draw][group] == VARIED else 0.0
+
+
+def _script(trainer, monkeypatch, draws) -> list:
+    """Scripts the rewards; returns the examples the next draws will hold."""
+    monkeypatch.setattr(trainer.run, "reward_fn", ScriptedReward(draws))
+    upcoming = data.PromptSampler(trainer.run.train_examples, seed=trainer.cfg.seed)
+    upcoming.restore(trainer.sampler.state())
+    return [upcoming.next_batch(PROMPTS) for _ in draws]
+
+
+def _prompt_ids(trainer, example) -> list[int]:
+    (text,) = trainer.run.prompts([example])
+    return trainer.run.tokenizer(text)["input_ids"]
+
+
+def _assert_groups_answer(trainer, samples, examples) -> None:
+    """Group ``g`` of the batch holds ``examples[g]``'s prompt on each of its rows."""
+    for g, example in enumerate(examples):
+        for row in range(g * GROUP, (g + 1) * GROUP):
+            tokens = samples.prompt_tokens[row][samples.prompt_mask[row]]
+            assert tokens.tolist() == _prompt_ids(trainer, example), (g, row)
+
+
+def test_trainer_replaces_constant_groups_from_the_next_draw(trainer, monkeypatch):
+    draws = [
+        [CONSTANT, VARIED, CONSTANT, CONSTANT],
+        [VARIED, VARIED, CONSTANT, VARIED],
+    ]
+    examples = _script(trainer, monkeypatch, draws)
+    timer = PhaseTimer()
+    samples, info = trainer.rollout(0, timer)
+
+    assert samples.completion_mask.shape[0] == PROMPTS * GROUP
+    assert samples.rewards.tolist() == [0.0, 1.0, 2.0, 3.0] * PROMPTS
+    assert samples.completion_mask.any(axis=1).all()
+    kept = [examples[0][1], examples[1][0], examples[1][1], examples[1][3]]
+    _assert_groups_answer(trainer, samples, kept)
+    assert info == {
+        "zero_variance_frac": 0.75,  # of the first draw
+        "dynamic/dropped_groups": 4,
+        "dynamic/filled_groups": 0,
+        "dynamic/attempts": 2,
+    }
+    # Both draws were sampled and scored under the step's timer.
+    assert set(timer.seconds) == {"rollout", "scoring"}
+
+
+def test_trainer_with_a_full_first_draw_needs_no_resampling(trainer, monkeypatch):
+    examples = _script(trainer, monkeypatch, [[VARIED] * PROMPTS])
+    samples, info = trainer.rollout(1, PhaseTimer())
+    _assert_groups_answer(trainer, samples, examples[0])
+    assert info["dynamic/dropped_groups"] == 0
+    assert info["dynamic/attempts"] == 1
+    assert info["zero_variance_frac"] == 0.0
+
+
+def test_trainer_out_of_attempts_fills_with_zero_mask_groups(trainer, monkeypatch):
+    draws = [
+        [CONSTANT, CONSTANT, VARIED, CONSTANT],
+        [CONSTANT] * PROMPTS,
+    ]
+    examples = _script(trainer, monkeypatch, draws)
+    samples, info = trainer.rollout(2, PhaseTimer())
+
+    assert samples.completion_mask.shape[0] == PROMPTS * GROUP
+    _assert_groups_answer(trainer, samples, [examples[0][2]])
+    assert samples.completion_mask[:GROUP].any(axis=1).all()
+    # The filler keeps the batch shape but contributes no token.
+    assert not samples.completion_mask[GROUP:].any()
+    assert info["dynamic/filled_groups"] == 3
+    assert info["dynamic/dropped_groups"] == 3 + 4
+    assert info["dynamic/attempts"] == 2
+
+
+def test_a_step_with_filler_groups_trains_on_the_kept_group_only(trainer, monkeypatch):
+    draws = [
+        [CONSTANT, CONSTANT, VARIED, CONSTANT],
+        [CONSTANT] * PROMPTS,
+    ]
+    _script(trainer, monkeypatch, draws)
+    metrics = trainer.train_step(3, PhaseTimer())
+
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert metrics["dynamic/filled_groups"] == 3
+    # Only the kept group's tokens count: at most G rows of max_new_tokens.
+    assert 0 < metrics["num_tokens"] <= GROUP * trainer.cfg.rollout.max_new_tokens
+    assert metrics["num_tokens"] == pytest.approx(
+        metrics["completion_length_mean"] * PROMPTS * GROUP
+    )
+    assert metrics["grad_norm"] > 0.0

@@ -1,0 +1,54 @@
+"""What every job resolves before its first step (``train.setup``): the SFT warm-up length, the
+mesh, batch sizes against it."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.preference import trainer as preference_trainer
+from jaxrl_llm.train.preference.config import PreferenceConfig
+from jaxrl_llm.train.rl import trainer as rl_trainer
+from jaxrl_llm.train.rl.config import TrainConfig
+
+
+@pytest.mark.parametrize(
+    ("config_class", "builtin"),
+    [
+        (TrainConfig, rl_trainer.SFT_WARMUP_STEPS_BUILTIN),
+        (PreferenceConfig, preference_trainer.SFT_WARMUP_STEPS_BUILTIN),
+    ],
+    ids=["rl", "preference"],
+)
+def test_sft_warmup_steps_null_means_on_for_the_builtin_model_only(config_class, builtin):
+    default = load_config(config_class, None)
+    assert default.sft_warmup.steps is None
+    assert setup.sft_warmup_steps(default, builtin) == builtin
+    # A loaded checkpoint is never trained on the gold answers unasked...
+    loaded = load_config(config_class, None, ["model.path=/some/checkpoint"])
+    assert setup.sft_warmup_steps(loaded, builtin) == 0
+    # ... and an explicit setting wins either way.
+    for overrides in (["sft_warmup.steps=5"], ["sft_warmup.steps=5", "model.path=/x"]):
+        assert setup.sft_warmup_steps(load_config(config_class, None, overrides), builtin) == 5
+    assert setup.sft_warmup_steps(load_config(config_class, None, ["sft_warmup.steps=0"]), 7) == 0
+    negative = load_config(config_class, None, ["sft_warmup.steps=-1"])
+    with pytest.raises(ValueError, match="sft_warmup.steps must be >= 0, got -1"):
+        setup.sft_warmup_steps(negative, builtin)
+
+
+def test_the_builtin_warm_up_lengths():
+    """The lengths the README's numbers were measured with."""
+    assert rl_trainer.SFT_WARMUP_STEPS_BUILTIN == 800
+    assert preference_trainer.SFT_WARMUP_STEPS_BUILTIN == 600
+
+
+def test_batch_sizes_must_divide_the_batch_shards():
+    mesh = setup.make_run_mesh(load_config(TrainConfig, None, ["mesh.data=2", "mesh.fsdp=2"]).mesh)
+    assert setup.batch_shards(mesh) == 4
+    setup.check_batch_sizes({"a": 8, "b": 4}, mesh)
+    with pytest.raises(ValueError, match=r"b=6 does not divide into the 4 batch shards"):
+        setup.check_batch_sizes({"a": 8, "b": 6, "c": 3}, mesh)
+    too_big = load_config(TrainConfig, None, ["mesh.data=4", "mesh.fsdp=4"]).mesh
+    with pytest.raises(ValueError, match=r"needs 16 devices; 8 available"):
+        setup.make_run_mesh(too_big)
