@@ -6,71 +6,29 @@ jitted global reduction with an fsdp-sharded weight. Both must print the single-
 """
 
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jaxrl_llm.parallel import make_mesh
+from tests.parallel import launcher
 from tests.parallel import two_process_worker as worker
 from tests.reference.parallel_step import step_reference
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-TIMEOUT_S = 120
+# Only stops a hang (a worker waiting for a peer that is gone); never a performance limit.
+TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch_two_processes() -> list[dict]:
-    port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "TPU_", "MEGASCALE_", "JAX_", "XLA_FLAGS"))
-    }
-    base.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-        JAX_NUM_PROCESSES="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+def _launch_two_processes(log_dir) -> list[dict]:
+    outputs = launcher.launch(
+        "tests.parallel.two_process_worker", log_dir=log_dir, timeout_s=TIMEOUT_S
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.parallel.two_process_worker"],
-            env={**base, "JAX_PROCESS_ID": str(i)},
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-            assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{err[-4000:]}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process():
-    results = _launch_two_processes()
+def test_two_processes_match_one_process(tmp_path):
+    results = _launch_two_processes(tmp_path)
     single = worker.run(make_mesh(data=2, fsdp=4))
     batch, weight = worker.global_problem()
     x_sum, loss, hidden = step_reference(batch["x"], batch["mask"], batch["scale"], weight)

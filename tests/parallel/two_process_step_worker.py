@@ -186,10 +186,17 @@ def main(argv: list[str]) -> None:
     from jaxrl_llm.parallel import initialize_distributed, make_mesh
 
     (out_dir,) = argv
-    info = initialize_distributed(initialization_timeout=60)
-    if os.environ.get("JAXRL_TEST_CRASH_PROCESS") == str(info.process_index):
+    info = initialize_distributed(initialization_timeout=300)
+    crash = os.environ.get("JAXRL_TEST_CRASH_PROCESS")
+    if crash == str(info.process_index):
         print(f"process {info.process_index}: exiting on purpose", file=sys.stderr, flush=True)
         os._exit(CRASH_EXIT_CODE)
+    if crash is not None:
+        # The others wait in a collective for the dead peer, as a real step would (and do not
+        # need the problem file, so they cannot fail on their own first).
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("waiting for a peer that died")
     problem = load_problem(os.path.join(out_dir, PROBLEM_FILE))
     arrays: dict[str, np.ndarray] = {}
     cases = {}

@@ -91,7 +91,7 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from jaxrl_llm.parallel import initialize_distributed, make_mesh
 
-    info = initialize_distributed(initialization_timeout=60)
+    info = initialize_distributed(initialization_timeout=300)
     mesh = make_mesh(data=2, fsdp=4)
     result = run(mesh)
     result.update(info._asdict())

@@ -228,6 +228,11 @@ def test_groups_are_contiguous_independent_and_prefilled_once(
 
     forward = gen.forward
     monkeypatch.setattr(gen, "forward", recording_forward)
+    # `forward` is only called while tracing: start from empty jit caches, so that the traces
+    # below happen whatever ran before in this process (another test, or this one, may have
+    # compiled the same programs already).
+    gen._prefill.clear_cache()
+    gen._decode.clear_cache()
     groups = 3
     out = _run(model, prompts, temperature=1.0, num_samples=groups, key=jax.random.key(2))
     # One trace of the prefill on the N prompts (not N*G rows), one of the decode step.
