@@ -136,6 +136,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     return_entropy: bool = False,
     remat: str = "none",
+    return_prompt_logprobs: bool = False,
 ) -> Array | tuple[Array, Array]:
     """``log pi(y_t | x, y_<t)`` of each completion token under the temperature-scaled policy.
 
@@ -160,9 +161,13 @@ def completion_logprobs(
       chunk_size: sequence positions per unembedding chunk (None: ``default_chunk_size``).
       return_entropy: also return the per-token entropy of the scaled distribution.
       remat: the model's remat policy (``"none"`` or ``"layer"``).
+      return_prompt_logprobs: also return ``[B, P]`` log-probs of the prompt tokens the model
+        predicts (``log pi(x_j | x_<j)``; 0 on padding and on each row's first real token,
+        which nothing predicts), from the same forward pass: what an NLL over the whole
+        sequence (TRL ORPOTrainer's) needs. Not combined with ``return_entropy``.
 
     Returns:
-      ``logprobs [B, T]`` f32, or ``(logprobs, entropy)``.
+      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
     """
     check_rank("prompt_tokens", prompt_tokens, 2)
     check_rank("completion_tokens", completion_tokens, 2)
@@ -178,10 +183,30 @@ def completion_logprobs(
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
     hidden, _ = forward(params, config, tokens, attention_mask=mask, remat=remat)
     length = completion_tokens.shape[1]
+    unembed_fn = functools.partial(unembed, params, config)
+    if return_prompt_logprobs:
+        if return_entropy:
+            raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+        # Column j predicts token j + 1: prompt tokens 1..P-1 (when both they and the token
+        # before them are real) and then the completion tokens, in one chunked pass.
+        prompt_mask = prompt_mask.astype(bool)
+        predicted = jnp.concatenate(
+            [prompt_mask[:, 1:] & prompt_mask[:, :-1], completion_mask.astype(bool)], axis=1
+        )
+        logprobs = token_logprobs_from_hidden(
+            hidden[:, : prompt_len - 1 + length],
+            unembed_fn,
+            tokens[:, 1:],
+            mask=predicted,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+        prompt_logprobs = jnp.pad(logprobs[:, : prompt_len - 1], [(0, 0), (1, 0)])
+        return logprobs[:, prompt_len - 1 :], prompt_logprobs
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]
     return token_logprobs_from_hidden(
         hidden,
-        functools.partial(unembed, params, config),
+        unembed_fn,
         completion_tokens,
         mask=completion_mask,
         temperature=temperature,

@@ -78,6 +78,46 @@ def test_matches_float64_transformers_reference(model, batch):
     assert fn._cache_size() == 1
 
 
+def test_prompt_logprobs_match_float64_transformers_reference(model, batch):
+    """``return_prompt_logprobs``: every prompt token after a row's first, from one pass."""
+    torch_model, config, params = model
+    prompt, prompt_mask, completion, completion_mask = batch
+    want_prompt, want_completion = np.zeros((B, P)), np.zeros((B, T))
+    for row in range(B):
+        real_prompt = prompt[row][prompt_mask[row] > 0]
+        real_completion = completion[row][completion_mask[row] > 0]
+        seq = np.concatenate([real_prompt, real_completion])
+        full = hf_utils.hf_logits(torch_model, seq[None], np.ones((1, len(seq))), double=True)[0]
+        z = full / 0.7
+        logp = (
+            z
+            - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - z.max(-1, keepdims=True)
+        )
+        # Position i predicts token i + 1; the row's first real token has no predictor.
+        token_logp = logp[np.arange(len(seq) - 1), seq[1:]]
+        n_prompt, n = len(real_prompt), len(real_completion)
+        want_prompt[row, P - n_prompt + 1 :] = token_logp[: n_prompt - 1]
+        want_completion[row, :n] = token_logp[n_prompt - 1 :]
+    fn = jax.jit(
+        functools.partial(
+            completion_logprobs, params, config, chunk_size=3, return_prompt_logprobs=True
+        )
+    )
+    got_completion, got_prompt = fn(*batch, temperature=0.7)
+    chex.assert_shape(got_prompt, (B, P))
+    assert np.abs(want_prompt).max() > 1.0
+    np.testing.assert_allclose(got_prompt, want_prompt, atol=1e-4)
+    np.testing.assert_allclose(got_completion, want_completion, atol=1e-4)
+    np.testing.assert_allclose(
+        got_completion, completion_logprobs(params, config, *batch, temperature=0.7), atol=1e-6
+    )
+    with pytest.raises(ValueError, match="cannot be combined"):
+        completion_logprobs(
+            params, config, *batch, return_prompt_logprobs=True, return_entropy=True
+        )
+
+
 def test_chunked_equals_full_values_and_gradients(model, batch, rng):
     _, config, params = model
     weights = rng.normal(size=(B, T)).astype(np.float32)

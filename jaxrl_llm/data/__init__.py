@@ -13,6 +13,7 @@ from jaxrl_llm.data.char_tokenizer import (
     SPECIAL_TOKENS,
     build_char_tokenizer,
 )
+from jaxrl_llm.data.datasets import Example, PromptSampler, format_prompt, load_jsonl, split_eval
 from jaxrl_llm.data.encoding import (
     decode_completions,
     encode_completions,
@@ -21,7 +22,6 @@ from jaxrl_llm.data.encoding import (
     prompt_lengths,
     stop_token_ids,
 )
-from jaxrl_llm.data.datasets import Example, PromptSampler, format_prompt, load_jsonl, split_eval
 from jaxrl_llm.data.preferences import (
     IndexSampler,
     PreferenceArrays,

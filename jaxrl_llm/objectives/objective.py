@@ -169,9 +169,24 @@ class Objective:
         return surrogate_registry.surrogate_spec(self.surrogate).needs_old_logprobs
 
     @property
+    def estimator_requires(self) -> tuple[str, ...]:
+        """The optional estimator inputs the advantage estimator cannot do without."""
+        return estimator_registry.estimator_spec(self.advantage).requires
+
+    @property
+    def min_group_size(self) -> int:
+        """The smallest rollout group size the advantage estimator accepts."""
+        return estimator_registry.estimator_spec(self.advantage).min_group_size
+
+    @property
     def needs_critic(self) -> bool:
         """Whether the estimator needs critic values (GAE)."""
-        return "values" in estimator_registry.estimator_spec(self.advantage).requires
+        return "values" in self.estimator_requires
+
+    @property
+    def needs_process_rewards(self) -> bool:
+        """Whether the estimator needs dense process rewards (PRIME's implicit PRM)."""
+        return "process_rewards" in self.estimator_requires
 
 
 PRESETS: dict[str, Objective] = {

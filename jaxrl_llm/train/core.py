@@ -33,6 +33,7 @@ log = logging.getLogger("jaxrl_llm")
 RESUME_SAFE_KEYS = (
     "resume",
     "resume_force",
+    "run_dir",  # a run directory moved (or mounted elsewhere) resumes the same run
     "trainer.max_steps",
     "trainer.eval_every",
     "checkpoint.every_steps",

@@ -1,4 +1,4 @@
-"""Conformance with verl's own loss code (``verl.trainer.ppo.core_algos``, verl 0.9.1).
+r"""Conformance with verl's own loss code (``verl.trainer.ppo.core_algos``, verl 0.9.1).
 
 Every advantage estimator, policy loss, KL penalty, aggregation mode and the value loss that
 jaxrl_llm shares with verl is run on both sides with the same inputs: verl in float64 torch,
@@ -6,15 +6,17 @@ ours in float32 JAX, so the tolerances are f32-level. Where shared/SPEC_LOSSES.m
 different choice than verl, the agreement is tested where the two agree and the documented
 difference is asserted (each marked ``DIFFERENCE``).
 
-verl is optional: the module is skipped unless ``verl`` and the few light packages its loss
-module imports at module level are installed (``JAXRL_REQUIRE_VERL=1`` turns the skip into an
-error, for CI)::
+verl is optional: the module is skipped unless verl 0.9.1 and the few light packages its loss
+module imports at module level are installed (``JAXRL_REQUIRE_VERL=1`` turns the skip into a
+failure, so CI cannot skip silently)::
 
-    pip install omegaconf codetiming cloudpickle orjson
-    pip install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+    pip install --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.4.0 \
+        codetiming==1.4.0 cloudpickle==3.1.3 orjson==3.13.0
 
-(``--no-deps``: verl's own requirements pull in Ray, wandb and a transformers<5.11 pin;
-tensordict's dependency pyvers pins packaging<26, which would downgrade packaging for nothing.)
+(``--no-deps``: verl's own requirements pull in Ray, wandb, hydra, peft and ~70 other packages
+and downgrade transformers to <5.11; pyvers pins packaging<26. Those seven wheels are exactly
+what the loss code imports beyond numpy, PyYAML, packaging, torch and transformers, which the
+``test`` extras bring. ``pip check`` then lists verl's unmet requirements: expected.)
 
 Ray is imported by ``verl/__init__.py`` (through ``verl.protocol``) but never used by the loss
 code; when it is not installed a stub stands in for the duration of the import only.
@@ -23,7 +25,9 @@ code; when it is not installed a stub stands in for the duration of the import o
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -38,26 +42,62 @@ from jaxrl_llm import aggregation, kl, objectives, ratios, surrogates, value
 from jaxrl_llm.aggregation import MODES
 from jaxrl_llm.types import RolloutBatch
 
+VERL_VERSION = "0.9.1"
+INSTALL = (
+    f"pip install --no-deps verl=={VERL_VERSION} tensordict==0.10.0 pyvers==0.1.0 "
+    "omegaconf==2.4.0 codetiming==1.4.0 cloudpickle==3.1.3 orjson==3.13.0"
+)
 
-def _import_core_algos():
+
+def _unavailable(reason):
+    """Skips the module, or fails it when ``JAXRL_REQUIRE_VERL=1`` (CI must not skip)."""
+    message = f"{reason}; install verl's loss code with: {INSTALL}"
+    if os.environ.get("JAXRL_REQUIRE_VERL") == "1":
+        pytest.fail(f"JAXRL_REQUIRE_VERL=1 but {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
+def _session_state():
+    handlers = [h for h in logging.root.handlers if type(h).__module__ != "_pytest.logging"]
+    return dict(os.environ), handlers, logging.root.level
+
+
+def _import_core_algos(before):
     stub = None
     if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
         stub = types.ModuleType("ray")
         stub.ObjectRef = type("ObjectRef", (), {})  # the only attribute read at import time
         sys.modules["ray"] = stub
     try:
-        if os.environ.get("JAXRL_REQUIRE_VERL") == "1":
-            return importlib.import_module("verl.trainer.ppo.core_algos")
-        return pytest.importorskip(
-            "verl.trainer.ppo.core_algos", reason="verl (and its light deps) not installed"
-        )
+        try:
+            module, missing = importlib.import_module("verl.trainer.ppo.core_algos"), None
+        except ImportError as error:
+            module, missing = None, str(error)
+        if module is None:
+            _unavailable(f"verl's loss code is not importable ({missing})")
+        version = importlib.metadata.version("verl")
+        if version != VERL_VERSION:  # the DIFFERENCE tests pin one release's behaviour
+            _unavailable(f"verl {version} is installed, these tests are written for {VERL_VERSION}")
+        return module
     finally:
         if stub is not None and sys.modules.get("ray") is stub:
             del sys.modules["ray"]  # nothing else in the session may mistake the stub for Ray
+        # Importing verl calls logging.basicConfig (a root stderr handler) and sets a few
+        # environment variables for its subprocesses: the rest of the session must not inherit
+        # them, as the module is imported at collection, before every other test.
+        environ, handlers, level = before
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        for handler in logging.root.handlers[:]:
+            if type(handler).__module__ != "_pytest.logging" and handler not in handlers:
+                logging.root.removeHandler(handler)
+        logging.root.setLevel(level)
 
 
-core_algos = _import_core_algos()
-torch = pytest.importorskip("torch")
+_STATE_BEFORE_VERL = _session_state()
+core_algos = _import_core_algos(_STATE_BEFORE_VERL)
+import torch  # noqa: E402  (verl's loss code imports it, so it is there)
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
@@ -160,6 +200,18 @@ def _policy_batch(rng, *, adv_rank, extreme=True, empty_rows=(3,)):
 
 def _token_mean(x, mask):
     return aggregation.aggregate(x, mask, "token-mean")
+
+
+def test_importing_verl_leaves_the_session_alone():
+    """The rest of the suite runs after this module's import: no root logging handler, level
+    or environment variable of verl's may leak into it."""
+    environ, handlers, level = _STATE_BEFORE_VERL
+    assert "verl.trainer.ppo.core_algos" in sys.modules
+    ours = [h for h in logging.root.handlers if type(h).__module__ != "_pytest.logging"]
+    assert (ours, logging.root.level) == (handlers, level)
+    changed = {k: v for k, v in os.environ.items() if environ.get(k) != v}
+    assert changed.keys() <= {"PYTEST_CURRENT_TEST"}
+    assert set(environ) <= set(os.environ)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 
 import jax.numpy as jnp
 import pytest
@@ -222,6 +223,14 @@ def test_resume_force_accepts_the_change_with_a_warning(stopped_at_2, caplog):
     # Steps 3 and 4 at the new rate, from the checkpointed w = 1.
     assert summary["eval_after"] == {"w": 1.5}
     assert load_config(CountingConfig, stopped_at_2 / "config.yaml") == cfg
+
+
+def test_a_moved_run_directory_resumes(stopped_at_2, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(stopped_at_2, moved)
+    summary = CountingTrainer(dataclasses.replace(_config(moved), resume=True)).fit()
+    assert summary["eval_after"] == {"w": 2.0}
+    assert load_config(CountingConfig, moved / "config.yaml").run_dir == str(moved)
 
 
 @pytest.mark.parametrize(

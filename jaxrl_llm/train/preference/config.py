@@ -10,8 +10,14 @@ run before anything is built, so a bad combination fails with a message naming t
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from jaxrl_llm.preference import LOSS_TYPES, check_dpo_settings, check_label_smoothing
+from jaxrl_llm.preference import (
+    LOSS_TYPES,
+    ORPO_NLL_MODES,
+    check_dpo_settings,
+    check_label_smoothing,
+)
 from jaxrl_llm.train.config import (
     CheckpointSection,
     LoggingSection,
@@ -21,8 +27,10 @@ from jaxrl_llm.train.config import (
 )
 
 JOBS = ("preference", "reward_model")
-LOSS_NAMES = ("dpo", "kto", "orpo", "simpo", "cpo", "bradley_terry")
-REFERENCE_FREE = ("orpo", "simpo", "cpo", "bradley_terry")
+LOSS_NAMES = ("dpo", "kto", "orpo", "simpo", "cpo", "alphapo", "bradley_terry")
+REFERENCE_FREE = ("orpo", "simpo", "cpo", "alphapo", "bradley_terry")
+#: The losses on AlphaPO-shaped rewards (``loss.alpha``).
+ALPHA_LOSSES = ("simpo", "cpo", "alphapo")
 REFERENCE_MODES = ("precompute", "on_the_fly")
 DATA_TASKS = ("arithmetic", "jsonl")
 
@@ -88,15 +96,20 @@ class PreferenceLossSection:
     """Which preference loss, and its hyper-parameters (see ``jaxrl_llm.preference``).
 
     Attributes:
-      name: ``dpo`` | ``kto`` | ``orpo`` | ``simpo`` | ``cpo`` (``job: preference``), or
-        ``bradley_terry`` (``job: reward_model``).
+      name: ``dpo`` | ``kto`` | ``orpo`` | ``simpo`` | ``cpo`` | ``alphapo``
+        (``job: preference``), or ``bradley_terry`` (``job: reward_model``).
       loss_type: DPO only: one of ``jaxrl_llm.preference.LOSS_TYPES``, or a list of
         ``{type, weight}`` (a weighted mixture).
       beta: ``β``.
       label_smoothing: ``ε`` of the smoothed DPO types (sigmoid, robust, exo_pair), SimPO, CPO.
       discopop_tau: DPO ``discopop``'s ``τ`` (null: 0.05).
-      gamma: SimPO / CPO target margin (null: the loss's default, 0.5 SimPO, 0 CPO).
+      gamma: SimPO / CPO / AlphaPO target margin (null: the loss's default, 0.5 SimPO and
+        AlphaPO, 0 CPO).
       cpo_alpha: SimPO / CPO weight of the NLL term (null: 0 SimPO, 1 CPO).
+      alpha: AlphaPO's reward shape ``α`` (``r = (1 − exp(−α·lp̄))/α``; 0 is the log reward):
+        required by ``alphapo``, optional for ``simpo`` / ``cpo`` (null: 0).
+      orpo_nll: ORPO's SFT term: ``completion`` (the paper's NLL of the chosen completion) or
+        ``prompt_and_completion`` (TRL ORPOTrainer's: the chosen prompt tokens count too).
       desirable_weight, undesirable_weight: KTO's ``λ_D``, ``λ_U``.
       reference: ``precompute`` (reference log-probs computed once over the data, before
         training, as TRL's ``precompute_ref_log_probs``) or ``on_the_fly`` (a frozen copy of
@@ -112,6 +125,8 @@ class PreferenceLossSection:
     discopop_tau: float | None = None
     gamma: float | None = None
     cpo_alpha: float | None = None
+    alpha: float | None = None
+    orpo_nll: str = "completion"
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     reference: str = "precompute"
@@ -226,15 +241,26 @@ def check_config(cfg: PreferenceConfig) -> None:
             )
         except ValueError as err:
             raise ValueError(f"loss.label_smoothing / loss.discopop_tau: {err}") from None
-    if loss.name in ("simpo", "cpo"):
+    if loss.name in ALPHA_LOSSES:
         try:
             check_label_smoothing(loss.label_smoothing)
         except ValueError as err:
             raise ValueError(f"loss.label_smoothing: {err}") from None
-    if loss.name not in ("simpo", "cpo") and (loss.gamma is not None or loss.cpo_alpha is not None):
-        raise ValueError("loss.gamma and loss.cpo_alpha apply to simpo and cpo only")
-    if loss.label_smoothing and loss.name not in ("dpo", "simpo", "cpo"):
-        raise ValueError("loss.label_smoothing applies to dpo, simpo and cpo only")
+    if loss.name not in ALPHA_LOSSES and loss.gamma is not None:
+        raise ValueError("loss.gamma applies to simpo, cpo and alphapo only")
+    if loss.name not in ("simpo", "cpo") and loss.cpo_alpha is not None:
+        raise ValueError("loss.cpo_alpha applies to simpo and cpo only")
+    if loss.name not in ALPHA_LOSSES and loss.alpha is not None:
+        raise ValueError("loss.alpha (AlphaPO's reward shape) applies to simpo, cpo and alphapo")
+    if loss.name == "alphapo" and loss.alpha is None:
+        raise ValueError("loss.name=alphapo needs loss.alpha (the reward shape; 0 is SimPO)")
+    if loss.alpha is not None and not math.isfinite(loss.alpha):
+        raise ValueError(f"loss.alpha must be finite, got {loss.alpha!r}")
+    _choice("loss.orpo_nll", loss.orpo_nll, ORPO_NLL_MODES)
+    if loss.orpo_nll != "completion" and loss.name != "orpo":
+        raise ValueError("loss.orpo_nll chooses ORPO's NLL tokens: it applies to orpo only")
+    if loss.label_smoothing and loss.name not in ("dpo", *ALPHA_LOSSES):
+        raise ValueError("loss.label_smoothing applies to dpo, simpo, cpo and alphapo only")
     if loss.discopop_tau is not None and loss.name != "dpo":
         raise ValueError("loss.discopop_tau applies to dpo's discopop loss type only")
     if loss.name != "bradley_terry" and loss.center_rewards_coefficient:

@@ -97,9 +97,38 @@ def _logps_of_both(params, model_config, prompt_tokens, prompt_mask, *completion
 
 
 def pair_token_logps(
-    params, model_config, batch: PreferenceBatch, *, chunk_size=None, remat="none"
+    params,
+    model_config,
+    batch: PreferenceBatch,
+    *,
+    chunk_size=None,
+    remat="none",
+    return_prompt_logprobs=False,
 ):
-    """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions."""
+    """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions.
+
+    With ``return_prompt_logprobs``, also ``[N, P]`` log-probs of the (chosen rows') prompt
+    tokens the model predicts, from the same pass (ORPO's TRL-style NLL).
+    """
+    if return_prompt_logprobs:
+        n = batch.chosen_tokens.shape[0]
+        rows = _both(
+            batch.prompt_tokens,
+            batch.prompt_mask,
+            batch.chosen_tokens,
+            batch.chosen_mask,
+            batch.rejected_tokens,
+            batch.rejected_mask,
+        )
+        completion, prompt = completion_logprobs(
+            params,
+            model_config,
+            *rows,
+            chunk_size=chunk_size,
+            remat=remat,
+            return_prompt_logprobs=True,
+        )
+        return completion[:n], completion[n:], prompt[:n]
     return _logps_of_both(
         params,
         model_config,
@@ -143,13 +172,27 @@ def make_pair_loss_fn(
     ``simpo`` (Meng et al. 2024), ``cpo`` (Xu et al. 2024). The ``N`` chosen and ``N``
     rejected completions (``[N, T]``, prompts ``[N, P]``) are scored in one forward pass over
     ``2N`` rows. Metrics are ``preference_loss``'s plus ``nll``, the token-mean NLL of the
-    chosen completions. Hyper-parameters are bound here, before ``jax.jit``.
+    chosen completions. Hyper-parameters are bound here, before ``jax.jit``. ORPO's
+    ``nll="prompt_and_completion"`` (TRL's) scores the chosen prompts in the same pass.
     """
+    with_prompt = loss_kwargs.get("nll") == "prompt_and_completion"
 
     def loss_fn(params, batch: PreferenceBatch, totals=None):
-        chosen, rejected = pair_token_logps(
-            params, model_config, batch, chunk_size=chunk_size, remat=remat
+        out = pair_token_logps(
+            params,
+            model_config,
+            batch,
+            chunk_size=chunk_size,
+            remat=remat,
+            return_prompt_logprobs=with_prompt,
         )
+        chosen, rejected = out[:2]
+        extra = {}
+        if with_prompt:
+            extra["prompt_logps"] = out[2]
+            real = batch.prompt_mask.astype(bool)
+            # The tokens the model predicts: real, after a real token (not a row's first).
+            extra["prompt_mask"] = jnp.pad(real[:, 1:] & real[:, :-1], [(0, 0), (1, 0)])
         out = preference_loss(
             loss_name,
             chosen,
@@ -160,6 +203,7 @@ def make_pair_loss_fn(
             batch.ref_rejected_logps,
             beta=beta,
             **loss_kwargs,
+            **extra,
         )
         metrics = dict(out.metrics)
         metrics["nll"] = jax.lax.stop_gradient(_token_nll(chosen, batch.chosen_mask))
@@ -327,6 +371,10 @@ def make_loss_fn(cfg: PreferenceConfig, model_config):
             kwargs["gamma"] = loss.gamma
         if loss.cpo_alpha is not None:
             kwargs["cpo_alpha"] = loss.cpo_alpha
+        if loss.alpha is not None:
+            kwargs["alpha"] = loss.alpha
+        if loss.name == "orpo" and loss.orpo_nll != "completion":
+            kwargs["nll"] = loss.orpo_nll
     return make_pair_loss_fn(
         model_config, name, beta=loss.beta, chunk_size=chunk, remat=remat, **kwargs
     )

@@ -312,15 +312,18 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     if ref.mode == "ema" and not 0.0 <= ref.ema_decay < 1.0:
         raise ValueError(f"reference.ema_decay must be in [0, 1), got {ref.ema_decay}")
     _choice("reward_model.normalize", cfg.reward_model.normalize, RM_NORMALIZE)
-    if objective.advantage == "gae":
+    if r.group_size < objective.min_group_size:
+        raise ValueError(
+            f"objective {objective.name!r} ({objective.advantage} advantages) needs "
+            f"rollout.group_size >= {objective.min_group_size}, got {r.group_size}"
+        )
+    if objective.needs_critic:
         critic = cfg.critic
         _choice("critic.init", critic.init, CRITIC_INITS)
         _choice("critic.optimizer", critic.optimizer, CRITIC_OPTIMIZERS)
         if critic.init == "reward_model" and critic.path is None:
             raise ValueError("critic.init=reward_model needs critic.path (a scalar-head model)")
         _at_least("critic.warmup_steps", critic.warmup_steps, 0)
-    if objective.advantage == "prime":
+    if objective.needs_process_rewards:
         _choice("prime.update", cfg.prime.update, PRM_UPDATES)
-        if r.group_size < 2:
-            raise ValueError("PRIME's RLOO baselines need rollout.group_size >= 2")
     return objective

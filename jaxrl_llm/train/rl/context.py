@@ -18,7 +18,7 @@ from jaxrl_llm import data, objectives
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import rollout as rollout_lib
-from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.config import RM_NORMALIZE, TrainConfig
 from jaxrl_llm.types import Sequences
 
 
@@ -60,8 +60,11 @@ def load_reward_model(cfg: TrainConfig, policy_config, mesh):
 
 
 def normalize_scores(scores: np.ndarray, mode: str) -> np.ndarray:
-    """``batch``: ``(s − mean) / (std + 1e-6)`` over the rollout batch (f64, then f32);
-    ``none``: unchanged."""
+    """``batch``: ``(s − mean) / (std + 1e-6)`` over the rollout batch, ``std`` the population
+    std (ddof 0), in float64 then cast to float32 (a single score is left as it is);
+    ``none``: unchanged (float32)."""
+    if mode not in RM_NORMALIZE:
+        raise ValueError(f"reward_model.normalize must be one of {RM_NORMALIZE}, got {mode!r}")
     scores = np.asarray(scores, np.float64)
     if mode == "batch" and scores.size > 1:
         scores = (scores - scores.mean()) / (scores.std() + 1e-6)

@@ -128,9 +128,15 @@ def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray
 class PPOTrainer(RLTrainer):
     """The RL loop plus a critic (objective with ``advantage="gae"``, e.g. the ``ppo`` preset)."""
 
+    SUPPLIES = (*RLTrainer.SUPPLIES, "values")
+
     def check_objective(self, objective: objectives.Objective) -> None:
-        if objective.advantage != "gae":
-            raise ValueError(f"PPOTrainer needs gae advantages, not {objective.advantage!r}")
+        if not objective.needs_critic:
+            raise ValueError(
+                f"PPOTrainer trains a critic for an estimator that needs values (gae), not "
+                f"{objective.advantage!r}"
+            )
+        super().check_objective(objective)
 
     @property
     def joint(self) -> bool:

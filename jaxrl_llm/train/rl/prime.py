@@ -60,9 +60,15 @@ def make_prm_loss_fn(
 class PRIMETrainer(RLTrainer):
     """The RL loop plus PRIME's implicit PRM (objective with ``advantage="prime"``)."""
 
+    SUPPLIES = (*RLTrainer.SUPPLIES, "process_rewards")
+
     def check_objective(self, objective: objectives.Objective) -> None:
-        if objective.advantage != "prime":
-            raise ValueError(f"PRIMETrainer needs prime advantages, not {objective.advantage!r}")
+        if not objective.needs_process_rewards:
+            raise ValueError(
+                f"PRIMETrainer trains an implicit PRM for an estimator that needs process "
+                f"rewards (prime), not {objective.advantage!r}"
+            )
+        super().check_objective(objective)
 
     def checkpoint_state(self):
         return {"policy": self.state, "prm": self.prm_state}

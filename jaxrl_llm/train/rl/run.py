@@ -1,29 +1,39 @@
 """The RL job: picks the trainer an objective needs and runs it.
 
-``gae`` advantages need PPO's critic (``train.rl.ppo``), ``prime`` advantages PRIME's implicit
-process reward model (``train.rl.prime``); every other objective runs on the plain policy
-trainer (``train.rl.trainer``). The factory lives here, apart from the trainers, so no trainer
-module imports another's subclass.
+The choice follows what the objective's advantage estimator ``requires`` (its registration in
+``jaxrl_llm.objectives``), not its name: an estimator that needs critic ``values`` (``gae``,
+or a user's own) runs on PPO's trainer with a critic (``train.rl.ppo``), one that needs
+``process_rewards`` (``prime``) on PRIME's with an implicit process reward model
+(``train.rl.prime``); every other objective runs on the plain policy trainer
+(``train.rl.trainer``). The factory lives here, apart from the trainers, so no trainer module
+imports another's subclass.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jaxrl_llm import objectives
 from jaxrl_llm.train.rl.config import TrainConfig, make_objective
 from jaxrl_llm.train.rl.ppo import PPOTrainer
 from jaxrl_llm.train.rl.prime import PRIMETrainer
 from jaxrl_llm.train.rl.trainer import RLTrainer
 
 
+def trainer_class(objective: objectives.Objective) -> type[RLTrainer]:
+    """The trainer class that supplies every input ``objective``'s estimator requires."""
+    for cls in (RLTrainer, PPOTrainer, PRIMETrainer):
+        if set(objective.estimator_requires) <= set(cls.SUPPLIES):
+            return cls
+    raise ValueError(
+        f"objective {objective.name!r}: no trainer supplies the inputs its advantage "
+        f"estimator {objective.advantage!r} requires {objective.estimator_requires}"
+    )
+
+
 def trainer_for(cfg: TrainConfig) -> RLTrainer:
     """The trainer ``cfg``'s objective needs (not yet set up: call ``.fit()``)."""
-    advantage = make_objective(cfg.objective).advantage
-    if advantage == "gae":
-        return PPOTrainer(cfg)
-    if advantage == "prime":
-        return PRIMETrainer(cfg)
-    return RLTrainer(cfg)
+    return trainer_class(make_objective(cfg.objective))(cfg)
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

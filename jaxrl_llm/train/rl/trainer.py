@@ -142,11 +142,17 @@ class RLTrainer(Trainer):
             }
         )
 
+    #: The optional advantage-estimator inputs this trainer computes (``objectives``'
+    #: ``OPTIONAL_INPUTS``); subclasses add theirs.
+    SUPPLIES: tuple[str, ...] = ("old_logprobs", "ref_logprobs")
+
     def check_objective(self, objective: objectives.Objective) -> None:
-        if objective.advantage in ("gae", "prime"):
+        missing = sorted(set(objective.estimator_requires) - set(self.SUPPLIES))
+        if missing:
             raise ValueError(
-                f"objective {objective.name!r} ({objective.advantage} advantages) needs a critic "
-                "or a process reward model: run it with train.rl.run, which picks the trainer"
+                f"objective {objective.name!r} ({objective.advantage} advantages) needs "
+                f"{', '.join(missing)}, which {type(self).__name__} does not compute (a critic "
+                "or a process reward model): run it with train.rl.run, which picks the trainer"
             )
 
     # -- state -------------------------------------------------------------------------------

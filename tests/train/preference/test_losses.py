@@ -133,6 +133,85 @@ def test_reference_free_loss_matches_the_reference(model, pairs):
     np.testing.assert_allclose(metrics["rewards/chosen"], BETA * lw.mean(), rtol=1e-5)
 
 
+def _prompt_logps(params, mc, a):
+    """``[N, P]`` log-probs of each prompt token after a row's first, from full logits."""
+    tokens = jnp.concatenate([jnp.asarray(a.prompt_tokens), jnp.asarray(a.chosen_tokens)], 1)
+    mask = jnp.concatenate([jnp.asarray(a.prompt_mask), jnp.asarray(a.chosen_mask)], 1) > 0
+    z = np.asarray(models.logits(params, mc, tokens, attention_mask=mask), np.float64)
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    p = a.prompt_tokens.shape[1]
+    out, counted = np.zeros(a.prompt_tokens.shape), np.zeros(a.prompt_tokens.shape, bool)
+    for row in range(out.shape[0]):
+        first = int(np.argmax(np.asarray(a.prompt_mask[row]) > 0))
+        for j in range(first + 1, p):
+            out[row, j] = logp[row, j - 1, int(a.prompt_tokens[row, j])]
+            counted[row, j] = True
+    return out, counted
+
+
+def test_orpo_with_trl_nll_counts_the_prompt_tokens(model, pairs):
+    """``loss.orpo_nll=prompt_and_completion``: TRL ORPOTrainer's NLL over the whole sequence."""
+    _, mc, params = model
+    a = pairs
+    chosen_tok = _logps(params, mc, a.prompt_tokens, a.prompt_mask, a.chosen_tokens, a.chosen_mask)
+    rejected_tok = _logps(
+        params, mc, a.prompt_tokens, a.prompt_mask, a.rejected_tokens, a.rejected_mask
+    )
+    prompt_tok, counted = _prompt_logps(params, mc, a)
+    assert counted.sum() > a.prompt_tokens.shape[0]
+    lw = ref_pref.seq_avg(chosen_tok, a.chosen_mask)
+    ll = ref_pref.seq_avg(rejected_tok, a.rejected_mask)
+    batch = PreferenceBatch(*(jnp.asarray(x) for x in a[:6]))
+    for mode, nll in (
+        ("completion", ref_pref.batch_token_mean_nll(chosen_tok, a.chosen_mask)),
+        (
+            "prompt_and_completion",
+            ref_pref.batch_token_mean_nll(chosen_tok, a.chosen_mask, prompt_tok, counted),
+        ),
+    ):
+        cfg = load_config(
+            PreferenceConfig,
+            None,
+            [*SMALL_MODEL, "loss.name=orpo", f"loss.beta={BETA}", f"loss.orpo_nll={mode}"],
+        )
+        check_config(cfg)
+        loss, metrics = jax.jit(make_loss_fn(cfg, mc))(params, batch)
+        want, _ = ref_pref.orpo(lw, ll, beta=BETA, nll=nll)
+        np.testing.assert_allclose(loss, want.mean(), rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(metrics["nll_loss"], np.mean(nll), rtol=1e-5, err_msg=mode)
+
+
+def test_alphapo_from_the_config(model, pairs):
+    _, mc, params = model
+    a = pairs
+    chosen_tok = _logps(params, mc, a.prompt_tokens, a.prompt_mask, a.chosen_tokens, a.chosen_mask)
+    rejected_tok = _logps(
+        params, mc, a.prompt_tokens, a.prompt_mask, a.rejected_tokens, a.rejected_mask
+    )
+    lw = ref_pref.seq_avg(chosen_tok, a.chosen_mask)
+    ll = ref_pref.seq_avg(rejected_tok, a.rejected_mask)
+    cfg = load_config(
+        PreferenceConfig,
+        None,
+        [
+            *SMALL_MODEL,
+            "loss.name=alphapo",
+            "loss.alpha=0.25",
+            "loss.gamma=0.2",
+            f"loss.beta={BETA}",
+        ],
+    )
+    check_config(cfg)
+    loss, metrics = jax.jit(make_loss_fn(cfg, mc))(
+        params, PreferenceBatch(*(jnp.asarray(x) for x in a[:6]))
+    )
+    rw, rl = ref_pref.alphapo_reward(lw, 0.25), ref_pref.alphapo_reward(ll, 0.25)
+    want = -np.log(1.0 / (1.0 + np.exp(-(BETA * (rw - rl) - 0.2))))
+    np.testing.assert_allclose(loss, want.mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["rewards/chosen"], BETA * rw.mean(), rtol=1e-5)
+
+
 def test_kto_loss_uses_the_mismatched_pairs(model, pairs, rng):
     tokenizer, mc, params = model
     records = data.pairs_to_unpaired(data.arithmetic_preference_pairs(3, seed=1))
@@ -278,7 +357,13 @@ def test_micro_batches_average_to_the_full_batch_step(model, pairs):
         (["loss.reference=lazy"], r"loss.reference must be one of"),
         (["loss.beta=0"], r"loss.beta must be > 0"),
         (["loss.name=orpo", "loss.label_smoothing=0.1"], r"label_smoothing applies to dpo"),
-        (["loss.gamma=0.5"], r"gamma and loss.cpo_alpha apply to simpo and cpo"),
+        (["loss.gamma=0.5"], r"loss.gamma applies to simpo, cpo and alphapo only"),
+        (["loss.name=alphapo", "loss.cpo_alpha=1"], r"loss.cpo_alpha applies to simpo and cpo"),
+        (["loss.alpha=0.5"], r"loss.alpha .* applies to simpo, cpo and alphapo"),
+        (["loss.name=alphapo"], r"loss.name=alphapo needs loss.alpha"),
+        (["loss.name=cpo", "loss.alpha=.inf"], r"loss.alpha must be finite"),
+        (["loss.name=orpo", "loss.orpo_nll=prompt"], r"loss.orpo_nll must be one of"),
+        (["loss.orpo_nll=prompt_and_completion"], r"loss.orpo_nll .* applies to orpo only"),
         (["data.task=jsonl"], r"data.task=jsonl needs data.train_path"),
         (["data.task=csv"], r"data.task must be one of"),
         (["data.unpaired=true"], r"only loss.name=kto"),

@@ -110,3 +110,38 @@ def test_user_surrogate_trains_end_to_end(registered, tmp_path):
         not np.allclose(np.asarray(state["params"][k]), before[k]) for k in ("embed", "lm_head")
     ]
     assert any(moved)
+
+
+@pytest.mark.parametrize(
+    ("requires", "trainer"),
+    [((), "RLTrainer"), (("values",), "PPOTrainer"), (("process_rewards",), "PRIMETrainer")],
+)
+def test_the_trainer_follows_what_a_user_estimator_requires(requires, trainer):
+    """A user's estimator that needs critic values runs with PPO's critic, whatever its name."""
+    from jaxrl_llm.train.rl.run import trainer_class  # noqa: PLC0415
+
+    def estimator(objective, inputs):
+        return inputs.rewards, None
+
+    objectives.register_estimator("user_estimator", estimator, requires=requires)
+    try:
+        objective = objectives.make("grpo", advantage="user_estimator")
+        assert trainer_class(objective).__name__ == trainer
+    finally:
+        objectives.unregister_estimator("user_estimator")
+
+
+def test_an_estimator_no_trainer_supplies_is_refused_by_name(tmp_path):
+    objectives.register_estimator(
+        "user_remax", lambda objective, inputs: (inputs.rewards, None), requires="baseline_rewards"
+    )
+    try:
+        cfg = load_config(
+            TrainConfig,
+            None,
+            [f"run_dir={tmp_path}", "objective.overrides={advantage: user_remax}"],
+        )
+        with pytest.raises(ValueError, match=r"no trainer supplies .*'baseline_rewards'"):
+            trainer_for(cfg)
+    finally:
+        objectives.unregister_estimator("user_remax")

@@ -1,0 +1,49 @@
+"""The mutation check runs in CI: every planted bug is caught by the fast tests named for it.
+
+``python -m tests.mutation`` is the same check from the command line (``--list`` shows the
+mutants). The harness itself is tested first: a mutant whose tests pass must be reported as a
+survivor, so the check cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mutation import mutants, runner
+
+
+def test_every_mutant_names_tests_and_a_behaviour():
+    names = [m.name for m in mutants.MUTANTS]
+    assert len(names) == len(set(names))
+    assert len(names) >= 8
+    for mutant in mutants.MUTANTS:
+        assert mutant.behaviour and mutant.tests, mutant.name
+        for test in mutant.tests:
+            path = runner.ROOT / test.split("::")[0]
+            assert path.exists(), f"{mutant.name}: {test}"
+
+
+def test_a_mutant_whose_tests_pass_survives():
+    # An empty name plants nothing in the child: its test passes, so the harness must report
+    # a survivor (the check cannot pass vacuously).
+    target = "tests/test_mutation.py::test_every_mutant_names_tests_and_a_behaviour"
+    result = runner.run_mutant(mutants.Mutant("", "nothing planted", lambda patch: None, (target,)))
+    assert result.outcomes == {target: "passed"}
+    assert not result.killed and result.survivors == [target]
+
+
+def test_an_unknown_mutant_is_refused_not_run_unmutated():
+    target = "tests/test_mutation.py::test_every_mutant_names_tests_and_a_behaviour"
+    result = runner.run_mutant(mutants.Mutant("no_such", "?", lambda patch: None, (target,)))
+    assert result.outcomes == {target: "missing"}
+    assert not result.killed
+    assert "unknown mutant 'no_such'" in result.output
+
+
+@pytest.mark.slow
+def test_every_mutant_is_killed():
+    results = runner.run_all()
+    survived = {
+        r.mutant.name: {t: r.outcomes[t] for t in r.survivors} for r in results if not r.killed
+    }
+    assert not survived, survived
