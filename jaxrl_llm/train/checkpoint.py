@@ -253,6 +253,22 @@ class Checkpointer:
 
     # -- restore -----------------------------------------------------------------------------
 
+    def _resolve_step(self, step: int | None) -> int:
+        """The kept step to read (``None``: the latest), after pending saves have finished."""
+        if not _exists(self.directory):
+            raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        self._open()
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        step = steps[-1] if step is None else _as_step(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        self._state_manager.wait_until_finished()
+        return step
+
     def restore(
         self,
         step: int | None = None,
@@ -284,18 +300,7 @@ class Checkpointer:
         abstract_state = _abstract_tree(abstract_state, "abstract_state")
         if abstract_reference is not None:
             abstract_reference = _abstract_tree(abstract_reference, "abstract_reference")
-        if not _exists(self.directory):
-            raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
-        self._open()
-        steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        step = steps[-1] if step is None else _as_step(step)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
-            )
-        self._state_manager.wait_until_finished()
+        step = self._resolve_step(step)
         try:
             restored = self._state_manager.restore(
                 step,
@@ -330,18 +335,7 @@ class Checkpointer:
         Raises:
           FileNotFoundError: no checkpoint, or no checkpoint at ``step``.
         """
-        if not _exists(self.directory):
-            raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
-        self._open()
-        steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        step = steps[-1] if step is None else _as_step(step)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
-            )
-        self._state_manager.wait_until_finished()
+        step = self._resolve_step(step)
         state_dir = os.path.join(self.directory, str(step), "state")
         metadata = ocp.StandardCheckpointer().metadata(state_dir)
         tree = getattr(metadata, "item_metadata", metadata)

@@ -88,6 +88,18 @@ def _both(prompt_tokens, prompt_mask, first_tokens, first_mask, second_tokens, s
     )
 
 
+def _pair_rows(batch: PreferenceBatch):
+    """The ``[2N, ...]`` rows ``[prompt; prompt]`` with ``[chosen; rejected]``."""
+    return _both(
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.chosen_tokens,
+        batch.chosen_mask,
+        batch.rejected_tokens,
+        batch.rejected_mask,
+    )
+
+
 def _logps_of_both(params, model_config, prompt_tokens, prompt_mask, *completions, **kwargs):
     """Per-token log-probs of two ``[N, T]`` completion sets for the same prompts, one pass."""
     n = completions[0].shape[0]
@@ -112,18 +124,10 @@ def pair_token_logps(
     """
     if return_prompt_logprobs:
         n = batch.chosen_tokens.shape[0]
-        rows = _both(
-            batch.prompt_tokens,
-            batch.prompt_mask,
-            batch.chosen_tokens,
-            batch.chosen_mask,
-            batch.rejected_tokens,
-            batch.rejected_mask,
-        )
         completion, prompt = completion_logprobs(
             params,
             model_config,
-            *rows,
+            *_pair_rows(batch),
             chunk_size=chunk_size,
             remat=remat,
             return_prompt_logprobs=True,
@@ -280,17 +284,8 @@ def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0, remat="
     """
 
     def loss_fn(params, batch: RewardBatch, totals=None):
-        pairs = batch.pairs
-        n = pairs.chosen_tokens.shape[0]
-        rows = _both(
-            pairs.prompt_tokens,
-            pairs.prompt_mask,
-            pairs.chosen_tokens,
-            pairs.chosen_mask,
-            pairs.rejected_tokens,
-            pairs.rejected_mask,
-        )
-        scores = heads.sequence_scores(params, model_config, *rows, remat=remat)
+        n = batch.pairs.chosen_tokens.shape[0]
+        scores = heads.sequence_scores(params, model_config, *_pair_rows(batch.pairs), remat=remat)
         rw, rl = scores[:n], scores[n:]
         loss = jnp.mean(
             bradley_terry(
