@@ -15,3 +15,10 @@ import pytest  # noqa: E402
 def rng():
     """A NumPy generator with a fixed seed, fresh for every test."""
     return np.random.default_rng(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The mutation check (tests/test_mutation.py) runs last: its child sessions reuse the
+    compilation cache the rest of the suite filled."""
+    last = [item for item in items if item.nodeid.endswith("test_every_mutant_is_killed")]
+    items[:] = [item for item in items if item not in last] + last

@@ -41,8 +41,10 @@ def test_an_unknown_mutant_is_refused_not_run_unmutated():
 
 
 @pytest.mark.slow
-def test_every_mutant_is_killed():
-    results = runner.run_all()
+def test_every_mutant_is_killed(tmp_path_factory):
+    # tests/conftest.py runs this last, so the children find the programs the trainer tests
+    # compiled in the session's cache (tests/train/helpers.py) instead of recompiling them.
+    results = runner.run_all(cache_dir=tmp_path_factory.getbasetemp() / "jax_cache")
     survived = {
         r.mutant.name: {t: r.outcomes[t] for t in r.survivors} for r in results if not r.killed
     }

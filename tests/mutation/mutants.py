@@ -160,7 +160,6 @@ MUTANTS: tuple[Mutant, ...] = (
         _learning_rate_x2,
         (
             f"{UPDATE}[full]",
-            f"{UPDATE}[micro2]",
             f"{OPTIM}::test_schedule_values[cosine-0.1]",
             f"{OPTIM}::test_optimizer_moves_by_the_scheduled_learning_rate[linear]",
             f"{SFT}::test_warmup_params_are_clipped_adamw_on_the_nll[2steps]",
@@ -221,7 +220,6 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             f"{SFT}::test_warmup_params_are_clipped_adamw_on_the_nll[2steps]",
             f"{SFT}::test_dpo_starts_from_and_is_referenced_to_the_warmed_up_policy",
-            f"{SFT}::test_reward_model_starts_from_the_warmed_up_backbone",
         ),
     ),
     Mutant(

@@ -60,11 +60,21 @@ def _outcomes(junit: pathlib.Path) -> dict[str, str]:
     return out
 
 
-def run_mutant(mutant: Mutant) -> Result:
-    """One child pytest with ``mutant`` planted, running exactly the tests that must catch it."""
+#: Names a compilation cache directory the child runs share (tests/train/helpers.py).
+SHARED_CACHE_ENV = "JAXRL_TEST_JAX_CACHE"
+
+
+def run_mutant(mutant: Mutant, cache_dir: str | os.PathLike | None = None) -> Result:
+    """One child pytest with ``mutant`` planted, running exactly the tests that must catch it.
+
+    ``cache_dir``: a JAX compilation cache shared with the caller's session (the children then
+    skip recompiling what the unmutated suite compiled).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         junit = pathlib.Path(tmp) / "junit.xml"
         env = {**os.environ, "JAXRL_MUTANT": mutant.name}
+        if cache_dir is not None:
+            env[SHARED_CACHE_ENV] = os.fspath(cache_dir)
         cmd = [
             sys.executable,
             "-m",
@@ -86,7 +96,11 @@ def run_mutant(mutant: Mutant) -> Result:
 
 
 def run_all(
-    names: list[str] | None = None, *, list_only: bool = False, out: TextIO | None = None
+    names: list[str] | None = None,
+    *,
+    list_only: bool = False,
+    out: TextIO | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> list[Result]:
     """Runs the named mutants (default all); writes one line per mutant to ``out``."""
     by_name = {m.name: m for m in MUTANTS}
@@ -102,7 +116,7 @@ def run_all(
         return []
     results = []
     for mutant in chosen:
-        result = run_mutant(mutant)
+        result = run_mutant(mutant, cache_dir)
         results.append(result)
         if out is not None:
             status = "killed" if result.killed else "SURVIVED"

@@ -29,9 +29,18 @@ CONFIGS = REPO / "configs"
 TIMING_PREFIXES = ("time/", "tokens_per_s")
 
 
+#: Names a compilation cache directory shared with a parent pytest session.
+SHARED_CACHE_ENV = "JAXRL_TEST_JAX_CACHE"
+
+
 @contextlib.contextmanager
 def persistent_compilation_cache(directory: str | os.PathLike) -> Iterator[None]:
-    """Enables JAX's on-disk compilation cache for every program, then restores the settings."""
+    """Enables JAX's on-disk compilation cache for every program, then restores the settings.
+
+    ``$JAXRL_TEST_JAX_CACHE`` overrides ``directory``: the mutation check's child pytest runs
+    point it at the parent session's cache (a mutant that changes a program changes its key).
+    """
+    directory = os.environ.get(SHARED_CACHE_ENV) or directory
     names = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",

@@ -29,6 +29,7 @@ from jaxrl_llm.train import optim
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
+from tests.train import helpers
 from tests.train.step_problem import CONFIG, host_batch
 
 STEPS = 4
@@ -91,6 +92,13 @@ _reference_grad = jax.jit(jax.value_and_grad(reference_loss, has_aux=True))
 
 def _f64(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    # Shared with the trainer tests, and with the mutation check's child sessions.
+    with helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
 
 
 @pytest.fixture(scope="module")
