@@ -29,6 +29,8 @@ def make_schedule(
     _checks.check_choice("schedule", schedule, SCHEDULES)
     _checks.check_non_negative("learning_rate", learning_rate)
     _checks.check_non_negative("warmup_steps", warmup_steps)
+    if not 0.0 <= final_fraction <= 1.0:
+        raise ValueError(f"final_fraction must be in [0, 1], got {final_fraction!r}")
     if schedule == "constant":
         decay = optax.constant_schedule(learning_rate)
     else:
@@ -55,15 +57,21 @@ def make_optimizer(
     schedule: str = "constant",
     warmup_steps: int = 0,
     total_steps: int | None = None,
+    final_fraction: float = 0.0,
     weight_decay: float = 0.0,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     max_grad_norm: float | None = 1.0,
 ) -> optax.GradientTransformation:
-    """AdamW after global-norm gradient clipping (the verl / TRL default)."""
+    """AdamW after global-norm gradient clipping (the verl / TRL default), on the learning
+    rate :func:`make_schedule` gives (``final_fraction``: where a decaying schedule ends)."""
     lr = make_schedule(
-        learning_rate, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps
+        learning_rate,
+        schedule=schedule,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        final_fraction=final_fraction,
     )
     adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if max_grad_norm is None:

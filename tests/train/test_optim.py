@@ -247,3 +247,44 @@ def test_bad_arguments_raise():
         optim.make_schedule(PEAK, warmup_steps=-1)
     with pytest.raises(ValueError, match="max_grad_norm must be > 0, got 0"):
         optim.make_optimizer(PEAK, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match=r"final_fraction must be in \[0, 1\], got 1.5"):
+        optim.make_optimizer(PEAK, schedule="cosine", total_steps=10, final_fraction=1.5)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_optimizer_decays_to_the_final_fraction(schedule):
+    """``make_optimizer(final_fraction=f)``: past ``total_steps`` each step moves by ``f·peak``
+    (constant gradient: Adam's normalised step is ``lr·g/(|g| + ε)``)."""
+    g = np.array([0.5, -2.0], np.float32)
+    optimizer = optim.make_optimizer(
+        PEAK, schedule=schedule, total_steps=4, final_fraction=0.1, eps=1e-8, max_grad_norm=None
+    )
+    trajectory = _steps(optimizer, jnp.zeros(2, jnp.float32), lambda p: jnp.asarray(g), 7)
+    np.testing.assert_allclose(trajectory[7] - trajectory[6], -0.1 * PEAK * np.sign(g), rtol=1e-4)
+
+
+def test_the_configs_final_lr_fraction_reaches_the_optimizer(monkeypatch, tmp_path):
+    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
+    from jaxrl_llm.train.rl import trainer as rl_trainer  # noqa: PLC0415
+    from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
+
+    seen = {}
+    real = rl_trainer.make_optimizer
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rl_trainer, "make_optimizer", spy)
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"run_dir={tmp_path}",
+            "mesh.fsdp=1",
+            "trainer.schedule=cosine",
+            "trainer.final_lr_fraction=0.25",
+        ],
+    )
+    rl_trainer.RLTrainer(cfg)
+    assert seen["final_fraction"] == 0.25 and seen["schedule"] == "cosine"

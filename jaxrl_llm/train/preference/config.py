@@ -143,6 +143,8 @@ class PreferenceTrainerSection:
       micro_batches: gradient accumulation: the step averages the losses of K micro-batches of
         ``batch_size / K`` rows, as TRL's gradient accumulation does.
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
+      final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
+        learning rate (0: decay to 0).
       eval_every: evaluate on the held-out set every N steps (0 = only before / after).
       eval_batch_size: rows per evaluation batch (0 = ``batch_size``).
     """
@@ -153,6 +155,7 @@ class PreferenceTrainerSection:
     learning_rate: float = 3e-4
     schedule: str = "constant"
     warmup_steps: int = 0
+    final_lr_fraction: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     eval_every: int = 0

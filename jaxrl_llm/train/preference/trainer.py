@@ -90,6 +90,7 @@ class PreferenceTrainer(Trainer):
             t.learning_rate,
             schedule=t.schedule,
             warmup_steps=t.warmup_steps,
+            final_fraction=t.final_lr_fraction,
             total_steps=t.max_steps,
             weight_decay=t.weight_decay,
             max_grad_norm=t.max_grad_norm,

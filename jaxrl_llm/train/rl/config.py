@@ -119,6 +119,8 @@ class TrainerSection:
       minibatches: optimizer steps per epoch (each over ``B / minibatches`` rows).
       micro_batches: gradient-accumulation micro-batches inside each optimizer step.
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
+      final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
+        learning rate (0: decay to 0).
       eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
     """
 
@@ -129,6 +131,7 @@ class TrainerSection:
     learning_rate: float = 5e-4
     schedule: str = "constant"
     warmup_steps: int = 0
+    final_lr_fraction: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     eval_every: int = 0
