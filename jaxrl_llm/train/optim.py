@@ -78,3 +78,18 @@ def make_optimizer(
         return adamw
     _checks.check_positive("max_grad_norm", max_grad_norm)
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def make_trainer_optimizer(section, total_steps: int) -> optax.GradientTransformation:
+    """:func:`make_optimizer` from a job's ``trainer`` section (``learning_rate``,
+    ``schedule``, ``warmup_steps``, ``final_lr_fraction``, ``weight_decay``,
+    ``max_grad_norm``) over ``total_steps`` optimizer steps."""
+    return make_optimizer(
+        section.learning_rate,
+        schedule=section.schedule,
+        warmup_steps=section.warmup_steps,
+        total_steps=total_steps,
+        final_fraction=section.final_lr_fraction,
+        weight_decay=section.weight_decay,
+        max_grad_norm=section.max_grad_norm,
+    )

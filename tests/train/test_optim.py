@@ -269,13 +269,13 @@ def test_the_configs_final_lr_fraction_reaches_the_optimizer(monkeypatch, tmp_pa
     from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
 
     seen = {}
-    real = rl_trainer.make_optimizer
+    real = optim.make_optimizer
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rl_trainer, "make_optimizer", spy)
+    monkeypatch.setattr(optim, "make_optimizer", spy)
     cfg = load_config(
         TrainConfig,
         None,

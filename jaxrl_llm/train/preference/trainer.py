@@ -25,7 +25,7 @@ from jaxrl_llm import data, models
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
-from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import PREFERENCE_PLOT_KEYS
 from jaxrl_llm.train.preference.config import REFERENCE_FREE, PreferenceConfig, check_config
 from jaxrl_llm.train.preference.data import (
@@ -86,15 +86,7 @@ class PreferenceTrainer(Trainer):
         )
         self._check_sizes()
         t = cfg.trainer
-        self.optimizer = make_optimizer(
-            t.learning_rate,
-            schedule=t.schedule,
-            warmup_steps=t.warmup_steps,
-            final_fraction=t.final_lr_fraction,
-            total_steps=t.max_steps,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
-        )
+        self.optimizer = make_trainer_optimizer(t, total_steps=t.max_steps)
         self.sampler = data.IndexSampler(keys, seed=cfg.seed)
         self.open_run()
         self.start_lines(

@@ -25,7 +25,7 @@ from jaxrl_llm import data, objectives, rewards
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
-from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import TrainConfig, check_config
@@ -119,14 +119,8 @@ class RLTrainer(Trainer):
         self.sampler = data.PromptSampler(train_examples, seed=cfg.seed)
         self.key = jax.random.key(cfg.seed)
         t = cfg.trainer
-        self.optimizer = make_optimizer(
-            t.learning_rate,
-            schedule=t.schedule,
-            warmup_steps=t.warmup_steps,
-            final_fraction=t.final_lr_fraction,
-            total_steps=t.max_steps * t.epochs * t.minibatches,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
+        self.optimizer = make_trainer_optimizer(
+            t, total_steps=t.max_steps * t.epochs * t.minibatches
         )
         self.open_run()
         self._initial_params = params
