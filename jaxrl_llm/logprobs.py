@@ -9,6 +9,7 @@ of storing it, so memory is ``O(B * C * V)`` rather than ``O(B * T * V)``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,21 +17,41 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm._checks import check_positive, check_rank, check_same_shape
-from jaxrl_llm.models import ModelConfig, forward, unembed
+from jaxrl_llm.models import ModelConfig, forward, unembed, unembedding
+from jaxrl_llm.models.layers import constrain
+from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of
 
 Array = jax.Array
 
-# Default chunk: the largest power of two C <= T with B * C * V <= this many f32 logits
-# (64 MiB), but at least MIN_CHUNK tokens so the scan does not degenerate into T steps.
-CHUNK_ELEMENTS = 2**24
+# Default chunk: the largest power of two C <= T with B * C * V <= this many f32 logits per
+# device (128 MiB), but at least MIN_CHUNK tokens so the scan does not degenerate into T steps.
+CHUNK_ELEMENTS = 2**25
 MIN_CHUNK = 8
 
 
 def default_chunk_size(batch: int, length: int, vocab: int) -> int:
-    """``C = min(T, max(MIN_CHUNK, 2^floor(log2(CHUNK_ELEMENTS / (B V)))))``."""
+    """``C = min(T, max(MIN_CHUNK, 2^floor(log2(CHUNK_ELEMENTS / (B V)))))``.
+
+    ``batch`` and ``vocab`` are what one device holds (see ``per_device_sizes``).
+    """
     budget = max(1, CHUNK_ELEMENTS // max(batch * vocab, 1))
     chunk = max(MIN_CHUNK, 1 << (budget.bit_length() - 1))
     return max(1, min(length, chunk))
+
+
+def per_device_sizes(batch: int, vocab: int) -> tuple[int, int]:
+    """``(rows, vocab)`` of one device's logits under ``ACTIVATION_RULES`` on the context mesh
+    (``jax.set_mesh`` / the trainers' steps): rows split over the batch axes, the vocabulary
+    over the tensor axis. Without a mesh, the global sizes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return batch, vocab
+    shape = dict(mesh.shape)
+
+    def shards(name: str) -> int:
+        return math.prod(shape.get(a, 1) for a in mesh_axes_of(ACTIVATION_RULES[name]))
+
+    return -(-batch // shards("batch")), -(-vocab // shards("vocab"))
 
 
 def token_logprobs_from_hidden(
@@ -78,7 +99,8 @@ def token_logprobs_from_hidden(
         check_positive("temperature", temperature)
     if chunk_size is None:
         vocab = jax.eval_shape(unembed_fn, hidden[:, :1]).shape[-1]
-        chunk_size = default_chunk_size(batch, length, vocab)
+        rows, local_vocab = per_device_sizes(batch, vocab)
+        chunk_size = default_chunk_size(rows, length, local_vocab)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
@@ -113,7 +135,9 @@ def _chunk(
     mask: Array,
 ) -> tuple[Array, Array]:
     """``[B, C, D]`` states -> (log-prob, entropy) ``[B, C]``, 0 where ``mask`` is False."""
-    z = unembed_fn(hidden).astype(jnp.float32) * inv_temperature
+    hidden = constrain(hidden, "batch", None, "embed")
+    z = constrain(unembed_fn(hidden).astype(jnp.float32), "batch", None, "vocab")
+    z = z * inv_temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     target_logit = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     logprobs = jnp.where(mask, target_logit - lse, 0.0)
@@ -183,7 +207,8 @@ def completion_logprobs(
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
     hidden, _ = forward(params, config, tokens, attention_mask=mask, remat=remat)
     length = completion_tokens.shape[1]
-    unembed_fn = functools.partial(unembed, params, config)
+    # Gathered (and cast) once here, outside the loop over chunks.
+    unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
     if return_prompt_logprobs:
         if return_entropy:
             raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_llm import parallel
 from jaxrl_llm.logprobs import (
     completion_logprobs,
     default_chunk_size,
+    per_device_sizes,
     token_logprobs_from_hidden,
 )
 from jaxrl_llm.models import load_pretrained, logits
@@ -250,13 +252,24 @@ def test_full_logits_are_never_materialised(rng):
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(8, 1024, 32000) == 64
+    # 2^25 f32 logits per device: 2^25 / (8 * 32000) = 131 -> 128.
+    assert default_chunk_size(8, 1024, 32000) == 128
     assert default_chunk_size(1, 10, 100) == 10
     assert default_chunk_size(512, 4096, 152064) == 8
     for batch, length, vocab in [(8, 1024, 32000), (4, 300, 50000), (1, 5000, 1000)]:
         chunk = default_chunk_size(batch, length, vocab)
         assert 1 <= chunk <= length
         assert chunk == length or chunk & (chunk - 1) == 0
+
+
+def test_chunk_budget_is_per_device():
+    """Rows split over data x fsdp and the vocabulary over tensor before budgeting, so a
+    global batch on many devices does not shrink the chunks (and multiply the loop's trips)."""
+    assert per_device_sizes(64, 32000) == (64, 32000)  # no mesh in context
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    with parallel.mesh_context(mesh):
+        assert per_device_sizes(64, 32000) == (16, 16000)
+        assert per_device_sizes(6, 32001) == (2, 16001)  # ceil: the largest shard
 
 
 def test_errors(model, batch):

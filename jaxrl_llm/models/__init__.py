@@ -1,5 +1,11 @@
 """Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3) and HF checkpoints."""
 
+from jaxrl_llm.models.architectures import (
+    ARCHITECTURE_DIR,
+    architecture_config,
+    available_architectures,
+    param_count,
+)
 from jaxrl_llm.models.checkpoint import load_config, load_pretrained, save_pretrained
 from jaxrl_llm.models.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
 from jaxrl_llm.models.heads import (
@@ -18,6 +24,7 @@ from jaxrl_llm.models.transformer import (
     REMAT_POLICIES,
     KVCache,
     Transformer,
+    cast_params,
     forward,
     init_cache,
     init_params,
@@ -25,10 +32,12 @@ from jaxrl_llm.models.transformer import (
     logits,
     param_shapes,
     unembed,
+    unembedding,
 )
 
 __all__ = [
     "ARCHITECTURES",
+    "ARCHITECTURE_DIR",
     "CACHE_AXES",
     "REMAT_POLICIES",
     "ROPE_TYPES",
@@ -36,6 +45,9 @@ __all__ = [
     "ModelConfig",
     "ScalarParams",
     "Transformer",
+    "architecture_config",
+    "available_architectures",
+    "cast_params",
     "forward",
     "init_cache",
     "init_params",
@@ -46,6 +58,7 @@ __all__ = [
     "load_tokenizer",
     "logical_axes",
     "logits",
+    "param_count",
     "param_shapes",
     "save_pretrained",
     "save_scalar_model",
@@ -54,4 +67,5 @@ __all__ = [
     "sequence_scores",
     "token_values",
     "unembed",
+    "unembedding",
 ]

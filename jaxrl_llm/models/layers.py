@@ -18,6 +18,7 @@ from flax import nnx
 from jaxrl_llm.models.attention import apply_rope, attention_mask, cache_attention
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, write_slots
+from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
 Array = jax.Array
 
@@ -28,6 +29,49 @@ def param(value: Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """An ``nnx.Param`` holding ``value`` with one logical axis name per dimension."""
     # eager_sharding=False: logical names are not mesh axes; the parallel layer maps them.
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def constrain(x: Array, *axes: str | None) -> Array:
+    """Pins an activation's sharding by logical axes (``ACTIVATION_RULES``; a no-op without a
+    mesh in context). The residual stream is ``("batch", None, "embed")`` with ``embed``
+    unsharded, so on an fsdp mesh the compiler gathers each layer's weights and keeps the
+    activations batch-sharded (FSDP) instead of sharding the contracting width and all-reducing
+    activations."""
+    return with_logical_constraint(x, axes, ACTIVATION_RULES)
+
+
+def gathered(w: Array, *axes: str | None) -> Array:
+    """A weight in its stored layout (``PARAM_RULES``: fsdp shards ``embed``) moved to its
+    use layout (``ACTIVATION_RULES``: gathered over fsdp, still tensor-split). No-op without
+    a mesh in context.
+
+    Pinning both ends makes the FSDP pattern explicit where the weight is used (per layer,
+    inside the layer scan): an all-gather forward and, since the cotangent is pinned the same
+    way in reverse, a reduce-scatter of its gradient backward, instead of a full all-reduce
+    of every layer's gradient after the loop.
+    """
+    w = with_logical_constraint(w, axes, PARAM_RULES)
+    return with_logical_constraint(w, axes, ACTIVATION_RULES)
+
+
+# Logical axes of the decoder layer's parameters (its weights are created and used with these).
+LAYER_AXES = {
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+    "bq": ("heads", "head_dim"),
+    "bk": ("kv_heads", "head_dim"),
+    "bv": ("kv_heads", "head_dim"),
+    "bo": ("embed",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+}
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
@@ -58,24 +102,28 @@ class DecoderLayer(nnx.Module):
         n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.eps = config.rms_norm_eps
         self.scale = h**-0.5
-        self.attn_norm = param(jnp.ones((d,), dtype), ("embed",))
-        self.wq = param(normal(rngs, (d, n, h), dtype), ("embed", "heads", "head_dim"))
-        self.wk = param(normal(rngs, (d, k, h), dtype), ("embed", "kv_heads", "head_dim"))
-        self.wv = param(normal(rngs, (d, k, h), dtype), ("embed", "kv_heads", "head_dim"))
-        self.wo = param(normal(rngs, (n, h, d), dtype), ("heads", "head_dim", "embed"))
+        self.attn_norm = param(jnp.ones((d,), dtype), LAYER_AXES["attn_norm"])
+        self.wq = param(normal(rngs, (d, n, h), dtype), LAYER_AXES["wq"])
+        self.wk = param(normal(rngs, (d, k, h), dtype), LAYER_AXES["wk"])
+        self.wv = param(normal(rngs, (d, k, h), dtype), LAYER_AXES["wv"])
+        self.wo = param(normal(rngs, (n, h, d), dtype), LAYER_AXES["wo"])
         # Optional parameters are assigned once (a Param or None) so NNX's data/static status
         # of each attribute is fixed per config.
         bias, qk_norm = config.qkv_bias, config.qk_norm
-        self.bq = param(jnp.zeros((n, h), dtype), ("heads", "head_dim")) if bias else None
-        self.bk = param(jnp.zeros((k, h), dtype), ("kv_heads", "head_dim")) if bias else None
-        self.bv = param(jnp.zeros((k, h), dtype), ("kv_heads", "head_dim")) if bias else None
-        self.bo = param(jnp.zeros((d,), dtype), ("embed",)) if config.o_bias else None
-        self.q_norm = param(jnp.ones((h,), dtype), ("head_dim",)) if qk_norm else None
-        self.k_norm = param(jnp.ones((h,), dtype), ("head_dim",)) if qk_norm else None
-        self.mlp_norm = param(jnp.ones((d,), dtype), ("embed",))
-        self.w_gate = param(normal(rngs, (d, f), dtype), ("embed", "mlp"))
-        self.w_up = param(normal(rngs, (d, f), dtype), ("embed", "mlp"))
-        self.w_down = param(normal(rngs, (f, d), dtype), ("mlp", "embed"))
+        self.bq = param(jnp.zeros((n, h), dtype), LAYER_AXES["bq"]) if bias else None
+        self.bk = param(jnp.zeros((k, h), dtype), LAYER_AXES["bk"]) if bias else None
+        self.bv = param(jnp.zeros((k, h), dtype), LAYER_AXES["bv"]) if bias else None
+        self.bo = param(jnp.zeros((d,), dtype), LAYER_AXES["bo"]) if config.o_bias else None
+        self.q_norm = param(jnp.ones((h,), dtype), LAYER_AXES["q_norm"]) if qk_norm else None
+        self.k_norm = param(jnp.ones((h,), dtype), LAYER_AXES["k_norm"]) if qk_norm else None
+        self.mlp_norm = param(jnp.ones((d,), dtype), LAYER_AXES["mlp_norm"])
+        self.w_gate = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_gate"])
+        self.w_up = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_up"])
+        self.w_down = param(normal(rngs, (f, d), dtype), LAYER_AXES["w_down"])
+
+    def _use(self, name: str) -> Array:
+        """Parameter ``name`` as used by the matmuls: gathered over fsdp (see ``gathered``)."""
+        return gathered(getattr(self, name)[...], *LAYER_AXES[name])
 
     def __call__(
         self,
@@ -104,15 +152,19 @@ class DecoderLayer(nnx.Module):
         Returns:
           ``(x [B, S, D], kv)`` with this call's keys/values written into ``kv``.
         """
-        h = rms_norm(x, self.attn_norm[...], self.eps)
-        q = jnp.einsum("bsd,dnh->bsnh", h, self.wq[...])
-        k = jnp.einsum("bsd,dkh->bskh", h, self.wk[...])
-        v = jnp.einsum("bsd,dkh->bskh", h, self.wv[...])
+        x = constrain(x, "batch", None, "embed")
+        h = rms_norm(x, self._use("attn_norm"), self.eps)
+        q = jnp.einsum("bsd,dnh->bsnh", h, self._use("wq"))
+        k = jnp.einsum("bsd,dkh->bskh", h, self._use("wk"))
+        v = jnp.einsum("bsd,dkh->bskh", h, self._use("wv"))
         if self.bq is not None:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+            q, k, v = q + self._use("bq"), k + self._use("bk"), v + self._use("bv")
+        q = constrain(q, "batch", None, "heads", "head_dim")
+        k = constrain(k, "batch", None, "kv_heads", "head_dim")
+        v = constrain(v, "batch", None, "kv_heads", "head_dim")
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm[...], self.eps)
-            k = rms_norm(k, self.k_norm[...], self.eps)
+            q = rms_norm(q, self._use("q_norm"), self.eps)
+            k = rms_norm(k, self._use("k_norm"), self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
         # can fuse it into the attention instead of keeping an O(S^2) mask alive over the scan.
@@ -127,17 +179,19 @@ class DecoderLayer(nnx.Module):
             kv = tuple(write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v)))
             layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
             attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+        attn = constrain(attn, "batch", None, "heads", "head_dim")
         if kv is None:
-            out = jnp.einsum("bsnh,nhd->bsd", attn, self.wo[...])
+            out = jnp.einsum("bsnh,nhd->bsd", attn, self._use("wo"))
         else:
             # One [B, S, N*H] x [N*H, D] product: with the 4-D einsum XLA:CPU transposes the
             # weight to match the attention output's layout on every decode step.
-            wo = self.wo[...]
+            wo = self._use("wo")
             out = attn.reshape(*attn.shape[:2], -1) @ wo.reshape(-1, wo.shape[-1])
         if self.bo is not None:
-            out = out + self.bo[...]
-        x = x + out
-        h = rms_norm(x, self.mlp_norm[...], self.eps)
-        gate = jax.nn.silu(h @ self.w_gate[...])
-        x = x + (gate * (h @ self.w_up[...])) @ self.w_down[...]
-        return x, kv
+            out = out + self._use("bo")
+        x = constrain(x + out, "batch", None, "embed")
+        h = rms_norm(x, self._use("mlp_norm"), self.eps)
+        gate = jax.nn.silu(constrain(h @ self._use("w_gate"), "batch", None, "mlp"))
+        up = constrain(h @ self._use("w_up"), "batch", None, "mlp")
+        x = x + (gate * up) @ self._use("w_down")
+        return constrain(x, "batch", None, "embed"), kv

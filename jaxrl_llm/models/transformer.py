@@ -34,7 +34,7 @@ from jaxrl_llm._checks import check_choice, check_rank
 from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import CACHE_AXES, KVCache, check_cache, init_cache
-from jaxrl_llm.models.layers import DecoderLayer, normal, param, rms_norm
+from jaxrl_llm.models.layers import DecoderLayer, constrain, gathered, normal, param, rms_norm
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -105,7 +105,9 @@ class Transformer(nnx.Module):
             positions = jnp.maximum(offset + counts - 1, 0)
         cos, sin = rope_angles(config, positions)
 
-        x = self.embed[...][tokens]
+        # The table gathered over fsdp once (vocab rows stay tensor-split), then looked up.
+        x = gathered(self.embed[...], "vocab", "embed")[tokens]
+        x = constrain(x, "batch", None, "embed")
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -136,7 +138,9 @@ class Transformer(nnx.Module):
                 (x, layer_kv), _ = body((x, layer_kv), (state, None))
                 written.append(layer_kv)
             kv = None if kv is None else tuple(zip(*written))
-        hidden = rms_norm(x, self.final_norm[...], config.rms_norm_eps)
+        hidden = constrain(
+            rms_norm(x, self.final_norm[...], config.rms_norm_eps), "batch", None, "embed"
+        )
         new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], mask=key_valid)
         return hidden, new_cache
 
@@ -150,7 +154,9 @@ def _check_optional(name: str, x: Array | None, shape: tuple[int, ...]) -> Array
 @functools.lru_cache(maxsize=64)
 def _abstract(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Graphdef and abstract (shape-only) state of the model, cached per config."""
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    # Outside any context mesh: nnx.eval_shape would read the logical axis names as mesh axes.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 
@@ -240,6 +246,7 @@ def forward(
     Returns:
       ``(hidden [B, S, D] in the params' dtype, new cache or None)``.
     """
+    params = cast_params(params, config)
     unstacked = None
     if isinstance(params.get("layers"), tuple):
         unstacked = _check_unstacked(params["layers"], config)
@@ -271,15 +278,44 @@ def _check_unstacked(layers: tuple[Params, ...], config: ModelConfig) -> tuple[P
     return layers
 
 
-def unembed(params: Params, config: ModelConfig, hidden: Array) -> Array:
-    """``logits = h W_U`` in f32 (``W_U = E^T`` when tied): ``[..., D] -> [..., V]``."""
-    if config.tie_word_embeddings:
-        return jnp.einsum(
-            "...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32
-        )
-    return jnp.einsum(
-        "...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32
+def cast_params(params: Params, config: ModelConfig) -> Params:
+    """The floating parameters in ``config.compute_dtype`` (unchanged when it is None).
+
+    Under jit the cast of f32 master weights to bf16 runs on each shard before any gather, so
+    FSDP all-gathers move compute-dtype bytes; its gradient is the cast back to f32.
+    """
+    if config.compute_dtype is None:
+        return params
+    dtype = jnp.dtype(config.compute_dtype)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
     )
+
+
+def unembedding(params: Params, config: ModelConfig) -> Array:
+    """``W_U [D, V]`` in the compute dtype, gathered over fsdp (vocab stays tensor-split).
+
+    Hoist it out of a loop over sequence chunks (as ``logprobs`` does) so the weight is gathered
+    once per forward, not once per chunk.
+    """
+    params = cast_params(
+        {k: params[k] for k in ("embed", "lm_head") if params.get(k) is not None}, config
+    )
+    if config.tie_word_embeddings:
+        return gathered(params["embed"], "vocab", "embed").T
+    return gathered(params["lm_head"], "embed", "vocab")
+
+
+def unembed(
+    params: Params, config: ModelConfig, hidden: Array, *, weight: Array | None = None
+) -> Array:
+    """``logits = h W_U`` in f32 (``W_U = E^T`` when tied): ``[..., D] -> [..., V]``.
+
+    ``weight``: a precomputed ``unembedding(params, config)`` (then ``params`` is unused).
+    """
+    if weight is None:
+        weight = unembedding(params, config)
+    return jnp.einsum("...d,dv->...v", hidden, weight, preferred_element_type=jnp.float32)
 
 
 def logits(
@@ -299,6 +335,7 @@ __all__ = [
     "Transformer",
     "apply_rope",
     "cache_attention",
+    "cast_params",
     "forward",
     "init_cache",
     "init_params",
@@ -309,4 +346,5 @@ __all__ = [
     "rms_norm",
     "rope_angles",
     "unembed",
+    "unembedding",
 ]

@@ -29,6 +29,7 @@ from jaxrl_llm.parallel.rules import (
     logical_to_sharding,
     logical_to_spec,
     mesh_axes_of,
+    mesh_context,
     spec_entry,
     with_logical_constraint,
 )
@@ -54,5 +55,6 @@ __all__ = [
     "resolve_mesh_shape",
     "shard_batch",
     "spec_entry",
+    "mesh_context",
     "with_logical_constraint",
 ]

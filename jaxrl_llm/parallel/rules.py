@@ -13,6 +13,7 @@ an unknown logical name, or a mesh axis used twice in one spec is a ``ValueError
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -324,3 +325,12 @@ def with_logical_constraint(x: jax.Array, axes: Sequence[str | None], rules: Rul
         f"with_logical_constraint{tuple(axes)}: spec {spec} mixes Explicit and Auto mesh axes "
         f"{tuple(mesh.axis_names)}; build the mesh with a single axis type"
     )
+
+
+def mesh_context(mesh: Mesh | None):
+    """A context making ``mesh`` the abstract mesh of code traced inside it (``nullcontext``
+    for None), so ``with_logical_constraint`` in the model takes effect in a jitted function
+    whose shardings name ``mesh``. Usable inside ``jax.jit`` (unlike ``jax.set_mesh``)."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

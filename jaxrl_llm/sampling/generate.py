@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import forward, init_cache, unembed
+from jaxrl_llm.models import cast_params, forward, init_cache, unembed
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.prompts import MIN_BUCKET, bucket_length, check_prompts, pad_prompts
 from jaxrl_llm.sampling.state import (
@@ -58,6 +58,7 @@ def _prefill(
     mesh: Any,
 ) -> SamplingState:
     num_prompts, prompt_len = prompt_tokens.shape
+    params = cast_params(params, config)  # once, not per layer call
     # A P-slot cache keeps the prompt's attention P x P; the T decode slots are appended after.
     cache = init_cache(config, num_prompts, prompt_len, dtype=cache_dtype)
     hidden, cache = forward(
@@ -147,6 +148,9 @@ def _decode(
     unroll: bool,
 ) -> SamplingState:
     max_new_tokens = state.tokens.shape[1]
+    # Cast once per call: the loop then reads compute-dtype weights (the casts in forward are
+    # no-ops on them).
+    params = cast_params(params, config)
 
     def not_finished(carry: SamplingState) -> Array:
         return (carry.step < max_new_tokens) & jnp.any(~carry.done)
@@ -200,7 +204,7 @@ def prefill(
       max_new_tokens: T (the cache holds ``P + T`` slots).
       pad_id: fills the token buffer.
       num_samples: G completions per prompt (static).
-      cache_dtype: KV-cache dtype (default: the parameters' dtype).
+      cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional ``jax.sharding.Mesh``; the state then follows ``SAMPLING_RULES``.
 
     Returns:
@@ -217,7 +221,7 @@ def prefill(
         config=config,
         max_new_tokens=max_new_tokens,
         num_samples=num_samples,
-        cache_dtype=jnp.dtype(cache_dtype or _default_cache_dtype(params)),
+        cache_dtype=jnp.dtype(cache_dtype or config.compute_dtype or _default_cache_dtype(params)),
         mesh=mesh,
     )
 
@@ -304,7 +308,7 @@ def generate(
       pad_id: written (mask 0, log-prob 0) after a row's EOS.
       num_samples: G completions per prompt; rows ``g*G … g*G+G-1`` belong to prompt ``g``.
       buckets: allowed padded prompt lengths (default: powers of two ``>= 16``).
-      cache_dtype: KV-cache dtype (default: the parameters' dtype).
+      cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional mesh; the sampling state is then sharded by ``SAMPLING_RULES``.
 
     Returns:

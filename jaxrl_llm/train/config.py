@@ -35,7 +35,16 @@ class ModelSection:
     Attributes:
       path: a Hugging Face model directory (config.json + safetensors + tokenizer); null = the
         built-in tiny model with the character tokenizer.
-      dtype: parameter dtype (``float32`` | ``bfloat16``).
+      architecture: an architecture without weights: a name from ``configs/models/``
+        (``qwen2.5-7b``, ``llama-3.1-70b``, ...) or a path to a Hugging Face ``config.json``.
+        What ``jaxrl-llm plan`` compiles when ``path`` is null; a training job needs
+        ``path`` (weights and tokenizer).
+      param_dtype: dtype of the stored (master) weights the optimizer updates: ``float32``
+        (default) or ``bfloat16`` (halves their memory, but small updates round away).
+      compute_dtype: dtype of the matmuls and activations: ``auto`` (bfloat16 on TPU and GPU,
+        float32 on CPU), ``float32`` or ``bfloat16``. Log-softmax, log-probs, losses and
+        reductions are f32 either way. Applies to every model of the job (policy, critic,
+        reward models) and to the sampler, whose KV cache is in it too.
       tiny: size of the built-in model.
       chunk_size: sequence chunk of the log-prob computation (null: automatic).
       remat: ``none`` or ``layer``: recompute each transformer layer in the backward pass
@@ -43,7 +52,9 @@ class ModelSection:
     """
 
     path: str | None = None
-    dtype: str = "float32"
+    architecture: str | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "auto"
     tiny: TinyModelConfig = TinyModelConfig()
     chunk_size: int | None = None
     remat: str = "none"

@@ -121,7 +121,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -
         raise ValueError(f"invalid {where}: {err}") from err
 
 
+# Keys that existed once: the message says what replaced them.
+REMOVED_KEYS = {
+    "model.dtype": "model.dtype was split in two: model.param_dtype (the master weights the "
+    "optimizer updates, default float32) and model.compute_dtype (matmuls and activations: "
+    "auto | float32 | bfloat16, default auto = bfloat16 on TPU/GPU, float32 on CPU)",
+}
+
+
 def _unknown_key_message(key: str, valid: list[str], path: str) -> str:
+    if _dotted(path, key) in REMOVED_KEYS:
+        return REMOVED_KEYS[_dotted(path, key)]
     message = f"unknown config key {_dotted(path, key)!r}"
     close = difflib.get_close_matches(key, valid, n=1)
     if close:

@@ -103,6 +103,8 @@ class Trainer:
 
     plot_keys: tuple[str, ...] = plots.DEFAULT_PLOT_KEYS
     eval_key = "eval_before"
+    #: The job's device mesh (a wing sets it); ``fit`` runs under ``jax.set_mesh(mesh)``.
+    mesh: Any = None
 
     def __init__(self, cfg):
         parallel.initialize_distributed()
@@ -260,6 +262,11 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``."""
+        # The model's activation constraints resolve against the job's mesh.
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         self.setup()
         if self.latest is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_llm import logprobs
+from jaxrl_llm import logprobs, parallel
 from jaxrl_llm.types import Sequences
 
 PyTree = Any
@@ -43,7 +43,13 @@ def make_logprob_fn(
     log-probs are those of the distribution the tokens were drawn from.
     """
 
+    mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
+
     def fn(params, seqs: Sequences):
+        with parallel.mesh_context(mesh):
+            return _logprobs(params, seqs)
+
+    def _logprobs(params, seqs: Sequences):
         return sequence_logprobs(
             jax.lax.stop_gradient(params),
             model_config,

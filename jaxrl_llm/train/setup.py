@@ -8,6 +8,7 @@ size checks that turn a batch not dividing the mesh into a message naming the co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from jaxrl_llm import data, models, parallel, sampling
 log = logging.getLogger("jaxrl_llm")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+COMPUTE_DTYPES = ("auto", *DTYPES)
 
 
 def make_run_mesh(section) -> jax.sharding.Mesh:
@@ -37,10 +39,29 @@ def make_run_mesh(section) -> jax.sharding.Mesh:
 
 
 def param_dtype(section) -> Any:
-    """The parameter dtype of ``model.dtype``."""
-    if section.dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {section.dtype!r}")
-    return DTYPES[section.dtype]
+    """The master-weight dtype of ``model.param_dtype``."""
+    if section.param_dtype not in DTYPES:
+        raise ValueError(
+            f"model.param_dtype must be one of {tuple(DTYPES)}, got {section.param_dtype!r}"
+        )
+    return DTYPES[section.param_dtype]
+
+
+def compute_dtype(section, backend: str | None = None) -> str:
+    """The compute dtype name of ``model.compute_dtype``; ``auto`` is ``bfloat16`` on TPU and
+    GPU, ``float32`` on CPU (``backend`` defaults to ``jax.default_backend()``)."""
+    name = section.compute_dtype
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES}, got {name!r}")
+    if name == "auto":
+        backend = jax.default_backend() if backend is None else backend
+        return "float32" if backend == "cpu" else "bfloat16"
+    return name
+
+
+def with_compute_dtype(model_config, section):
+    """``model_config`` computing in ``model.compute_dtype`` (every model of a job does)."""
+    return dataclasses.replace(model_config, compute_dtype=compute_dtype(section))
 
 
 def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
@@ -68,6 +89,7 @@ def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
+        compute_dtype=compute_dtype(section),
     )
 
 
@@ -75,7 +97,7 @@ def build_policy(cfg, mesh):
     """``(tokenizer, model_config, params or None)`` of ``cfg.model``; None = random init.
 
     Raises:
-      ValueError: an unknown ``model.dtype`` / ``model.remat``.
+      ValueError: an unknown ``model.param_dtype`` / ``model.compute_dtype`` / ``model.remat``.
       FileNotFoundError: ``model.path`` is not a checkpoint directory.
     """
     dtype = param_dtype(cfg.model)
@@ -83,8 +105,15 @@ def build_policy(cfg, mesh):
         raise ValueError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
         )
+    if cfg.model.path is None and cfg.model.architecture is not None:
+        raise ValueError(
+            f"model.architecture={cfg.model.architecture!r} names an architecture without "
+            "weights or a tokenizer: `jaxrl-llm plan` compiles it; to train, set model.path to "
+            "a Hugging Face checkpoint directory"
+        )
     if cfg.model.path is not None:
         model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
+        model_config = with_compute_dtype(model_config, cfg.model)
         return models.load_tokenizer(cfg.model.path), model_config, params
     tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
     return tokenizer, tiny_model_config(cfg.model, tokenizer, mesh), None

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxrl_llm import aggregation
+from jaxrl_llm import aggregation, parallel
 from jaxrl_llm.train.state import TrainState
 
 Array = jax.Array
@@ -169,9 +169,16 @@ def jit_step(step: Step, state_shardings: TrainState, batch_shardings: PyTree | 
     Returns:
       The jitted step; metrics come back replicated.
     """
-    replicated = NamedSharding(_mesh_of(state_shardings), PartitionSpec())
+    mesh = _mesh_of(state_shardings)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def step_on_mesh(state, batch):
+        # The model's activation constraints resolve against the state's mesh.
+        with parallel.mesh_context(mesh):
+            return step(state, batch)
+
     return jax.jit(
-        step,
+        step_on_mesh,
         in_shardings=(state_shardings, batch_shardings),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,

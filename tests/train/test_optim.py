@@ -288,3 +288,49 @@ def test_the_configs_final_lr_fraction_reaches_the_optimizer(monkeypatch, tmp_pa
     )
     rl_trainer.RLTrainer(cfg)
     assert seen["final_fraction"] == 0.25 and seen["schedule"] == "cosine"
+
+
+def _bf16(x):
+    """Rounded to bfloat16 (nearest even), back in float64: what a bf16 store keeps."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)).astype(np.float64)
+
+
+def test_bf16_optimizer_state_stores_rounded_moments_and_updates_in_f32():
+    """``state_dtype="bfloat16"``: m and v are kept in bf16 between steps; each step runs Adam
+    at full precision from the stored (rounded) moments, float64 reference:
+    ``m_t = b1·m̃_{t−1} + (1−b1)·g``, ``v_t = b2·ṽ_{t−1} + (1−b2)·g²``,
+    ``Δ = −lr·m̂_t/(√v̂_t + ε)`` (bias-corrected), then ``m̃_t = bf16(m_t)``, ``ṽ_t = bf16(v_t)``."""
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+    optimizer = optim.make_optimizer(lr, max_grad_norm=None, state_dtype="bfloat16")
+    p = jnp.asarray([1.0, -0.3, 0.77, 2.5, 0.1], jnp.float32)
+    state = optimizer.init(p)
+    floating = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floating and all(x.dtype == jnp.bfloat16 for x in floating)
+    update = jax.jit(optimizer.update)
+    m = v = np.zeros(5)
+    for t in range(1, 5):
+        g = A * (np.asarray(p, np.float64) - C)
+        updates, state = update(jnp.asarray(g, jnp.float32), state, p)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g**2
+        step = -lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        # rtol 1e-4: optax forms 1 − b2^t in f32 (see above); starting from unrounded moments
+        # would be ~2e-3 off.
+        np.testing.assert_allclose(np.asarray(updates, np.float64), step, rtol=1e-4)
+        stored_m, stored_v = _adam_moments(state)
+        np.testing.assert_allclose(stored_m, _bf16(m), rtol=2**-8)
+        np.testing.assert_allclose(stored_v, _bf16(v), rtol=2**-8)
+        m, v = stored_m, stored_v  # the next step starts from what was stored
+        p = p + updates
+
+
+def test_moments_are_f32_by_default_even_for_bf16_parameters():
+    optimizer = optim.make_optimizer(0.01)
+    state = optimizer.init({"w": jnp.ones((3, 2), jnp.bfloat16)})
+    moments = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (3, 2)]
+    assert len(moments) == 2 and all(x.dtype == jnp.float32 for x in moments)
+
+
+def _adam_moments(state):
+    leaves = [x for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (5,)]
+    assert len(leaves) == 2, leaves
+    return [np.asarray(x, np.float64) for x in leaves]

@@ -52,3 +52,43 @@ def test_batch_sizes_must_divide_the_batch_shards():
     too_big = load_config(TrainConfig, None, ["mesh.data=4", "mesh.fsdp=4"]).mesh
     with pytest.raises(ValueError, match=r"needs 16 devices; 8 available"):
         setup.make_run_mesh(too_big)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "expected"),
+    [
+        ("auto", "cpu", "float32"),
+        ("auto", "tpu", "bfloat16"),
+        ("auto", "gpu", "bfloat16"),
+        ("float32", "tpu", "float32"),
+        ("bfloat16", "cpu", "bfloat16"),
+    ],
+)
+def test_compute_dtype_auto_is_bf16_on_accelerators_only(name, backend, expected):
+    cfg = load_config(TrainConfig, None, [f"model.compute_dtype={name}"])
+    assert setup.compute_dtype(cfg.model, backend) == expected
+
+
+def test_rl_job_keeps_f32_masters_and_moments_and_computes_in_the_compute_dtype(tmp_path):
+    """The built-in model honours both keys (``model.dtype`` used to be ignored for it): bf16
+    masters when asked, f32 AdamW moments, and every forward in the compute dtype."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from tests.train.rl import rl_helpers  # noqa: PLC0415
+
+    cfg = rl_helpers.tiny_config(
+        None,
+        tmp_path,
+        "model.param_dtype=bfloat16",
+        "model.compute_dtype=bfloat16",
+        "sft_warmup.steps=0",
+    )
+    trainer = rl_trainer.RLTrainer(cfg)
+    trainer.setup()
+    assert trainer.run.model_config.compute_dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(trainer.state.params)} == {jnp.dtype("bfloat16")}
+    floating = [
+        x for x in jax.tree.leaves(trainer.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert floating and {x.dtype for x in floating if x.ndim} == {jnp.dtype("float32")}

@@ -145,6 +145,8 @@ class PreferenceTrainerSection:
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
       final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
         learning rate (0: decay to 0).
+      optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
+        (halves their memory; the update is computed in f32 either way).
       eval_every: evaluate on the held-out set every N steps (0 = only before / after).
       eval_batch_size: rows per evaluation batch (0 = ``batch_size``).
     """
@@ -158,6 +160,7 @@ class PreferenceTrainerSection:
     final_lr_fraction: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    optimizer_state_dtype: str = "float32"
     eval_every: int = 0
     eval_batch_size: int = 0
 

@@ -70,9 +70,10 @@ class PreferenceTrainer(Trainer):
                 "classifier): set sft_warmup.steps=0"
             )
         if self._scalar_path:
-            self.model_config, self._initial = heads.load_scalar_model(
+            model_config, self._initial = heads.load_scalar_model(
                 cfg.model.path, dtype=self.dtype, mesh=self.mesh
             )
+            self.model_config = setup.with_compute_dtype(model_config, cfg.model)
             self.tokenizer = models.load_tokenizer(cfg.model.path)
         else:
             # build_policy reads only ``cfg.model``, which this config shares with the RL one.

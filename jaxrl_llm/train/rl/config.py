@@ -121,6 +121,8 @@ class TrainerSection:
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
       final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
         learning rate (0: decay to 0).
+      optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
+        (halves their memory; the update is computed in f32 either way).
       eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
     """
 
@@ -134,6 +136,7 @@ class TrainerSection:
     final_lr_fraction: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    optimizer_state_dtype: str = "float32"
     eval_every: int = 0
 
 

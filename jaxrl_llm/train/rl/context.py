@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import data, objectives
@@ -45,7 +44,10 @@ def load_reward_model(cfg: TrainConfig, policy_config, mesh):
     section = cfg.reward_model
     if section.path is None:
         return None
-    rm_config, params = heads.load_scalar_model(section.path, dtype=jnp.float32, mesh=mesh)
+    # Frozen: stored in the compute dtype, nothing updates it.
+    dtype = setup.DTYPES[setup.compute_dtype(cfg.model)]
+    rm_config, params = heads.load_scalar_model(section.path, dtype=dtype, mesh=mesh)
+    rm_config = setup.with_compute_dtype(rm_config, cfg.model)
     if rm_config.vocab_size != policy_config.vocab_size:
         raise ValueError(
             f"reward_model.path {section.path} has vocab_size {rm_config.vocab_size}, the policy "

@@ -15,7 +15,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models, objectives
@@ -163,7 +162,10 @@ class PPOTrainer(RLTrainer):
         run, critic = self.run, self.cfg.critic
         key = jax.random.fold_in(self.key, 7)
         if critic.init == "reward_model":
-            config, params = heads.load_scalar_model(critic.path, dtype=jnp.float32, mesh=run.mesh)
+            config, params = heads.load_scalar_model(
+                critic.path, dtype=setup.param_dtype(self.cfg.model), mesh=run.mesh
+            )
+            config = setup.with_compute_dtype(config, self.cfg.model)
             if config.vocab_size != run.model_config.vocab_size:
                 raise ValueError(
                     f"critic.path {critic.path} has vocab_size {config.vocab_size}, the policy "
@@ -171,7 +173,10 @@ class PPOTrainer(RLTrainer):
                 )
             return config, params
         backbone = self.state.params if critic.init == "policy" else None
-        return run.model_config, heads.init_scalar_params(run.model_config, key, backbone=backbone)
+        params = heads.init_scalar_params(
+            run.model_config, key, backbone=backbone, dtype=setup.param_dtype(self.cfg.model)
+        )
+        return run.model_config, params
 
     def setup_extra_networks(self) -> None:
         run, critic = self.run, self.cfg.critic

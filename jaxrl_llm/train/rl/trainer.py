@@ -155,6 +155,10 @@ class RLTrainer(Trainer):
     # -- state -------------------------------------------------------------------------------
 
     @property
+    def mesh(self):
+        return self.run.mesh
+
+    @property
     def policy_params(self):
         """The policy's parameters (subclasses may keep them inside a larger state)."""
         return self.state.params
@@ -200,9 +204,15 @@ class RLTrainer(Trainer):
                 to_device=run.to_device,
                 chunk_size=cfg.model.chunk_size,
                 remat=cfg.model.remat,
+                param_dtype=setup.param_dtype(cfg.model),
             )
         self.state, self.shardings = create_train_state(
-            run.model_config, self.optimizer, key=init_key, mesh=run.mesh, params=params
+            run.model_config,
+            self.optimizer,
+            key=init_key,
+            mesh=run.mesh,
+            params=params,
+            param_dtype=setup.param_dtype(cfg.model),
         )
         self.copy_params = setup.copy_fn(self.shardings.params)
         self.row_sharding = setup.row_sharding(run.mesh)

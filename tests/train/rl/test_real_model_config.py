@@ -64,7 +64,7 @@ def test_real_model_recipe_runs_on_a_tiny_local_checkpoint(tmp_path, checkpoint_
         CONFIG,
         run_dir,
         f"model.path={checkpoint_dir}",
-        "model.dtype=float32",
+        "model.compute_dtype=float32",
         f"data.train_path={train}",
         f"data.eval_path={test}",
         "data.eval_size=4",

@@ -512,10 +512,16 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
     ("overrides", "message"),
     [
         pytest.param(
-            ["model.dtype=float16"],
-            r"model.dtype must be one of \('float32', 'bfloat16'\)",
-            id="dtype",
+            ["model.param_dtype=float16"],
+            r"model.param_dtype must be one of \('float32', 'bfloat16'\)",
+            id="param_dtype",
         ),
+        pytest.param(
+            ["model.compute_dtype=float16"],
+            r"model.compute_dtype must be one of \('auto', 'float32', 'bfloat16'\)",
+            id="compute_dtype",
+        ),
+
         pytest.param(
             ["model.remat=full"], r"model.remat must be one of \('none', 'layer'\)", id="remat"
         ),
@@ -546,3 +552,11 @@ def test_bad_settings_are_refused_by_name(tmp_path, overrides, message):
     cfg = rl_helpers.tiny_config(None, tmp_path, *overrides)
     with pytest.raises(ValueError, match=message):
         RLTrainer(cfg)
+
+
+def test_the_removed_model_dtype_key_names_its_replacements(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"model.dtype was split in two: model.param_dtype .* and model.compute_dtype",
+    ):
+        rl_helpers.tiny_config(None, tmp_path, "model.dtype=bfloat16")
