@@ -72,6 +72,18 @@ def _bf16_loss_math(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(_checks, "f32", lambda x: jnp.asarray(x))
 
 
+def _compute_dtype_ignored(patch: pytest.MonkeyPatch) -> None:
+    from jaxrl_llm.models import transformer
+
+    patch.setattr(transformer, "cast_params", lambda params, config: params)
+
+
+def _activation_constraints_dropped(patch: pytest.MonkeyPatch) -> None:
+    from jaxrl_llm.models import layers
+
+    patch.setattr(layers, "with_logical_constraint", lambda x, axes, rules: x)
+
+
 def _drop_temperature(real, *args, **kwargs):
     kwargs.pop("temperature", None)
     return real(*args, **kwargs)
@@ -241,5 +253,20 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_value.py::test_bf16_inputs_are_upcast_before_any_math[0.2]",
             "tests/test_advantages.py::test_bf16_inputs_are_upcast_before_any_math",
         ),
+    ),
+    Mutant(
+        "compute_dtype_ignored",
+        "model.compute_dtype=bfloat16 still computes in the f32 master weights' dtype",
+        _compute_dtype_ignored,
+        (
+            "tests/models/test_precision.py::test_bf16_compute_runs_every_matmul_in_bf16",
+            "tests/models/test_precision.py::test_bf16_compute_agrees_with_f32_at_bf16_tolerance",
+        ),
+    ),
+    Mutant(
+        "activation_constraints_dropped",
+        "the model no longer pins activation shardings: an fsdp mesh all-reduces activations",
+        _activation_constraints_dropped,
+        ("tests/parallel/test_fsdp_sharding.py::test_fsdp_step_moves_weights_never_activations",),
     ),
 )
