@@ -1,9 +1,13 @@
-"""Attention pieces: rotary embeddings, the causal key mask and attention over a cache.
+"""Attention pieces: rotary embeddings, the causal key mask, attention over a cache, and causal
+self-attention over a whole sequence with one implementation per backend.
 
 Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,3 +77,202 @@ def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     own = key_slots[None, :] == query_slots[:, None]
     mask = (causal[None] & key_valid[:, None, :]) | own[None]
     return mask[:, None]
+
+
+# --- Causal self-attention over the S tokens of one call, one implementation per backend. ---
+
+_IMPLEMENTATIONS = ("auto", "xla", "einsum", "splash", "cudnn")
+# Splash attention works on tiles whose sides are multiples of the TPU lane width.
+_SPLASH_LANES = 128
+_SPLASH_BLOCK = 512
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention_implementations() -> tuple[str, ...]:
+    """Names accepted by ``dot_product_attention(..., implementation=...)``.
+
+    * ``"auto"``: ``resolve_attention_implementation`` picks one of the others per backend.
+    * ``"xla"``: ``jax.nn.dot_product_attention`` with the ``[B, 1, S, S]`` mask of
+      ``attention_mask`` (the reference; materialises ``[B, N, S, S]`` f32 scores and, under
+      autodiff, keeps them for the backward pass).
+    * ``"einsum"``: blocks of queries as head-major batched matmuls in f32 with a hand-written
+      backward pass, each block against only the keys up to its last query (faster than
+      ``"xla"`` on CPU; keeps about half of the ``O(S^2)`` probabilities).
+    * ``"splash"``: the Pallas TPU splash-attention kernel (``O(S)`` memory); pass
+      ``interpret=True`` to emulate it off TPU (slow; for tests).
+    * ``"cudnn"``: cuDNN flash attention via ``jax.nn.dot_product_attention`` (NVIDIA GPU,
+      bf16/f16; ``O(S)`` memory).
+    """
+    return _IMPLEMENTATIONS
+
+
+def resolve_attention_implementation(implementation: str, *, dtype: Any, head_dim: int) -> str:
+    """The implementation ``dot_product_attention`` runs for ``implementation``.
+
+    ``"auto"`` means ``"splash"`` on TPU, ``"cudnn"`` on an NVIDIA GPU for bf16/f16 inputs with
+    ``head_dim <= 128`` and ``head_dim % 8 == 0`` (else ``"xla"``), ``"einsum"`` on CPU and
+    ``"xla"`` elsewhere. The backend is that of the context mesh (``jax.set_mesh`` or an
+    abstract mesh with a device description), else of ``jax.devices()``. Other names are
+    returned as they are. cuDNN's flash attention also needs compute capability >= 8.0
+    (Ampere or later), which is not checked here: pass ``"xla"`` on older GPUs.
+
+    Raises:
+      ValueError: ``implementation`` is not in ``attention_implementations()``.
+    """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention implementation {implementation!r}; expected one of "
+            f"{_IMPLEMENTATIONS}"
+        )
+    if implementation != "auto":
+        return implementation
+    platform, kind = _platform()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda"):
+        nvidia = platform == "cuda" or "nvidia" in kind.lower()
+        cudnn_ok = jnp.dtype(dtype) in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= 128
+        return "cudnn" if nvidia and cudnn_ok else "xla"
+    return "einsum" if platform == "cpu" else "xla"
+
+
+def dot_product_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    key_valid: Array,
+    scale: float,
+    implementation: str = "auto",
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    interpret: bool = False,
+) -> Array:
+    """Causal self-attention over the S tokens of this call, pad keys masked.
+
+    ``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` (Vaswani et al. 2017) over the keys ``j``
+    with ``j <= i`` and ``key_valid[b, j]``; query head ``n`` reads key/value head
+    ``n // (N / K)`` (grouped-query attention, Ainslie et al. 2023). Pads may sit anywhere in a
+    row (left-padded prompts, right-padded completions, gaps).
+
+    Rows of pad queries (``key_valid[b, i]`` False) are finite but implementation-defined:
+    ``"xla"`` and ``"einsum"`` let a pad query see the real keys before it plus its own slot
+    (``attention_mask``), ``"splash"`` the pad keys up to its own slot, ``"cudnn"`` returns
+    zeros there. Real query rows never read pad keys, so they, and gradients that flow only
+    through them, agree across implementations; callers ignore pad rows (the losses mask them).
+
+    Args:
+      q: ``[B, S, N, H]`` queries (after RoPE).
+      k, v: ``[B, S, K, H]`` keys (after RoPE) and values of the same S tokens; ``N % K == 0``.
+      key_valid: ``[B, S]`` bool, True on real tokens.
+      scale: score multiplier, usually ``H ** -0.5`` (a Python number).
+      implementation: one of ``attention_implementations()``.
+      block_q: queries per block. ``"splash"``: a multiple of 128 (default 512); ``"einsum"``:
+        any positive int (default: about 3 MiB of f32 scores per block, at most 16 blocks).
+      block_kv: ``"splash"`` keys per block, a multiple of 128 (default 512). The sequence is
+        padded to a multiple of 128 (padding masked, output sliced) and each splash block
+        shrinks to the largest multiple of 128 that divides the padded length.
+      interpret: run ``"splash"`` in the Pallas interpreter (off TPU, for tests).
+
+    Returns:
+      ``[B, S, N, H]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: bad shapes or dtypes, an unknown ``implementation``, bad block sizes,
+        ``"splash"`` off TPU without ``interpret=True``, or ``"cudnn"`` with an unsupported
+        dtype or head dim.
+    """
+    from jaxrl_llm.models import attention_backends as backends  # noqa: PLC0415 (cycle)
+
+    _check_inputs(q, k, v, key_valid)
+    scale = _check_scale(scale)
+    name = resolve_attention_implementation(implementation, dtype=q.dtype, head_dim=q.shape[-1])
+    if name == "xla":
+        mask = attention_mask(key_valid, jnp.arange(q.shape[1]))
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=None)
+    if name == "einsum":
+        if block_q is not None:
+            _check_block("block_q", block_q, multiple=1)
+        return backends._einsum_attention(q, k, v, key_valid, scale, block=block_q)
+    if name == "cudnn":
+        _check_cudnn(q)
+        return backends._compacted_attention(q, k, v, key_valid, scale, implementation="cudnn")
+    block_q = _SPLASH_BLOCK if block_q is None else block_q
+    block_kv = _SPLASH_BLOCK if block_kv is None else block_kv
+    _check_block("block_q", block_q, multiple=_SPLASH_LANES)
+    _check_block("block_kv", block_kv, multiple=_SPLASH_LANES)
+    if not interpret and _platform()[0] != "tpu":
+        raise ValueError(
+            "implementation='splash' needs a TPU (the context mesh's or the default devices); "
+            "pass interpret=True to emulate the kernel elsewhere"
+        )
+    return backends._splash_attention(
+        q, k, v, key_valid, scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret
+    )
+
+
+def _check_inputs(q: Array, k: Array, v: Array, key_valid: Array) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(f"{name} must be [B, S, heads, H], got shape {jnp.shape(x)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    batch, seq, heads, head_dim = q.shape
+    if k.shape[:2] != (batch, seq) or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k/v {k.shape} must be [B, S, K, H] with q's B, S and H (self-attention), q {q.shape}"
+        )
+    if heads % k.shape[2]:
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of key/value heads ({k.shape[2]})"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if jnp.shape(key_valid) != (batch, seq) or jnp.result_type(key_valid) != jnp.bool_:
+        raise ValueError(
+            f"key_valid must be a [B, S] = {(batch, seq)} bool array, got shape "
+            f"{jnp.shape(key_valid)} dtype {jnp.result_type(key_valid)}"
+        )
+
+
+def _check_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite Python number, got {scale!r}")
+    return float(scale)
+
+
+def _check_block(name: str, block: Any, *, multiple: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block % multiple:
+        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {block!r}")
+
+
+def _check_cudnn(q: Array) -> None:
+    if q.dtype not in _CUDNN_DTYPES:
+        raise ValueError(f"implementation='cudnn' needs bf16 or f16 inputs, got {q.dtype}")
+    if _platform()[0] not in ("gpu", "cuda"):
+        raise ValueError(
+            "implementation='cudnn' needs an NVIDIA GPU (the context mesh's or the default devices)"
+        )
+    head_dim = q.shape[-1]
+    if head_dim % 8 or head_dim > 256:
+        raise ValueError(
+            f"implementation='cudnn' needs a head dim that is a multiple of 8 and <= 256 "
+            f"(<= 128 before Hopper), got {head_dim}"
+        )
+
+
+def _platform() -> tuple[str, str]:
+    """``(platform, device_kind)`` of the context mesh (``jax.set_mesh``) or default devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is None:
+        device = jax.devices()[0]
+    return device.platform, device.device_kind
+
+
+# --- "einsum": query blocks of head-major batched matmuls, hand-written backward (CPU). ---
+
+# Query block of the "einsum" path: about this many bytes of f32 scores per block (a few MiB
+# stays in a CPU's caches between the products and the softmax), at most this many blocks.

@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm.models.attention import apply_rope, attention_mask, cache_attention
+from jaxrl_llm.models.attention import (
+    apply_rope,
+    attention_mask,
+    cache_attention,
+    dot_product_attention,
+)
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, write_slots
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
@@ -166,14 +171,14 @@ class DecoderLayer(nnx.Module):
             q = rms_norm(q, self._use("q_norm"), self.eps)
             k = rms_norm(k, self._use("k_norm"), self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
-        # can fuse it into the attention instead of keeping an O(S^2) mask alive over the scan.
-        mask = attention_mask(key_valid, query_slots)
         if kv is None:
-            attn = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=self.scale, implementation=None
-            )
+            # Fused per backend: the splash kernel on TPU and cuDNN on GPU (memory linear in S),
+            # blocked causal einsums on CPU (see attention.dot_product_attention).
+            attn = dot_product_attention(q, k, v, key_valid=key_valid, scale=self.scale)
         else:
+            # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
+            # can fuse it into the attention instead of keeping an O(S^2) mask alive.
+            mask = attention_mask(key_valid, query_slots)
             # Writing only this call's slots (not a whole layer slice) lets XLA update the
             # cache in place inside the sampler's while loop; attention then reads it back.
             kv = tuple(write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v)))

@@ -89,25 +89,37 @@ def _at(tree, path):
     return tree
 
 
-def _dot_input_dtypes(config, params, batch):
-    jaxpr = jax.make_jaxpr(lambda p: _loss(p, config, batch)[0])(params)
-    dtypes = set()
+def _weight_matmul_dtypes(config, params, batch):
+    """Dtypes of the weight operands (shaped like a per-layer weight or the embedding /
+    unembedding) of every matmul, forward and backward. Attention's score and PV products read
+    no weight (the CPU backend runs them in f32 on purpose); the unembedding's backward takes
+    the f32 logits' cotangent with the bf16 weight."""
+    shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["layers"]) if x.ndim > 2}
+    shapes |= {tuple(x.shape) for k, x in params.items() if k != "layers" and x.ndim == 2}
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: _loss(p, config, batch)[0]))(params)
+    dtypes, count = set(), 0
 
     def walk(jaxpr):
+        nonlocal count
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                dtypes.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+                for v in eqn.invars:
+                    if tuple(v.aval.shape) in shapes:
+                        dtypes.add(str(v.aval.dtype))
+                        count += 1
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jaxpr.jaxpr)
-    return dtypes
+    return dtypes, count
 
 
-def test_bf16_compute_runs_every_matmul_in_bf16(rng):
+def test_bf16_compute_runs_every_weight_matmul_in_bf16(rng):
     params, batch = _params(), _batch(rng)
-    assert _dot_input_dtypes(BF16, params, batch) == {("bfloat16", "bfloat16")}
-    assert _dot_input_dtypes(CONFIG, params, batch) == {("float32", "float32")}
+    dtypes, count = _weight_matmul_dtypes(BF16, params, batch)
+    assert dtypes == {"bfloat16"}
+    assert count >= 2 * 7  # q, k, v, o, gate, up, down of the layer body, forward and backward
+    assert _weight_matmul_dtypes(CONFIG, params, batch)[0] == {"float32"}
 
 
 def test_master_weights_move_under_a_tiny_learning_rate(rng):

@@ -259,7 +259,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "model.compute_dtype=bfloat16 still computes in the f32 master weights' dtype",
         _compute_dtype_ignored,
         (
-            "tests/models/test_precision.py::test_bf16_compute_runs_every_matmul_in_bf16",
+            "tests/models/test_precision.py::test_bf16_compute_runs_every_weight_matmul_in_bf16",
             "tests/models/test_precision.py::test_bf16_compute_agrees_with_f32_at_bf16_tolerance",
         ),
     ),

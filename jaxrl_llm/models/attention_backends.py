@@ -1,0 +1,250 @@
+"""The attention backends behind ``attention.dot_product_attention``: blocked einsums (CPU),
+the Pallas TPU splash kernel, and cuDNN over rows compacted to causal + lengths form.
+
+Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxrl_llm.models.attention import attention_mask
+from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of, spec_entry
+
+Array = jax.Array
+
+_SPLASH_LANES = 128
+
+_EINSUM_BLOCK_BYTES = 3 * 2**20
+_EINSUM_MAX_BLOCKS = 16
+
+
+def _einsum_block(batch: int, heads: int, seq: int) -> int:
+    """Queries per block: ``B * N * block * S * 4`` bytes near ``_EINSUM_BLOCK_BYTES``."""
+    block = _EINSUM_BLOCK_BYTES // (4 * batch * heads * seq)
+    block = max(block, -(-seq // _EINSUM_MAX_BLOCKS), 8)
+    return min(seq, block)
+
+
+def _einsum_attention(
+    q: Array, k: Array, v: Array, key_valid: Array, scale: float, block: int | None = None
+) -> Array:
+    """Attention over blocks of queries, each against only the keys up to its last query.
+
+    Per block, ``[B, K, b*G, H] x [B, K, t, H]`` batched matmuls (the ``G = N / K`` query heads
+    of one key/value head stacked as rows ``i * G + g``, ``t`` = the block's last query + 1), in
+    f32. Blocks keep the scores and probabilities cache-sized, causality skips the keys after a
+    block (about half the work), and XLA:CPU runs the products and the softmax as separate
+    kernels instead of fusing the softmax into the second product's operand.
+    """
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    block = _einsum_block(batch, heads, seq) if block is None else block
+    qh = q.astype(jnp.float32) * scale  # [B, S, K, G, H] -> [B, K, S, G, H] -> [B, K, S*G, H]
+    qh = qh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qh = qh.reshape(batch, kv_heads, seq * group, head_dim)
+    kh = jnp.swapaxes(k.astype(jnp.float32), 1, 2)
+    vh = jnp.swapaxes(v.astype(jnp.float32), 1, 2)
+    outs = []
+    for start in range(0, seq, block):
+        stop = min(seq, start + block)
+        mask = attention_mask(key_valid[:, :stop], jnp.arange(start, stop))[:, 0]
+        rows = slice(start * group, stop * group)
+        outs.append(_einsum_core(qh[:, :, rows], kh[:, :, :stop], vh[:, :, :stop], mask))
+    out = jnp.concatenate(outs, axis=2).reshape(batch, kv_heads, seq, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, heads, head_dim).astype(q.dtype)
+
+
+def _einsum_probs(q: Array, k: Array, mask: Array) -> Array:
+    """``P = softmax(q k^T)`` over the keys in ``mask``: ``[B, K, b*G, t]`` f32.
+
+    ``q: [B, K, b*G, H]`` (row ``i * G + g``), ``k: [B, K, t, H]``, ``mask: [B, b, t]`` bool.
+    """
+    batch, kv_heads, rows, _ = q.shape
+    queries, keys = mask.shape[1:]
+    scores = jnp.einsum("bkrh,bksh->bkrs", q, k).reshape(batch, kv_heads, queries, -1, keys)
+    scores = jnp.where(mask[:, None, :, None, :], scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, rows, keys)
+
+
+@jax.custom_vjp
+def _einsum_core(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    return jnp.einsum("bkrs,bksh->bkrh", _einsum_probs(q, k, mask), v)
+
+
+def _einsum_core_fwd(q, k, v, mask):
+    probs = _einsum_probs(q, k, mask)
+    out = jnp.einsum("bkrs,bksh->bkrh", probs, v)
+    return out, (q, k, v, probs, out)
+
+
+def _einsum_core_bwd(residuals, d_out):
+    """Softmax-attention gradients (as in FlashAttention-2, Dao 2023, sec. 2.2).
+
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = dS K``,
+    ``dK = dS^T Q`` (``q`` is already scaled, so ``dQ`` is w.r.t. the scaled queries).
+    """
+    q, k, v, probs, out = residuals
+    d_v = jnp.einsum("bkrs,bkrh->bksh", probs, d_out)
+    d_probs = jnp.einsum("bkrh,bksh->bkrs", d_out, v)
+    delta = jnp.sum(d_out * out, axis=-1, keepdims=True)
+    d_scores = probs * (d_probs - delta)
+    d_q = jnp.einsum("bkrs,bksh->bkrh", d_scores, k)
+    d_k = jnp.einsum("bkrs,bkrh->bksh", d_scores, q)
+    return d_q, d_k, d_v, None
+
+
+_einsum_core.defvjp(_einsum_core_fwd, _einsum_core_bwd)
+
+
+# --- "cudnn": real tokens packed to the front of each row, causal + length masks (GPU). ---
+
+
+def _compacted_attention(
+    q: Array, k: Array, v: Array, key_valid: Array, scale: float, *, implementation: str
+) -> Array:
+    """Attention on each row's real tokens moved (in order) to the front: causal + lengths.
+
+    cuDNN's flash attention takes a causal mask and per-row query/key lengths (real tokens
+    first), not an arbitrary mask. A stable sort of each row puts its ``n`` real tokens first in
+    their original order, so "``j <= i`` and ``j`` real" becomes "``j' <= i'`` and ``j' < n``";
+    the output is moved back and pad rows are zero. ``O(B S N H)`` extra memory for the moves.
+    ``implementation`` is passed to ``jax.nn.dot_product_attention`` (``"xla"`` in tests).
+    """
+    order = jnp.argsort(jnp.logical_not(key_valid).astype(jnp.int32), axis=1, stable=True)
+    # A row of pads only still gets length 1, so cuDNN never sees an empty row.
+    lengths = jnp.maximum(jnp.sum(key_valid, axis=1, dtype=jnp.int32), 1)
+
+    def move(x: Array, index: Array) -> Array:
+        return jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+
+    out = jax.nn.dot_product_attention(
+        move(q, order),
+        move(k, order),
+        move(v, order),
+        scale=scale,
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )
+    out = move(out, jnp.argsort(order, axis=1))
+    return jnp.where(key_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+# --- "splash": the Pallas TPU splash-attention kernel, pads in their own segment. ---
+
+
+def _splash_block(seq: int, block: int) -> int:
+    """Largest multiple of 128 that is ``<= block`` and divides ``seq`` (a multiple of 128)."""
+    return max(b for b in range(_SPLASH_LANES, min(block, seq) + 1, _SPLASH_LANES) if seq % b == 0)
+
+
+def _splash_kernel(seq: int, heads: int, block_q: int, block_kv: int, interpret: bool) -> Any:
+    """A causal splash kernel for one row's ``[heads, seq, H]`` queries and ``[K, seq, H]`` keys.
+
+    Built at every trace: its mask tables become constants of the traced program (a cached
+    kernel would hold arrays of one trace). JAX caches the NumPy processing of the mask.
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    sizes = splash.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        # Separate dq kernel: the fused one keeps [S / block_kv, N, S, H] partial dq in q's dtype.
+        block_q_dq=block_q,
+        block_kv_dq=block_kv,
+    )
+    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+    return splash.make_splash_mha(
+        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+
+
+def _splash_local(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array,
+    *,
+    scale: float,
+    block_q: int,
+    block_kv: int,
+    interpret: bool,
+) -> Array:
+    """Splash attention on one device's ``[B, S, N, H]`` block.
+
+    Real tokens get segment id 1 and pads (including the padding up to a multiple of 128)
+    segment id 0; the kernel lets query i see key j iff ``j <= i`` (``CausalMask``) and both
+    share a segment. Real queries thus see exactly the real keys before them, and a pad query
+    sees at least itself, so no row of the softmax is empty.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    seq, heads = q.shape[1], q.shape[2]
+    padded = -(-seq // _SPLASH_LANES) * _SPLASH_LANES
+    kernel = _splash_kernel(
+        padded, heads, _splash_block(padded, block_q), _splash_block(padded, block_kv), interpret
+    )
+
+    def head_major(x: Array) -> Array:  # [B, S, h, H] -> [B, h, S_pad, H]
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, padded - seq), (0, 0)))
+
+    # The kernel has no scale argument: scale the queries (in f32, then back to their dtype).
+    scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    segments = jnp.pad(key_valid.astype(jnp.int32), ((0, 0), (0, padded - seq)))
+    out = jax.vmap(kernel)(
+        head_major(scaled), head_major(k), head_major(v), SegmentIds(q=segments, kv=segments)
+    )
+    return jnp.swapaxes(out[:, :, :seq], 1, 2).astype(q.dtype)
+
+
+def _mapped_axes(mesh: Any, rule: str, sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The mesh axes of ``ACTIVATION_RULES[rule]`` that exist, are not manual, and divide."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    axes: list[str] = []
+    for axis in mesh_axes_of(ACTIVATION_RULES[rule]):
+        if axis not in mesh.axis_names or axis in manual:
+            continue
+        width = math.prod(mesh.shape[a] for a in (*axes, axis))
+        if all(size % width == 0 for size in sizes):
+            axes.append(axis)
+    return tuple(axes)
+
+
+def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options: Any) -> Array:
+    """Splash attention, under ``jax.shard_map`` when a multi-device mesh is set.
+
+    A Pallas kernel is one opaque custom call that XLA's partitioner cannot split, so on a
+    mesh the batch is mapped over the activation rules' ``batch`` axes and the heads over the
+    ``heads`` axes (where they divide B, and N and K), and the kernel runs per device.
+    """
+    local = functools.partial(_splash_local, **options)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q, k, v, key_valid)
+    batch_axes = _mapped_axes(mesh, "batch", (q.shape[0],))
+    head_axes = _mapped_axes(mesh, "heads", (q.shape[2], k.shape[2]))
+    heads_spec = PartitionSpec(spec_entry(batch_axes), None, spec_entry(head_axes), None)
+    valid_spec = PartitionSpec(spec_entry(batch_axes), None)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads_spec, heads_spec, heads_spec, valid_spec),
+        out_specs=heads_spec,
+        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
+        check_vma=False,
+    )
+    return mapped(q, k, v, key_valid)
