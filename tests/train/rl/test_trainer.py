@@ -521,7 +521,6 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             r"model.compute_dtype must be one of \('auto', 'float32', 'bfloat16'\)",
             id="compute_dtype",
         ),
-
         pytest.param(
             ["model.remat=full"], r"model.remat must be one of \('none', 'layer'\)", id="remat"
         ),
