@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import attention_backends as backends
+from jaxrl_llm.models.attention_backends import attention_mask
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
 
 Array = jax.Array
@@ -64,19 +66,6 @@ def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) 
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgqs,bksh->bqkgh", probs.astype(v.dtype), v)
     return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
-
-
-def attention_mask(key_valid: Array, query_slots: Array) -> Array:
-    """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real.
-
-    A query always sees its own slot, so pad queries get a finite (ignored) output instead of
-    attending to nothing; for real queries this changes nothing since their own slot is real.
-    """
-    key_slots = jnp.arange(key_valid.shape[1])
-    causal = key_slots[None, :] <= query_slots[:, None]
-    own = key_slots[None, :] == query_slots[:, None]
-    mask = (causal[None] & key_valid[:, None, :]) | own[None]
-    return mask[:, None]
 
 
 # --- Causal self-attention over the S tokens of one call, one implementation per backend. ---
@@ -182,8 +171,6 @@ def dot_product_attention(
         ``"splash"`` off TPU without ``interpret=True``, or ``"cudnn"`` with an unsupported
         dtype or head dim.
     """
-    from jaxrl_llm.models import attention_backends as backends  # noqa: PLC0415 (cycle)
-
     _check_inputs(q, k, v, key_valid)
     scale = _check_scale(scale)
     name = resolve_attention_implementation(implementation, dtype=q.dtype, head_dim=q.shape[-1])

@@ -14,12 +14,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models.attention import attention_mask
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of, spec_entry
 
 Array = jax.Array
 
 _SPLASH_LANES = 128
+
+
+def attention_mask(key_valid: Array, query_slots: Array) -> Array:
+    """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real.
+
+    A query always sees its own slot, so pad queries get a finite (ignored) output instead of
+    attending to nothing; for real queries this changes nothing since their own slot is real.
+    """
+    key_slots = jnp.arange(key_valid.shape[1])
+    causal = key_slots[None, :] <= query_slots[:, None]
+    own = key_slots[None, :] == query_slots[:, None]
+    mask = (causal[None] & key_valid[:, None, :]) | own[None]
+    return mask[:, None]
+
 
 _EINSUM_BLOCK_BYTES = 3 * 2**20
 _EINSUM_MAX_BLOCKS = 16
