@@ -2,7 +2,7 @@
 
 Runs the README's first command as a user would -- the installed ``jaxrl-llm`` console
 script, its own process on one CPU device (without the test session's 8 fake devices), the
-whole default run (1600 SFT warm-up steps, then 200 GRPO steps; about 2 min on an idle 2-core
+whole default run (2400 SFT warm-up steps, then 200 GRPO steps; about 2 min on an idle 2-core
 CPU) with only ``run_dir`` set -- and requires greedy accuracy on the held-out prompts to rise
 by at least ``MIN_GAIN`` from before RL to after it, the issue's bar. The README reports the
 numbers (53.9% -> 86.7%; 800 warm-up steps gave 5% -> 12.5% on an AMD EPYC CPU).
@@ -48,8 +48,8 @@ def test_default_run_improves_held_out_accuracy(tmp_path):
 
     summary = json.loads(result.stdout)
     assert len(read_metrics(run_dir)) == steps
-    # sft_warmup.steps is null by default: 1600 steps for the built-in model, said up front.
-    assert "SFT warm-up: 1600 supervised steps" in result.stderr
+    # sft_warmup.steps is null by default: 2400 steps for the built-in model, said up front.
+    assert "SFT warm-up: 2400 supervised steps" in result.stderr
     # What a run leaves: the final policy as a Hugging Face checkpoint, and the curves.
     assert pathlib.Path(summary["hf"]) == run_dir / "hf"
     assert (run_dir / "hf" / "config.json").is_file()
