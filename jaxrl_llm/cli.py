@@ -29,6 +29,11 @@ def _register_optional() -> None:
             "export_main",
             "write a Hugging Face checkpoint of a run's policy",
         ),
+        "plan": (
+            "jaxrl_llm.plan.cli",
+            "plan_main",
+            "compile a job for a TPU topology without one: memory, step time, MFU",
+        ),
     }
     for name, (module, func, help_text) in optional.items():
         try:

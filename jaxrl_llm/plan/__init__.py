@@ -11,7 +11,11 @@ estimated step time, MFU and decode tokens/s. This package holds the reusable pi
 * ``flops``: analytic matmul FLOPs of the decoder (forward, train step, decode, ``6N``);
 * ``estimate``: ``memory_breakdown``, ICI ring times, HLO HBM traffic, ``roofline``,
   ``estimate_program`` and ``estimate.estimate`` (its JSON-ready dict; not re-exported here, so
-  that ``jaxrl_llm.plan.estimate`` stays the module).
+  that ``jaxrl_llm.plan.estimate`` stays the module);
+* ``programs``: the RL step's programs as ``jaxrl-llm train`` builds them, lowered with
+  abstract arguments for a topology (``build_job``), compiled and planned (``plan_job``: the
+  JSON-ready report), per-chip memory by part (``memory_parts``);
+* ``cli``: ``plan_main``, the ``jaxrl-llm plan`` command (docs/plan.md).
 """
 
 from jaxrl_llm.plan.estimate import (
@@ -44,6 +48,16 @@ from jaxrl_llm.plan.hlo import (
     parse_hlo_module,
     while_loops,
 )
+from jaxrl_llm.plan.programs import (
+    JobShape,
+    PlanError,
+    build_job,
+    compile_job,
+    decode_hbm_bytes_per_chip,
+    memory_parts,
+    plan_job,
+    unique_collectives,
+)
 from jaxrl_llm.plan.topology import (
     CompileOutcome,
     TopologySpec,
@@ -58,16 +72,21 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveOp",
     "CompileOutcome",
+    "JobShape",
     "MemoryBreakdown",
+    "PlanError",
     "ProgramEstimate",
     "TopologySpec",
     "WhileLoop",
     "attention_pairs",
+    "build_job",
     "collective_bytes",
     "collective_ops",
     "collectives_ici_time_s",
+    "compile_job",
     "decode_flops",
     "decode_hbm_bytes",
+    "decode_hbm_bytes_per_chip",
     "estimate_program",
     "forward_flops",
     "forward_flops_breakdown",
@@ -77,13 +96,16 @@ __all__ = [
     "libtpu_available",
     "matmul_params",
     "memory_breakdown",
+    "memory_parts",
     "model_flops_per_token",
     "param_count",
     "parse_hbm_oom",
     "parse_hlo_module",
+    "plan_job",
     "resolve_topology",
     "roofline",
     "train_flops",
     "try_compile",
+    "unique_collectives",
     "while_loops",
 ]

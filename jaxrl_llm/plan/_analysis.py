@@ -1,0 +1,490 @@
+"""Lowering a job's programs and reading them: memory by part, collectives, HLO estimates
+(see ``jaxrl_llm.plan.programs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl_llm import models
+from jaxrl_llm.plan import estimate as est
+from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan import hlo as hlo_lib
+from jaxrl_llm.plan._job import (
+    MEMORY_PARTS,
+    PROGRAMS,
+    Job,
+    PlanError,
+    Program,
+    _replicated,
+    _sampling_params,
+    _sampling_state_shardings,
+    abstract_rollout_batch,
+    abstract_sequences,
+    abstract_train_state,
+    job_shape,
+    plan_mesh,
+    plan_model_config,
+    plannable_objective,
+    shard_bytes,
+    state_bytes,
+    with_shardings,
+)
+from jaxrl_llm.plan.topology import TopologySpec, get_devices
+from jaxrl_llm.sampling import strategies
+
+# The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
+# function ``sampling.generate``, hence the direct import).
+from jaxrl_llm.sampling.generate import _decode, _prefill
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.forward import make_logprob_fn
+from jaxrl_llm.train.optim import make_trainer_optimizer
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.step import jit_step
+
+PyTree = Any
+
+
+def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | None = None) -> Job:
+    """Lowers the RL step's programs for ``spec`` (compile-only devices unless ``devices``).
+
+    Args:
+      cfg: the RL job (``load_config(TrainConfig, ...)``).
+      spec: the topology (``resolve_topology``).
+      devices: devices to build the mesh over (default ``get_devices(spec)``; tests pass CPU
+        devices to check the accounting without libtpu).
+
+    Raises:
+      PlanError: what ``plannable_objective`` / ``plan_model_config`` / ``plan_mesh`` refuse,
+        or sizes the mesh does not divide (naming the config key).
+    """
+    objective = plannable_objective(cfg)
+    model_config = plan_model_config(cfg.model)
+    shape = job_shape(cfg, objective)
+    mesh = plan_mesh(cfg.mesh, get_devices(spec) if devices is None else devices)
+    try:
+        setup.check_batch_sizes(
+            {
+                "rollout batch (prompts_per_step x group_size)": shape.rows,
+                "minibatch": shape.minibatch_rows,
+                "micro-batch (minibatch / trainer.micro_batches)": shape.minibatch_rows
+                // shape.micro_batches,
+                "rollout.prompts_per_step (the prefill's rows)": shape.prompts,
+            },
+            mesh,
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    t = cfg.trainer
+    optimizer = make_trainer_optimizer(t, total_steps=t.max_steps * t.epochs * t.minibatches)
+    try:
+        state, shardings = abstract_train_state(
+            model_config, optimizer, mesh, setup.param_dtype(cfg.model)
+        )
+    except ValueError as err:  # a weight dimension the mesh does not divide
+        raise PlanError(f"parameter layout on mesh {dict(mesh.shape)}: {err}") from None
+    params = state.params
+    reference = None
+    if shape.needs_reference:
+        ref_dtype = jnp.float32 if cfg.reference.mode == "ema" else None
+        reference = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, ref_dtype or p.dtype, sharding=p.sharding),
+            params,
+        )
+    compute = jnp.dtype(model_config.compute_dtype)
+    params_compute = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(
+            p.shape,
+            compute if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype,
+            sharding=p.sharding,
+        ),
+        params,
+    )
+    sizes = state_bytes(state, reference, params_compute)
+    programs = _lower_programs(
+        cfg,
+        mesh,
+        model_config,
+        objective,
+        optimizer,
+        shape,
+        state,
+        shardings,
+        reference,
+        params_compute,
+        sizes,
+    )
+    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs)
+
+
+def _lower_programs(
+    cfg,
+    mesh,
+    model_config,
+    objective,
+    optimizer,
+    shape,
+    state,
+    shardings,
+    reference,
+    params_compute,
+    sizes,
+) -> dict[str, Program]:
+    r = cfg.rollout
+    rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
+    ref_bytes = {"reference": sizes.reference}
+    programs: dict[str, Program] = {}
+
+    # (b) the behaviour (and reference) log-probs over the whole rollout batch.
+    logprob_fn = make_logprob_fn(
+        model_config,
+        temperature=r.temperature,
+        chunk_size=cfg.model.chunk_size,
+        param_shardings=shardings.params,
+    )
+    seqs = abstract_sequences(mesh, rows, p_len, t_len)
+    logprob_out = jax.eval_shape(logprob_fn, state.params, seqs)
+    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
+    programs["logprobs"] = Program(
+        name="logprobs",
+        lowered=logprob_fn.lower(state.params, seqs),
+        calls_per_step=1,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={"parameters": sizes.params},
+        resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+    )
+    if reference is not None:
+        same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
+        programs["ref_logprobs"] = Program(
+            name="ref_logprobs",
+            lowered=None if same else logprob_fn.lower(reference, seqs),
+            calls_per_step=1,
+            flops=forward,
+            model_flops=forward,
+            tokens=rows * t_len,
+            argument_parts=dict(ref_bytes),
+            # The old log-probs computed just before stay on device.
+            resident={
+                "parameters": sizes.params,
+                "optimizer_state": sizes.optimizer,
+                "inputs": shard_bytes(logprob_out),
+            },
+            same_as="logprobs" if same else None,
+        )
+
+    # (a) the policy update on one minibatch.
+    update_fn = jit_step(
+        make_policy_step(
+            model_config,
+            objective,
+            optimizer,
+            micro_batches=shape.micro_batches,
+            temperature=r.temperature,
+            chunk_size=cfg.model.chunk_size,
+            remat=shape.remat,
+            param_shardings=shardings.params,
+        ),
+        shardings,
+    )
+    minibatch = abstract_rollout_batch(
+        mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype
+    )
+    full_batch = abstract_rollout_batch(mesh, objective, shape, rows, logprob_out.dtype)
+    m_rows = shape.minibatch_rows
+    programs["update"] = Program(
+        name="update",
+        lowered=update_fn.lower(state, minibatch),
+        calls_per_step=shape.updates_per_step,
+        flops=flops_lib.train_flops(
+            model_config, m_rows, seq, remat=shape.remat, logits_positions=t_len
+        ),
+        model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=t_len),
+        tokens=m_rows * t_len,
+        argument_parts={"parameters": sizes.params, "optimizer_state": sizes.optimizer},
+        # The whole rollout batch stays on device while its minibatches are drawn.
+        resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
+    )
+
+    # (c) the rollout's prefill and (d) one decode step, under the trainer's layout.
+    cache_dtype = jnp.dtype(model_config.compute_dtype)
+    top_k = strategies.check_sampling_args(
+        temperature=1.0,
+        top_k=r.top_k if r.temperature > 0 else 0,
+        top_p=1.0,
+        min_p=0.0,
+        vocab_size=model_config.vocab_size,
+    )
+    prompts = abstract_sequences(mesh, shape.prompts, p_len, 1)
+    pad_id = _replicated(mesh, (), jnp.int32)
+    prefill_kwargs = dict(
+        config=model_config,
+        max_new_tokens=t_len,
+        num_samples=shape.group_size,
+        cache_dtype=cache_dtype,
+        mesh=mesh,
+    )
+    with jax.set_mesh(mesh):
+        prefill_args = (state.params, prompts.prompt_tokens, prompts.prompt_mask, pad_id)
+        sampling_state = jax.eval_shape(lambda *a: _prefill(*a, **prefill_kwargs), *prefill_args)
+        sampling_state = with_shardings(
+            sampling_state, _sampling_state_shardings(sampling_state, mesh)
+        )
+        cache = shard_bytes(sampling_state.cache)
+        programs["prefill"] = Program(
+            name="prefill",
+            lowered=_prefill.lower(*prefill_args, **prefill_kwargs),
+            calls_per_step=1,
+            flops=flops_lib.forward_flops(
+                model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
+            ),
+            model_flops=flops_lib.forward_flops(
+                model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
+            ),
+            tokens=shape.prompts * p_len,
+            argument_parts={"parameters": sizes.params},
+            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+            inner_parts={"kv_cache": cache},
+        )
+
+        # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers stacked),
+        # on the trainer's f32 (or bf16) weights, which it casts once to the compute dtype;
+        # its loop body is one decode step.
+        key = _replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+        decode_args = (state.params, sampling_state, key, _sampling_params(mesh))
+        decode_kwargs = dict(config=model_config, top_k=top_k, mesh=mesh, unroll=False)
+        decode = flops_lib.decode_flops(model_config, rows, seq)
+        programs["decode_step"] = Program(
+            name="decode_step",
+            lowered=_decode.lower(*decode_args, **decode_kwargs),
+            calls_per_step=t_len,
+            flops=decode,
+            model_flops=decode,
+            tokens=rows,
+            argument_parts={"parameters": sizes.params, "kv_cache": cache},
+            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+            inner_parts={"sampler_weights": sizes.params_compute},
+            hbm_bytes=decode_hbm_bytes_per_chip(model_config, mesh, rows, seq),
+            per_step_loop=True,
+        )
+    return {name: programs[name] for name in PROGRAMS if name in programs}
+
+
+# -- memory accounting -----------------------------------------------------------------------
+
+
+def memory_parts(
+    program: Program, memory: est.MemoryBreakdown | None, required_bytes: int | None = None
+) -> dict[str, int]:
+    """Per-chip bytes alive during ``program`` by part (``MEMORY_PARTS``), summing to the total.
+
+    With the compiled program's ``memory`` (``estimate.memory_breakdown``), whose total is
+    ``arguments + outputs - aliased + temporaries + code``: its arguments split into the
+    resident parts of ``program.argument_parts`` and ``inputs`` (the rest), its inner parts
+    (``program.inner_parts``) are taken out of the remainder, which is ``temporaries``; the
+    ``program.resident`` bytes (alive, not arguments) are added. Without ``memory`` (the
+    compiler ran out of HBM), ``required_bytes`` (its message's figure, else the arguments)
+    stands for the program's total.
+    """
+    parts = dict.fromkeys(MEMORY_PARTS, 0)
+    known_args = sum(program.argument_parts.values())
+    if memory is not None:
+        program_total, arguments = memory.total_bytes, memory.argument_bytes
+    else:
+        program_total = max(required_bytes or 0, known_args)
+        arguments = known_args
+    for name, nbytes in program.argument_parts.items():
+        parts[name] += nbytes
+    parts["inputs"] += max(arguments - known_args, 0)
+    rest = program_total - max(arguments, known_args)
+    for name, nbytes in program.inner_parts.items():
+        taken = min(nbytes, max(rest, 0))
+        parts[name] += taken
+        rest -= taken
+    parts["temporaries"] += max(rest, 0)
+    for name, nbytes in program.resident.items():
+        parts[name] += nbytes
+    return parts
+
+
+# -- collectives -----------------------------------------------------------------------------
+
+
+def _fused_computations(module: hlo_lib.HloModule) -> set[str]:
+    return {
+        name
+        for comp in module.computations.values()
+        for ins in comp.instructions
+        if ins.opcode == "fusion"
+        for name in ins.called("calls")
+    }
+
+
+def _channel(module: hlo_lib.HloModule, op: hlo_lib.CollectiveOp) -> str | None:
+    comp = module.computations.get(op.computation)
+    ins = None if comp is None else comp.by_name.get(op.name)
+    if ins is None:
+        return None
+    channel = ins.attribute("channel_id")
+    if channel is None and ins.opcode == "fusion":  # an XLA:TPU all-reduce-scatter fusion
+        for callee in ins.called("calls"):
+            inner = module.computations.get(callee)
+            for sub in () if inner is None else inner.instructions:
+                channel = channel or sub.attribute("channel_id")
+    return channel
+
+
+def unique_collectives(
+    module: hlo_lib.HloModule, ops: Sequence[hlo_lib.CollectiveOp]
+) -> list[hlo_lib.CollectiveOp]:
+    """``ops`` with each collective counted once.
+
+    XLA:TPU's async collective fusion copies one collective (one ``channel_id``) into each
+    fusion of its start, continuation and done steps; ``hlo.collective_ops`` lists every copy
+    (e.g. one all-gather of an MLP weight eight times). Copies sharing a kind and channel id, at
+    least one inside a fused computation, are one collective: kept once, with the largest loop
+    multiplier among them. Collectives without a channel id, and same-channel ops that all sit
+    outside fusions, are kept as they are.
+    """
+    fused = _fused_computations(module)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, op in enumerate(ops):
+        channel = _channel(module, op)
+        if channel is not None:
+            groups.setdefault((op.kind, channel), []).append(index)
+    drop: set[int] = set()
+    for members in groups.values():
+        if len(members) > 1 and any(ops[i].computation in fused for i in members):
+            keep = max(members, key=lambda i: ops[i].multiplier)
+            drop.update(i for i in members if i != keep)
+    return [op for i, op in enumerate(ops) if i not in drop]
+
+
+def _optimal_seconds(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends have no cost model
+        return None
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    seconds = float(cost.get("optimal_seconds", -1.0)) if isinstance(cost, Mapping) else -1.0
+    return seconds if seconds >= 0 else None
+
+
+def loop_body_module(module: hlo_lib.HloModule) -> hlo_lib.HloModule:
+    """The module seen from the body of its entry's one data-dependent ``while`` loop (the
+    decode loop: ``step < T and any(~done)``), so that walking it counts one trip.
+
+    Raises:
+      ValueError: the entry has no such loop, or more than one.
+    """
+    entry = module.computations[module.entry]
+    bodies = [
+        ins.attribute("body")
+        for ins in entry.instructions
+        if ins.opcode == "while" and hlo_lib.loop_trip_count(module, entry, ins)[0] is None
+    ]
+    if len(bodies) != 1 or bodies[0] not in module.computations:
+        raise ValueError(
+            f"expected one data-dependent while loop in the entry computation, found {bodies}"
+        )
+    return dataclasses.replace(module, entry=bodies[0])
+
+
+def decode_hbm_bytes_per_chip(
+    config: models.ModelConfig, mesh: Mesh, rows: int, kv_len: int
+) -> float:
+    """HBM bytes one chip moves in one decode step on the trainer's (FSDP) layout.
+
+    With ``c`` bytes of the compute dtype, ``W = matmul_params x c`` (``flops.matmul_params``),
+    ``E = V D c`` (the embedding table), ``f`` / ``t`` the fsdp / tensor axes, ``s`` the batch
+    shards (``data x fsdp``):
+
+    * weights: each step all-gathers them over fsdp: the gather reads the chip's shard
+      (``W / t f``) and writes the gathered weights into HBM (``W / t``), the matmuls read them
+      back (``W / t``): ``W / t (2 + 1 / f)``; ``W / t`` when ``f = 1`` (read in place). An
+      untied embedding table is gathered too (``E / t (1 + 1 / f)``; the lookup then reads
+      ``rows x D x c / s``);
+    * cache: ``estimate.decode_hbm_bytes`` without weights (every slot's keys and values read,
+      this step's written) over ``s x t`` chips (rows over the batch axes, kv-heads over
+      tensor);
+    * logits: the ``[rows, V]`` f32 logits written and read back by the sampler, over ``s x t``.
+    """
+    c = jnp.dtype(config.compute_dtype or "bfloat16").itemsize
+    sizes = dict(mesh.shape)
+    fsdp, tensor = sizes["fsdp"], sizes["tensor"]
+    shards = setup.batch_shards(mesh)
+    weights = flops_lib.matmul_params(config) * c / tensor
+    table = config.vocab_size * config.hidden_size * c / tensor
+    if fsdp > 1:
+        weights *= 2 + 1 / fsdp
+        table = 0.0 if config.tie_word_embeddings else table * (1 + 1 / fsdp)
+    else:
+        table = 0.0
+    lookup = rows * config.hidden_size * c / shards
+    split = shards * (tensor if config.num_key_value_heads % tensor == 0 else 1)
+    cache = est.decode_hbm_bytes(config, rows, kv_len, param_bytes=0, cache_bytes=c) / split
+    logits = 2 * rows * config.vocab_size * 4 / (shards * tensor)
+    return weights + table + lookup + cache + logits
+
+
+def _hlo_estimate(compiled: Any, spec: TopologySpec, program: Program) -> dict[str, Any]:
+    """HBM bytes, de-duplicated trip-weighted collectives and roofline times of a compiled
+    program (``estimate.estimate_program`` with ``unique_collectives`` applied; one trip of
+    the decode loop for ``per_step_loop`` programs; ``program.hbm_bytes`` when modelled)."""
+    module = hlo_lib.parse_hlo_module(compiled.as_text())
+    one_trip = False
+    if program.per_step_loop:
+        try:
+            module, one_trip = loop_body_module(module), True
+        except ValueError:  # no single data-dependent loop: the whole call, loop counted once
+            pass
+    parsed = hlo_lib.collective_ops(module)
+    ops = unique_collectives(module, parsed)
+    link = spec.ici_bandwidth_bytes_per_s_per_link
+
+    def by_kind(items):
+        totals = dict.fromkeys(hlo_lib.COLLECTIVE_KINDS, 0)
+        for op in items:
+            totals[op.kind] += op.total_bytes
+        return totals
+
+    hbm_hlo = est.hlo_hbm_bytes(module)
+    hbm = hbm_hlo if program.hbm_bytes is None else program.hbm_bytes
+    times = est.roofline(
+        spec,
+        flops=program.flops,
+        hbm_bytes=hbm,
+        ici_s=est.collectives_ici_time_s(ops, link),
+        model_flops=program.model_flops,
+        tokens=program.tokens,
+    )
+    return {
+        "hbm_bytes": float(hbm),
+        "hbm_bytes_hlo": float(hbm_hlo),
+        "hlo_of_one_loop_trip": one_trip,
+        "collective_bytes": by_kind(ops),
+        "collective_bytes_as_parsed": by_kind(parsed),
+        "trip_counts_known": all(
+            loop.trip_count is not None for loop in hlo_lib.while_loops(module)
+        ),
+        "xla_optimal_seconds": _optimal_seconds(compiled),
+        "collectives": [
+            {
+                "kind": op.kind,
+                "bytes": op.bytes,
+                "group_size": op.group_size,
+                "multiplier": op.multiplier,
+                "ici_s": op.multiplier * est.ici_time_s(op.kind, op.bytes, op.group_size, link),
+            }
+            for op in ops
+        ],
+        "times": times,
+    }

@@ -1,0 +1,411 @@
+"""What a plan compiles: the job's shapes, mesh, abstract state and arguments (see
+``jaxrl_llm.plan.programs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm import models, objectives, parallel
+from jaxrl_llm.plan.topology import TopologySpec
+
+# The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
+# function ``sampling.generate``, hence the direct import).
+from jaxrl_llm.sampling.prompts import bucket_length
+from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl.config import TrainConfig, check_config
+from jaxrl_llm.train.state import TrainState, state_shardings
+from jaxrl_llm.types import RolloutBatch, Sequences
+
+PyTree = Any
+
+PROGRAMS = ("update", "logprobs", "ref_logprobs", "prefill", "decode_step")
+MEMORY_PARTS = (
+    "parameters",
+    "optimizer_state",
+    "reference",
+    "sampler_weights",
+    "kv_cache",
+    "inputs",
+    "temporaries",
+)
+# Slots of SamplingParams.eos_ids the sampler pads to (sampling.state pads to >= 4).
+_EOS_SLOTS = 4
+
+ASSUMPTIONS = (
+    "overlap: a program takes max(compute, HBM, ICI) (est_step_s, XLA hides collectives behind "
+    "compute) or max(compute, HBM) + ICI (est_step_conservative_s, nothing hidden)",
+    "every rollout row decodes rollout.max_new_tokens tokens (no early EOS), one decode step "
+    "each, and DAPO dynamic sampling draws once",
+    "the sampler runs on the trainer's parameter layout (FSDP-sharded weights gathered every "
+    "decode step; there is no serving layout yet)",
+    "FLOPs are analytic matmul FLOPs with causal attention (a causal-skipping kernel); the "
+    "decode step attends to every cache slot; peak is the chip's bf16 matmul rate",
+    "HBM bytes and collectives are read from the optimized HLO, weighted by loop trip counts",
+    "the once-per-call cast of the weights to the compute dtype before decoding, host work "
+    "(tokenising, rewards) and the advantage computation are not counted",
+)
+
+
+class PlanError(ValueError):
+    """A configuration ``plan`` cannot plan (bad or unsupported input); the message says why."""
+
+
+# -- the job's shape -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobShape:
+    """The sizes of one RL step, as the trainer runs it.
+
+    Attributes:
+      prompts: N, ``rollout.prompts_per_step``.
+      group_size: G, completions per prompt.
+      rows: ``B = N x G``, the rollout batch.
+      epochs, minibatches, micro_batches: ``trainer.*``.
+      minibatch_rows: ``B / minibatches``, rows of one update step.
+      prompt_len: P, ``bucket_length(data.max_prompt_tokens)`` (what the trainer pads to).
+      completion_len: T, ``rollout.max_new_tokens``.
+      remat, chunk_size: ``model.remat``, ``model.chunk_size``.
+      needs_reference: the objective keeps a reference policy (a second log-prob forward).
+      reference_mode: ``reference.mode``.
+    """
+
+    prompts: int
+    group_size: int
+    rows: int
+    epochs: int
+    minibatches: int
+    micro_batches: int
+    minibatch_rows: int
+    prompt_len: int
+    completion_len: int
+    remat: str
+    chunk_size: int | None
+    needs_reference: bool
+    reference_mode: str
+
+    @property
+    def seq_len(self) -> int:
+        """``P + T``: the positions a log-prob forward runs over, the KV cache's slots."""
+        return self.prompt_len + self.completion_len
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per RL step: ``epochs x minibatches``."""
+        return self.epochs * self.minibatches
+
+
+def job_shape(cfg: TrainConfig, objective: objectives.Objective) -> JobShape:
+    """The ``JobShape`` of an RL config (``check_config`` has passed)."""
+    r, t = cfg.rollout, cfg.trainer
+    rows = r.prompts_per_step * r.group_size
+    return JobShape(
+        prompts=r.prompts_per_step,
+        group_size=r.group_size,
+        rows=rows,
+        epochs=t.epochs,
+        minibatches=t.minibatches,
+        micro_batches=t.micro_batches,
+        minibatch_rows=rows // t.minibatches,
+        prompt_len=bucket_length(cfg.data.max_prompt_tokens),
+        completion_len=r.max_new_tokens,
+        remat=cfg.model.remat,
+        chunk_size=cfg.model.chunk_size,
+        needs_reference=objective.needs_reference,
+        reference_mode=cfg.reference.mode,
+    )
+
+
+def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
+    """``check_config(cfg)``, refusing what ``plan`` does not model yet.
+
+    Raises:
+      PlanError: a config ``check_config`` refuses, an objective with a critic (PPO) or a
+        process reward model (PRIME), or a learned reward model (``reward_model.path``).
+    """
+    try:
+        objective = check_config(cfg)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if objective.needs_critic:
+        raise PlanError(
+            f"objective {objective.name!r} trains a critic (value model): its state and its "
+            "update step are not planned yet; plan a critic-free objective (e.g. grpo, dapo, "
+            "rloo) for the policy's share"
+        )
+    if objective.needs_process_rewards:
+        raise PlanError(
+            f"objective {objective.name!r} trains an implicit process reward model (PRIME): its "
+            "state and update are not planned yet"
+        )
+    if cfg.reward_model.path is not None:
+        raise PlanError(
+            "reward_model.path: a learned reward model's weights and scoring forward are not "
+            "planned yet; set reward_model.path=null to plan the rest"
+        )
+    if cfg.model.remat not in models.REMAT_POLICIES:
+        raise PlanError(
+            f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
+        )
+    return objective
+
+
+def plan_model_config(section) -> models.ModelConfig:
+    """The policy's ``ModelConfig`` from ``model.architecture`` or ``model.path``'s config.json
+    (no weights read), computing in ``model.compute_dtype`` as on TPU (``auto``: bfloat16).
+
+    Raises:
+      PlanError: neither or both keys set, an unknown architecture, a bad dtype.
+      FileNotFoundError: ``model.path`` has no config.json.
+    """
+    if section.architecture is not None and section.path is not None:
+        raise PlanError(
+            "set one of model.architecture and model.path, not both (plan reads model.path's "
+            "config.json; model.architecture names a config without weights)"
+        )
+    if section.path is not None:
+        config = models.load_config(section.path)
+    elif section.architecture is not None:
+        try:
+            config = models.architecture_config(section.architecture)
+        except ValueError as err:
+            raise PlanError(f"model.architecture: {err}") from None
+    else:
+        raise PlanError(
+            "plan needs a model: set model.architecture (one of "
+            f"{', '.join(models.available_architectures())}, or a path to a Hugging Face "
+            "config.json) or model.path (a checkpoint directory; only its config.json is read)"
+        )
+    try:
+        setup.param_dtype(section)
+        compute = setup.compute_dtype(section, backend="tpu")
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    return dataclasses.replace(config, compute_dtype=compute)
+
+
+def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
+    """The trainer's ``("data", "fsdp", "tensor")`` mesh over ``devices`` (``make_run_mesh``:
+    a ``-1`` fills; without one the first ``data x fsdp x tensor`` devices are used).
+
+    Raises:
+      PlanError: sizes that do not fit the slice.
+    """
+    sizes = (section.data, section.fsdp, section.tensor)
+    devices = list(devices)
+    try:
+        if -1 not in sizes:
+            count = math.prod(sizes)
+            if count > len(devices):
+                raise ValueError(f"mesh {sizes} needs {count} chips; the slice has {len(devices)}")
+            devices = devices[:count]
+        return parallel.make_mesh(*sizes, devices=devices)
+    except ValueError as err:
+        raise PlanError(f"mesh: {err}") from None
+
+
+# -- abstract arrays and their per-chip bytes -------------------------------------------------
+
+
+def shard_bytes(tree: PyTree) -> int:
+    """Bytes one chip holds of an abstract (or concrete) tree: each leaf's shard shape
+    (``sharding.shard_shape``; the whole shape without a sharding) times its item size."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = tuple(leaf.shape) if sharding is None else sharding.shard_shape(tuple(leaf.shape))
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
+    """``ShapeDtypeStruct``s of ``abstract`` carrying ``shardings`` (same structure)."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def abstract_train_state(
+    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
+) -> tuple[TrainState, TrainState]:
+    """``(abstract state with shardings, shardings)``: ``create_train_state``'s state, shapes
+    only (``jax.eval_shape`` of its init; nothing is allocated)."""
+
+    def init():
+        params = models.init_params(model_config, jax.random.key(0), dtype=param_dtype)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key(1),
+        )
+
+    abstract = jax.eval_shape(init)
+    shardings = state_shardings(abstract, model_config, mesh)
+    return with_shardings(abstract, shardings), shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Per-chip bytes of what stays resident all RL step.
+
+    Attributes:
+      params: the policy's parameters (``model.param_dtype``).
+      optimizer: the optimizer state plus the state's step counter and PRNG key.
+      reference: the reference policy's parameters (0 without one; f32 with ``ema``).
+      params_compute: the parameters cast to the compute dtype (what the decode loop reads;
+        0 when the parameters are stored in it already, so no copy is made).
+    """
+
+    params: int
+    optimizer: int
+    reference: int
+    params_compute: int
+
+    @property
+    def train_state(self) -> int:
+        return self.params + self.optimizer
+
+
+def state_bytes(state: TrainState, reference: PyTree | None, params_compute: PyTree) -> StateBytes:
+    """``StateBytes`` of an abstract sharded state, reference and compute-dtype weights."""
+    params = shard_bytes(state.params)
+    same = jax.tree.leaves(params_compute)[0].dtype == jax.tree.leaves(state.params)[0].dtype
+    return StateBytes(
+        params=params,
+        optimizer=shard_bytes(state.opt_state) + shard_bytes((state.step, state.rng)),
+        reference=0 if reference is None else shard_bytes(reference),
+        params_compute=0 if same else shard_bytes(params_compute),
+    )
+
+
+# -- the programs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Program:
+    """One program of the RL step, lowered with abstract arguments.
+
+    Attributes:
+      name: one of ``PROGRAMS``.
+      lowered: ``jax.jit(...).lower(...)`` (None when it shares ``same_as``'s compile).
+      calls_per_step: how often one RL step runs it.
+      flops: analytic FLOPs of one call over all chips.
+      model_flops: FLOPs counted for MFU (no rematerialisation).
+      tokens: tokens one call trains on, scores or produces (tokens/s).
+      argument_parts: per-chip bytes of its arguments that are resident state, by part (the
+        rest of its arguments count as ``inputs``).
+      resident: per-chip bytes alive during the call that are not its arguments, by part.
+      inner_parts: per-chip bytes of its outputs or temporaries counted as a part (the
+        prefill's KV cache, the decode loop's compute-dtype copy of the weights).
+      same_as: the program whose compile this one reuses (``ref_logprobs`` when the reference
+        has the parameters' dtype and layout).
+      hbm_bytes: HBM bytes per chip per call from a model (None: read off the optimized HLO).
+      per_step_loop: the program is a data-dependent ``while`` loop (the decode loop) and one
+        call means one trip of it: collectives (and HLO HBM bytes) are read from its body.
+    """
+
+    name: str
+    lowered: Any
+    calls_per_step: int
+    flops: float
+    model_flops: float
+    tokens: float
+    argument_parts: dict[str, int]
+    resident: dict[str, int]
+    inner_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    same_as: str | None = None
+    hbm_bytes: float | None = None
+    per_step_loop: bool = False
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything built for one plan: config, topology, mesh, sizes, state bytes, programs."""
+
+    cfg: TrainConfig
+    spec: TopologySpec
+    mesh: Mesh
+    model_config: models.ModelConfig
+    objective: objectives.Objective
+    shape: JobShape
+    state: StateBytes
+    programs: dict[str, Program]
+
+
+def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=setup.row_sharding(mesh))
+
+
+def _replicated(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_sequences(mesh: Mesh, rows: int, prompt_len: int, completion_len: int) -> Sequences:
+    """The ``Sequences`` the trainer puts on device: rows split over the batch axes."""
+    return Sequences(
+        prompt_tokens=_rows(mesh, (rows, prompt_len), jnp.int32),
+        prompt_mask=_rows(mesh, (rows, prompt_len), bool),
+        completion_tokens=_rows(mesh, (rows, completion_len), jnp.int32),
+        completion_mask=_rows(mesh, (rows, completion_len), bool),
+    )
+
+
+def abstract_rollout_batch(
+    mesh: Mesh,
+    objective: objectives.Objective,
+    shape: JobShape,
+    rows: int,
+    logprob_dtype,
+) -> RolloutBatch:
+    """The update's ``RolloutBatch`` of ``rows`` rows, as ``RLTrainer.score`` builds it (the
+    advantages' shape from ``objectives.advantage_fn`` itself)."""
+    seqs = abstract_sequences(mesh, rows, shape.prompt_len, shape.completion_len)
+    per_token = _rows(mesh, (rows, shape.completion_len), logprob_dtype)
+    rewards = _rows(mesh, (rows,), jnp.float32)
+    ref = per_token if objective.needs_reference else None
+    advantage_fn = objectives.advantage_fn(objective, group_size=shape.group_size)
+    # Shapes only; group_size divides the full batch (the advantages are computed on it).
+    full = _rows(mesh, (shape.rows, shape.completion_len), logprob_dtype)
+    adv, _ = jax.eval_shape(
+        lambda r, m, o, f: advantage_fn(r, m, old_logprobs=o, ref_logprobs=f),
+        jax.ShapeDtypeStruct((shape.rows,), jnp.float32),
+        jax.ShapeDtypeStruct((shape.rows, shape.completion_len), bool),
+        full,
+        None if ref is None else full,
+    )
+    return RolloutBatch(
+        completion_mask=seqs.completion_mask,
+        old_logprobs=per_token,
+        advantages=_rows(mesh, (rows, *adv.shape[1:]), adv.dtype),
+        ref_logprobs=ref,
+        prompt_tokens=seqs.prompt_tokens,
+        prompt_mask=seqs.prompt_mask,
+        completion_tokens=seqs.completion_tokens,
+        rewards=rewards,
+    )
+
+
+def _sampling_params(mesh: Mesh) -> SamplingParams:
+    scalar = lambda dtype: _replicated(mesh, (), dtype)  # noqa: E731
+    return SamplingParams(
+        temperature=scalar(jnp.float32),
+        top_p=scalar(jnp.float32),
+        min_p=scalar(jnp.float32),
+        eos_ids=_replicated(mesh, (_EOS_SLOTS,), jnp.int32),
+        pad_id=scalar(jnp.int32),
+    )
+
+
+def _sampling_state_shardings(state: PyTree, mesh: Mesh) -> PyTree:
+    return parallel.logical_to_sharding(
+        state_logical_axes(state), mesh, parallel.SAMPLING_RULES, shapes=state
+    )

@@ -1,0 +1,324 @@
+"""A plan's report: per-program figures, the summary and what to change (see
+``jaxrl_llm.plan.programs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxrl_llm import models
+from jaxrl_llm.plan import estimate as est
+from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan._analysis import (
+    _hlo_estimate,
+    build_job,
+    memory_parts,
+)
+from jaxrl_llm.plan._job import (
+    ASSUMPTIONS,
+    Job,
+    Program,
+)
+from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
+
+# The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
+# function ``sampling.generate``, hence the direct import).
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl.config import TrainConfig
+
+PyTree = Any
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def compile_job(job: Job) -> dict[str, CompileOutcome]:
+    """``try_compile`` of each lowered program (a program sharing another's compile reuses it)."""
+    outcomes: dict[str, CompileOutcome] = {}
+    for name, program in job.programs.items():
+        if program.same_as is not None:
+            outcomes[name] = outcomes[program.same_as]
+        else:
+            outcomes[name] = try_compile(program.lowered)
+    return outcomes
+
+
+def _gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / GiB
+
+
+def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) -> dict[str, Any]:
+    spec = job.spec
+    compiled = None if outcome is None else outcome.compiled
+    memory = None if compiled is None else est.memory_breakdown(compiled, spec)
+    required = None if outcome is None else outcome.required_bytes
+    parts = memory_parts(program, memory, required)
+    total = sum(parts.values())
+    out: dict[str, Any] = {
+        "calls_per_step": program.calls_per_step,
+        "compiled": compiled is not None,
+        "compile_s": None if outcome is None else outcome.seconds,
+        "shares_compile_of": program.same_as,
+        "error": None if outcome is None else outcome.error,
+        "memory_bytes": parts,
+        "program_memory": None if memory is None else dataclasses.asdict(memory),
+        "total_bytes": total,
+        "total_gib": total / GiB,
+        "fits": compiled is not None and total <= spec.usable_hbm_bytes_per_chip,
+        "flops": program.flops,
+        "model_flops": program.model_flops,
+        "tokens": program.tokens,
+    }
+    if compiled is not None:
+        out.update(_hlo_estimate(compiled, spec, program))
+        times = out.pop("times")
+    else:
+        # No HLO: the compute time only, a lower bound (HBM and ICI unknown).
+        compute = est.roofline(spec, flops=program.flops, hbm_bytes=0.0)["compute_s"]
+        times = {
+            "compute_s": compute,
+            "hbm_s": None,
+            "ici_s": None,
+            "step_s": compute,
+            "step_conservative_s": compute,
+            "bound": None,
+            "mfu": None,
+            "mfu_conservative": None,
+            "tokens_per_s": None,
+            "tokens_per_s_conservative": None,
+        }
+        out.update(
+            hbm_bytes=None,
+            hbm_bytes_hlo=None,
+            hlo_of_one_loop_trip=None,
+            collective_bytes=None,
+            collective_bytes_as_parsed=None,
+            trip_counts_known=None,
+            xla_optimal_seconds=None,
+            collectives=[],
+        )
+    out["times"] = times
+    if program.name == "decode_step":
+        out["analytic_hbm_bytes_serving_layout"] = (
+            est.decode_hbm_bytes(
+                job.model_config,
+                job.shape.rows,
+                job.shape.seq_len,
+                param_bytes=jnp.dtype(job.model_config.compute_dtype).itemsize,
+                cache_bytes=jnp.dtype(job.model_config.compute_dtype).itemsize,
+            )
+            / job.mesh.size
+        )
+    return out
+
+
+def plan_job(
+    cfg: TrainConfig,
+    spec: TopologySpec,
+    *,
+    devices: Sequence[Any] | None = None,
+    compile_anyway: bool = False,
+) -> dict[str, Any]:
+    """The plan of an RL job on a topology: per-chip memory by part and program, roofline
+    times, the estimated RL step, MFU and decode tokens/s, and what to change if it does not
+    fit. JSON-ready.
+
+    When the resident state alone (parameters, optimizer state, reference) exceeds the chip's
+    usable HBM nothing is compiled (the answer is known) unless ``compile_anyway``.
+
+    Raises:
+      PlanError: see ``build_job``.
+    """
+    job = build_job(cfg, spec, devices)
+    resident = job.state.train_state + job.state.reference
+    skip = resident > spec.usable_hbm_bytes_per_chip and not compile_anyway
+    outcomes = {} if skip else compile_job(job)
+    programs = {
+        name: _program_report(job, program, outcomes.get(name))
+        for name, program in job.programs.items()
+    }
+    return summarise(job, programs, skipped_compile=skip)
+
+
+def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) -> dict[str, Any]:
+    """The top-level report from the per-program ones (see ``plan_job``)."""
+    spec, shape, state = job.spec, job.shape, job.state
+    largest = max(programs, key=lambda n: programs[n]["total_bytes"])
+    peak = programs[largest]["total_bytes"]
+    fits = (not skipped_compile) and all(p["fits"] for p in programs.values())
+    contribution = {n: p["calls_per_step"] * p["times"]["step_s"] for n, p in programs.items()}
+    conservative = {
+        n: p["calls_per_step"] * p["times"]["step_conservative_s"] for n, p in programs.items()
+    }
+    step_s = sum(contribution.values())
+    step_cons = sum(conservative.values())
+    model_flops = sum(p["calls_per_step"] * p["model_flops"] for p in programs.values())
+    peak_flops = spec.chips * spec.peak_bf16_flops_per_chip
+    update, decode = programs["update"]["times"], programs["decode_step"]["times"]
+    config = job.model_config
+    report: dict[str, Any] = {
+        "fits": fits,
+        "topology": spec.cloud_name,
+        "jax_topology": spec.jax_topology_name,
+        "chips": spec.chips,
+        "mesh": dict(job.mesh.shape),
+        "hbm_capacity_gib": spec.hbm_bytes_per_chip / GiB,
+        "hbm_usable_gib": spec.usable_hbm_bytes_per_chip / GiB,
+        "hbm_per_chip_gib": peak / GiB,
+        "headroom_gib": (spec.usable_hbm_bytes_per_chip - peak) / GiB,
+        "largest_program": largest,
+        "est_step_s": step_s,
+        "est_step_conservative_s": step_cons,
+        # A program that did not compile counts its compute time only: a lower bound.
+        "est_step_is_lower_bound": not all(p["compiled"] for p in programs.values()),
+        "est_mfu": update["mfu"],
+        "est_mfu_conservative": update["mfu_conservative"],
+        "est_step_mfu": (
+            model_flops / (peak_flops * step_s)
+            if step_s > 0 and all(p["compiled"] for p in programs.values())
+            else None
+        ),
+        "est_decode_tokens_per_s": decode["tokens_per_s"],
+        "est_decode_tokens_per_s_conservative": decode["tokens_per_s_conservative"],
+        "step_breakdown_s": contribution,
+        "dominant_program": max(contribution, key=contribution.get),
+        "compile_skipped": skipped_compile,
+        "compile_s": sum(
+            p["compile_s"] or 0.0 for p in programs.values() if not p["shares_compile_of"]
+        ),
+        "model": {
+            "name": job.cfg.model.architecture or job.cfg.model.path,
+            "architecture": config.architecture,
+            "params": models.param_count(config),
+            "matmul_params": flops_lib.matmul_params(config),
+            "param_dtype": job.cfg.model.param_dtype,
+            "compute_dtype": config.compute_dtype,
+            "optimizer_state_dtype": job.cfg.trainer.optimizer_state_dtype,
+        },
+        "objective": job.objective.name,
+        "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
+        "resident_bytes": dataclasses.asdict(state),
+        "programs": dict(programs),
+        "assumptions": list(ASSUMPTIONS),
+    }
+    report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
+    return report
+
+
+# -- what to change --------------------------------------------------------------------------
+
+
+def bigger_topology(spec: TopologySpec, factor: int = 2) -> str | None:
+    """The Cloud name of a slice of the same generation with ``factor`` x the chips, or None."""
+    from jaxrl_llm.plan.topology import resolve_topology  # noqa: PLC0415
+
+    count = spec.chips * factor * (spec.cores_per_chip if len(spec.shape) == 3 else 1)
+    name = f"{spec.cloud_name.rsplit('-', 1)[0]}-{count}"
+    try:
+        return resolve_topology(name).cloud_name
+    except ValueError:
+        return None
+
+
+def _chips_for(nbytes_all_chips: float, usable: int, fraction: float = 0.7) -> int:
+    """Chips whose usable HBM holds ``nbytes`` at ``fraction`` full."""
+    return max(1, math.ceil(nbytes_all_chips / (usable * fraction)))
+
+
+def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = False) -> list[str]:
+    """What to change so the job fits, most certain first.
+
+    Changes to the resident state (AdamW's moments or the master weights in bf16, more chips)
+    shrink every program by an amount known here, quoted against the overflow; the others
+    (remat, micro-batches, a tensor axis, shorter rollouts) act on a program's temporaries or
+    KV cache by an amount only another plan can tell.
+    """
+    spec, shape, state, cfg = job.spec, job.shape, job.state, job.cfg
+    usable = spec.usable_hbm_bytes_per_chip
+    chips = job.mesh.size
+    resident = state.train_state + state.reference
+    worst = max(programs, key=lambda n: programs[n]["total_bytes"])
+    overflow = max(programs[worst]["total_bytes"], resident) - usable
+
+    def saves(nbytes: float) -> str:
+        enough = "; enough on its own" if nbytes >= overflow > 0 else ""
+        return f"saves {_fmt(nbytes)} a chip of the {_fmt(max(overflow, 0))} over{enough}"
+
+    out: list[str] = []
+    if skipped_compile or resident > 0.8 * usable:
+        need = _chips_for(resident * chips, usable)
+        example = bigger_topology(spec, _pow2_at_least(need / chips)) if need > chips else None
+        out.append(
+            f"the resident state alone (parameters {_fmt(state.params)}, optimizer state "
+            f"{_fmt(state.optimizer)}, reference {_fmt(state.reference)}) takes "
+            f"{_fmt(resident)} of {_fmt(usable)} a chip: a bigger topology (about {need} "
+            f"chips or more" + (f", e.g. {example}" if example else "") + ")"
+        )
+    if cfg.trainer.optimizer_state_dtype == "float32":
+        out.append(
+            "trainer.optimizer_state_dtype=bfloat16: AdamW's moments in bf16 (the update is "
+            f"still computed in f32); {saves(state.optimizer / 2)}"
+        )
+    if cfg.model.param_dtype == "float32":
+        halved = state.params / 2 + (state.reference / 2 if cfg.reference.mode != "ema" else 0)
+        out.append(
+            "model.param_dtype=bfloat16: master weights (and the reference) in bf16, but small "
+            "updates round away (benchmarks/RESULTS.md, mixed precision); at least "
+            f"{saves(halved)}"
+        )
+    over = {n for n, p in programs.items() if p["total_bytes"] > usable or not p["compiled"]}
+    if not skipped_compile and "update" in over:
+        micro = shape.micro_batches
+        if shape.remat == "none":
+            out.append("model.remat=layer: keep only each layer's input for the backward pass")
+        double, batch_shards = micro * 2, setup.batch_shards(job.mesh)
+        rows = shape.minibatch_rows // double if shape.minibatch_rows % double == 0 else 0
+        if rows and rows % batch_shards == 0:
+            out.append(
+                f"trainer.micro_batches={double} (now {micro}): halves the activations kept "
+                "per micro-batch (not the gradients or the optimizer's intermediates: see the "
+                "update's temporaries)"
+            )
+        else:
+            out.append(
+                f"more micro-batches do not divide: {shape.minibatch_rows // micro} rows per "
+                f"micro-batch already, and the batch axes need a multiple of {batch_shards}; "
+                "more trainer.minibatches instead"
+            )
+    if not skipped_compile and over & {"update", "logprobs", "ref_logprobs"}:
+        tensor = dict(job.mesh.shape)["tensor"]
+        out.append(
+            f"a tensor axis (mesh.tensor={2 * tensor} with mesh.fsdp=-1): splits heads, MLP "
+            "width and vocabulary, their weights gathered per layer and their activations"
+        )
+    if not skipped_compile and over & {"logprobs", "ref_logprobs"}:
+        out.append(
+            "the log-prob forwards run over the whole rollout batch at once: fewer rollout "
+            "rows (rollout.prompts_per_step) or a smaller model.chunk_size"
+        )
+    if not skipped_compile and over & {"prefill", "decode_step"}:
+        kv = programs["decode_step"]["memory_bytes"]["kv_cache"]
+        out.append(
+            f"the KV cache ({_fmt(kv)} a chip for {shape.rows} rows x {shape.seq_len} slots): "
+            "fewer rollout rows (rollout.prompts_per_step x rollout.group_size), shorter "
+            "rollout.max_new_tokens, or a tensor axis (mesh.tensor) to split it by kv-head"
+        )
+    bigger = bigger_topology(spec)
+    if bigger is not None and not any("bigger topology" in line for line in out):
+        out.append(
+            f"a bigger topology, e.g. {bigger} (twice the chips): the sharded state halves, "
+            f"{saves(resident / 2)}"
+        )
+    return out
+
+
+def _pow2_at_least(x: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1.0))))
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"

@@ -1,0 +1,256 @@
+"""``jaxrl-llm plan CONFIG --topology NAME [--json FILE] [dotted.key=value ...]``.
+
+Compiles, without a TPU (deviceless, ``libtpu`` only), the programs ``jaxrl-llm train CONFIG``
+runs for an RL job on a Cloud TPU slice, and prints a per-chip report: HBM by part against the
+chip's capacity, per-program compute / HBM / ICI times, the estimated RL step, the update
+step's MFU and decode tokens/s (``jaxrl_llm.plan.programs``; docs/plan.md).
+
+Exit status: 0 when every program fits, 1 when one does not (the report says what to change),
+2 on bad input (unknown topology, config key or architecture, a job that is not RL, no
+libtpu) with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+GIB = 1024**3
+
+_PARTS = (
+    ("parameters", "params"),
+    ("optimizer_state", "optim"),
+    ("reference", "ref"),
+    ("sampler_weights", "bf16 w"),
+    ("kv_cache", "KV"),
+    ("inputs", "inputs"),
+    ("temporaries", "temps"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm plan",
+        description=(
+            "Compile an RL job's programs (policy update, log-prob forwards, rollout prefill "
+            "and decode step) for a Cloud TPU topology without one attached, and report per "
+            "chip: HBM by part against capacity, compute / HBM / ICI time per program, the "
+            "estimated RL step, MFU and decode tokens/s. Exit 0: fits, 1: does not fit, "
+            "2: bad input."
+        ),
+        epilog="Example: jaxrl-llm plan configs/grpo.yaml --topology v5litepod-16 "
+        "model.architecture=qwen2.5-7b model.remat=layer trainer.micro_batches=4",
+    )
+    parser.add_argument("config", help="YAML config of an RL job (job: rl)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument(
+        "--topology",
+        required=True,
+        help="Cloud TPU type or JAX topology: v5litepod-16, v5e-4, v6e-8, v4-32, v5p-128, "
+        "v5e:4x4, v5p:2x2x4, ...",
+    )
+    parser.add_argument("--json", dest="json_file", help="also write the full report here")
+    parser.add_argument(
+        "--compile-anyway",
+        action="store_true",
+        help="compile even when the resident state alone exceeds the chip's HBM",
+    )
+    return parser
+
+
+def _deviceless() -> None:
+    """CPU as JAX's platform (the TPU devices come from ``get_topology_desc``), unless the user
+    chose one with ``JAX_PLATFORMS``."""
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax  # noqa: PLC0415
+
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _load(config_path: str | None, overrides: list[str]):
+    from jaxrl_llm.train.cli import resolve_job  # noqa: PLC0415
+    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
+    from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
+
+    job = resolve_job(config_path, overrides)
+    if job != "rl":
+        raise ValueError(f"plan supports RL jobs (job: rl); this config runs job {job!r}")
+    return load_config(TrainConfig, config_path, overrides)
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``jaxrl-llm plan``: 0 fits, 1 does not fit, 2 bad input."""
+    try:
+        args = _parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:  # --help (0) or a usage error (2)
+        return int(exit_.code or 0)
+    config_path, overrides = args.config, list(args.overrides)
+    if "=" in config_path and not os.path.isfile(config_path):
+        config_path, overrides = None, [config_path, *overrides]
+    _deviceless()
+    from jaxrl_llm.train.cli import USER_ERRORS, quiet_start  # noqa: PLC0415
+
+    quiet_start()
+    from jaxrl_llm.plan.programs import plan_job  # noqa: PLC0415
+    from jaxrl_llm.plan.topology import resolve_topology  # noqa: PLC0415
+
+    try:
+        spec = resolve_topology(args.topology)
+        cfg = _load(config_path, overrides)
+        report = plan_job(cfg, spec, compile_anyway=args.compile_anyway)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RuntimeError as err:
+        if "libtpu" not in str(err):  # a compiler failure is a bug to see, not bad input
+            raise
+        print(f"error: {err}", file=sys.stderr)  # get_devices says how to install it
+        return EXIT_BAD_INPUT
+    print(format_report(report))
+    if args.json_file:
+        directory = os.path.dirname(os.path.abspath(args.json_file))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json_file, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, default=_json_default)
+            f.write("\n")
+    return EXIT_FITS if report["fits"] else EXIT_DOES_NOT_FIT
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # NumPy scalars
+        return value.item()
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)
+    return str(value)
+
+
+def _gib(nbytes: float | None) -> str:
+    return "-" if not nbytes else f"{nbytes / GIB:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.2f}" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths))
+    )
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The readable per-chip report of ``plan_job``'s dict."""
+    model, job, mesh = report["model"], report["job"], report["mesh"]
+    programs = report["programs"]
+    lines = [
+        f"jaxrl-llm plan: {model['name']} ({model['architecture']}, "
+        f"{model['params'] / 1e9:.2f} B parameters), {report['objective']} on "
+        f"{report['topology']} ({report['jax_topology']}, {report['chips']} chips), mesh "
+        + " x ".join(f"{k} {v}" for k, v in mesh.items()),
+        f"rollout: {job['prompts']} prompts x {job['group_size']} = {job['rows']} rows, "
+        f"{job['prompt_len']} prompt + {job['completion_len']} completion tokens; update: "
+        f"{job['epochs']} epoch(s) x {job['minibatches']} minibatch(es) of "
+        f"{job['minibatch_rows']} rows, {job['micro_batches']} micro-batch(es), remat "
+        f"{job['remat']}; weights {model['param_dtype']}, compute {model['compute_dtype']}, "
+        f"AdamW moments {model['optimizer_state_dtype']}",
+        "",
+        f"HBM per chip (GiB; the compiler lets a program use {report['hbm_usable_gib']:.2f}, "
+        f"Google lists {report['hbm_capacity_gib']:.2f}): everything alive during each program",
+    ]
+    rows = []
+    for name, p in programs.items():
+        parts = p["memory_bytes"]
+        fits = "yes" if p["fits"] else ("NO" if p["compiled"] else "NO (compile OOM)")
+        if report["compile_skipped"]:
+            fits = "NO (not compiled)"
+        rows.append([name, *(_gib(parts[key]) for key, _ in _PARTS), f"{p['total_gib']:.2f}", fits])
+    lines += _table(["program", *(label for _, label in _PARTS), "total", "fits"], rows)
+    lines += ["", "time per call (ms unless marked s; roofline per chip)"]
+    rows = []
+    for name, p in programs.items():
+        t = p["times"]
+        compile_s = p["compile_s"]
+        shared = p["shares_compile_of"]
+        rows.append(
+            [
+                name,
+                str(p["calls_per_step"]),
+                _ms(t["compute_s"]),
+                _ms(t["hbm_s"]),
+                _ms(t["ici_s"]),
+                _ms(t["step_s"]),
+                _ms(t["step_conservative_s"]),
+                t["bound"] or "-",
+                _pct(t["mfu"]),
+                f"= {shared}" if shared else ("-" if compile_s is None else f"{compile_s:.1f}"),
+            ]
+        )
+    lines += _table(
+        [
+            "program",
+            "calls",
+            "compute",
+            "HBM",
+            "ICI",
+            "step",
+            "no overlap",
+            "bound",
+            "MFU",
+            "compile s",
+        ],
+        rows,
+    )
+    dominant = report["dominant_program"]
+    bound = " at least (compute only: not every program compiled)" * bool(
+        report["est_step_is_lower_bound"]
+    )
+    lines += [
+        "",
+        f"estimated RL step: {report['est_step_s']:.3g} s{bound} (collectives hidden; "
+        f"{report['est_step_conservative_s']:.3g} s with none hidden), "
+        f"{dominant} {report['step_breakdown_s'][dominant]:.3g} s of it",
+        f"update step MFU: {_pct(report['est_mfu'])} ({_pct(report['est_mfu_conservative'])} "
+        f"with no overlap); whole RL step: {_pct(report['est_step_mfu'])}",
+        f"decode: {_rate(report['est_decode_tokens_per_s'])} tokens/s on the slice "
+        f"({_rate(report['est_decode_tokens_per_s_conservative'])} with no overlap), every "
+        f"row decoding {job['completion_len']} tokens",
+        "",
+    ]
+    if report["fits"]:
+        lines.append(
+            f"fits: largest program {report['largest_program']} at "
+            f"{report['hbm_per_chip_gib']:.2f} GiB a chip, {report['headroom_gib']:.2f} GiB "
+            "headroom"
+        )
+    else:
+        over = [n for n, p in programs.items() if not p["fits"]]
+        what = (
+            "the resident state alone exceeds the chip (nothing compiled)"
+            if report["compile_skipped"]
+            else f"{', '.join(over)} over {report['hbm_usable_gib']:.2f} GiB a chip"
+        )
+        lines.append(f"DOES NOT FIT: {what}. To change:")
+        lines += [f"  - {s}" for s in report["suggestions"]]
+    return "\n".join(lines)
+
+
+__all__ = ["format_report", "plan_main"]

@@ -1,0 +1,107 @@
+"""The programs ``jaxrl-llm train`` runs for an RL job, built for a TPU slice and planned.
+
+``plan_job(cfg, spec)`` lowers, with abstract arguments only (``jax.eval_shape``, nothing
+materialised), exactly what ``train.rl.trainer.RLTrainer`` compiles and calls each RL step, on
+the trainer's mesh (``mesh.data/fsdp/tensor`` over the slice's compile-only devices):
+
+* ``update``: ``jit_step(make_policy_step(...), shardings)`` on one minibatch of
+  ``B / trainer.minibatches`` rows (``trainer.micro_batches``, ``model.remat``,
+  ``model.chunk_size`` as configured), run ``trainer.epochs x trainer.minibatches`` times a step;
+* ``logprobs``: ``make_logprob_fn`` (the behaviour policy's log-probs) over all ``B`` rows, and
+  ``ref_logprobs`` (the same program on the reference) when the objective needs a reference;
+* ``prefill``: ``sampling.generate``'s jitted ``_prefill`` of ``prompts_per_step`` prompts,
+  its cache grown to ``group_size`` rows each of ``P + T`` slots in the compute dtype;
+* ``decode_step``: the jitted decode loop ``_decode`` itself (layers stacked, as on TPU; the
+  weights cast once to the compute dtype); one trip of its ``while`` loop is one decode step,
+  run ``T = rollout.max_new_tokens`` times a step.
+
+Widths: ``B = prompts_per_step x group_size`` rows, prompts ``P = bucket_length(
+data.max_prompt_tokens)`` (the trainer pads to that bucket), completions
+``T = rollout.max_new_tokens``. The sampler runs on the trainer's parameter layout (there is no
+serving layout yet), as ``train`` does.
+
+Memory per chip counts what is alive during each program, not only its arguments: the train
+state (parameters, optimizer state), the frozen reference and the rollout batch stay resident
+all step, so each program's peak (``compiled.memory_analysis()``, see ``estimate``) is added to
+whatever of those it does not take as an argument. Each total is split into parts:
+``parameters, optimizer_state, reference, sampler_weights`` (the compute-dtype copy the decode
+loop reads), ``kv_cache, inputs`` (the program's batch and the rollout batch) and
+``temporaries`` (the rest: gradients and activations of the update, activations of the
+forwards, the step's intermediates).
+
+Time per program is a roofline (``estimate.roofline``): analytic matmul FLOPs with causal
+attention (``plan.flops``), HBM bytes from the optimized HLO (the decode step's from
+``decode_hbm_bytes_per_chip``, a model of the trainer layout) and trip-weighted collectives
+from the optimized HLO, each XLA:TPU async collective counted once (``unique_collectives``).
+The RL step adds them up as ``epochs x minibatches x update + (1 or 2) x logprobs + prefill +
+T x decode_step``, which assumes every row decodes all ``T`` tokens (no early EOS).
+"""
+
+from __future__ import annotations
+
+from jaxrl_llm.plan._analysis import (  # noqa: F401 (re-exported)
+    build_job,
+    decode_hbm_bytes_per_chip,
+    loop_body_module,
+    memory_parts,
+    unique_collectives,
+)
+from jaxrl_llm.plan._job import (  # noqa: F401 (re-exported)
+    ASSUMPTIONS,
+    MEMORY_PARTS,
+    PROGRAMS,
+    Job,
+    JobShape,
+    PlanError,
+    Program,
+    StateBytes,
+    abstract_rollout_batch,
+    abstract_sequences,
+    abstract_train_state,
+    job_shape,
+    plan_mesh,
+    plan_model_config,
+    plannable_objective,
+    shard_bytes,
+    state_bytes,
+    with_shardings,
+)
+from jaxrl_llm.plan._report import (  # noqa: F401 (re-exported)
+    _program_report,
+    bigger_topology,
+    compile_job,
+    plan_job,
+    suggestions,
+    summarise,
+)
+
+__all__ = [
+    "ASSUMPTIONS",
+    "MEMORY_PARTS",
+    "PROGRAMS",
+    "Job",
+    "JobShape",
+    "PlanError",
+    "Program",
+    "StateBytes",
+    "abstract_rollout_batch",
+    "abstract_sequences",
+    "abstract_train_state",
+    "bigger_topology",
+    "build_job",
+    "compile_job",
+    "decode_hbm_bytes_per_chip",
+    "job_shape",
+    "loop_body_module",
+    "memory_parts",
+    "plan_job",
+    "plan_mesh",
+    "plan_model_config",
+    "plannable_objective",
+    "shard_bytes",
+    "state_bytes",
+    "suggestions",
+    "summarise",
+    "unique_collectives",
+    "with_shardings",
+]
