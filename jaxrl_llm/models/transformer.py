@@ -244,7 +244,8 @@ def forward(
       remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
 
     Returns:
-      ``(hidden [B, S, D] in the params' dtype, new cache or None)``.
+      ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
+      None)``.
     """
     params = cast_params(params, config)
     unstacked = None
