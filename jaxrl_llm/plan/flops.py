@@ -19,6 +19,7 @@ The embedding lookup is a gather (no FLOPs); a tied unembedding is still a matmu
 
 from __future__ import annotations
 
+from jaxrl_llm.models.architectures import param_count  # noqa: F401 (re-exported)
 from jaxrl_llm.models.config import ModelConfig
 
 REMAT_POLICIES = ("none", "layer")
@@ -41,21 +42,6 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_hidden_layers * matmul_params_per_layer(config) + (
         config.hidden_size * config.vocab_size
     )
-
-
-def param_count(config: ModelConfig) -> int:
-    """Every parameter of ``init_params(config)``: embeddings, layers, norms, biases, head."""
-    d, v = config.hidden_size, config.vocab_size
-    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_layer = matmul_params_per_layer(config) + 2 * d  # + attention and MLP norms
-    if config.qkv_bias:
-        per_layer += n * h + 2 * k * h
-    if config.o_bias:
-        per_layer += d
-    if config.qk_norm:
-        per_layer += 2 * h
-    head = 0 if config.tie_word_embeddings else d * v
-    return v * d + config.num_hidden_layers * per_layer + d + head
 
 
 def attention_pairs(seq: int, *, kv_len: int | None = None, causal: bool = True) -> int:
