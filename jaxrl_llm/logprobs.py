@@ -3,7 +3,8 @@
 The unembedding, ``log_softmax`` and target gather run over chunks of the sequence inside a
 ``lax.scan`` whose body is rematerialised (``jax.checkpoint``): the forward pass holds one
 ``[B, C, V]`` chunk of logits at a time and the backward pass recomputes each chunk instead
-of storing it, so memory is ``O(B * C * V)`` rather than ``O(B * T * V)``.
+of storing it, so memory is ``O(B * C * V)`` rather than ``O(B * T * V)``. A single chunk is
+not rematerialised (it would hold the same logits while costing another unembedding product).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def token_logprobs_from_hidden(
     ``z_t = unembed(h_t) / tau``; ``logp_t = z_t[y_t] - logsumexp(z_t)``;
     ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v``. Masked positions give exactly 0
     (value and gradient). Computed over chunks of ``chunk_size`` positions (padding T up to a
-    multiple), with the chunk body rematerialised, so ``[B, T, V]`` never exists.
+    multiple), with the chunk body rematerialised when there is more than one chunk, so
+    ``[B, T, V]`` never exists.
 
     Args:
       hidden: ``[B, T, D]`` states; ``hidden[:, t]`` predicts ``targets[:, t]``.
@@ -112,10 +114,9 @@ def token_logprobs_from_hidden(
         return jnp.swapaxes(x.reshape(batch, chunks, chunk_size, *x.shape[2:]), 0, 1)
 
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
-    body = jax.checkpoint(
-        functools.partial(_chunk, unembed_fn, inv_temperature, return_entropy),
-        prevent_cse=False,
-    )
+    body = functools.partial(_chunk, unembed_fn, inv_temperature, return_entropy)
+    if chunks > 1:  # one chunk holds its logits either way: recomputing them would only cost
+        body = jax.checkpoint(body, prevent_cse=False)
     xs = (to_chunks(hidden), to_chunks(targets), to_chunks(mask.astype(bool)))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
 

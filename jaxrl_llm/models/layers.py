@@ -23,6 +23,7 @@ from jaxrl_llm.models.attention import (
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, write_slots
+from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
 Array = jax.Array
@@ -159,9 +160,7 @@ class DecoderLayer(nnx.Module):
         """
         x = constrain(x, "batch", None, "embed")
         h = rms_norm(x, self._use("attn_norm"), self.eps)
-        q = jnp.einsum("bsd,dnh->bsnh", h, self._use("wq"))
-        k = jnp.einsum("bsd,dkh->bskh", h, self._use("wk"))
-        v = jnp.einsum("bsd,dkh->bskh", h, self._use("wv"))
+        q, k, v = (dense(h, self._use(name)) for name in ("wq", "wk", "wv"))
         if self.bq is not None:
             q, k, v = q + self._use("bq"), k + self._use("bk"), v + self._use("bv")
         q = constrain(q, "batch", None, "heads", "head_dim")
@@ -186,7 +185,7 @@ class DecoderLayer(nnx.Module):
             attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         if kv is None:
-            out = jnp.einsum("bsnh,nhd->bsd", attn, self._use("wo"))
+            out = dense(attn, self._use("wo"), 2)
         else:
             # One [B, S, N*H] x [N*H, D] product: with the 4-D einsum XLA:CPU transposes the
             # weight to match the attention output's layout on every decode step.
@@ -196,7 +195,7 @@ class DecoderLayer(nnx.Module):
             out = out + self._use("bo")
         x = constrain(x + out, "batch", None, "embed")
         h = rms_norm(x, self._use("mlp_norm"), self.eps)
-        gate = jax.nn.silu(constrain(h @ self._use("w_gate"), "batch", None, "mlp"))
-        up = constrain(h @ self._use("w_up"), "batch", None, "mlp")
-        x = x + (gate * up) @ self._use("w_down")
+        gate = jax.nn.silu(constrain(dense(h, self._use("w_gate")), "batch", None, "mlp"))
+        up = constrain(dense(h, self._use("w_up")), "batch", None, "mlp")
+        x = x + dense(gate * up, self._use("w_down"))
         return constrain(x, "batch", None, "embed"), kv

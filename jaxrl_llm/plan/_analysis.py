@@ -46,6 +46,7 @@ from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.rl.config import TrainConfig
 from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.trainer import on_policy_update
 from jaxrl_llm.train.step import jit_step
 
 PyTree = Any
@@ -141,7 +142,9 @@ def _lower_programs(
     ref_bytes = {"reference": sizes.reference}
     programs: dict[str, Program] = {}
 
-    # (b) the behaviour (and reference) log-probs over the whole rollout batch.
+    # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
+    # update per rollout batch the trainer skips the behaviour forward (the update uses its own).
+    on_policy = on_policy_update(cfg, objective)
     logprob_fn = make_logprob_fn(
         model_config,
         temperature=r.temperature,
@@ -154,7 +157,7 @@ def _lower_programs(
     programs["logprobs"] = Program(
         name="logprobs",
         lowered=logprob_fn.lower(state.params, seqs),
-        calls_per_step=1,
+        calls_per_step=0 if on_policy else 1,
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,
@@ -195,9 +198,11 @@ def _lower_programs(
         shardings,
     )
     minibatch = abstract_rollout_batch(
-        mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype
+        mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, on_policy=on_policy
     )
-    full_batch = abstract_rollout_batch(mesh, objective, shape, rows, logprob_out.dtype)
+    full_batch = abstract_rollout_batch(
+        mesh, objective, shape, rows, logprob_out.dtype, on_policy=on_policy
+    )
     m_rows = shape.minibatch_rows
     programs["update"] = Program(
         name="update",

@@ -365,9 +365,12 @@ def abstract_rollout_batch(
     shape: JobShape,
     rows: int,
     logprob_dtype,
+    *,
+    on_policy: bool = False,
 ) -> RolloutBatch:
     """The update's ``RolloutBatch`` of ``rows`` rows, as ``RLTrainer.score`` builds it (the
-    advantages' shape from ``objectives.advantage_fn`` itself)."""
+    advantages' shape from ``objectives.advantage_fn`` itself; no ``old_logprobs`` when
+    ``on_policy``: the update takes its own)."""
     seqs = abstract_sequences(mesh, rows, shape.prompt_len, shape.completion_len)
     per_token = _rows(mesh, (rows, shape.completion_len), logprob_dtype)
     rewards = _rows(mesh, (rows,), jnp.float32)
@@ -384,7 +387,7 @@ def abstract_rollout_batch(
     )
     return RolloutBatch(
         completion_mask=seqs.completion_mask,
-        old_logprobs=per_token,
+        old_logprobs=None if on_policy else per_token,
         advantages=_rows(mesh, (rows, *adv.shape[1:]), adv.dtype),
         ref_logprobs=ref,
         prompt_tokens=seqs.prompt_tokens,

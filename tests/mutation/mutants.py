@@ -158,6 +158,12 @@ def _reward_model_scores_raw(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(context, "normalize_scores", lambda scores, mode: np.asarray(scores, np.float32))
 
 
+def _on_policy_always(patch: pytest.MonkeyPatch) -> None:
+    from jaxrl_llm.train.rl import trainer
+
+    patch.setattr(trainer, "on_policy_update", lambda cfg, objective: True)
+
+
 WIRING = "tests/train/rl/test_wiring.py"
 SFT = "tests/train/test_sft.py"
 NORMALIZE = "tests/train/rl/test_reward_normalize.py"
@@ -217,7 +223,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "temperature_ignored_in_step",
         "the policy step's log-probs computed at temperature 1, not the rollout's",
         _temperature_ignored_in_step,
-        (f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7]",),
+        (
+            f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7]",
+            f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7-on-policy]",
+        ),
+    ),
+    Mutant(
+        "on_policy_always",
+        "the behaviour forward skipped even when several updates move the policy (epochs > 1)",
+        _on_policy_always,
+        (
+            f"{LOGPROB_WIRING}::test_old_logprobs_stay_fixed_across_epochs",
+            f"{LOGPROB_WIRING}::test_on_policy_rule[epochs2]",
+        ),
     ),
     Mutant(
         "old_logprobs_refreshed",

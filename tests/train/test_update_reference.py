@@ -143,7 +143,7 @@ def reference_run(initial_params):
     return trajectory, infos
 
 
-def _library_run(initial_params, mesh_shape, micro_batches):
+def _library_run(initial_params, mesh_shape, micro_batches, *, on_policy=False, steps=STEPS):
     data, fsdp, tensor = mesh_shape
     mesh = parallel.make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
     optimizer = optim.make_optimizer(
@@ -171,8 +171,11 @@ def _library_run(initial_params, mesh_shape, micro_batches):
         shardings,
     )
     trajectory, metrics = [_f64(state.params)], []
-    for t in range(STEPS):
-        state, m = step(state, parallel.shard_batch(host_batch(t), mesh))
+    for t in range(steps):
+        batch = host_batch(t)
+        if on_policy:
+            batch = batch._replace(old_logprobs=None)
+        state, m = step(state, parallel.shard_batch(batch, mesh))
         trajectory.append(_f64(state.params))
         metrics.append(jax.device_get(m))
     return trajectory, metrics
@@ -233,3 +236,50 @@ def test_policy_update_matches_float64_reference(
         np.testing.assert_allclose(metrics[t]["grad_norm"], infos[t]["grad_norm"], rtol=1e-5)
         np.testing.assert_allclose(metrics[t]["loss"], infos[t]["loss"], rtol=1e-5)
         np.testing.assert_allclose(metrics[t]["clip_frac"], infos[t]["clip_frac"], rtol=1e-6)
+
+
+def on_policy_reference_loss(params, batch):
+    """The same objective at ratio 1: ``-A·∇log π`` plus the KL term's gradient, so the value is
+    ``−A + β·k3`` per token and the gradient that of ``−A·log π + β·k3`` (no clip can bind)."""
+    lp = logprobs.completion_logprobs(
+        params,
+        CONFIG,
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask,
+    )
+    mask = batch.completion_mask.astype(jnp.float32)
+    x = batch.ref_logprobs - lp
+    k3 = jnp.exp(x) - x - 1.0
+    adv = batch.advantages[:, None]
+    gradient_carrier = -adv * lp + KL_COEF * k3
+    value = -adv + KL_COEF * k3
+    n = jnp.sum(mask)
+    return jnp.sum(gradient_carrier * mask) / n, jnp.sum(value * mask) / n
+
+
+def test_on_policy_update_takes_its_own_logprobs(initial_params):
+    """``old_logprobs=None``: the update's own log-probs, held fixed (ratio 1, clip inactive),
+    as TRL's GRPOTrainer does with one update per batch: matches float64 AdamW on the gradient of
+    ``−A·log π + β·k3`` for two steps (step 0 has lr 0), full batch and 2 micro-batches."""
+    params = _f64(initial_params)
+    mu, nu = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
+    want, losses = [params], []
+    grad_fn = jax.jit(jax.grad(on_policy_reference_loss, has_aux=True))
+    for t in range(2):
+        batch = jax.tree.map(jnp.asarray, host_batch(t)._replace(old_logprobs=None))
+        grads, value = grad_fn(jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params), batch)
+        grads = _f64(grads)
+        norm = math.sqrt(sum(float(np.sum(g**2)) for g in jax.tree.leaves(grads)))
+        params, mu, nu = _reference_optimizer_step(params, mu, nu, grads, norm, t)
+        want.append(params)
+        losses.append(float(value))
+    for mesh_shape, micro_batches in (((1, 1, 1), 1), ((2, 1, 1), 2)):
+        got, metrics = _library_run(
+            initial_params, mesh_shape, micro_batches, on_policy=True, steps=2
+        )
+        for t in range(2):
+            _assert_update_matches(got[t], got[t + 1], want[t], want[t + 1], f"on-policy {t}")
+            np.testing.assert_allclose(metrics[t]["loss"], losses[t], rtol=1e-5)
+            assert metrics[t]["clip_frac"] == 0.0

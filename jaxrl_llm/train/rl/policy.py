@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from jaxrl_llm import objectives
@@ -53,6 +54,8 @@ def make_policy_loss_fn(
             return_entropy=need_entropy,
         )
         token_logprobs, entropy = out if need_entropy else (out, None)
+        if batch.old_logprobs is None:  # on-policy: this forward's own log-probs, held fixed
+            batch = batch._replace(old_logprobs=jax.lax.stop_gradient(token_logprobs))
         result = objectives.policy_loss(
             objective, token_logprobs, with_totals(batch, totals), entropy=entropy
         )
@@ -90,7 +93,11 @@ def make_policy_step(
     Returns:
       ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
       completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
-      them, ``ref_logprobs``.
+      them, ``ref_logprobs``. ``old_logprobs=None`` means on-policy: the behaviour log-probs
+      are this step's own, ``stop_gradient(logprobs)`` (ratio exactly 1, as in TRL's
+      ``GRPOTrainer`` with one update per generation batch), which saves the separate
+      forward pass; valid only while the parameters have not moved since the rollout (one
+      epoch, one minibatch; ``train.rl.trainer.on_policy_update``).
     """
     loss_fn = make_policy_loss_fn(
         model_config,

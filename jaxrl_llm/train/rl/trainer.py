@@ -79,6 +79,26 @@ def _param_count(model_config) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
 
 
+def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
+    """Whether the update can take its own forward's log-probs as the behaviour log-probs.
+
+    True with one epoch and one minibatch per rollout batch (the parameters have not moved
+    since the rollout when the single update runs) unless the advantages need the behaviour
+    log-probs first (an estimator requiring them, or KL in the reward). Then the separate
+    old-log-prob forward is skipped and the update uses ``stop_gradient(logprobs)`` (ratio 1),
+    as TRL's ``GRPOTrainer`` does with one update per generation batch.
+    """
+    kl_in_reward = (
+        objective.kl_placement == "reward" and objective.kl_kind is not None and objective.kl_coef
+    )
+    return (
+        cfg.trainer.epochs == 1
+        and cfg.trainer.minibatches == 1
+        and "old_logprobs" not in objective.estimator_requires
+        and not kl_in_reward
+    )
+
+
 class RLTrainer(Trainer):
     """One RL run: owns the state, the reference, the data position and the writers."""
 
@@ -125,6 +145,7 @@ class RLTrainer(Trainer):
         )
         self.open_run()
         self._initial_params = params
+        self.on_policy = on_policy_update(cfg, objective)
         self.start_lines(
             {
                 "mesh": str(dict(mesh.shape)),
@@ -137,6 +158,9 @@ class RLTrainer(Trainer):
                 "sft warm-up": f"{self.sft_steps} steps on demonstrations"
                 if self.sft_steps
                 else "off",
+                "old log-probs": "the update's own forward (one epoch, one minibatch: on-policy)"
+                if self.on_policy
+                else "recomputed before the update",
             }
         )
 
@@ -328,10 +352,10 @@ class RLTrainer(Trainer):
                     samples.completion_mask,
                 )
             )
-            old = self.logprob_fn(self.policy_params, seqs)
+            old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
             ref = None if self.reference is None else self.logprob_fn(self.reference, seqs)
             jax.block_until_ready((old, ref))
-        timer.count("logprobs", tokens * (1 if ref is None else 2))
+        timer.count("logprobs", tokens * ((old is not None) + (ref is not None)))
         with timer.phase("advantages"):
             device_rewards = setup.to_device(samples.rewards, run.mesh)
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)

@@ -25,6 +25,7 @@ import pytest
 
 from jaxrl_llm import models
 from jaxrl_llm.train.core import PhaseTimer
+from jaxrl_llm.train.rl.config import check_config
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from tests.reference import logprobs as ref_logprobs
 from tests.reference import sampling as ref_sampling
@@ -124,41 +125,56 @@ def _rows(batch) -> int:
 
 
 @pytest.mark.parametrize(
-    "sampling",
+    ("sampling", "minibatches"),
     [
-        pytest.param({"temperature": 0.7}, id="T0.7"),
-        pytest.param({"temperature": 0.7, "top_p": 0.8, "top_k": 5}, id="T0.7-top_p0.8-top_k5"),
+        pytest.param({"temperature": 0.7}, 2, id="T0.7"),
+        pytest.param(
+            {"temperature": 0.7, "top_p": 0.8, "top_k": 5}, 2, id="T0.7-top_p0.8-top_k5"
+        ),
+        pytest.param({"temperature": 0.7}, 1, id="T0.7-on-policy"),
     ],
 )
-def test_logprobs_use_the_rollout_temperature(tmp_path, sampling):
+def test_logprobs_use_the_rollout_temperature(tmp_path, sampling, minibatches):
     """``old_logprobs`` and ``ref_logprobs`` are ``log_softmax(logits / T)`` of the sampled
     tokens at the rollout-time parameters -- not T = 1, and not the top-p / top-k truncated
     distribution the tokens were drawn from -- and the policy step recomputes them at the same
-    temperature: one minibatch, one epoch, no update yet, so its ratio is exactly 1."""
+    temperature: the first minibatch, no update yet, so its ratio is exactly 1.
+
+    With one minibatch and one epoch the update is on-policy: the trainer skips the behaviour
+    forward (``old_logprobs`` is None) and the step's own log-probs, at the same temperature,
+    meet the reference's with a KL of 0."""
     cfg = rl_helpers.tiny_config(
         GRPO,
         tmp_path / "run",
         rl_helpers.SHAPED_REWARDS,
         "trainer.max_steps=1",
+        f"trainer.minibatches={minibatches}",
         *(f"rollout.{k}={v}" for k, v in sampling.items()),
     )
-    assert (cfg.trainer.epochs, cfg.trainer.minibatches) == (1, 1)
+    assert cfg.trainer.epochs == 1 and check_config(cfg).kl_placement == "loss"
     temperature = sampling["temperature"]
     trainer, calls = _one_step(cfg)
-    assert len(calls) == 1
+    assert trainer.on_policy == (minibatches == 1)
+    assert len(calls) == minibatches
     call = calls[0]
     batch = call.batch
     mask = batch.completion_mask.astype(bool)
-    assert _rows(batch) == cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert _rows(batch) == cfg.rollout.prompts_per_step * cfg.rollout.group_size // minibatches
     assert mask.sum() > 0
 
     # The first policy step sees the rollout-time policy (the parameters the rollout sampled
     # and scored with), and the frozen reference is that same initial policy.
     logits = _full_logits(call.params, trainer.run.model_config, batch)
     want = _expected_logprobs(logits, batch, temperature)
-    np.testing.assert_allclose(batch.old_logprobs, want, rtol=0, atol=ATOL)
     np.testing.assert_allclose(batch.ref_logprobs, want, rtol=0, atol=ATOL)
-    assert not np.any(batch.old_logprobs[~mask])
+    if minibatches == 1:
+        assert batch.old_logprobs is None
+        # The step's own log-probs at T meet the reference's: no KL. (At T = 1 the k3 KL to
+        # these reference log-probs is far from 0: see the check below.)
+        assert call.metrics["kl"] == pytest.approx(0.0, abs=RATIO_ATOL)
+    else:
+        np.testing.assert_allclose(batch.old_logprobs, want, rtol=0, atol=ATOL)
+        assert not np.any(batch.old_logprobs[~mask])
     # Temperature 1 would be a different distribution (so the check above has teeth).
     at_one = _expected_logprobs(logits, batch, 1.0)
     assert np.abs(at_one - want)[mask].max() > 100 * ATOL
@@ -240,3 +256,27 @@ def test_old_logprobs_stay_fixed_across_epochs(tmp_path):
         m = call.metrics
         assert max(m["ratio_max"] - 1.0, 1.0 - m["ratio_min"]) > 1e-3, (i, m)
         assert abs(m["approx_kl"]) > 1e-5, (i, m)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "on_policy"),
+    [
+        pytest.param((), True, id="one-update"),
+        pytest.param(("trainer.epochs=2",), False, id="epochs2"),
+        pytest.param(("trainer.minibatches=2",), False, id="minibatches2"),
+        # KL in the reward needs kl(old, ref) before the advantages exist.
+        pytest.param(
+            ("objective.overrides={kl_placement: reward, kl_kind: k1, kl_coef: 0.1}",),
+            False,
+            id="kl-in-reward",
+        ),
+        pytest.param(("objective.overrides={kl_coef: 0.0}",), True, id="no-kl"),
+    ],
+)
+def test_on_policy_rule(tmp_path, overrides, on_policy):
+    """The behaviour forward is skipped exactly when the update cannot have moved the policy
+    since the rollout and the advantages do not need the behaviour log-probs."""
+    from jaxrl_llm.train.rl.trainer import on_policy_update
+
+    cfg = rl_helpers.tiny_config(GRPO, tmp_path, *overrides)
+    assert on_policy_update(cfg, check_config(cfg)) is on_policy
