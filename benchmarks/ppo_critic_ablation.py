@@ -7,6 +7,13 @@ Markdown table: held-out greedy accuracy before / after RL and the critic's expl
 over the last 10 steps. Nothing is tuned per arm: the same config, seeds and step count.
 
     python benchmarks/ppo_critic_ablation.py --seeds 0 1 --steps 60 [--out runs/ablation]
+    python benchmarks/ppo_critic_ablation.py --seeds 0 1 --steps 60 --operator-offset 1.0
+
+``--operator-offset W`` adds ``W`` to the reward of every completion of a ``+`` prompt and
+subtracts it for a ``-`` prompt, whatever the completion: a per-prompt bias like a learned
+reward model's, which carries no information about the completion. A critic can read it off
+the prompt and take it out of the advantages; with zeroed values the batch-whitened returns
+are dominated by it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ def critic_values_zeroed():
         ppo.make_value_fn = real
 
 
+def operator_offset(prompt: str, completion: str, example) -> float:
+    """+1 for an addition prompt, -1 for a subtraction: independent of the completion."""
+    del completion, example
+    return 1.0 if "+" in prompt else -1.0
+
+
 def run(seed: int, steps: int, run_dir: pathlib.Path, zeroed: bool, extra: list[str]) -> dict:
     cfg = load_config(
         TrainConfig,
@@ -80,8 +93,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument(
+        "--operator-offset", type=float, default=0.0, help="weight of the per-prompt reward bias"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both arms")
     args = parser.parse_args()
+    if args.operator_offset:
+        args.overrides = [
+            "rewards=[{name: math_match}, {name: 'ppo_critic_ablation:operator_offset', "
+            f"weight: {args.operator_offset}}}]",
+            *args.overrides,
+        ]
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="ppo_ablation_"))
     results = []
     for seed in args.seeds:

@@ -7,7 +7,7 @@ prompt ``g``, as the advantage estimators expect). The decode loop then samples 
 step and feeds it back (cache slot ``P + step``) until every row has emitted an EOS or
 ``max_new_tokens`` columns are filled; it donates its state, so the cache is updated in place.
 
-Prompt lengths are bucketed (powers of two ``>= 16`` by default; extra columns are left padding)
+Prompt lengths are bucketed (powers of two ``>= 4`` by default; extra columns are left padding)
 so a stream of batches compiles a handful of programs. Temperature, top-p, min-p, the EOS ids
 and the pad id are traced: changing them does not recompile. ``top_k``, ``max_new_tokens``,
 ``num_samples``, the bucket and the batch size are static.

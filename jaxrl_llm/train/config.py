@@ -66,7 +66,7 @@ class SFTWarmupSection:
     on the chosen completions.
 
     Attributes:
-      steps: optimizer steps; null (the default) = on for the built-in tiny model (RL 2400,
+      steps: optimizer steps; null (the default) = on for the built-in tiny model (RL 2000,
         preference 600 steps), off for a loaded checkpoint (``model.path``). A run with a
         warm-up says so in its first lines.
       batch_size, learning_rate: the warm-up's batch and constant AdamW learning rate.

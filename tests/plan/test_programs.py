@@ -138,10 +138,16 @@ def test_job_shape(tiny_path):
 def test_rollout_batch_bytes_by_hand(tiny_path):
     job = _job(tiny_path)
     # 8 rows over 4 shards = 2 a chip; P = bucket(12) = 16, T = 8: prompt tokens 2x16x4, mask
-    # 2x16, completion tokens 2x8x4, mask 2x8, old and ref log-probs 2x8x4 each, GRPO's
-    # per-sequence advantages 2x4, rewards 2x4.
-    expected = 128 + 32 + 64 + 16 + 64 + 64 + 8 + 8
+    # 2x16, completion tokens 2x8x4, mask 2x8, ref log-probs 2x8x4, GRPO's per-sequence
+    # advantages 2x4, rewards 2x4. One epoch, one minibatch: on-policy, so no old log-probs
+    # (the update takes its own) and no behaviour forward in the step.
+    expected = 128 + 32 + 64 + 16 + 64 + 8 + 8
     assert job.programs["update"].resident["inputs"] == expected
+    assert job.programs["logprobs"].calls_per_step == 0
+    # Two minibatches: the behaviour log-probs (2x8x4 more) are computed once and carried.
+    several = _job(tiny_path, "trainer.minibatches=2")
+    assert several.programs["update"].resident["inputs"] == expected + 64
+    assert several.programs["logprobs"].calls_per_step == 1
     # The decode step's KV cache: L x 2 (k, v) x rows x K x (P + T) x H x 2 bytes (bf16), rows
     # split over 4 chips: 2 x 2 x 2 x 2 x 24 x 16 x 2, plus the [rows, P + T] bool mask 2 x 24.
     assert (
@@ -335,9 +341,9 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
     shape = job.shape
     # Per chip, the arguments besides the state, weights and cache the accounting names:
     inputs = {
-        # The minibatch (the whole batch here) less its rewards (2 rows x 4 bytes), which
-        # GRPO's loss does not read, so jit drops that argument.
-        "update": 384 - 8,
+        # The minibatch (the whole batch here, on-policy: no old log-probs) less its rewards
+        # (2 rows x 4 bytes), which GRPO's loss does not read, so jit drops that argument.
+        "update": 320 - 8,
         # Sequences of 2 rows: prompt tokens 2x16x4, mask 2x16, completion 2x8x4, mask 2x8.
         "logprobs": 240,
         "ref_logprobs": 240,

@@ -258,11 +258,15 @@ def test_groups_are_contiguous_independent_and_prefilled_once(
 
 
 def test_bucketing():
-    assert [gen.bucket_length(n) for n in (1, 15, 16, 17, 32, 33, 100)] == [
+    assert [gen.bucket_length(n) for n in (1, 3, 4, 5, 8, 9, 15, 16, 17, 33, 100)] == [
+        4,
+        4,
+        4,
+        8,
+        8,
         16,
         16,
         16,
-        32,
         32,
         64,
         128,
@@ -271,8 +275,8 @@ def test_bucketing():
     with pytest.raises(ValueError, match="exceeds the largest bucket 24"):
         gen.bucket_length(30, buckets=(8, 24))
     tokens, mask = gen.pad_prompts(np.ones((2, 5), np.int32), np.ones((2, 5), bool), pad_id=7)
-    chex.assert_shape([tokens, mask], (2, 16))
-    assert tokens[0, :11].tolist() == [7] * 11 and not bool(mask[:, :11].any())
+    chex.assert_shape([tokens, mask], (2, 8))
+    assert tokens[0, :3].tolist() == [7] * 3 and not bool(mask[:, :3].any())
 
 
 def test_sampling_params_pad_eos_ids():

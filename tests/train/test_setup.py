@@ -39,7 +39,7 @@ def test_sft_warmup_steps_null_means_on_for_the_builtin_model_only(config_class,
 
 def test_the_builtin_warm_up_lengths():
     """The lengths the README's numbers were measured with."""
-    assert rl_trainer.SFT_WARMUP_STEPS_BUILTIN == 2400
+    assert rl_trainer.SFT_WARMUP_STEPS_BUILTIN == 2000
     assert preference_trainer.SFT_WARMUP_STEPS_BUILTIN == 600
 
 

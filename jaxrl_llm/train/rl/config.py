@@ -130,7 +130,7 @@ class TrainerSection:
     epochs: int = 1
     minibatches: int = 1
     micro_batches: int = 1
-    learning_rate: float = 5e-4
+    learning_rate: float = 2e-4
     schedule: str = "constant"
     warmup_steps: int = 0
     final_lr_fraction: float = 0.0

@@ -98,7 +98,7 @@ def test_a_run_over_a_checkpoint_samples_with_the_union(checkpoint_dir, tmp_path
     builtin = RLTrainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=None)))
     try:
         assert builtin.run.stop_ids == (EOS,)
-        assert builtin.sft_steps == SFT_WARMUP_STEPS_BUILTIN == 2400
+        assert builtin.sft_steps == SFT_WARMUP_STEPS_BUILTIN == 2000
     finally:
         builtin.checkpointer.close()
         builtin.metrics_writer.close()

@@ -303,8 +303,8 @@ def test_ppo_config_errors(tmp_path):
 def test_ppo_on_the_built_in_task_improves_held_out_accuracy(tmp_path):
     """``jaxrl-llm train configs/ppo.yaml`` as a user runs it (its 60 RL steps, ~1 min).
 
-    Greedy accuracy on the 128 held-out prompts went from 51.6% to 69.5% on a 2-core CPU (JAX
-    0.10.2, 2400 SFT warm-up steps); 5 points is well clear of a tie yet far below that gain.
+    Greedy accuracy on the 128 held-out prompts went from 82.0% to 93.8% on a 2-core CPU (JAX
+    0.10.2, 2000 SFT warm-up steps); 5 points is well clear of a tie yet far below that gain.
     """
     run_dir = tmp_path / "ppo"
     result = subprocess.run(

@@ -386,7 +386,7 @@ def test_resume_with_a_changed_config_refuses_keys_that_break_exactness(tmp_path
     changed = dataclasses.replace(
         cfg, trainer=dataclasses.replace(cfg.trainer, learning_rate=1e-3, max_steps=9)
     )
-    with pytest.raises(ValueError, match=r"trainer.learning_rate: 0.0005 -> 0.001.*resume_force"):
+    with pytest.raises(ValueError, match=r"trainer.learning_rate: 0.0002 -> 0.001.*resume_force"):
         RLTrainer(changed)
     assert (run_dir / "config.yaml").read_text() == config_text
     with pytest.raises(ValueError, match=r"; trainer.learning_rate would make") as info:
