@@ -63,9 +63,9 @@ def reference_lr(t: int) -> float:
     return LR * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def reference_loss(params, batch):
-    """Token-mean ``max(−A·r, −A·clip(r, 1−ε_lo, 1+ε_hi)) + β·k3`` in plain ``jnp``."""
-    lp = logprobs.completion_logprobs(
+def _policy_logprobs(params, batch):
+    """The model's per-token completion log-probs (the library's forward, tested elsewhere)."""
+    return logprobs.completion_logprobs(
         params,
         CONFIG,
         batch.prompt_tokens,
@@ -73,6 +73,11 @@ def reference_loss(params, batch):
         batch.completion_tokens,
         batch.completion_mask,
     )
+
+
+def reference_loss(params, batch):
+    """Token-mean ``max(−A·r, −A·clip(r, 1−ε_lo, 1+ε_hi)) + β·k3`` in plain ``jnp``."""
+    lp = _policy_logprobs(params, batch)
     mask = batch.completion_mask.astype(jnp.float32)
     adv = batch.advantages[:, None]
     ratio = jnp.exp(lp - batch.old_logprobs)
@@ -241,14 +246,7 @@ def test_policy_update_matches_float64_reference(
 def on_policy_reference_loss(params, batch):
     """The same objective at ratio 1: ``-A·∇log π`` plus the KL term's gradient, so the value is
     ``−A + β·k3`` per token and the gradient that of ``−A·log π + β·k3`` (no clip can bind)."""
-    lp = logprobs.completion_logprobs(
-        params,
-        CONFIG,
-        batch.prompt_tokens,
-        batch.prompt_mask,
-        batch.completion_tokens,
-        batch.completion_mask,
-    )
+    lp = _policy_logprobs(params, batch)
     mask = batch.completion_mask.astype(jnp.float32)
     x = batch.ref_logprobs - lp
     k3 = jnp.exp(x) - x - 1.0

@@ -48,7 +48,7 @@ def trained(tmp_path_factory):
     cfg = load_config(
         PreferenceConfig,
         rl_helpers.CONFIGS / "reward_model.yaml",
-        [*TINY, f"run_dir={run_dir}", "trainer.max_steps=30", "checkpoint.every_steps=30"],
+        [*TINY, f"run_dir={run_dir}", "trainer.max_steps=40", "checkpoint.every_steps=40"],
     )
     return cfg, run(cfg)
 
