@@ -155,6 +155,19 @@ def trl_worker(checkpoint: str, args, out: str) -> None:
     )
     times: list[float] = []
     lengths: list[float] = []
+    spans: dict[str, list[float]] = {"generate": [], "prepare": []}
+
+    def timed(name, method):
+        """Wraps a bound method of the trainer to record its wall time per call."""
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                spans[name].append(time.perf_counter() - start)
+
+        return wrapper
 
     class Timer(transformers.TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -175,10 +188,28 @@ def trl_worker(checkpoint: str, args, out: str) -> None:
         processing_class=transformers.AutoTokenizer.from_pretrained(checkpoint),
         callbacks=[Timer()],
     )
+    # Phases: generation (`_generate`), then scoring + reference log-probs (the rest of
+    # `_generate_and_score_completions`), then the policy update (the rest of the step).
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._generate_and_score_completions = timed(
+        "prepare", trainer._generate_and_score_completions
+    )
     trainer.train()
+    if not (len(spans["generate"]) == len(spans["prepare"]) == len(times)):
+        raise RuntimeError(f"TRL phase timers saw {spans} for {len(times)} steps")
+    skip = args.skip
+    phases = {
+        "rollout": statistics.median(spans["generate"][skip:]),
+        "score+ref logprobs": statistics.median(
+            p - g for p, g in zip(spans["prepare"][skip:], spans["generate"][skip:])
+        ),
+        "update": statistics.median(t - p for t, p in zip(times[skip:], spans["prepare"][skip:])),
+    }
     versions = {"trl": trl.__version__, "torch": torch.__version__}
     with open(out, "w") as f:
-        json.dump({"step_s": times, "completion_length_mean": lengths, **versions}, f)
+        json.dump(
+            {"step_s": times, "phases_s": phases, "completion_length_mean": lengths, **versions}, f
+        )
 
 
 def run_trl(checkpoint: str, args, workdir: str) -> dict:
@@ -186,7 +217,7 @@ def run_trl(checkpoint: str, args, workdir: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--trl-worker", checkpoint, out]
     command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
     command += ["--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens)]
-    command += ["--seed", str(args.seed)]
+    command += ["--seed", str(args.seed), "--skip", str(args.skip)]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -244,6 +275,8 @@ def main(argv=None) -> int:
         "",
         "jaxrl_llm phases (median s): "
         + ", ".join(f"{k} {v:.2f}" for k, v in jax_result["phases_s"].items()),
+        "TRL phases (median s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in trl_result["phases_s"].items()),
     ]
     print("\n".join(lines))
     if args.json:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models import attention_backends as backends
 from jaxrl_llm.models.attention_backends import attention_mask
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
+from jaxrl_llm.parallel.mesh import current_platform
 
 Array = jax.Array
 
@@ -115,7 +116,7 @@ def resolve_attention_implementation(implementation: str, *, dtype: Any, head_di
         )
     if implementation != "auto":
         return implementation
-    platform, kind = _platform()
+    platform, kind = current_platform()
     if platform == "tpu":
         return "splash"
     if platform in ("gpu", "cuda"):
@@ -188,7 +189,7 @@ def dot_product_attention(
     block_kv = _SPLASH_BLOCK if block_kv is None else block_kv
     _check_block("block_q", block_q, multiple=_SPLASH_LANES)
     _check_block("block_kv", block_kv, multiple=_SPLASH_LANES)
-    if not interpret and _platform()[0] != "tpu":
+    if not interpret and current_platform()[0] != "tpu":
         raise ValueError(
             "implementation='splash' needs a TPU (the context mesh's or the default devices); "
             "pass interpret=True to emulate the kernel elsewhere"
@@ -238,7 +239,7 @@ def _check_block(name: str, block: Any, *, multiple: int) -> None:
 def _check_cudnn(q: Array) -> None:
     if q.dtype not in _CUDNN_DTYPES:
         raise ValueError(f"implementation='cudnn' needs bf16 or f16 inputs, got {q.dtype}")
-    if _platform()[0] not in ("gpu", "cuda"):
+    if current_platform()[0] not in ("gpu", "cuda"):
         raise ValueError(
             "implementation='cudnn' needs an NVIDIA GPU (the context mesh's or the default devices)"
         )
@@ -248,15 +249,6 @@ def _check_cudnn(q: Array) -> None:
             f"implementation='cudnn' needs a head dim that is a multiple of 8 and <= 256 "
             f"(<= 128 before Hopper), got {head_dim}"
         )
-
-
-def _platform() -> tuple[str, str]:
-    """``(platform, device_kind)`` of the context mesh (``jax.set_mesh``) or default devices."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    if device is None:
-        device = jax.devices()[0]
-    return device.platform, device.device_kind
 
 
 # --- "einsum": query blocks of head-major batched matmuls, hand-written backward (CPU). ---

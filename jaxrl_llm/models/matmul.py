@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models.attention import _platform
+from jaxrl_llm.parallel.mesh import current_platform
 
 Array = jax.Array
 
@@ -43,7 +43,7 @@ def dense(x: Array, w: Array, contract: int = 1, *, preferred_element_type=None)
             f"{contract} of w {tuple(w.shape)}"
         )
     out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    if _platform()[0] != "cpu":
+    if current_platform()[0] != "cpu":
         return _product(x, w, contract, out_dtype)
     return _dense_2d_backward(x, w, contract, out_dtype)
 

@@ -2,8 +2,9 @@
 
 The NNX ``Transformer`` holds its decoder layers stacked along a leading ``layers`` axis
 (built with ``nnx.vmap``) and runs them with one ``jax.lax.scan``, so compile time does not
-grow with depth (on CPU the scan is unrolled: XLA:CPU's loop copies cost more there). Jitted code works on a plain nested dict of arrays: ``init_params`` and
-``load_pretrained`` return one, and ``forward`` merges it with a graphdef cached per config
+grow with depth (on CPU the scan is unrolled: XLA:CPU's loop copies cost more there).
+Jitted code works on a plain nested dict of arrays: ``init_params`` and ``load_pretrained``
+return one, and ``forward`` merges it with a graphdef cached per config
 inside the traced function, so optax, orbax and the sharding layer see an ordinary pytree.
 
 ``forward`` also takes the layers and the KV cache split into per-layer arrays (see
@@ -31,11 +32,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm._checks import check_choice, check_rank
-from jaxrl_llm.models.attention import _platform, apply_rope, cache_attention, rope_angles
+from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import CACHE_AXES, KVCache, check_cache, init_cache
-from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.models.layers import DecoderLayer, constrain, gathered, normal, param, rms_norm
+from jaxrl_llm.models.matmul import dense
+from jaxrl_llm.parallel.mesh import current_platform
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -133,7 +135,7 @@ class Transformer(nnx.Module):
             layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
             # XLA:CPU runs a layer loop with per-iteration slice copies of the weights and
             # residuals (about a tenth of a 60M model's training step): unrolled there.
-            unroll = config.num_hidden_layers if _platform()[0] == "cpu" else 1
+            unroll = config.num_hidden_layers if current_platform()[0] == "cpu" else 1
             (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layer_ids), unroll=unroll)
         else:  # per-layer weights and cache arrays: unrolled, each layer reads its own
             written = []

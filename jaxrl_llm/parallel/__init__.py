@@ -19,7 +19,7 @@ from jaxrl_llm.parallel.distributed import (
     first_slurm_host,
     initialize_distributed,
 )
-from jaxrl_llm.parallel.mesh import MESH_AXES, make_mesh, resolve_mesh_shape
+from jaxrl_llm.parallel.mesh import MESH_AXES, current_platform, make_mesh, resolve_mesh_shape
 from jaxrl_llm.parallel.rules import (
     ACTIVATION_RULES,
     LOGICAL_AXES,
@@ -38,6 +38,7 @@ __all__ = [
     "ACTIVATION_RULES",
     "LOGICAL_AXES",
     "MESH_AXES",
+    "current_platform",
     "PARAM_RULES",
     "SAMPLING_RULES",
     "ClusterSpec",

@@ -44,7 +44,7 @@ from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
-from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.trainer import on_policy_update
 from jaxrl_llm.train.step import jit_step
@@ -67,8 +67,8 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     """
     objective = plannable_objective(cfg)
     model_config = plan_model_config(cfg.model)
-    shape = job_shape(cfg, objective)
     mesh = plan_mesh(cfg.mesh, get_devices(spec) if devices is None else devices)
+    shape = job_shape(cfg, objective, mesh)
     try:
         setup.check_batch_sizes(
             {
@@ -150,6 +150,7 @@ def _lower_programs(
         temperature=r.temperature,
         chunk_size=cfg.model.chunk_size,
         param_shardings=shardings.params,
+        micro_batches=forward_micro_batching(cfg.trainer, mesh.devices.flat[0].platform),
     )
     seqs = abstract_sequences(mesh, rows, p_len, t_len)
     logprob_out = jax.eval_shape(logprob_fn, state.params, seqs)

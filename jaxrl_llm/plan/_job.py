@@ -20,8 +20,9 @@ from jaxrl_llm.plan.topology import TopologySpec
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
 from jaxrl_llm.train import setup
-from jaxrl_llm.train.rl.config import TrainConfig, check_config
+from jaxrl_llm.train.rl.config import TrainConfig, check_config, micro_batching
 from jaxrl_llm.train.state import TrainState, state_shardings
+from jaxrl_llm.train.step import TokenBudget
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 PyTree = Any
@@ -103,11 +104,16 @@ class JobShape:
         return self.epochs * self.minibatches
 
 
-def job_shape(cfg: TrainConfig, objective: objectives.Objective) -> JobShape:
-    """The ``JobShape`` of an RL config (``check_config`` has passed)."""
+def job_shape(cfg: TrainConfig, objective: objectives.Objective, mesh=None) -> JobShape:
+    """The ``JobShape`` of an RL config (``check_config`` has passed).
+
+    With ``mesh``, ``micro_batches`` is what the trainer would run on that mesh's devices
+    (``trainer.micro_batch_tokens`` resolved for the planned batch shape); without, the
+    configured ``trainer.micro_batches``.
+    """
     r, t = cfg.rollout, cfg.trainer
     rows = r.prompts_per_step * r.group_size
-    return JobShape(
+    shape = JobShape(
         prompts=r.prompts_per_step,
         group_size=r.group_size,
         rows=rows,
@@ -122,6 +128,13 @@ def job_shape(cfg: TrainConfig, objective: objectives.Objective) -> JobShape:
         needs_reference=objective.needs_reference,
         reference_mode=cfg.reference.mode,
     )
+    if mesh is None:
+        return shape
+    micro = micro_batching(t, mesh.devices.flat[0].platform)
+    if isinstance(micro, TokenBudget):
+        devices = math.prod(mesh.shape[a] for a in parallel.batch_mesh_axes(mesh))
+        micro = micro.micro_batches(shape.minibatch_rows, shape.seq_len, devices)
+    return dataclasses.replace(shape, micro_batches=micro)
 
 
 def plannable_objective(cfg: TrainConfig) -> objectives.Objective:

@@ -12,6 +12,13 @@ from typing import Any
 import jax
 
 from jaxrl_llm import logprobs, parallel
+from jaxrl_llm.train.step import (
+    TokenBudget,
+    batch_shards,
+    merge_micro_batches,
+    micro_batch_count,
+    split_micro_batches,
+)
 from jaxrl_llm.types import Sequences
 
 PyTree = Any
@@ -36,27 +43,34 @@ def make_logprob_fn(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     param_shardings: PyTree | None = None,
+    micro_batches: int | TokenBudget = 1,
 ):
     """A jitted ``(params, seqs) -> [B, T]`` for old-policy or reference log-probs.
 
     No gradient flows into ``params``; ``temperature`` is the sampling temperature, so the
-    log-probs are those of the distribution the tokens were drawn from.
+    log-probs are those of the distribution the tokens were drawn from. ``micro_batches``
+    (as in ``train.step.make_step``) runs the rows in K strided groups, one after another.
     """
 
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
+    devices = batch_shards(param_shardings)
 
     def fn(params, seqs: Sequences):
         with parallel.mesh_context(mesh):
             return _logprobs(params, seqs)
 
     def _logprobs(params, seqs: Sequences):
-        return sequence_logprobs(
-            jax.lax.stop_gradient(params),
-            model_config,
-            seqs,
-            temperature=temperature,
-            chunk_size=chunk_size,
-        )
+        params = jax.lax.stop_gradient(params)
+
+        def one(part: Sequences):
+            return sequence_logprobs(
+                params, model_config, part, temperature=temperature, chunk_size=chunk_size
+            )
+
+        k = micro_batch_count(micro_batches, seqs, devices)
+        if k == 1:
+            return one(seqs)
+        return merge_micro_batches(jax.lax.map(one, split_micro_batches(seqs, k)))
 
     if param_shardings is None:
         return jax.jit(fn)

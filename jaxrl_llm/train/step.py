@@ -4,7 +4,10 @@ Every trainer — policy, critic, PRIME's reward model, SFT, preference and rewa
 builds its update with :func:`make_step` around a ``loss_fn`` and compiles it with
 :func:`jit_step` (explicit ``in_shardings`` / ``out_shardings``, the old state donated).
 
-Micro-batches are a ``lax.scan`` inside the step, over strided rows. Two ways to accumulate:
+Micro-batches are a ``lax.scan`` inside the step, over strided rows: a fixed count K, or a
+:class:`TokenBudget` that picks K from each batch's shape (verl's ``use_dynamic_bsz`` /
+``ppo_max_token_len_per_gpu`` idea, with equal-sized micro-batches so the program stays
+static). Two ways to accumulate:
 
 - ``accumulate="sum"`` (RL, SFT): the step counts the whole batch's valid tokens and non-empty
   rows from ``batch.completion_mask`` and hands them to every micro-batch as :class:`Totals`;
@@ -17,6 +20,7 @@ Micro-batches are a ``lax.scan`` inside the step, over strided rows. Two ways to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +42,76 @@ class Totals(NamedTuple):
 
     num_tokens: Array  # scalar f32: valid completion tokens of the whole batch
     num_seqs: Array  # scalar f32: non-empty rows of the whole batch
+
+
+class TokenBudget(NamedTuple):
+    """Micro-batches sized by tokens: at most ``tokens`` positions per device per micro-batch.
+
+    For a batch of ``B`` rows of ``S`` positions (prompt + completion) sharded over ``d``
+    devices, K is the smallest count ``>= minimum`` that divides ``B``, leaves ``B / K``
+    divisible by ``d`` and gives ``(B / K / d) * S <= tokens``; when none does, the largest
+    such count (the fewest rows per micro-batch); ``minimum`` when no count qualifies (the
+    trainer's batch-size checks then say which key does not divide). K is fixed at trace
+    time by the batch's shape, so each bucketed shape compiles once. Since every loss is
+    normalised by whole-batch totals (``accumulate="sum"``), K changes the schedule, not the
+    update.
+    """
+
+    tokens: int
+    minimum: int = 1
+
+    def micro_batches(self, rows: int, seq_len: int, devices: int = 1) -> int:
+        """K for ``rows`` rows of ``seq_len`` positions over ``devices`` batch shards."""
+        if self.tokens < 1 or self.minimum < 1:
+            raise ValueError(f"TokenBudget needs tokens >= 1 and minimum >= 1, got {self}")
+        if rows < 1 or seq_len < 1 or devices < 1:
+            raise ValueError(
+                f"rows, seq_len and devices must be >= 1, got {rows}, {seq_len}, {devices}"
+            )
+        candidates = [k for k in range(1, rows + 1) if rows % k == 0 and (rows // k) % devices == 0]
+        candidates = [k for k in candidates if k >= self.minimum]
+        if not candidates:  # the batch-size checks name the config key that does not divide
+            return self.minimum
+        for k in candidates:
+            if rows // k // devices * seq_len <= self.tokens:
+                return k
+        return candidates[-1]
+
+
+def row_length(batch: Any) -> int:
+    """Positions per row of a batch: prompt + completion widths, else the mask's width."""
+    prompt, completion = (
+        getattr(batch, "prompt_tokens", None),
+        getattr(batch, "completion_tokens", None),
+    )
+    if prompt is not None and completion is not None:
+        return prompt.shape[1] + completion.shape[1]
+    return batch.completion_mask.shape[1]
+
+
+def batch_shards(shardings: PyTree | None) -> int:
+    """Devices the batch rows split over on the mesh of ``shardings`` (1 without)."""
+    if shardings is None:
+        return 1
+    mesh = _mesh_of(shardings)
+    return math.prod(mesh.shape[a] for a in parallel.batch_mesh_axes(mesh))
+
+
+def micro_batch_count(micro_batches: int | TokenBudget, batch: Any, devices: int = 1) -> int:
+    """K for ``batch`` (static: from its shape): the int itself, or the budget's choice."""
+    if not isinstance(micro_batches, TokenBudget):
+        return micro_batches
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    return micro_batches.micro_batches(rows, row_length(batch), devices)
+
+
+def merge_micro_batches(stacked: PyTree) -> PyTree:
+    """Inverse of :func:`split_micro_batches`: ``[K, B/K, ...]`` leaves → ``[B, ...]``."""
+
+    def merge(x):
+        return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return jax.tree.map(merge, stacked)
 
 
 # loss_fn(params, batch, totals) -> (loss, metrics); totals is None with accumulate="mean".
@@ -88,7 +162,7 @@ def make_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
-    micro_batches: int = 1,
+    micro_batches: int | TokenBudget = 1,
     accumulate: str = "sum",
     param_shardings: PyTree | None = None,
 ) -> Step:
@@ -99,6 +173,8 @@ def make_step(
         ``totals`` is the whole batch's :class:`Totals` (``accumulate="sum"``) or None.
       optimizer: the optax transformation whose state is ``TrainState.opt_state``.
       micro_batches: K; the batch is processed in K strided micro-batches under ``lax.scan``.
+        A :class:`TokenBudget` picks K from each batch's shape (and the batch shards of
+        ``param_shardings``' mesh); the metrics then add ``micro_batches``.
       accumulate: ``"sum"`` (global normalisers; ``batch.completion_mask`` required) or
         ``"mean"`` (average of the micro-batch gradients).
       param_shardings: the parameters' ``NamedSharding``s. On a mesh with explicit axes the
@@ -108,13 +184,21 @@ def make_step(
     Returns:
       The step; its metrics add ``grad_norm`` (and ``num_tokens`` with ``accumulate="sum"``).
     """
-    if micro_batches < 1:
+    budget = micro_batches if isinstance(micro_batches, TokenBudget) else None
+    if budget is None and not isinstance(micro_batches, int):
+        raise ValueError(f"micro_batches must be an int or a TokenBudget, got {micro_batches!r}")
+    if budget is None and micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    batch_devices = batch_shards(param_shardings)
+
+    def count(batch) -> int:
+        return micro_batch_count(micro_batches, batch, batch_devices)
 
     def gradients(params, batch, totals):
+        micro_batches = count(batch)
         if micro_batches == 1:
             return grad_fn(params, batch, totals)
 
@@ -143,6 +227,8 @@ def make_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         metrics = dict(metrics)
         metrics["grad_norm"] = optax.tree.norm(grads)
+        if budget is not None:
+            metrics["micro_batches"] = jnp.asarray(count(batch), jnp.int32)
         if totals is not None:
             metrics["num_tokens"] = totals.num_tokens
         rng, _ = jax.random.split(state.rng)

@@ -18,7 +18,7 @@ from jaxrl_llm.train import optim
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.state import TrainState, create_train_state
-from jaxrl_llm.train.step import Totals, jit_step, make_step
+from jaxrl_llm.train.step import TokenBudget, Totals, jit_step, make_step
 from jaxrl_llm.types import sequences_of
 from tests.train.step_problem import CONFIG, host_batch
 
@@ -246,6 +246,62 @@ def test_averaged_micro_batches_give_the_full_batch_update(micro_batches):
     np.testing.assert_allclose(state.params["w"], w - lr * grad, rtol=1e-5)
     np.testing.assert_allclose(metrics["loss"], np.mean(residual**2), rtol=1e-5)
     assert "num_tokens" not in metrics
+
+
+@pytest.mark.parametrize(
+    ("budget", "rows", "seq_len", "devices", "expected"),
+    [
+        # 256 rows x 40 positions (the GRPO benchmark's update): 2 x 128 x 40 = 5120 > 4096,
+        # 4 x 64 x 40 = 2560 <= 4096.
+        (TokenBudget(4096), 256, 40, 1, 4),
+        (TokenBudget(2048), 256, 40, 1, 8),
+        # The default task's 256 x 14 = 3584 positions fit in one.
+        (TokenBudget(4096), 256, 14, 1, 1),
+        # The configured micro_batches is a floor.
+        (TokenBudget(4096, minimum=2), 256, 14, 1, 2),
+        # Per device: 16 rows over 4 devices, 100 positions each, 100 per device -> 1 row per
+        # device per micro-batch -> K = 4.
+        (TokenBudget(100), 16, 100, 4, 4),
+        # The budget is per device: 16 rows over 2 devices, 200 per device -> 2 rows per device
+        # -> 4 rows per micro-batch -> K = 4 (a global budget would give 8).
+        (TokenBudget(200), 16, 100, 2, 4),
+        # Too small a budget: the fewest rows that still split over the devices (8 / 4 = 2).
+        (TokenBudget(10), 8, 40, 2, 4),
+        # 12 rows over 1 device: 12 x 5 = 60 > 50, 6 x 5 = 30 <= 50 -> K = 2; K = 5 skipped.
+        (TokenBudget(50), 12, 5, 1, 2),
+        # No count >= 4 leaves 8 rows splitting over 4 devices: the floor (the trainer's
+        # batch-size check names the key).
+        (TokenBudget(1, minimum=4), 8, 3, 4, 4),
+    ],
+)
+def test_token_budget_picks_the_micro_batch_count(budget, rows, seq_len, devices, expected):
+    assert budget.micro_batches(rows, seq_len, devices) == expected
+
+
+def test_token_budget_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="tokens >= 1"):
+        TokenBudget(0).micro_batches(8, 4)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        TokenBudget(16).micro_batches(8, 0)
+
+
+def test_token_budget_step_gives_the_full_batch_update():
+    """K from the batch's shape (8 rows x 4 positions, 8 per micro-batch -> K = 4), same update."""
+    lr, w = 0.1, np.array([0.5, -1.0, 2.0])
+    batch = _toy_batch(rows=8, length=4)
+
+    def loss_fn(params, micro, totals):
+        loss, metrics = _toy_sum_loss(params, micro, totals)
+        return loss, {**metrics, "parts": jnp.float32(1.0)}  # summed: the scan's length
+
+    step = jax.jit(make_step(loss_fn, optax.sgd(lr), micro_batches=TokenBudget(8)))
+    state, metrics = step(_toy_state(optax.sgd(lr), w), batch)
+    x = batch.x.astype(np.float64)
+    tokens = batch.completion_mask.sum(axis=1).astype(np.float64)
+    grad = 2.0 * (tokens * (x @ w)) @ x / tokens.sum()
+    np.testing.assert_allclose(state.params["w"], w - lr * grad, rtol=1e-5)
+    assert float(metrics["parts"]) == 4 and int(metrics["micro_batches"]) == 4
+    assert float(metrics["rows"]) == 8
 
 
 def test_make_step_checks_its_arguments():

@@ -19,6 +19,7 @@ from jaxrl_llm.train.config import (
     ModelSection,
     SFTWarmupSection,
 )
+from jaxrl_llm.train.step import TokenBudget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,14 @@ class TrainerSection:
       max_steps: RL steps.
       epochs: K update epochs over each rollout batch.
       minibatches: optimizer steps per epoch (each over ``B / minibatches`` rows).
-      micro_batches: gradient-accumulation micro-batches inside each optimizer step.
+      micro_batches: gradient-accumulation micro-batches inside each optimizer step (with
+        ``micro_batch_tokens``: the least number of them).
+      micro_batch_tokens: at most this many positions (prompt + completion) per device in
+        one micro-batch: more micro-batches when a step's batch is larger (the count is
+        chosen per padded batch shape, ``train.step.TokenBudget``); the update is the same,
+        only its schedule changes. ``auto``: 4096 on CPU, where smaller working sets run
+        faster (the GRPO update of 256 rows x 40 positions: 1.17 s in one micro-batch, 0.95 s
+        in four), and off elsewhere (``null``: exactly ``micro_batches``).
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
       final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
         learning rate (0: decay to 0).
@@ -130,6 +138,7 @@ class TrainerSection:
     epochs: int = 1
     minibatches: int = 1
     micro_batches: int = 1
+    micro_batch_tokens: int | str | None = "auto"
     learning_rate: float = 2e-4
     schedule: str = "constant"
     warmup_steps: int = 0
@@ -239,6 +248,8 @@ class TrainConfig:
 
 
 REFERENCE_MODES = ("frozen", "refresh", "ema")
+# trainer.micro_batch_tokens=auto on CPU (positions per micro-batch).
+CPU_MICRO_BATCH_TOKENS = 4096
 DATA_TASKS = ("arithmetic", "jsonl")
 CRITIC_INITS = ("policy", "reward_model", "random")
 CRITIC_OPTIMIZERS = ("separate", "joint")
@@ -254,6 +265,30 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
 def _at_least(key: str, value: int | float, low: int | float) -> None:
     if not value >= low:
         raise ValueError(f"{key} must be >= {low}, got {value!r}")
+
+
+def micro_batching(trainer: TrainerSection, platform: str) -> int | TokenBudget:
+    """What ``make_step`` takes as ``micro_batches`` for a run on ``platform``.
+
+    ``trainer.micro_batches`` when ``trainer.micro_batch_tokens`` is off (``null``, or ``auto``
+    off CPU), else a ``TokenBudget`` with ``micro_batches`` as its minimum.
+    """
+    tokens = trainer.micro_batch_tokens
+    if tokens == "auto":
+        tokens = CPU_MICRO_BATCH_TOKENS if platform == "cpu" else None
+    if tokens is None:
+        return trainer.micro_batches
+    return TokenBudget(tokens=tokens, minimum=trainer.micro_batches)
+
+
+def forward_micro_batching(trainer: TrainerSection, platform: str) -> int | TokenBudget:
+    """The same for the frozen log-prob forwards: the token budget alone (no floor), else 1.
+
+    ``trainer.micro_batches`` sizes the update's activations (kept for the backward pass); a
+    forward keeps none, so it runs whole unless a token budget asks otherwise.
+    """
+    micro = micro_batching(trainer, platform)
+    return TokenBudget(micro.tokens) if isinstance(micro, TokenBudget) else 1
 
 
 def make_objective(section: ObjectiveSection) -> objectives.Objective:
@@ -294,6 +329,12 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _at_least("rollout.temperature", r.temperature, 0.0)
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
     _at_least("trainer.eval_every", t.eval_every, 0)
+    tokens = t.micro_batch_tokens
+    if not (tokens is None or tokens == "auto" or (isinstance(tokens, int) and tokens >= 1)):
+        raise ValueError(
+            f"trainer.micro_batch_tokens must be 'auto', null or an integer >= 1 (positions "
+            f"per device per micro-batch), got {tokens!r}"
+        )
     rows = r.prompts_per_step * r.group_size
     if rows % t.minibatches:
         raise ValueError(

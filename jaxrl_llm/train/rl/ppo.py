@@ -208,7 +208,7 @@ class PPOTrainer(RLTrainer):
     def compile(self) -> None:
         super().compile()
         run, cfg = self.run, self.cfg
-        common = {"micro_batches": cfg.trainer.micro_batches, "remat": cfg.model.remat}
+        common = {"micro_batches": self.micro_batches, "remat": cfg.model.remat}
         if self.joint:
             joint_step = functools.partial(
                 make_joint_step,

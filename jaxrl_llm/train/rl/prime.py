@@ -104,7 +104,7 @@ class PRIMETrainer(RLTrainer):
                     remat=cfg.model.remat,
                 ),
                 self.prm_optimizer,
-                micro_batches=cfg.trainer.micro_batches,
+                micro_batches=self.micro_batches,
                 param_shardings=self.prm_shardings.params,
             ),
             self.prm_shardings,

@@ -28,7 +28,12 @@ from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
 from jaxrl_llm.train.rl import rollout as rollout_lib
-from jaxrl_llm.train.rl.config import TrainConfig, check_config
+from jaxrl_llm.train.rl.config import (
+    TrainConfig,
+    check_config,
+    forward_micro_batching,
+    micro_batching,
+)
 from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.sft import sft_warmup
@@ -256,6 +261,16 @@ class RLTrainer(Trainer):
     def setup_extra_networks(self) -> None:
         """Hook: critics, process reward models (created after the policy state)."""
 
+    @property
+    def platform(self) -> str:
+        """The platform of the run's devices (``cpu``, ``gpu``, ``tpu``)."""
+        return self.run.mesh.devices.flat[0].platform
+
+    @property
+    def micro_batches(self):
+        """``make_step``'s ``micro_batches`` for this run's devices (``trainer.micro_batch_*``)."""
+        return micro_batching(self.cfg.trainer, self.platform)
+
     def compile(self) -> None:
         run, cfg = self.run, self.cfg
         self.update_fn = jit_step(
@@ -263,7 +278,7 @@ class RLTrainer(Trainer):
                 run.model_config,
                 run.objective,
                 self.optimizer,
-                micro_batches=cfg.trainer.micro_batches,
+                micro_batches=self.micro_batches,
                 temperature=cfg.rollout.temperature,
                 chunk_size=cfg.model.chunk_size,
                 remat=cfg.model.remat,
@@ -276,6 +291,7 @@ class RLTrainer(Trainer):
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.chunk_size,
             param_shardings=self.shardings.params,
+            micro_batches=forward_micro_batching(cfg.trainer, self.platform),
         )
         self.advantage_fn = objectives.advantage_fn(
             run.objective, group_size=cfg.rollout.group_size
