@@ -25,8 +25,9 @@ def _random_attention_inputs(rng, *, batch=2, seq=3, heads=4, kv_heads=2, slots=
     return q, k, v, mask
 
 
-def test_cache_attention_matches_reference_with_gqa(rng):
-    q, k, v, mask = _random_attention_inputs(rng)
+@pytest.mark.parametrize("seq", [3, 1])  # 1: a decode step (on CPU, the elementwise form)
+def test_cache_attention_matches_reference_with_gqa(rng, seq):
+    q, k, v, mask = _random_attention_inputs(rng, seq=seq)
     got = jax.jit(cache_attention, static_argnames="scale")(q, k, v, mask, scale=8**-0.5)
     chex.assert_shape(got, q.shape)
     want = ref.cache_attention(q, k, v, mask, 8**-0.5)
@@ -48,8 +49,9 @@ def test_cache_attention_ignores_masked_slots(rng):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-def test_cache_attention_bf16_cache_is_close(rng):
-    q, k, v, mask = _random_attention_inputs(rng)
+@pytest.mark.parametrize("seq", [3, 1])
+def test_cache_attention_bf16_cache_is_close(rng, seq):
+    q, k, v, mask = _random_attention_inputs(rng, seq=seq)
     got = cache_attention(
         jnp.asarray(q, jnp.bfloat16),
         jnp.asarray(k, jnp.bfloat16),
