@@ -60,7 +60,7 @@ def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) 
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if seq == 1 and current_platform()[0] == "cpu":
-        return _decode_attention_elementwise(q, k, v, mask, scale=scale)
+        return _decode_attention(q, k, v, mask, scale=scale)
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     # Products in the cache's dtype (XLA:CPU has no bf16 x bf16 -> f32 batched matmul), as
     # jax.nn.dot_product_attention does; the softmax in f32.
@@ -71,21 +71,22 @@ def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) 
     return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
 
-def _decode_attention_elementwise(q: Array, k: Array, v: Array, mask: Array, *, scale: float):
-    """``cache_attention`` for one query per row as broadcast products and sums (CPU decode).
+def _decode_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) -> Array:
+    """``cache_attention`` for one query per row, the query axis dropped (CPU decode).
 
-    XLA:CPU runs the two batched matmuls of a decode step (``B x K`` products of
-    ``[G, H] x [H, S_kv]``, then ``[G, S_kv] x [S_kv, H]``) as many tiny GEMMs; the same
-    contractions as fused multiply-reduce loops take 1.5-3x less time (``B=256, K=G=2,
-    S_kv=40..160, H=64``: 1.7 -> 1.1 ms, 8.3 -> 2.9 ms). All in f32.
+    With the singleton query axis in the products (``bqkgh,bksh->bkgqs``) XLA:CPU runs a decode
+    step's attention as ``B x K`` tiny GEMMs; without it (``bkgh,bksh->bkgs``) the same
+    contractions take up to 2x less time (``B=256, K=G=2, S_kv=160, H=64``: 6.5 -> 4.8 ms;
+    ``B=32, K=2, G=7, S_kv=512``: 4.3 -> 2.2 ms) and never more in the shapes measured
+    (benchmarks/RESULTS.md). Same dtypes as the general path.
     """
     batch, _, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim).astype(jnp.float32)
-    scores = jnp.sum(grouped * k[:, :, None].astype(jnp.float32), axis=-1)  # [B, K, G, S_kv]
-    scores = jnp.where(mask[:, :, :1], scores * scale, -jnp.inf)
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bkgh,bksh->bkgs", grouped.astype(k.dtype), k).astype(jnp.float32)
+    scores = jnp.where(mask[:, :, 0][:, :, None], scores * scale, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs[..., None] * v[:, :, None].astype(jnp.float32), axis=-2)  # [B, K, G, H]
+    out = jnp.einsum("bkgs,bksh->bkgh", probs.astype(v.dtype), v)
     return out.reshape(batch, 1, heads, head_dim).astype(q.dtype)
 
 

@@ -25,7 +25,7 @@ def _random_attention_inputs(rng, *, batch=2, seq=3, heads=4, kv_heads=2, slots=
     return q, k, v, mask
 
 
-@pytest.mark.parametrize("seq", [3, 1])  # 1: a decode step (on CPU, the elementwise form)
+@pytest.mark.parametrize("seq", [3, 1])  # 1: a decode step (on CPU, without the query axis)
 def test_cache_attention_matches_reference_with_gqa(rng, seq):
     q, k, v, mask = _random_attention_inputs(rng, seq=seq)
     got = jax.jit(cache_attention, static_argnames="scale")(q, k, v, mask, scale=8**-0.5)
@@ -35,6 +35,15 @@ def test_cache_attention_matches_reference_with_gqa(rng, seq):
     # Query head 1 reads kv head 0 and head 2 reads kv head 1: grouped, not interleaved.
     other = ref.cache_attention(q, k[:, ::-1], v[:, ::-1], mask, 8**-0.5)
     assert not np.allclose(np.asarray(got), other, atol=1e-3)
+
+
+@pytest.mark.parametrize("seq", [3, 1])
+def test_cache_attention_without_grouping(rng, seq):
+    q, k, v, mask = _random_attention_inputs(rng, seq=seq, heads=3, kv_heads=3)
+    got = cache_attention(q, k, v, mask, scale=8**-0.5)
+    np.testing.assert_allclose(
+        np.asarray(got), ref.cache_attention(q, k, v, mask, 8**-0.5), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_cache_attention_ignores_masked_slots(rng):
