@@ -11,7 +11,12 @@ Typical use (single host or pod alike)::
     batch = shard_batch(load(rows), mesh)
 """
 
-from jaxrl_llm.parallel.batch import batch_mesh_axes, process_local_slice, shard_batch
+from jaxrl_llm.parallel.batch import (
+    batch_mesh_axes,
+    batch_shards,
+    process_local_slice,
+    shard_batch,
+)
 from jaxrl_llm.parallel.distributed import (
     ClusterSpec,
     DistributedInfo,
@@ -44,6 +49,7 @@ __all__ = [
     "ClusterSpec",
     "DistributedInfo",
     "batch_mesh_axes",
+    "batch_shards",
     "detect_cluster",
     "first_slurm_host",
     "initialize_distributed",

@@ -62,6 +62,11 @@ def _local_shard_count(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return len(coords)
 
 
+def batch_shards(mesh: Mesh, rules: Rules | MeshAxes = ACTIVATION_RULES) -> int:
+    """Number of shards the batch dimension splits into (``data x fsdp`` with the default rules)."""
+    return math.prod(mesh.shape[a] for a in batch_mesh_axes(mesh, rules))
+
+
 def process_local_slice(
     global_batch_size: int, mesh: Mesh | None = None, *, rules: Rules | MeshAxes = ACTIVATION_RULES
 ) -> slice:

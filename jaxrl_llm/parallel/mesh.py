@@ -116,14 +116,18 @@ def make_mesh(
     )
 
 
-def current_platform() -> tuple[str, str]:
+def current_platform(mesh: Mesh | None = None) -> tuple[str, str]:
     """``(platform, device_kind)`` the code being traced will run on.
 
-    The device of the context mesh (``jax.set_mesh``; an abstract mesh of TPU devices when
-    ``plan`` compiles for a topology on this host), else JAX's first default device. Code that
+    The device of ``mesh`` when given, else of the context mesh (``jax.set_mesh``; an abstract
+    mesh of TPU devices when ``plan`` compiles for a topology on this host), else JAX's first
+    default device. Code that
     picks a per-backend formulation (attention kernel, CPU matmul backward, layer unrolling,
     micro-batch budget) asks this, not ``jax.default_backend()``.
     """
+    if mesh is not None:
+        device = mesh.devices.flat[0]
+        return device.platform, device.device_kind
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     if device is None:

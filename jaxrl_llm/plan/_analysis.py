@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl_llm import models
+from jaxrl_llm import models, parallel
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
@@ -150,7 +150,7 @@ def _lower_programs(
         temperature=r.temperature,
         chunk_size=cfg.model.chunk_size,
         param_shardings=shardings.params,
-        micro_batches=forward_micro_batching(cfg.trainer, mesh.devices.flat[0].platform),
+        micro_batches=forward_micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
     )
     seqs = abstract_sequences(mesh, rows, p_len, t_len)
     logprob_out = jax.eval_shape(logprob_fn, state.params, seqs)
@@ -426,7 +426,7 @@ def decode_hbm_bytes_per_chip(
     c = jnp.dtype(config.compute_dtype or "bfloat16").itemsize
     sizes = dict(mesh.shape)
     fsdp, tensor = sizes["fsdp"], sizes["tensor"]
-    shards = setup.batch_shards(mesh)
+    shards = parallel.batch_shards(mesh)
     weights = flops_lib.matmul_params(config) * c / tensor
     table = config.vocab_size * config.hidden_size * c / tensor
     if fsdp > 1:

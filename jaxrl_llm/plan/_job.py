@@ -130,10 +130,11 @@ def job_shape(cfg: TrainConfig, objective: objectives.Objective, mesh=None) -> J
     )
     if mesh is None:
         return shape
-    micro = micro_batching(t, mesh.devices.flat[0].platform)
+    micro = micro_batching(t, parallel.current_platform(mesh)[0])
     if isinstance(micro, TokenBudget):
-        devices = math.prod(mesh.shape[a] for a in parallel.batch_mesh_axes(mesh))
-        micro = micro.micro_batches(shape.minibatch_rows, shape.seq_len, devices)
+        micro = micro.micro_batches(
+            shape.minibatch_rows, shape.seq_len, parallel.batch_shards(mesh)
+        )
     return dataclasses.replace(shape, micro_batches=micro)
 
 

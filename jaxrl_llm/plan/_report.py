@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl_llm import models
+from jaxrl_llm import models, parallel
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._analysis import (
@@ -27,7 +27,6 @@ from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compi
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
 # function ``sampling.generate``, hence the direct import).
-from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl.config import TrainConfig
 
 PyTree = Any
@@ -275,9 +274,9 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         micro = shape.micro_batches
         if shape.remat == "none":
             out.append("model.remat=layer: keep only each layer's input for the backward pass")
-        double, batch_shards = micro * 2, setup.batch_shards(job.mesh)
+        double, shards = micro * 2, parallel.batch_shards(job.mesh)
         rows = shape.minibatch_rows // double if shape.minibatch_rows % double == 0 else 0
-        if rows and rows % batch_shards == 0:
+        if rows and rows % shards == 0:
             out.append(
                 f"trainer.micro_batches={double} (now {micro}): halves the activations kept "
                 "per micro-batch (not the gradients or the optimizer's intermediates: see the "
@@ -286,7 +285,7 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         else:
             out.append(
                 f"more micro-batches do not divide: {shape.minibatch_rows // micro} rows per "
-                f"micro-batch already, and the batch axes need a multiple of {batch_shards}; "
+                f"micro-batch already, and the batch axes need a multiple of {shards}; "
                 "more trainer.minibatches instead"
             )
     if not skipped_compile and over & {"update", "logprobs", "ref_logprobs"}:

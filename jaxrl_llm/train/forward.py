@@ -14,7 +14,6 @@ import jax
 from jaxrl_llm import logprobs, parallel
 from jaxrl_llm.train.step import (
     TokenBudget,
-    batch_shards,
     merge_micro_batches,
     micro_batch_count,
     split_micro_batches,
@@ -53,7 +52,7 @@ def make_logprob_fn(
     """
 
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
-    devices = batch_shards(param_shardings)
+    devices = 1 if mesh is None else parallel.batch_shards(mesh)
 
     def fn(params, seqs: Sequences):
         with parallel.mesh_context(mesh):

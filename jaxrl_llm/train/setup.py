@@ -131,14 +131,9 @@ def sft_warmup_steps(cfg, builtin_default: int) -> int:
     return steps
 
 
-def batch_shards(mesh) -> int:
-    """Number of shards the batch dimension is split into (``data × fsdp``)."""
-    return int(np.prod([mesh.shape[a] for a in parallel.batch_mesh_axes(mesh)]))
-
-
 def check_batch_sizes(sizes: Mapping[str, int], mesh) -> None:
     """Raises ValueError naming the first config key whose size the batch shards do not divide."""
-    shards = batch_shards(mesh)
+    shards = parallel.batch_shards(mesh)
     for name, size in sizes.items():
         if size % shards:
             raise ValueError(

@@ -20,7 +20,6 @@ static). Two ways to accumulate:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -87,14 +86,6 @@ def row_length(batch: Any) -> int:
     if prompt is not None and completion is not None:
         return prompt.shape[1] + completion.shape[1]
     return batch.completion_mask.shape[1]
-
-
-def batch_shards(shardings: PyTree | None) -> int:
-    """Devices the batch rows split over on the mesh of ``shardings`` (1 without)."""
-    if shardings is None:
-        return 1
-    mesh = _mesh_of(shardings)
-    return math.prod(mesh.shape[a] for a in parallel.batch_mesh_axes(mesh))
 
 
 def micro_batch_count(micro_batches: int | TokenBudget, batch: Any, devices: int = 1) -> int:
@@ -192,7 +183,9 @@ def make_step(
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    batch_devices = batch_shards(param_shardings)
+    batch_devices = (
+        1 if param_shardings is None else parallel.batch_shards(_mesh_of(param_shardings))
+    )
 
     def count(batch) -> int:
         return micro_batch_count(micro_batches, batch, batch_devices)

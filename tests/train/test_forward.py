@@ -30,9 +30,7 @@ def test_micro_batched_logprobs_match_the_float64_reference(tmp_path, rng, micro
     torch_model = hf_utils.build_checkpoint("qwen2", str(tmp_path), seed=5)
     config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
     prompt, prompt_mask = hf_utils.padded_batch(rng, LENGTHS[0], P, vocab=128, side="left")
-    completion, completion_mask = hf_utils.padded_batch(
-        rng, LENGTHS[1], T, vocab=128, side="right"
-    )
+    completion, completion_mask = hf_utils.padded_batch(rng, LENGTHS[1], T, vocab=128, side="right")
     want = np.zeros((len(prompt), T))
     for row in range(len(prompt)):
         real_prompt = prompt[row][prompt_mask[row] > 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxrl_llm import parallel
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.preference import trainer as preference_trainer
@@ -45,7 +46,7 @@ def test_the_builtin_warm_up_lengths():
 
 def test_batch_sizes_must_divide_the_batch_shards():
     mesh = setup.make_run_mesh(load_config(TrainConfig, None, ["mesh.data=2", "mesh.fsdp=2"]).mesh)
-    assert setup.batch_shards(mesh) == 4
+    assert parallel.batch_shards(mesh) == 4
     setup.check_batch_sizes({"a": 8, "b": 4}, mesh)
     with pytest.raises(ValueError, match=r"b=6 does not divide into the 4 batch shards"):
         setup.check_batch_sizes({"a": 8, "b": 6, "c": 3}, mesh)

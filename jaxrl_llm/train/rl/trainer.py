@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import data, objectives, rewards
+from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
@@ -264,7 +264,7 @@ class RLTrainer(Trainer):
     @property
     def platform(self) -> str:
         """The platform of the run's devices (``cpu``, ``gpu``, ``tpu``)."""
-        return self.run.mesh.devices.flat[0].platform
+        return parallel.current_platform(self.run.mesh)[0]
 
     @property
     def micro_batches(self):

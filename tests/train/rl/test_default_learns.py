@@ -54,6 +54,8 @@ def rl_learned(before: float, after: float) -> bool:
 )
 def test_the_bar(before, after, learned):
     assert rl_learned(before, after) is learned
+
+
 # Caps the RL steps so the test stays within CI time should the default grow.
 MAX_STEPS = 200
 

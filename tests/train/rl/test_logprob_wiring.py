@@ -128,9 +128,7 @@ def _rows(batch) -> int:
     ("sampling", "minibatches"),
     [
         pytest.param({"temperature": 0.7}, 2, id="T0.7"),
-        pytest.param(
-            {"temperature": 0.7, "top_p": 0.8, "top_k": 5}, 2, id="T0.7-top_p0.8-top_k5"
-        ),
+        pytest.param({"temperature": 0.7, "top_p": 0.8, "top_k": 5}, 2, id="T0.7-top_p0.8-top_k5"),
         pytest.param({"temperature": 0.7}, 1, id="T0.7-on-policy"),
     ],
 )
