@@ -1,6 +1,7 @@
 """Prefill and decode throughput of jaxrl_llm.sampling against transformers ``generate``.
 
-Both sides run the same random Llama weights in float32 with a KV cache, batch 16, prompt 32,
+Both sides run the same random Llama weights in float32 (``--dtype bfloat16``: bf16) with a KV
+cache, on the same device (transformers on CUDA when JAX's backend is a GPU), batch 16, prompt 32,
 128 new tokens (no EOS, so every row runs to the end), greedy and sampled (temperature 1, no
 top-k / top-p truncation on either side), in the same process and alternating repeat by repeat
 so machine noise hits both alike. Compile time is excluded (one warm-up call each), every JAX
@@ -51,9 +52,16 @@ SIZES = {
     "60M": (512, 8, 8, 8, 1376, 32000),
 }
 MODES = {"greedy": 0.0, "sampled": 1.0}
+# transformers runs where JAX does: the GPU when JAX's default backend is one, else the CPU.
+TORCH_DEVICE = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
 
 
-def _hf_model(name: str, path: str) -> torch.nn.Module:
+def _sync() -> None:
+    if TORCH_DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hf_model(name: str, path: str, dtype: str) -> torch.nn.Module:
     hidden, layers, heads, kv_heads, intermediate, vocab = SIZES[name]
     config = transformers.LlamaConfig(
         vocab_size=vocab,
@@ -73,7 +81,7 @@ def _hf_model(name: str, path: str) -> torch.nn.Module:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path)
-    return model
+    return model.to(TORCH_DEVICE, getattr(torch, dtype))
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -104,16 +112,17 @@ def bandwidth_probe():
     return probe
 
 
-def matmul_rate(batch: int, rows: int, cols: int) -> float:
-    """Best f32 FLOP/s of a jitted ``[batch, rows] @ [rows, cols]`` here (weights cycled)."""
-    weights = [jax.random.normal(jax.random.key(i), (rows, cols)) for i in range(8)]
-    x = jax.random.normal(jax.random.key(9), (batch, rows))
+def matmul_rate(batch: int, rows: int, cols: int, dtype: str = "float32") -> float:
+    """Best FLOP/s of a jitted ``[batch, rows] @ [rows, cols]`` in ``dtype`` here (weights
+    cycled)."""
+    weights = [jax.random.normal(jax.random.key(i), (rows, cols), dtype) for i in range(8)]
+    x = jax.random.normal(jax.random.key(9), (batch, rows), dtype)
 
     @jax.jit
     def chain(weights, x):
         def body(_, acc):
             h = x + acc * 1e-9  # depends on the carry: no hoisting out of the loop
-            return acc + sum(jnp.sum(h @ w) for w in weights)
+            return acc + sum(jnp.sum(h @ w, dtype=jnp.float32) for w in weights)
 
         return jax.lax.fori_loop(0, 20, body, jnp.float32(0))
 
@@ -122,17 +131,19 @@ def matmul_rate(batch: int, rows: int, cols: int) -> float:
     return 2 * batch * rows * cols * 8 * 20 / best
 
 
-def bench_size(name: str, *, batch: int, prompt: int, new: int, repeats: int, probe) -> list:
+def bench_size(
+    name: str, *, batch: int, prompt: int, new: int, repeats: int, probe, dtype: str = "float32"
+) -> list:
     with tempfile.TemporaryDirectory() as path:
-        hf = _hf_model(name, path)
-        config, params = load_pretrained(path, dtype=jnp.float32)
+        hf = _hf_model(name, path, dtype)
+        config, params = load_pretrained(path, dtype=getattr(jnp, dtype))
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, config.vocab_size, size=(batch, prompt)).astype(np.int32)
     mask = np.ones((batch, prompt), bool)
     key = jax.random.key(0)
     hf_inputs = dict(
-        input_ids=torch.as_tensor(tokens, dtype=torch.long),
-        attention_mask=torch.as_tensor(mask, dtype=torch.long),
+        input_ids=torch.as_tensor(tokens, dtype=torch.long, device=TORCH_DEVICE),
+        attention_mask=torch.as_tensor(mask, dtype=torch.long, device=TORCH_DEVICE),
         use_cache=True,
         pad_token_id=0,
     )
@@ -154,9 +165,11 @@ def bench_size(name: str, *, batch: int, prompt: int, new: int, repeats: int, pr
 
         def hf_generate(max_new, hf_mode=hf_mode):
             with torch.no_grad():
-                return hf.generate(
+                out = hf.generate(
                     **hf_inputs, **hf_mode, max_new_tokens=max_new, min_new_tokens=max_new
                 )
+            _sync()
+            return out
 
         ours = np.asarray(jax_decode(jax_prefill()).tokens)  # warm-up: compiles
         hf_generate(1)
@@ -177,7 +190,7 @@ def bench_size(name: str, *, batch: int, prompt: int, new: int, repeats: int, pr
             start = time.perf_counter()
             theirs = hf_generate(new)
             hf_full.append(time.perf_counter() - start)
-            theirs = theirs.numpy()[:, prompt:]
+            theirs = theirs.cpu().numpy()[:, prompt:]
             if theirs.shape != (batch, new):
                 raise RuntimeError(f"transformers stopped early: {theirs.shape}")
             if repeat == 0 and temperature == 0:  # greedy: the two sides agree token for token
@@ -205,11 +218,12 @@ def bench_size(name: str, *, batch: int, prompt: int, new: int, repeats: int, pr
     # What one decode step must read: every weight but the embedding table (a gather of B rows),
     # and the whole cache (attention runs over all P + T slots every step).
     read = sum(x.size for x in jax.tree.leaves(params)) - params["embed"].size
-    cache_bytes = 2 * config.num_hidden_layers * batch * (prompt + new) * config.head_dim * 4
-    cache_bytes *= config.num_key_value_heads
-    rate = matmul_rate(batch, config.hidden_size, config.intermediate_size)
+    itemsize = jnp.dtype(dtype).itemsize
+    cache_bytes = 2 * config.num_hidden_layers * batch * (prompt + new) * config.head_dim
+    cache_bytes *= config.num_key_value_heads * itemsize
+    rate = matmul_rate(batch, config.hidden_size, config.intermediate_size, dtype)
     for row in rows:
-        row.update(params=read + params["embed"].size, step_bytes=read * 4 + cache_bytes)
+        row.update(params=read + params["embed"].size, step_bytes=read * itemsize + cache_bytes)
         row.update(step_flops=2 * batch * read, matmul_rate=rate)
     return rows
 
@@ -218,7 +232,8 @@ def render(results: list, *, args, repeats: dict, load_before: float) -> str:
     device = jax.devices()[0]
     counts = ", ".join(f"{n}: {r}" for n, r in repeats.items())
     lines = [
-        f"bench_decode: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, f32, "
+        f"bench_decode: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
+        f"{args.dtype}, transformers on {TORCH_DEVICE}, "
         f"greedy and sampled (T=1, no truncation); medians of alternating repeats ({counts}); "
         "compile excluded",
         "",
@@ -246,7 +261,7 @@ def render(results: list, *, args, repeats: dict, load_before: float) -> str:
         "decode-step floors: bytes = weights read per step (not the embedding table) + the "
         "whole K/V cache, at the streaming bandwidth of an in-place jitted x + 1 on 256 MiB "
         "(read + write); FLOPs = 2 * B * weights read, at the best rate of one "
-        "[B, D] @ [D, F] f32 matmul here",
+        f"[B, D] @ [D, F] {args.dtype} matmul here",
     ]
     for r in results:
         mem = r["step_bytes"] / r["bandwidth"]
@@ -270,6 +285,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--out", default=None, help="also append the markdown to this file")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     # A 60M transformers generate takes 5-60 s on 2 busy cores: 3 repeats bound the run time.
@@ -286,6 +302,7 @@ def main() -> None:
             new=args.new,
             repeats=repeats[name],
             probe=probe,
+            dtype=args.dtype,
         )
     text = render(results, args=args, repeats=repeats, load_before=load_before)
     print(text)

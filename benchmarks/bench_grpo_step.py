@@ -124,7 +124,9 @@ def trl_worker(checkpoint: str, args, out: str) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     reward = make_reward("math_match")
     examples = data.arithmetic_examples(4000, seed=args.seed)
-    dataset = datasets.Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in examples])
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": e.prompt, "answer": e.answer} for e in examples]
+    )
 
     def math_match(prompts, completions, answer, **_):
         return [
@@ -238,7 +240,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--trl-worker", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trl-worker", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.trl_worker:
         trl_worker(args.trl_worker[0], args, args.trl_worker[1])

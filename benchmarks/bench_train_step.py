@@ -33,6 +33,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -65,6 +66,8 @@ MODELS = {
 # 3x that on 8 fake devices), so the plan stops at 8 x 256 and runs the mesh on the smaller
 # shapes only, to keep the whole run near 10 minutes.
 FULL_PLAN = (("tiny", 16, 256, True), ("60m", 8, 128, True), ("60m", 8, 256, False))
+# On a GPU the CPU shapes leave the chip idle: add a batch that fills it better.
+GPU_PLAN = FULL_PLAN + (("60m", 64, 512, False),)
 QUICK_PLAN = (("tiny", 8, 64, True),)
 PROMPT_LEN = 32
 GROUP_SIZE = 4
@@ -178,7 +181,9 @@ def host_batch(batch: int, length: int, vocab: int, *, seed: int = 0) -> Rollout
 def jax_step_fn(checkpoint: str, data: RolloutBatch, devices: list, dtype: str):
     """``(step, n_devices)``: a no-argument call running one jitted policy update, blocking."""
     mesh = parallel.make_mesh(1, len(devices), 1, devices=devices)
-    config, params = load_pretrained(checkpoint, dtype=jnp.dtype(dtype), mesh=mesh)
+    # f32 master weights; ``dtype`` is the compute dtype (matmuls and activations).
+    config, params = load_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh)
+    config = dataclasses.replace(config, compute_dtype=dtype)
     optimizer = make_optimizer(LEARNING_RATE)
     state, shardings = create_train_state(
         config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
@@ -211,9 +216,11 @@ def torch_step_fn(checkpoint: str, data: RolloutBatch, dtype: str, torch_losses)
     import transformers
 
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    # f32 weights and AdamW; bf16 compute through autocast (what TRL / accelerate's bf16 does).
     model = transformers.LlamaForCausalLM.from_pretrained(
-        checkpoint, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        checkpoint, dtype=torch.float32, attn_implementation="sdpa"
     ).to(device)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
@@ -236,9 +243,10 @@ def torch_step_fn(checkpoint: str, data: RolloutBatch, dtype: str, torch_losses)
 
     def call() -> float:
         optimizer.zero_grad(set_to_none=True)
-        logits = model(
-            input_ids=tokens, attention_mask=attention_mask, position_ids=positions
-        ).logits
+        with autocast:
+            logits = model(
+                input_ids=tokens, attention_mask=attention_mask, position_ids=positions
+            ).logits
         logits = logits[:, start : start + length].float()
         logprobs = torch.gather(torch.log_softmax(logits, -1), -1, completion[..., None])[..., 0]
         loss = torch_losses.policy_loss(objective, logprobs, batch)
@@ -300,7 +308,7 @@ def run_plan(
 
 
 def _worker_subprocess(args, checkpoints: str, impl: str) -> list[dict]:
-    """Times ``impl`` in a child process (``jax_mesh`` on CPU: with ``MESH_DEVICES`` fake devices)."""
+    """Times ``impl`` in a child process (``jax_mesh`` on CPU: ``MESH_DEVICES`` fake devices)."""
     env = {**os.environ}
     if impl == "jax_mesh" and jax.default_backend() == "cpu":
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -369,7 +377,7 @@ def environment(dtype: str, repeats: int, warmup: int) -> dict[str, str]:
     env = bench.environment()
     env["versions"] += f", torch {torch.__version__}"
     env["threads"] = f"XLA: all cores; torch: {torch.get_num_threads()}"
-    env["dtype"] = f"{dtype} parameters, f32 loss math"
+    env["dtype"] = f"f32 master weights and AdamW, {dtype} compute, f32 loss math"
     env["timing"] = f"median of {repeats} steps after {warmup} warm-up step(s)"
     return env
 
@@ -389,9 +397,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="time JAX and PyTorch in this one process, calls alternating (default: a process each)",
+        help="time JAX and PyTorch in one process, calls alternating (default: a process each)",
     )
-    parser.add_argument("--worker", nargs=2, metavar=("IMPL", "CHECKPOINTS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=2, metavar=("IMPL", "CHECKPOINTS"), help=argparse.SUPPRESS
+    )
     return parser
 
 
@@ -403,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = jax.default_backend()
     args.dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
     args.repeats = args.repeats or (5 if args.quick else 3)
-    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    plan = QUICK_PLAN if args.quick else (FULL_PLAN if backend == "cpu" else GPU_PLAN)
     timing = {"dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats}
     if args.worker:
         impl, checkpoints = args.worker
@@ -426,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         peak = args.peak_tflops
     env = environment(args.dtype, args.repeats, args.warmup)
     env["processes"] = (
-        "JAX and PyTorch interleaved in one process" if args.interleave else "one per implementation"
+        "JAX and PyTorch interleaved in one process"
+        if args.interleave
+        else "one per implementation"
     )
     with tempfile.TemporaryDirectory() as checkpoints:
         for model in dict.fromkeys(entry[0] for entry in plan):
@@ -442,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## Policy-update step: jaxrl_llm vs PyTorch — {title}\n")
     print(format_table(results, peak_tflops=peak))
     print(
-        f"\nprompt {PROMPT_LEN} + completion T tokens per row; mesh: fsdp="
-        + (f"{MESH_DEVICES} fake CPU devices" if backend == "cpu" else f"{jax.device_count()}")
+        f"\nprompt {PROMPT_LEN} + completion T tokens per row"
+        + (f"; mesh: fsdp={MESH_DEVICES} fake CPU devices" if backend == "cpu" else "")
+        + (f"; mesh: fsdp={jax.device_count()}" if backend != "cpu" and mesh_impls else "")
         + "; speed-up = torch ms / JAX ms"
         + (f"; MFU vs {peak:g} TFLOP/s per device" if peak else "")
     )

@@ -211,6 +211,7 @@ def test_dot_product_attention_rows_without_real_tokens_stay_finite(rng, impl):
     np.testing.assert_allclose(np.asarray(out)[1], want[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("impl", ["splash", "einsum"])
 def test_dot_product_attention_under_a_mesh_matches_the_reference(rng, impl):
     # fsdp=2 splits the batch, tensor=2 the query and key/value heads. Splash runs per device
@@ -259,6 +260,7 @@ def test_auto_implementation_follows_the_context_backend(platform, kind, dtype, 
     assert got == want
 
 
+@pytest.mark.cpu_only
 def test_auto_implementation_on_this_cpu_is_einsum(rng):
     assert (
         attn_lib.resolve_attention_implementation("auto", dtype=jnp.float32, head_dim=64)
@@ -309,13 +311,14 @@ _Q, _KV = np.zeros((2, 8, 4, 16), np.float32), np.zeros((2, 8, 2, 16), np.float3
         ({"implementation": "einsum", "block_q": -1}, "block_q"),
         ({"implementation": "splash"}, "needs a TPU"),
         ({"implementation": "cudnn"}, "bf16 or f16"),
-        (
+        pytest.param(
             {
                 name: np.zeros(x.shape, jnp.bfloat16)
                 for name, x in (("q", _Q), ("k", _KV), ("v", _KV))
             }
             | {"implementation": "cudnn"},
             "needs an NVIDIA GPU",
+            marks=pytest.mark.cpu_only,
         ),
     ],
 )

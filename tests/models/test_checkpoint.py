@@ -243,6 +243,7 @@ def _local_shardings(config, mesh):
     return jax.tree.map(spec, logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 def test_load_places_each_param_in_its_sharding(checkpoints, name, monkeypatch):
     path, _ = checkpoints[name]
@@ -271,6 +272,7 @@ def test_load_places_each_param_in_its_sharding(checkpoints, name, monkeypatch):
     assert wq_reads and all(block == (16, 2, wq.shape[-1]) for block in wq_reads)
 
 
+@pytest.mark.needs_devices(8)
 def test_load_with_mesh_uses_parallel_rules(checkpoints):
     parallel = pytest.importorskip("jaxrl_llm.parallel")
     path, _ = checkpoints["qwen3"]
@@ -293,6 +295,7 @@ def test_shardings_must_match_params(checkpoints):
         load_pretrained(path, shardings={"embed": None})
 
 
+@pytest.mark.needs_devices(8)
 def test_a_loaded_checkpoint_becomes_the_train_state_without_resharding(checkpoints):
     """``load_pretrained(mesh=...)`` places every tensor where ``create_train_state`` keeps it,
     so the state is built from the loaded arrays as they lie (no reshard, no host copy)."""

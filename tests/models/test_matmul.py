@@ -51,6 +51,7 @@ def test_values_and_gradients_match_float64(x_shape, w_shape, contract):
     np.testing.assert_allclose(dw_ad, want_dw, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_only
 def test_cpu_uses_the_two_gemm_backward():
     x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: dense(x, w).sum(), argnums=1))(x, w))
