@@ -24,13 +24,15 @@ _SPLASH_LANES = 128
 def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real.
 
-    A query always sees its own slot, so pad queries get a finite (ignored) output instead of
-    attending to nothing; for real queries this changes nothing since their own slot is real.
+    ``query_slots`` is ``[S]`` (the same for every row) or ``[B, S]`` (per row). A query always
+    sees its own slot, so pad queries get a finite (ignored) output instead of attending to
+    nothing; for real queries this changes nothing since their own slot is real.
     """
     key_slots = jnp.arange(key_valid.shape[1])
-    causal = key_slots[None, :] <= query_slots[:, None]
-    own = key_slots[None, :] == query_slots[:, None]
-    mask = (causal[None] & key_valid[:, None, :]) | own[None]
+    query_slots = query_slots if query_slots.ndim == 2 else query_slots[None]
+    causal = key_slots[None, None, :] <= query_slots[:, :, None]
+    own = key_slots[None, None, :] == query_slots[:, :, None]
+    mask = (causal & key_valid[:, None, :]) | own
     return mask[:, None]
 
 

@@ -65,7 +65,19 @@ def init_cache(
 
 
 def write_slots(cache: Array, new: Array, layer_index: Any, cache_index: Array) -> Array:
-    """Writes ``new: [B, S, K, H]`` at slots ``[cache_index, cache_index + S)`` of a cache."""
+    """Writes ``new: [B, S, K, H]`` at slots ``[cache_index, cache_index + S)`` of a cache.
+
+    A ``[B]`` ``cache_index`` writes row ``b`` from slot ``cache_index[b]`` (one scatter, which
+    XLA updates in place inside a loop).
+    """
+    if jnp.ndim(cache_index) == 1:
+        rows = jnp.arange(new.shape[0])[:, None]
+        slots = cache_index[:, None] + jnp.arange(new.shape[1])  # [B, S]
+        new = new.astype(cache.dtype)
+        # Advanced indices split by a slice put their [B, S] first: the value is [B, S, K, H].
+        if layer_index is None:
+            return cache.at[rows, :, slots].set(new, mode="drop")
+        return cache.at[layer_index, rows, :, slots].set(new, mode="drop")
     new = new.swapaxes(1, 2).astype(cache.dtype)  # head-major [B, K, S, H]
     if layer_index is None:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, cache_index, 0))
@@ -80,16 +92,20 @@ def layer_slice(stacked: Array, index: Any) -> Array:
 def check_cache(
     config: ModelConfig, cache: KVCache, token_shape: tuple[int, ...], cache_index: Any
 ) -> None:
-    """Raises ValueError unless ``cache`` can take ``[B, S]`` tokens at scalar ``cache_index``.
+    """Raises ValueError unless ``cache`` can take ``[B, S]`` tokens at ``cache_index``.
 
     k and v must be ``[L, B, K, S_max, H]`` (stacked, or ``L`` per-layer arrays) for the
-    model's ``L, K, H`` and the tokens' ``B``, with ``S <= S_max``.
+    model's ``L, K, H`` and the tokens' ``B``, with ``S <= S_max``; ``cache_index`` is a scalar
+    (every row writes the same slots) or ``[B]`` (row ``b`` writes from ``cache_index[b]``).
     """
     if cache_index is None:
         raise ValueError("a cache needs cache_index (the first slot this call writes)")
-    if jnp.ndim(cache_index) != 0:
-        raise ValueError(f"cache_index must be a scalar, got shape {jnp.shape(cache_index)}")
     batch, seq = token_shape
+    if jnp.ndim(cache_index) != 0 and tuple(jnp.shape(cache_index)) != (batch,):
+        raise ValueError(
+            f"cache_index must be a scalar or one slot per row [{batch}], got shape "
+            f"{jnp.shape(cache_index)}"
+        )
     layers, kv_heads, head_dim = (
         config.num_hidden_layers,
         config.num_key_value_heads,

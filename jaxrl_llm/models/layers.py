@@ -148,12 +148,12 @@ class DecoderLayer(nnx.Module):
         Args:
           x: ``[B, S, D]`` residual stream.
           cos, sin: ``[B, S, H/2]`` RoPE angles of the S tokens.
-          query_slots: ``[S]`` int32 slot (column) of each query among the keys.
+          query_slots: ``[S]`` or ``[B, S]`` int32 slot (column) of each query among the keys.
           key_valid: ``[B, S_kv]`` bool, True on keys holding real tokens.
           kv: the caches ``(k, v)``: stacked ``[L, B, K, S_max, H]`` (with ``layer_index``),
             this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
           layer_index: this layer's index into stacked caches (int32, may be traced).
-          cache_index: first cache slot written by this call (traced int32).
+          cache_index: first cache slot written by this call (traced int32, ``[]`` or ``[B]``).
 
         Returns:
           ``(x [B, S, D], kv)`` with this call's keys/values written into ``kv``.

@@ -98,9 +98,17 @@ class Transformer(nnx.Module):
         else:
             check_cache(config, cache, tokens.shape, cache_index)
             cache_index = jnp.asarray(cache_index, jnp.int32)
-            key_valid = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache_index))
-            query_slots = cache_index + jnp.arange(seq)
-            before = jnp.arange(cache.mask.shape[1]) < cache_index
+            if cache_index.ndim == 1:  # one first slot per row
+                query_slots = cache_index[:, None] + jnp.arange(seq)  # [B, S]
+                rows = jnp.arange(batch)[:, None]
+                key_valid = cache.mask.at[rows, query_slots].set(attention_mask, mode="drop")
+                before = jnp.arange(cache.mask.shape[1])[None] < cache_index[:, None]
+            else:
+                key_valid = jax.lax.dynamic_update_slice(
+                    cache.mask, attention_mask, (0, cache_index)
+                )
+                query_slots = cache_index + jnp.arange(seq)
+                before = jnp.arange(cache.mask.shape[1]) < cache_index
             offset = jnp.sum(cache.mask & before, axis=1, keepdims=True, dtype=jnp.int32)
             kv = (cache.k, cache.v)
         if positions is None:
@@ -234,7 +242,9 @@ def forward(
     ``S_max`` slots, this call's keys/values go to slots ``[cache_index, cache_index + S)``,
     ``cache.mask`` there becomes ``attention_mask``, and the query at slot ``cache_index + s``
     attends to slots ``j <= cache_index + s`` whose mask is True. Prefill = the left-padded
-    prompt at ``cache_index=0``; decode = ``S=1`` calls with explicit positions.
+    prompt at ``cache_index=0``; decode = ``S=1`` calls with explicit positions. A ``[B]``
+    ``cache_index`` gives each row its own slots (rows at different lengths, as in continuous
+    batching).
 
     Args:
       params: plain nested dict from ``init_params`` / ``load_pretrained``, or with its layers
@@ -246,7 +256,7 @@ def forward(
       attention_mask: ``[B, S]``, 1 on real tokens (default all ones).
       cache: ``KVCache`` with ``k, v: [L, B, K, S_max, H]`` (tuples of ``L`` per-layer arrays
         with split params), ``mask: [B, S_max]``, or None.
-      cache_index: scalar int32 (may be traced); required with a cache.
+      cache_index: scalar or ``[B]`` int32 (may be traced); required with a cache.
       remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
 
     Returns:

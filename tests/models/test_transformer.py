@@ -21,6 +21,7 @@ from jaxrl_llm.models import (
     unembed,
 )
 from jaxrl_llm.models.transformer import merge, param_shapes
+from jaxrl_llm.sampling import layout
 from tests.models import hf_utils
 
 NAMES = sorted(hf_utils.VARIANTS)
@@ -130,6 +131,53 @@ def test_kv_cache_multi_token_chunk_and_default_positions(models, rng):
     # Without positions, the cache's real slots before cache_index are counted.
     hidden, _ = jit_forward(params, config, more, cache=cache, cache_index=5)
     np.testing.assert_allclose(hidden, np.asarray(full)[:, 5:], atol=1e-5)
+
+
+@pytest.mark.parametrize("unstacked", [False, True])
+def test_kv_cache_with_a_write_slot_per_row(models, rng, unstacked):
+    """Rows at different cache slots (continuous batching): each row's decode equals its own
+    full forward, whatever slot it sits at and whatever the other rows hold."""
+    _, config, params = models["qwen2"]
+    lengths, width, steps = [4, 2, 5], 8, 3
+    prompts = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    new = rng.integers(3, config.vocab_size, size=(3, steps)).astype(np.int32)
+    # Row b's prompt sits right-aligned at slots [start_b, start_b + n_b): other starts per row.
+    starts = np.array([0, 3, 1])
+    cache = init_cache(config, 3, width + steps, dtype=jnp.float32)
+    tokens = np.zeros((3, width), np.int32)
+    mask = np.zeros((3, width), bool)
+    for b, (start, prompt) in enumerate(zip(starts, prompts)):
+        tokens[b, start : start + len(prompt)] = prompt
+        mask[b, start : start + len(prompt)] = True
+    _, cache = jit_forward(params, config, tokens, attention_mask=mask, cache=cache, cache_index=0)
+    call_params = params
+    if unstacked:
+        call_params = layout.unstack_layers(params)
+        cache = cache._replace(k=layout.unstack_cache(cache).k, v=layout.unstack_cache(cache).v)
+    slots = jnp.asarray(starts + np.array(lengths), jnp.int32)  # each row's next free slot
+    positions = np.array(lengths)[:, None]
+    got = []
+    for step in range(steps):
+        hidden, cache = jit_forward(
+            call_params,
+            config,
+            new[:, step : step + 1],
+            positions=positions + step,
+            cache=cache,
+            cache_index=slots + step,
+        )
+        got.append(np.asarray(hidden)[:, 0])
+    for b, prompt in enumerate(prompts):
+        full = np.concatenate([prompt, new[b]])[None]
+        want, _ = jit_forward(params, config, full)
+        np.testing.assert_allclose(
+            np.stack([g[b] for g in got]), np.asarray(want)[0, len(prompt) :], atol=1e-5
+        )
+    mask = np.asarray(cache.mask)
+    for b in range(3):
+        real = np.zeros(width + steps, bool)
+        real[starts[b] : starts[b] + lengths[b] + steps] = True
+        np.testing.assert_array_equal(mask[b], real)
 
 
 def test_bf16_cache_is_close(models, rng):
@@ -251,6 +299,8 @@ def test_errors(models):
     cache = init_cache(config, 2, 8)
     with pytest.raises(ValueError, match="cache_index"):
         forward(params, config, tokens, cache=cache)
+    with pytest.raises(ValueError, match="one slot per row"):
+        forward(params, config, tokens, cache=cache, cache_index=jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="without a cache"):
         forward(params, config, tokens, cache_index=0)
     with pytest.raises(ValueError, match="do not fit"):
