@@ -1,0 +1,607 @@
+"""Continuous batching: ``S`` decode slots fed from a queue of requests.
+
+``generate`` runs one static batch: every row waits for the slowest, and RL completion lengths
+are long-tailed (with geometric lengths and 32 rows, the longest is about 4x the mean), so most
+row-steps of a static batch produce padding. The engine instead keeps ``S`` slots busy:
+
+* **Admit.** Free slots take the next requests from the queue. Their distinct prompts are
+  prefilled in one batch (the ``G`` samples of a prompt share one prefill) and each request's
+  prompt keys/values are copied into its slot's row of the cache, right-aligned so that every
+  slot's completion starts at cache slot ``P`` (``P`` = the bucketed longest prompt).
+* **Burst.** One jitted ``lax.while_loop`` decodes up to ``K`` tokens in every live slot
+  (``burst``; EOS and each request's own ``max_new_tokens`` checked on device; fewer when every
+  live slot's budget ends sooner), the rows at different cache slots (``forward`` with a
+  ``[S]`` ``cache_index``).
+* **Harvest.** The host reads which slots finished, fetches their tokens and log-probs, and
+  the slots are admitted again.
+* **Drain.** Once the queue is empty, the remaining requests move to a program of half the
+  slots whenever they fit one (``S/2``, ``S/4``, ...), so the longest completions do not keep
+  ``S`` rows running.
+
+``engine="static"`` runs the same programs as one static batch would: it admits only into an
+empty engine and decodes until every slot has finished, which is what the continuous engine is
+measured against (``benchmarks/bench_engine.py``).
+
+Sampling is per request: completion token ``n`` of request ``r`` is drawn with
+``fold_in(fold_in(key(seed), r), n)``, so a request's tokens do not depend on its slot, on the
+other requests or on ``S``. The returned log-probs are the temperature-scaled full-distribution
+log-probs of ``generate`` (what the trainer recomputes).
+
+The cache is ``[L, S, K, P + T, H]`` (per-layer arrays on CPU, as ``generate``'s decode uses):
+capacity is set in slots, not in requests. Programs compiled per run: one burst, and one
+admission per (distinct prompts, admitted requests, prompt bucket) size class, each a power of
+two.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models import KVCache, cast_params, forward, init_cache, unembed
+from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.prompts import bucket_length
+from jaxrl_llm.sampling.state import SamplingParams, sampling_params
+
+Array = jax.Array
+
+ENGINES = ("continuous", "static")
+FINISH_REASONS = ("stop", "length")
+
+
+class Request(NamedTuple):
+    """One completion to sample.
+
+    Attributes:
+      prompt: the prompt's token ids (no padding), at least one.
+      max_new_tokens: this request's budget (``None``: the engine's ``max_new_tokens``).
+      prompt_key: requests with equal keys share one prefill (e.g. the prompt's index for its
+        ``G`` samples); ``None`` never shares.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int | None = None
+    prompt_key: Any = None
+
+
+class Result(NamedTuple):
+    """One request's completion.
+
+    Attributes:
+      tokens: ``[n]`` int32 sampled tokens, the EOS included when it stopped there.
+      logprobs: ``[n]`` f32 log-probs of those tokens (temperature-scaled full distribution).
+      finish_reason: ``"stop"`` (an EOS) or ``"length"`` (its ``max_new_tokens``).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+
+
+class EngineStats(NamedTuple):
+    """What a run did.
+
+    ``slot_steps`` counts every slot of every decode step run (the program's slots per step:
+    ``S``, fewer once the queue is empty and the engine has shrunk), so ``utilisation = tokens /
+    slot_steps`` is the share of decode work that produced a token. ``shrinks`` counts those
+    halvings.
+    ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
+    """
+
+    requests: int
+    tokens: int
+    decode_steps: int
+    slot_steps: int
+    bursts: int
+    admissions: int
+    prefill_rows: int
+    shrinks: int
+    seconds: float
+
+    @property
+    def utilisation(self) -> float:
+        return self.tokens / self.slot_steps if self.slot_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class EngineState(NamedTuple):
+    """The slots on device (S slots, T = max_new_tokens, W = P + T cache slots a row).
+
+    Attributes:
+      cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask
+        ``[S, W]``; a slot's prompt ends at cache slot ``P - 1``, its completion starts at ``P``.
+      logits: ``[S, V]`` f32 next-token logits.
+      next_slot: ``[S]`` int32 cache slot the next fed token goes to.
+      position: ``[S]`` int32 RoPE position of the next fed token.
+      count: ``[S]`` int32 tokens sampled so far.
+      limit: ``[S]`` int32 the request's ``max_new_tokens``.
+      done: ``[S]`` bool, finished (or empty): the slot samples nothing.
+      request: ``[S]`` int32 request id (its sampling stream).
+      tokens: ``[S, T]`` int32 sampled tokens; logprobs: ``[S, T]`` f32.
+    """
+
+    cache: KVCache
+    logits: Array
+    next_slot: Array
+    position: Array
+    count: Array
+    limit: Array
+    done: Array
+    request: Array
+    tokens: Array
+    logprobs: Array
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def init_state(
+    config: Any,
+    *,
+    slots: int,
+    prompt_width: int,
+    max_new_tokens: int,
+    cache_dtype: Any,
+    pad_id: int,
+    unstacked: bool,
+) -> EngineState:
+    """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each."""
+    cache = init_cache(config, slots, prompt_width + max_new_tokens, dtype=cache_dtype)
+    if unstacked:
+        cache = layout.unstack_cache(cache)
+
+    def zeros() -> Array:  # a buffer per field: the state is donated
+        return jnp.zeros((slots,), jnp.int32)
+
+    return EngineState(
+        cache=cache,
+        logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
+        next_slot=zeros(),
+        position=zeros(),
+        count=zeros(),
+        limit=zeros(),
+        done=jnp.ones((slots,), bool),
+        request=zeros(),
+        tokens=jnp.full((slots, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((slots, max_new_tokens), jnp.float32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _admit(
+    params: Any,
+    state: EngineState,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    owner: Array,
+    slot: Array,
+    limit: Array,
+    request: Array,
+    pad_id: Array,
+    *,
+    config: Any,
+) -> EngineState:
+    """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
+    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped)."""
+    num_prompts, width = prompt_tokens.shape
+    params = cast_params(params, config)
+    unstacked = isinstance(params["layers"], tuple)
+    cache = init_cache(
+        config, num_prompts, width, dtype=(state.cache.k[0] if unstacked else state.cache.k).dtype
+    )
+    if unstacked:
+        cache = layout.unstack_cache(cache)
+    hidden, cache = forward(
+        params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
+    )
+    logits = unembed(params, config, hidden[:, -1])  # left padding: the last column is real
+    prompt_width = state.cache.mask.shape[1] - state.tokens.shape[1]
+    start = prompt_width - width  # right-align: every completion starts at prompt_width
+
+    def put(big: Array, small: Array, batch_axis: int) -> Array:
+        rows = jnp.take(small, owner, axis=batch_axis)
+        index = (slice(None),) * batch_axis + (slot, slice(None), slice(start, start + width))
+        return big.at[index].set(rows, mode="drop")
+
+    if unstacked:
+        k = tuple(put(b, s, 0) for b, s in zip(state.cache.k, cache.k))
+        v = tuple(put(b, s, 0) for b, s in zip(state.cache.v, cache.v))
+    else:
+        k, v = put(state.cache.k, cache.k, 1), put(state.cache.v, cache.v, 1)
+    rows_mask = jnp.zeros((owner.shape[0], state.cache.mask.shape[1]), bool)
+    rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
+
+    def set_rows(x: Array, value: Any) -> Array:
+        return x.at[slot].set(value, mode="drop")
+
+    return EngineState(
+        cache=KVCache(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask)),
+        logits=set_rows(state.logits, logits[owner]),
+        next_slot=set_rows(state.next_slot, prompt_width),
+        position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
+        count=set_rows(state.count, 0),
+        limit=set_rows(state.limit, limit),
+        done=set_rows(state.done, False),
+        request=set_rows(state.request, request),
+        tokens=set_rows(state.tokens, pad_id),
+        logprobs=set_rows(state.logprobs, 0.0),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "top_k"), donate_argnames=("state",))
+def _burst(
+    params: Any,
+    state: EngineState,
+    steps: Array,
+    key: Array,
+    sampling: SamplingParams,
+    *,
+    config: Any,
+    top_k: int,
+) -> tuple[EngineState, Array]:
+    """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run."""
+    params = cast_params(params, config)  # once per call, not per step
+    slots, max_new = state.tokens.shape
+    rows = jnp.arange(slots)
+
+    def draw(logits: Array, request: Array, count: Array) -> Array:
+        row_key = jax.random.fold_in(jax.random.fold_in(key, request), count)
+        return strategies.sample_tokens(
+            logits,
+            row_key,
+            temperature=sampling.temperature,
+            top_k=top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+        )
+
+    def live_left(carry: tuple[Array, EngineState]) -> Array:
+        step, st = carry
+        return (step < steps) & jnp.any(~st.done)
+
+    def body(carry: tuple[Array, EngineState]) -> tuple[Array, EngineState]:
+        step, st = carry
+        sampled = jax.vmap(draw)(st.logits, st.request, st.count)
+        logprob = strategies.token_logprobs(st.logits, sampled, temperature=sampling.temperature)
+        live = ~st.done
+        token = jnp.where(live, sampled, sampling.pad_id)
+        hidden, cache = forward(
+            params,
+            config,
+            token[:, None],
+            positions=st.position[:, None],
+            attention_mask=live[:, None],
+            cache=st.cache,
+            cache_index=st.next_slot,
+        )
+        column = jnp.where(live, st.count, max_new)  # out of range for dead slots: dropped
+        count = st.count + live
+        finished = live & (jnp.isin(token, sampling.eos_ids) | (count >= st.limit))
+        st = st._replace(
+            cache=cache,
+            logits=unembed(params, config, hidden[:, 0]),
+            next_slot=st.next_slot + live,
+            position=st.position + live,
+            count=count,
+            done=st.done | finished,
+            tokens=st.tokens.at[rows, column].set(token, mode="drop"),
+            logprobs=st.logprobs.at[rows, column].set(logprob, mode="drop"),
+        )
+        return step + 1, st
+
+    steps_run, state = jax.lax.while_loop(live_left, body, (jnp.int32(0), state))
+    return state, steps_run
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _take_slots(state: EngineState, index: Array) -> EngineState:
+    """The slots ``index`` (in that order) of ``state``: a smaller (or reordered) engine."""
+
+    def take(x: Array, axis: int) -> Array:
+        return jnp.take(x, index, axis=axis)
+
+    cache = state.cache
+    if isinstance(cache.k, tuple):
+        k = tuple(take(x, 0) for x in cache.k)
+        v = tuple(take(x, 0) for x in cache.v)
+    else:
+        k, v = take(cache.k, 1), take(cache.v, 1)
+    rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
+    return EngineState(cache=KVCache(k=k, v=v, mask=take(cache.mask, 0)), **rest)
+
+
+def _check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
+    checked = []
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            req = Request(*req) if isinstance(req, tuple) else Request(req)
+        prompt = np.asarray(req.prompt)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(
+                f"request {i}: the prompt must be a non-empty 1-D sequence of token ids, got "
+                f"shape {prompt.shape} dtype {prompt.dtype}"
+            )
+        budget = max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        if not isinstance(budget, int | np.integer) or not 1 <= budget <= max_new_tokens:
+            raise ValueError(
+                f"request {i}: max_new_tokens must be an int in [1, {max_new_tokens}] (the "
+                f"engine's max_new_tokens), got {req.max_new_tokens!r}"
+            )
+        checked.append(Request(prompt.astype(np.int32), int(budget), req.prompt_key))
+    return checked
+
+
+class Engine:
+    """Continuous-batching sampler over ``slots`` decode slots (see the module docstring).
+
+    Args:
+      params, config: the model (``jaxrl_llm.models``); params are not modified.
+      slots: S, decode slots (rows of the decode batch).
+      max_new_tokens: T, the longest completion any request may ask for.
+      max_prompt_len: the longest prompt this engine will see (bucketed to ``P``).
+      eos_ids, pad_id, temperature, top_k, top_p, min_p: as in ``sampling.generate``.
+      burst: K, decode steps per host round trip (fewer when every live slot's budget ends
+        sooner).
+      engine: ``"continuous"`` (refill slots as they finish) or ``"static"`` (admit only into
+        an empty engine, decode until every slot has finished).
+      cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        config: Any,
+        *,
+        slots: int,
+        max_new_tokens: int,
+        max_prompt_len: int,
+        eos_ids: int | Sequence[int],
+        pad_id: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        burst: int = 8,
+        engine: str = "continuous",
+        cache_dtype: Any = None,
+    ):
+        for name, value in (
+            ("slots", slots),
+            ("max_new_tokens", max_new_tokens),
+            ("max_prompt_len", max_prompt_len),
+            ("burst", burst),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.top_k = strategies.check_sampling_args(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            vocab_size=config.vocab_size,
+        )
+        self.sampling = sampling_params(
+            temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
+        )
+        self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
+        self.config, self.pad_id = config, int(pad_id)
+        self.slots, self.max_new_tokens, self.burst, self.engine = (
+            slots,
+            max_new_tokens,
+            burst,
+            engine,
+        )
+        self.prompt_width = bucket_length(max_prompt_len)
+        unstacked = layout.worth_unstacking(params)
+        self.params = layout.unstack_layers(params) if unstacked else params
+        if cache_dtype is None:
+            floats = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+            cache_dtype = config.compute_dtype or max(floats, key=lambda x: x.size).dtype
+        self._state_args = dict(
+            slots=slots,
+            prompt_width=self.prompt_width,
+            max_new_tokens=max_new_tokens,
+            cache_dtype=jnp.dtype(cache_dtype),
+            pad_id=self.pad_id,
+            unstacked=unstacked,
+        )
+
+    def run(
+        self, requests: Sequence[Request], *, seed: int = 0, progress: Any = None
+    ) -> tuple[list[Result], EngineStats]:
+        """Samples every request; results in request order, and the run's ``EngineStats``.
+
+        ``progress``: an object with ``update(n)`` (e.g. a ``tqdm`` bar), called with the
+        number of requests each harvest finishes.
+        """
+        requests = _check_requests(requests, self.max_new_tokens)
+        longest = max((len(r.prompt) for r in requests), default=0)
+        if longest > self.prompt_width:
+            raise ValueError(
+                f"a prompt of {longest} tokens exceeds the engine's max_prompt_len bucket "
+                f"({self.prompt_width})"
+            )
+        start = time.perf_counter()
+        key = jax.random.key(seed)
+        state = init_state(self.config, **self._state_args)
+        queue = deque(range(len(requests)))
+        occupant: list[int | None] = [None] * self.slots  # request id per slot, on the host
+        host_count = np.zeros(self.slots, np.int64)  # tokens sampled per slot, last read
+        results: list[Result | None] = [None] * len(requests)
+        counts = dict(
+            decode_steps=0, slot_steps=0, bursts=0, admissions=0, prefill_rows=0, shrinks=0
+        )
+        while queue or any(r is not None for r in occupant):
+            free = [s for s, r in enumerate(occupant) if r is None]
+            if not queue and self.engine == "continuous":
+                # The drain: decode the remaining slots in a smaller program (S/2, S/4, ...),
+                # so the long tail does not keep running S rows.
+                busy = [s for s, r in enumerate(occupant) if r is not None]
+                size = _pow2(len(busy))
+                if size <= len(occupant) // 2:
+                    keep = busy + free[: size - len(busy)]
+                    state = _take_slots(state, jnp.asarray(keep, jnp.int32))
+                    occupant = [occupant[s] for s in keep]
+                    host_count = host_count[keep]
+                    counts["shrinks"] += 1
+                    free = [s for s, r in enumerate(occupant) if r is None]
+            if queue and free and (self.engine == "continuous" or len(free) == self.slots):
+                admitted = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                state = self._admit(state, requests, admitted, free[: len(admitted)], counts)
+                for s, r in zip(free, admitted):
+                    occupant[s] = r
+                    host_count[s] = 0
+            steps = self.max_new_tokens
+            if self.engine == "continuous":
+                # No step past the soonest budget end: that slot can be refilled right then.
+                left = [
+                    requests[r].max_new_tokens - host_count[s]
+                    for s, r in enumerate(occupant)
+                    if r is not None
+                ]
+                steps = max(1, min(self.burst, *left)) if left else self.burst
+            state, steps_run = _burst(
+                self.params,
+                state,
+                jnp.int32(steps),
+                key,
+                self.sampling,
+                config=self.config,
+                top_k=self.top_k,
+            )
+            counts["decode_steps"] += int(steps_run)
+            counts["slot_steps"] += int(steps_run) * len(occupant)
+            counts["bursts"] += 1
+            finished, host_count = self._harvest(state, occupant, results)
+            if progress is not None and finished:
+                progress.update(finished)
+        done = [r for r in results if r is not None]
+        stats = EngineStats(
+            requests=len(requests),
+            tokens=int(sum(len(r.tokens) for r in done)),
+            seconds=time.perf_counter() - start,
+            **counts,
+        )
+        return done, stats
+
+    def _admit(
+        self,
+        state: EngineState,
+        requests: list[Request],
+        admitted: list[int],
+        slots: list[int],
+        counts: dict,
+    ) -> EngineState:
+        prompts: dict[Any, int] = {}  # prompt key -> row of the prefill batch
+        rows: list[np.ndarray] = []
+        owner = []
+        for r in admitted:
+            share = requests[r].prompt_key
+            key = ("request", r) if share is None else ("key", share)
+            if key not in prompts:
+                prompts[key] = len(rows)
+                rows.append(requests[r].prompt)
+            owner.append(prompts[key])
+        width = bucket_length(max(len(p) for p in rows))
+        num_prompts = _pow2(len(rows))
+        tokens = np.full((num_prompts, width), self.pad_id, np.int32)
+        mask = np.zeros((num_prompts, width), bool)
+        for i in range(num_prompts):
+            prompt = rows[i] if i < len(rows) else rows[0]  # padding rows repeat a real prompt
+            tokens[i, width - len(prompt) :] = prompt
+            mask[i, width - len(prompt) :] = True
+        n = _pow2(len(admitted))
+        pad = n - len(admitted)
+        owner_arr = np.asarray(owner + [0] * pad, np.int32)
+        slot_arr = np.asarray(slots + [self.slots] * pad, np.int32)  # slot S: dropped
+        limits = [requests[r].max_new_tokens for r in admitted]
+        counts["admissions"] += 1
+        counts["prefill_rows"] += len(rows)
+        return _admit(
+            self.params,
+            state,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            jnp.asarray(owner_arr),
+            jnp.asarray(slot_arr),
+            jnp.asarray(np.asarray(limits + [1] * pad, np.int32)),
+            jnp.asarray(np.asarray(admitted + [0] * pad, np.int32)),
+            jnp.asarray(self.pad_id, jnp.int32),
+            config=self.config,
+        )
+
+    def _harvest(
+        self, state: EngineState, occupant: list[int | None], results: list[Result | None]
+    ) -> tuple[int, np.ndarray]:
+        """Moves finished slots' completions to ``results``; returns how many, and the host
+        copy of every slot's count."""
+        done, all_counts = (np.array(x) for x in jax.device_get((state.done, state.count)))
+        ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
+        if not ready:
+            return 0, all_counts
+        index = jnp.asarray(ready, jnp.int32)
+        count = all_counts[ready]
+        tokens = np.asarray(state.tokens[index])
+        logprobs = np.asarray(state.logprobs[index])
+        for i, s in enumerate(ready):
+            n = int(count[i])
+            row = tokens[i, :n]
+            reason = "stop" if n and int(row[-1]) in self.eos else "length"
+            results[occupant[s]] = Result(row, logprobs[i, :n], reason)
+            occupant[s] = None
+        return len(ready), all_counts
+
+
+def generate_requests(
+    params: Any,
+    config: Any,
+    requests: Sequence[Request],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    eos_ids: int | Sequence[int],
+    pad_id: int,
+    seed: int = 0,
+    progress: Any = None,
+    **options: Any,
+) -> tuple[list[Result], EngineStats]:
+    """One-shot ``Engine(...).run(requests)``; ``options`` are the engine's other arguments."""
+    requests = list(requests)
+    longest = max((len(np.atleast_1d(r.prompt)) for r in requests), default=1)
+    engine = Engine(
+        params,
+        config,
+        slots=slots,
+        max_new_tokens=max_new_tokens,
+        max_prompt_len=max(longest, 1),
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        **options,
+    )
+    return engine.run(requests, seed=seed, progress=progress)
+
+
+__all__ = [
+    "ENGINES",
+    "FINISH_REASONS",
+    "Engine",
+    "EngineState",
+    "EngineStats",
+    "Request",
+    "Result",
+    "generate_requests",
+    "init_state",
+]
