@@ -304,7 +304,7 @@ def _burst(
     return state, steps_run
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@jax.jit  # no donation: the result is smaller than the state
 def _take_slots(state: EngineState, index: Array) -> EngineState:
     """The slots ``index`` (in that order) of ``state``: a smaller (or reordered) engine."""
 

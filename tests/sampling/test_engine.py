@@ -1,0 +1,228 @@
+"""Continuous batching (``jaxrl_llm.sampling.engine``): same tokens as ``generate`` and as
+transformers with refills happening, per-request reproducibility, trainer log-probs, stats."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxrl_llm.logprobs import completion_logprobs
+from jaxrl_llm.models import ModelConfig, init_params, load_pretrained
+from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling.engine import Engine, Request, generate_requests
+from tests.models.hf_utils import build_checkpoint
+
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
+
+
+def _requests(rng, lengths, budgets, keys=None):
+    keys = keys or [None] * len(lengths)
+    prompts = {}
+    out = []
+    for n, budget, key in zip(lengths, budgets, keys):
+        if key is None or key not in prompts:
+            prompt = rng.integers(3, CONFIG.vocab_size, size=n).astype(np.int32)
+            if key is not None:
+                prompts[key] = prompt
+        else:
+            prompt = prompts[key]
+        out.append(Request(prompt, budget, prompt_key=key))
+    return out
+
+
+def _generate_one(params, request, *, eos_ids, temperature=0.0):
+    prompt = np.asarray(request.prompt)[None]
+    return generate(
+        params,
+        CONFIG,
+        prompt,
+        np.ones(prompt.shape, bool),
+        key=jax.random.key(0),
+        max_new_tokens=request.max_new_tokens,
+        temperature=temperature,
+        eos_ids=eos_ids,
+        pad_id=PAD,
+    )
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
+    requests = _requests(rng, [3, 7, 5, 2, 6, 4, 1], [4, 9, 2, 12, 6, 12, 3])
+    # An EOS the free-running greedy output of request 3 emits at its 5th token.
+    free = _generate_one(params, requests[3], eos_ids=())
+    eos = int(np.asarray(free.tokens)[0, 4])
+    results, stats = generate_requests(
+        params,
+        CONFIG,
+        requests,
+        slots=2,
+        max_new_tokens=12,
+        eos_ids=eos,
+        pad_id=PAD,
+        temperature=0.0,
+        engine=engine,
+    )
+    assert stats.admissions >= 3  # slots were refilled
+    stopped = 0
+    for request, result in zip(requests, results, strict=True):
+        want = _generate_one(params, request, eos_ids=eos)
+        mask = np.asarray(want.mask)[0]
+        np.testing.assert_array_equal(result.tokens, np.asarray(want.tokens)[0][mask])
+        np.testing.assert_allclose(result.logprobs, np.asarray(want.logprobs)[0][mask], atol=1e-5)
+        stop = int(result.tokens[-1]) == eos
+        assert result.finish_reason == ("stop" if stop else "length")
+        assert stop or len(result.tokens) == request.max_new_tokens
+        stopped += stop
+    assert stopped >= 1
+    assert stats.tokens == sum(len(r.tokens) for r in results)
+
+
+def test_greedy_equals_transformers_generate_with_refills(tmp_path):
+    torch_model = build_checkpoint("llama", str(tmp_path), seed=3)
+    config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
+    rng = np.random.default_rng(5)
+    lengths, budgets = [5, 2, 9, 4, 7], [6, 10, 3, 10, 8]
+    prompts = [rng.integers(3, config.vocab_size, size=n) for n in lengths]
+    results, _ = generate_requests(
+        params,
+        config,
+        [Request(p, b) for p, b in zip(prompts, budgets)],
+        slots=2,
+        max_new_tokens=10,
+        eos_ids=(),
+        pad_id=PAD,
+        temperature=0.0,
+    )
+    for prompt, budget, result in zip(prompts, budgets, results):
+        with torch.no_grad():
+            out = torch_model.generate(
+                input_ids=torch.as_tensor(prompt[None], dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=budget,
+                min_new_tokens=budget,
+                pad_token_id=PAD,
+                eos_token_id=None,
+            ).numpy()
+        np.testing.assert_array_equal(result.tokens, out[0, len(prompt) :])
+
+
+def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):
+    requests = _requests(rng, [3, 7, 5, 2, 6, 4], [8, 5, 8, 3, 8, 6], keys=[0, 0, 1, 1, 2, 3])
+
+    def run(slots, engine, reqs=requests, seed=7, burst=8):
+        out, _ = generate_requests(
+            params,
+            CONFIG,
+            reqs,
+            slots=slots,
+            max_new_tokens=8,
+            eos_ids=(5,),
+            pad_id=PAD,
+            seed=seed,
+            engine=engine,
+            burst=burst,
+        )
+        return out
+
+    base = run(2, "continuous")
+    more = requests + _requests(rng, [4, 4], [8, 8])
+    for other in (
+        run(5, "continuous"),
+        run(3, "static"),
+        run(4, "continuous", burst=1),
+        run(3, "continuous", reqs=more)[: len(requests)],
+    ):
+        for a, b in zip(base, other, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    # Another seed draws other tokens; a request's samples differ from its prompt-mate's.
+    assert any(
+        not np.array_equal(a.tokens, b.tokens) for a, b in zip(base, run(2, "continuous", seed=8))
+    )
+    assert not np.array_equal(base[0].tokens[:5], base[1].tokens[:5])
+
+
+def test_sampler_logprobs_equal_the_trainers(params, rng):
+    requests = _requests(rng, [3, 7, 5, 2], [8, 6, 8, 4])
+    results, _ = generate_requests(
+        params,
+        CONFIG,
+        requests,
+        slots=3,
+        max_new_tokens=8,
+        eos_ids=(),
+        pad_id=PAD,
+        temperature=0.7,
+        seed=3,
+    )
+    for request, result in zip(requests, results):
+        prompt = np.asarray(request.prompt)[None]
+        tokens = result.tokens[None]
+        want = completion_logprobs(
+            params,
+            CONFIG,
+            prompt,
+            np.ones(prompt.shape, bool),
+            tokens,
+            np.ones(tokens.shape, bool),
+            temperature=0.7,
+        )
+        np.testing.assert_allclose(result.logprobs, np.asarray(want)[0], atol=1e-5)
+
+
+def test_continuous_refills_shrinks_and_counts(params, rng):
+    budgets = [1, 1, 1, 12, 1, 1, 1, 1]
+    requests = _requests(rng, [4] * 8, budgets, keys=[0, 0, 0, 0, 1, 1, 1, 1])
+    kw = dict(slots=4, max_new_tokens=12, eos_ids=(), pad_id=PAD, temperature=0.0)
+    results, stats = generate_requests(params, CONFIG, requests, engine="continuous", **kw)
+    assert [len(r.tokens) for r in results] == budgets
+    assert stats.tokens == sum(budgets) and stats.requests == 8
+    # Three 1-step bursts on 4 slots (each refilling the slots that finished), then the
+    # 12-token request's last 9 steps alone (bursts of 8 + 1): the engine shrinks straight to
+    # 1 slot.
+    assert (stats.admissions, stats.bursts, stats.decode_steps) == (3, 5, 12)
+    assert stats.shrinks == 1 and stats.slot_steps == 3 * 4 + 9
+    # One prefill row per admission: the requests admitted together share their prompt.
+    assert stats.prefill_rows == 3
+    static_results, static = generate_requests(params, CONFIG, requests, engine="static", **kw)
+    assert static.decode_steps == 12 + 1 and static.slot_steps == 4 * 13
+    assert static.utilisation < stats.utilisation
+    for a, b in zip(results, static_results):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "requests", "match"),
+    [
+        ({}, [Request([], 2)], "non-empty"),
+        ({}, [Request([[1, 2]], 2)], "1-D"),
+        ({}, [Request([1.5, 2.0], 2)], "token ids"),
+        ({}, [Request([1, 2], 9)], r"max_new_tokens must be an int in \[1, 8\]"),
+        ({}, [Request([1, 2], 0)], "max_new_tokens"),
+        ({"max_prompt_len": 4}, [Request(list(range(1, 7)), 2)], "exceeds"),
+        ({"slots": 0}, [Request([1], 1)], "slots must be a positive int"),
+        ({"burst": 0}, [Request([1], 1)], "burst"),
+        ({"engine": "paged"}, [Request([1], 1)], "engine must be one of"),
+        ({"top_k": -1}, [Request([1], 1)], "top_k"),
+    ],
+)
+def test_bad_input_is_refused(params, kwargs, requests, match):
+    args = dict(slots=2, max_new_tokens=8, max_prompt_len=4, eos_ids=(), pad_id=PAD) | kwargs
+    with pytest.raises(ValueError, match=match):
+        Engine(params, CONFIG, **args).run(requests)
