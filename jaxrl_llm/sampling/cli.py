@@ -1,19 +1,35 @@
-"""``jaxrl-llm generate MODEL_DIR PROMPT...``: sample completions from a local checkpoint.
+"""``jaxrl-llm generate``: sample completions from a local checkpoint with the batching engine.
 
-Prompts go through the checkpoint's chat template (when it has one) as a single user turn, are
-left-padded into one batch and sampled with :func:`jaxrl_llm.sampling.generate`; completions
-are printed decoded, special tokens removed.
+Two ways to give prompts:
+
+* ``jaxrl-llm generate MODEL_DIR PROMPT...``: completions are printed, decoded, special tokens
+  removed, under a ``[prompt i]`` / ``[prompt i, sample g]`` header;
+* ``jaxrl-llm generate MODEL_DIR --prompts FILE.jsonl --out OUT.jsonl``: batch generation. Each
+  input line is ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``,
+  optionally with ``"max_new_tokens"`` (that request's budget) and ``"id"`` (copied to the
+  output). Each output line, in input order and sample order, is ``{"index", "sample", "id"?,
+  "completion", "tokens", "logprobs", "finish_reason", "num_tokens"}``. A progress bar and the
+  run's tokens/s and slot utilisation go to stderr.
+
+Prompts go through the checkpoint's chat template when it has one (``--no-chat-template``:
+raw text; ``--chat-template``: required, an error without one); ``messages`` always need it.
+Requests run through ``jaxrl_llm.sampling.engine`` (``--engine continuous``, the default, refills
+slots as completions finish; ``static`` decodes one batch of ``--slots`` requests at a time);
+the ``G`` samples of a prompt share its prefill, and each request's tokens depend only on
+``--seed`` and its position in the input (prompt ``i``, sample ``g``: request ``i * G + g``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 _DTYPES = ("float32", "bfloat16")
+_ROW_KEYS = {"prompt", "messages", "max_new_tokens", "id"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Sample completions from a Hugging Face checkpoint directory.",
     )
     parser.add_argument("model_dir", help="directory with config.json, safetensors, tokenizer")
-    parser.add_argument("prompt", nargs="+", help="one or more prompts (one batch)")
+    parser.add_argument("prompt", nargs="*", help="prompts (or --prompts FILE.jsonl)")
+    parser.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON request per line")
+    parser.add_argument("--out", metavar="OUT.jsonl", help="write the completions as JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -32,78 +50,180 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype")
     parser.add_argument(
+        "--slots", type=int, default=None, help="decode slots (default: min(64, requests))"
+    )
+    parser.add_argument("--engine", choices=("continuous", "static"), default="continuous")
+    parser.add_argument("--burst", type=int, default=8, help="decode steps per host round trip")
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument(
+        "--chat-template", action="store_true", help="require and apply the chat template"
+    )
+    template.add_argument(
         "--no-chat-template", action="store_true", help="tokenize the prompts as raw text"
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
-def _encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool) -> tuple[Any, Any]:
-    """Left-padded ``[N, P]`` token ids and mask as NumPy arrays."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
+def read_prompts(path: str) -> list[dict]:
+    """The JSONL request rows of ``path``, checked (``ValueError`` naming the line)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: each line must be a JSON object, got {row!r}")
+            unknown = set(row) - _ROW_KEYS
+            if unknown:
+                raise ValueError(
+                    f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_ROW_KEYS)}"
+                )
+            if ("prompt" in row) == ("messages" in row):
+                raise ValueError(f"{where}: give exactly one of 'prompt' and 'messages'")
+            if "prompt" in row and not isinstance(row["prompt"], str):
+                raise ValueError(f"{where}: 'prompt' must be a string")
+            if "messages" in row and not (
+                isinstance(row["messages"], list)
+                and row["messages"]
+                and all(
+                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in row["messages"]
+                )
+            ):
+                raise ValueError(
+                    f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+                )
+            budget = row.get("max_new_tokens")
+            if budget is not None and (not isinstance(budget, int) or budget < 1):
+                raise ValueError(
+                    f"{where}: 'max_new_tokens' must be a positive int, got {budget!r}"
+                )
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    return rows
+
+
+def _encode(tokenizer: Any, row: dict, *, chat: bool) -> list[int]:
+    """The prompt's token ids (no padding)."""
+    if "messages" in row or chat:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already writes any BOS it wants.
-        batch = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="np")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        batch = tokenizer(list(prompts), padding=True, return_tensors="np")
-    return batch["input_ids"], batch["attention_mask"]
+        ids = tokenizer(row["prompt"])["input_ids"]
+    if not ids:
+        raise ValueError(f"a prompt encodes to no tokens: {row!r}")
+    return list(ids)
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``jaxrl-llm generate``; returns the process exit status."""
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if bool(args.prompt) == bool(args.prompts):
+        parser.error("give prompts as arguments or --prompts FILE.jsonl (one of the two)")
     if not os.path.isdir(args.model_dir):
         print(f"error: {args.model_dir!r} is not a directory", file=sys.stderr)
         return 2
+    if args.prompts and not os.path.isfile(args.prompts):
+        print(f"error: --prompts {args.prompts!r} is not a file", file=sys.stderr)
+        return 2
+    if args.num_samples < 1:
+        parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxrl_llm.data.encoding import stop_token_ids
     from jaxrl_llm.models import load_pretrained, load_tokenizer
-    from jaxrl_llm.sampling.generate import generate
+    from jaxrl_llm.sampling.engine import Engine, Request
 
     try:
+        rows = read_prompts(args.prompts) if args.prompts else [{"prompt": p} for p in args.prompt]
         tokenizer = load_tokenizer(args.model_dir)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if (args.chat_template or any("messages" in r for r in rows)) and not has_template:
+            raise ValueError(f"{args.model_dir} has no chat template (needed for chat prompts)")
+        chat = has_template and not args.no_chat_template
+        prompts = [_encode(tokenizer, row, chat=chat) for row in rows]
         config, params = load_pretrained(args.model_dir, dtype=jnp.dtype(args.dtype))
-        tokens, mask = _encode(tokenizer, args.prompt, chat=not args.no_chat_template)
         eos_ids = stop_token_ids(tokenizer, config, args.model_dir)
         pad_id = tokenizer.pad_token_id
         if pad_id is None:
             pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        completion = generate(
+        budgets = [row.get("max_new_tokens") or args.max_new_tokens for row in rows]
+        requests = [
+            Request(prompt, budget, prompt_key=i)
+            for i, (prompt, budget) in enumerate(zip(prompts, budgets))
+            for _ in range(args.num_samples)
+        ]
+        slots = args.slots or min(64, len(requests))
+        engine = Engine(
             params,
             config,
-            tokens,
-            mask,
-            key=jax.random.key(args.seed),
-            max_new_tokens=args.max_new_tokens,
+            slots=slots,
+            max_new_tokens=max(budgets),
+            max_prompt_len=max(map(len, prompts)),
+            eos_ids=eos_ids,
+            pad_id=pad_id,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            num_samples=args.num_samples,
+            burst=args.burst,
+            engine=args.engine,
         )
+        progress = None
+        if args.prompts and not args.no_progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            progress = tqdm(total=len(requests), unit="req", file=sys.stderr)
+        try:
+            results, stats = engine.run(requests, seed=args.seed, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    out_tokens = np.asarray(completion.tokens)
-    out_mask = np.asarray(completion.mask)
-    for row in range(out_tokens.shape[0]):
-        prompt, sample = divmod(row, args.num_samples)
-        text = tokenizer.decode(out_tokens[row][out_mask[row]], skip_special_tokens=True)
-        header = f"[prompt {prompt}"
-        header += f", sample {sample}]" if args.num_samples > 1 else "]"
-        print(f"{header} {args.prompt[prompt]}")
-        print(text)
+    texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) for r in results]
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for n, (result, text) in enumerate(zip(results, texts)):
+                index, sample = divmod(n, args.num_samples)
+                line = {"index": index, "sample": sample}
+                if "id" in rows[index]:
+                    line["id"] = rows[index]["id"]
+                line |= {
+                    "completion": text,
+                    "tokens": result.tokens.tolist(),
+                    "logprobs": np.round(result.logprobs.astype(float), 6).tolist(),
+                    "finish_reason": result.finish_reason,
+                    "num_tokens": len(result.tokens),
+                }
+                f.write(json.dumps(line) + "\n")
+    if args.prompt and not args.out:
+        for n, text in enumerate(texts):
+            index, sample = divmod(n, args.num_samples)
+            header = f"[prompt {index}"
+            header += f", sample {sample}]" if args.num_samples > 1 else "]"
+            print(f"{header} {args.prompt[index]}")
+            print(text)
+    print(
+        f"{stats.requests} requests, {stats.tokens} tokens in {stats.seconds:.2f} s "
+        f"({stats.tokens_per_s:,.0f} tokens/s, compile included); {slots} slots, "
+        f"{args.engine} engine, slot utilisation {stats.utilisation:.1%}"
+        + (f"; wrote {args.out}" if args.out else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -1,5 +1,8 @@
 """``jaxrl-llm generate`` on a tiny local checkpoint with a tiny word-level tokenizer."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +14,7 @@ from jaxrl_llm.cli import main
 from jaxrl_llm.models import load_pretrained
 from jaxrl_llm.sampling import generate
 from jaxrl_llm.sampling.cli import generate_main
+from jaxrl_llm.sampling.engine import Request, generate_requests
 from tests.models.hf_utils import build_checkpoint
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "user:", "assistant:"]
@@ -98,3 +102,95 @@ def test_generate_main_errors(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         generate_main([str(tmp_path)])  # no prompt
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_generate_jsonl_batch_with_refills(model_dir, tmp_path, capsys):
+    rows = [
+        {"prompt": "w3 w17 w5", "id": "a"},
+        {"messages": [{"role": "user", "content": "w40"}], "max_new_tokens": 2},
+        {"prompt": "w9", "max_new_tokens": 5},
+    ]
+    prompts = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    argv = [model_dir, "--prompts", prompts, "--out", str(out), "--max-new-tokens", "6"]
+    argv += ["--num-samples", "2", "--slots", "2", "--temperature", "0", "--no-progress"]
+    assert generate_main(argv) == 0
+    assert "6 requests" in capsys.readouterr().err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in lines] == [(i, g) for i in range(3) for g in (0, 1)]
+    assert lines[0]["id"] == "a" and "id" not in lines[2]
+
+    # The same requests through the engine by hand (chat template applied to every prompt).
+    config, params = load_pretrained(model_dir, dtype=jnp.float32)
+    ids = {"<s>": 1, "user:": 4, "assistant:": 5}
+    vocab = SPECIAL + WORDS
+    for n, line in enumerate(lines):
+        index = n // 2
+        text = rows[index].get("prompt") or rows[index]["messages"][0]["content"]
+        prompt = [ids["<s>"], ids["user:"]] + [vocab.index(w) for w in text.split()]
+        prompt.append(ids["assistant:"])
+        budget = rows[index].get("max_new_tokens", 6)
+        (want,), _ = generate_requests(
+            params,
+            config,
+            [Request(prompt, budget)],
+            slots=1,
+            max_new_tokens=budget,
+            eos_ids=(2,),
+            pad_id=0,
+            temperature=0.0,
+        )
+        assert line["tokens"] == want.tokens.tolist()
+        np.testing.assert_allclose(line["logprobs"], want.logprobs, atol=1e-5)
+        assert line["finish_reason"] == want.finish_reason
+        assert line["num_tokens"] == len(want.tokens) <= budget
+        assert line["completion"] == " ".join(vocab[i] for i in want.tokens if i > 3)
+    assert lines[0]["tokens"] == lines[1]["tokens"]  # greedy: both samples alike
+    assert {len(r["tokens"]) for r in lines[2:4]} <= {1, 2}
+
+
+def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w9 w9"}, {"prompt": "w7"}])
+    outs = []
+    for engine, slots in (("continuous", "3"), ("static", "2")):
+        out = tmp_path / f"{engine}.jsonl"
+        argv = [model_dir, "--prompts", prompts, "--out", str(out), "--num-samples", "3"]
+        argv += ["--max-new-tokens", "5", "--engine", engine, "--slots", slots, "--seed", "4"]
+        argv += ["--temperature", "1.5"]
+        assert generate_main(argv + ["--no-progress"]) == 0
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    # Per-request sampling streams: the same tokens whatever the engine and slot count.
+    assert [r["tokens"] for r in outs[0]] == [r["tokens"] for r in outs[1]]
+    assert len({tuple(r["tokens"]) for r in outs[0][:3]}) > 1, "samples should differ"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"prompt": "w1"}\n{"prompt": 3}\n', r"in.jsonl:2: 'prompt' must be a string"),
+        ('{"prompt": "w1", "temperature": 0}\n', r"unknown keys \['temperature'\]"),
+        ('{"prompt": "w1", "messages": []}\n', "exactly one of"),
+        ("not json\n", "in.jsonl:1: not valid JSON"),
+        ('{"prompt": "w1", "max_new_tokens": 0}\n', "'max_new_tokens' must be a positive int"),
+        ('{"messages": [{"content": "w1"}]}\n', "'messages' must be"),
+        ("\n", "no requests"),
+    ],
+)
+def test_generate_jsonl_errors(model_dir, tmp_path, capsys, content, match):
+    path = tmp_path / "in.jsonl"
+    path.write_text(content)
+    assert generate_main([model_dir, "--prompts", str(path), "--no-progress"]) == 1
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_generate_argument_errors(model_dir, tmp_path, capsys):
+    assert generate_main([model_dir, "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w1"}])
+    with pytest.raises(SystemExit):
+        generate_main([model_dir, "w1", "--prompts", prompts])  # both ways at once
