@@ -420,12 +420,19 @@ class Engine:
         )
 
     def run(
-        self, requests: Sequence[Request], *, seed: int = 0, progress: Any = None
+        self,
+        requests: Sequence[Request],
+        *,
+        seed: int = 0,
+        key: Array | None = None,
+        progress: Any = None,
     ) -> tuple[list[Result], EngineStats]:
         """Samples every request; results in request order, and the run's ``EngineStats``.
 
-        ``progress``: an object with ``update(n)`` (e.g. a ``tqdm`` bar), called with the
-        number of requests each harvest finishes.
+        ``key``: the PRNG key of the run (default ``jax.random.key(seed)``); request ``r``'s
+        token ``n`` is drawn with ``fold_in(fold_in(key, r), n)``. ``progress``: an object
+        with ``update(n)`` (e.g. a ``tqdm`` bar), called with the number of requests each
+        harvest finishes.
         """
         requests = _check_requests(requests, self.max_new_tokens)
         longest = max((len(r.prompt) for r in requests), default=0)
@@ -435,7 +442,7 @@ class Engine:
                 f"({self.prompt_width})"
             )
         start = time.perf_counter()
-        key = jax.random.key(seed)
+        key = jax.random.key(seed) if key is None else key
         state = init_state(self.config, **self._state_args)
         queue = deque(range(len(requests)))
         occupant: list[int | None] = [None] * self.slots  # request id per slot, on the host

@@ -98,6 +98,12 @@ class RolloutSection:
         temperature.
       max_resample_attempts: DAPO dynamic sampling: extra draws allowed to replace groups whose
         rewards are all equal; groups still missing after that are kept with a zero mask.
+      engine: ``static`` (one batch: every row decodes until the longest finishes) or
+        ``continuous`` (``jaxrl_llm.sampling.engine``: ``slots`` decode slots refilled as
+        completions finish, the remaining rows moved to smaller programs as the batch drains;
+        one device for now).
+      slots: the continuous engine's decode slots (default: every row of the draw).
+      burst: the continuous engine's decode steps per host round trip.
     """
 
     prompts_per_step: int = 32
@@ -108,6 +114,12 @@ class RolloutSection:
     top_k: int = 0
     min_p: float = 0.0
     max_resample_attempts: int = 4
+    engine: str = "static"
+    slots: int | None = None
+    burst: int = 8
+
+
+ROLLOUT_ENGINES = ("static", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +339,11 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     ):
         _at_least(key, value, 1)
     _at_least("rollout.temperature", r.temperature, 0.0)
+    _at_least("rollout.burst", r.burst, 1)
+    if r.slots is not None:
+        _at_least("rollout.slots", r.slots, 1)
+    if r.engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
     _at_least("trainer.eval_every", t.eval_every, 0)
     tokens = t.micro_batch_tokens

@@ -127,6 +127,9 @@ class RunContext:
             min_p=r.min_p,
             mesh=self.mesh,
             timer=timer,
+            engine=r.engine,
+            slots=r.slots,
+            burst=r.burst,
         )
         if timer is None:
             return self.add_learned_reward(samples)

@@ -19,6 +19,7 @@ import numpy as np
 from jaxrl_llm import sampling
 from jaxrl_llm.data.encoding import decode_completions, encode_prompts, pad_id
 from jaxrl_llm.rewards import RewardInput, compute_rewards, is_correct
+from jaxrl_llm.sampling.engine import Engine, Request
 from jaxrl_llm.train.setup import fetch
 
 
@@ -57,11 +58,17 @@ def sample_and_score(
     min_p: float = 0.0,
     mesh: Any = None,
     timer: Any = None,
+    engine: str = "static",
+    slots: int | None = None,
+    burst: int = 8,
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
-    ``timer`` (a ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the
-    reward time as ``scoring``.
+    ``engine``: ``static`` runs ``sampling.generate`` (one batch); ``continuous`` the
+    continuous-batching ``sampling.engine.Engine`` with ``slots`` slots (default: every row)
+    and ``burst`` decode steps per host round trip, on one device. ``timer`` (a
+    ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
+    ``scoring``.
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -72,23 +79,38 @@ def sample_and_score(
             add_special_tokens=add_special_tokens,
         )
         eos = tuple(stop_ids)
-        completion = sampling.generate(
-            params,
-            model_config,
-            prompt_tokens,
-            prompt_mask,
-            key=key,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            eos_ids=eos,
-            pad_id=pad_id(tokenizer),
-            num_samples=group_size,
-            mesh=mesh,
-        )
-        tokens, mask = fetch(completion.tokens), fetch(completion.mask)
+        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        if engine == "continuous":
+            tokens, mask = _continuous(
+                params,
+                model_config,
+                prompt_tokens,
+                prompt_mask,
+                key=key,
+                group_size=group_size,
+                max_new_tokens=max_new_tokens,
+                eos_ids=eos,
+                pad=pad_id(tokenizer),
+                slots=slots,
+                burst=burst,
+                mesh=mesh,
+                **options,
+            )
+        else:
+            completion = sampling.generate(
+                params,
+                model_config,
+                prompt_tokens,
+                prompt_mask,
+                key=key,
+                max_new_tokens=max_new_tokens,
+                eos_ids=eos,
+                pad_id=pad_id(tokenizer),
+                num_samples=group_size,
+                mesh=mesh,
+                **options,
+            )
+            tokens, mask = fetch(completion.tokens), fetch(completion.mask)
     with phase("scoring"):
         texts = decode_completions(tokenizer, tokens, mask)
         lengths = mask.sum(axis=1)
@@ -114,6 +136,54 @@ def sample_and_score(
         components=components,
         finished=finished,
     )
+
+
+def _continuous(
+    params: Any,
+    model_config,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    *,
+    key: jax.Array,
+    group_size: int,
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    pad: int,
+    slots: int | None,
+    burst: int,
+    mesh: Any,
+    **options: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[N*G, T]`` tokens (right-padded) and mask from the continuous-batching engine."""
+    if mesh is not None and mesh.devices.size > 1:
+        raise ValueError(
+            f"rollout.engine=continuous runs on one device for now; this run's mesh has "
+            f"{mesh.devices.size} (use rollout.engine=static)"
+        )
+    mask = np.asarray(prompt_mask, bool)
+    requests = [
+        Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
+        for i in range(len(mask))
+        for _ in range(group_size)
+    ]
+    engine = Engine(
+        params,
+        model_config,
+        slots=min(slots or len(requests), len(requests)),
+        max_new_tokens=max_new_tokens,
+        max_prompt_len=int(mask.sum(axis=1).max()),
+        eos_ids=eos_ids,
+        pad_id=pad,
+        burst=burst,
+        **options,
+    )
+    results, _ = engine.run(requests, key=key)
+    tokens = np.full((len(results), max_new_tokens), pad, np.int32)
+    completion_mask = np.zeros((len(results), max_new_tokens), bool)
+    for row, result in enumerate(results):
+        tokens[row, : len(result.tokens)] = result.tokens
+        completion_mask[row, : len(result.tokens)] = True
+    return tokens, completion_mask
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:

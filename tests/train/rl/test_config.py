@@ -65,3 +65,17 @@ def test_the_trainer_updates_in_the_budgeted_micro_batches(tmp_path):
     (row,) = read_metrics(tmp_path / "run")
     assert row["micro_batches"] == cfg.rollout.prompts_per_step * cfg.rollout.group_size == 16
     assert row["grad_norm"] > 0.0 or row["advantage_std"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("rollout.engine=paged", r"rollout.engine must be one of \('static', 'continuous'\)"),
+        ("rollout.slots=0", "rollout.slots"),
+        ("rollout.burst=0", "rollout.burst"),
+    ],
+)
+def test_bad_rollout_engine_settings_name_the_key(override, match):
+    cfg = load_config(TrainConfig, None, ["run_dir=x", override])
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg)
