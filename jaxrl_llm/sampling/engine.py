@@ -35,7 +35,6 @@ two.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -45,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models import KVCache, cast_params, forward, init_cache, unembed
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.prompts import bucket_length
-from jaxrl_llm.sampling.state import SamplingParams, sampling_params
+from jaxrl_llm.sampling.slots import EngineState, admit, burst, init_state, take_slots
+from jaxrl_llm.sampling.state import sampling_params
 
 Array = jax.Array
 
@@ -114,213 +113,6 @@ class EngineStats(NamedTuple):
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-class EngineState(NamedTuple):
-    """The slots on device (S slots, T = max_new_tokens, W = P + T cache slots a row).
-
-    Attributes:
-      cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask
-        ``[S, W]``; a slot's prompt ends at cache slot ``P - 1``, its completion starts at ``P``.
-      logits: ``[S, V]`` f32 next-token logits.
-      next_slot: ``[S]`` int32 cache slot the next fed token goes to.
-      position: ``[S]`` int32 RoPE position of the next fed token.
-      count: ``[S]`` int32 tokens sampled so far.
-      limit: ``[S]`` int32 the request's ``max_new_tokens``.
-      done: ``[S]`` bool, finished (or empty): the slot samples nothing.
-      request: ``[S]`` int32 request id (its sampling stream).
-      tokens: ``[S, T]`` int32 sampled tokens; logprobs: ``[S, T]`` f32.
-    """
-
-    cache: KVCache
-    logits: Array
-    next_slot: Array
-    position: Array
-    count: Array
-    limit: Array
-    done: Array
-    request: Array
-    tokens: Array
-    logprobs: Array
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def init_state(
-    config: Any,
-    *,
-    slots: int,
-    prompt_width: int,
-    max_new_tokens: int,
-    cache_dtype: Any,
-    pad_id: int,
-    unstacked: bool,
-) -> EngineState:
-    """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each."""
-    cache = init_cache(config, slots, prompt_width + max_new_tokens, dtype=cache_dtype)
-    if unstacked:
-        cache = layout.unstack_cache(cache)
-
-    def zeros() -> Array:  # a buffer per field: the state is donated
-        return jnp.zeros((slots,), jnp.int32)
-
-    return EngineState(
-        cache=cache,
-        logits=jnp.zeros((slots, config.vocab_size), jnp.float32),
-        next_slot=zeros(),
-        position=zeros(),
-        count=zeros(),
-        limit=zeros(),
-        done=jnp.ones((slots,), bool),
-        request=zeros(),
-        tokens=jnp.full((slots, max_new_tokens), pad_id, jnp.int32),
-        logprobs=jnp.zeros((slots, max_new_tokens), jnp.float32),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _admit(
-    params: Any,
-    state: EngineState,
-    prompt_tokens: Array,
-    prompt_mask: Array,
-    owner: Array,
-    slot: Array,
-    limit: Array,
-    request: Array,
-    pad_id: Array,
-    *,
-    config: Any,
-) -> EngineState:
-    """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
-    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped)."""
-    num_prompts, width = prompt_tokens.shape
-    params = cast_params(params, config)
-    unstacked = isinstance(params["layers"], tuple)
-    cache = init_cache(
-        config, num_prompts, width, dtype=(state.cache.k[0] if unstacked else state.cache.k).dtype
-    )
-    if unstacked:
-        cache = layout.unstack_cache(cache)
-    hidden, cache = forward(
-        params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
-    )
-    logits = unembed(params, config, hidden[:, -1])  # left padding: the last column is real
-    prompt_width = state.cache.mask.shape[1] - state.tokens.shape[1]
-    start = prompt_width - width  # right-align: every completion starts at prompt_width
-
-    def put(big: Array, small: Array, batch_axis: int) -> Array:
-        rows = jnp.take(small, owner, axis=batch_axis)
-        index = (slice(None),) * batch_axis + (slot, slice(None), slice(start, start + width))
-        return big.at[index].set(rows, mode="drop")
-
-    if unstacked:
-        k = tuple(put(b, s, 0) for b, s in zip(state.cache.k, cache.k))
-        v = tuple(put(b, s, 0) for b, s in zip(state.cache.v, cache.v))
-    else:
-        k, v = put(state.cache.k, cache.k, 1), put(state.cache.v, cache.v, 1)
-    rows_mask = jnp.zeros((owner.shape[0], state.cache.mask.shape[1]), bool)
-    rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
-
-    def set_rows(x: Array, value: Any) -> Array:
-        return x.at[slot].set(value, mode="drop")
-
-    return EngineState(
-        cache=KVCache(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask)),
-        logits=set_rows(state.logits, logits[owner]),
-        next_slot=set_rows(state.next_slot, prompt_width),
-        position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
-        count=set_rows(state.count, 0),
-        limit=set_rows(state.limit, limit),
-        done=set_rows(state.done, False),
-        request=set_rows(state.request, request),
-        tokens=set_rows(state.tokens, pad_id),
-        logprobs=set_rows(state.logprobs, 0.0),
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "top_k"), donate_argnames=("state",))
-def _burst(
-    params: Any,
-    state: EngineState,
-    steps: Array,
-    key: Array,
-    sampling: SamplingParams,
-    *,
-    config: Any,
-    top_k: int,
-) -> tuple[EngineState, Array]:
-    """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run."""
-    params = cast_params(params, config)  # once per call, not per step
-    slots, max_new = state.tokens.shape
-    rows = jnp.arange(slots)
-
-    def draw(logits: Array, request: Array, count: Array) -> Array:
-        row_key = jax.random.fold_in(jax.random.fold_in(key, request), count)
-        return strategies.sample_tokens(
-            logits,
-            row_key,
-            temperature=sampling.temperature,
-            top_k=top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-        )
-
-    def live_left(carry: tuple[Array, EngineState]) -> Array:
-        step, st = carry
-        return (step < steps) & jnp.any(~st.done)
-
-    def body(carry: tuple[Array, EngineState]) -> tuple[Array, EngineState]:
-        step, st = carry
-        sampled = jax.vmap(draw)(st.logits, st.request, st.count)
-        logprob = strategies.token_logprobs(st.logits, sampled, temperature=sampling.temperature)
-        live = ~st.done
-        token = jnp.where(live, sampled, sampling.pad_id)
-        hidden, cache = forward(
-            params,
-            config,
-            token[:, None],
-            positions=st.position[:, None],
-            attention_mask=live[:, None],
-            cache=st.cache,
-            cache_index=st.next_slot,
-        )
-        column = jnp.where(live, st.count, max_new)  # out of range for dead slots: dropped
-        count = st.count + live
-        finished = live & (jnp.isin(token, sampling.eos_ids) | (count >= st.limit))
-        st = st._replace(
-            cache=cache,
-            logits=unembed(params, config, hidden[:, 0]),
-            next_slot=st.next_slot + live,
-            position=st.position + live,
-            count=count,
-            done=st.done | finished,
-            tokens=st.tokens.at[rows, column].set(token, mode="drop"),
-            logprobs=st.logprobs.at[rows, column].set(logprob, mode="drop"),
-        )
-        return step + 1, st
-
-    steps_run, state = jax.lax.while_loop(live_left, body, (jnp.int32(0), state))
-    return state, steps_run
-
-
-@jax.jit  # no donation: the result is smaller than the state
-def _take_slots(state: EngineState, index: Array) -> EngineState:
-    """The slots ``index`` (in that order) of ``state``: a smaller (or reordered) engine."""
-
-    def take(x: Array, axis: int) -> Array:
-        return jnp.take(x, index, axis=axis)
-
-    cache = state.cache
-    if isinstance(cache.k, tuple):
-        k = tuple(take(x, 0) for x in cache.k)
-        v = tuple(take(x, 0) for x in cache.v)
-    else:
-        k, v = take(cache.k, 1), take(cache.v, 1)
-    rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
-    return EngineState(cache=KVCache(k=k, v=v, mask=take(cache.mask, 0)), **rest)
-
-
 def _check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
     checked = []
     for i, req in enumerate(requests):
@@ -340,6 +132,10 @@ def _check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Re
             )
         checked.append(Request(prompt.astype(np.int32), int(budget), req.prompt_key))
     return checked
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class Engine:
@@ -460,7 +256,7 @@ class Engine:
                 size = _pow2(len(busy))
                 if size <= len(occupant) // 2:
                     keep = busy + free[: size - len(busy)]
-                    state = _take_slots(state, jnp.asarray(keep, jnp.int32))
+                    state = take_slots(state, jnp.asarray(keep, jnp.int32))
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
                     counts["shrinks"] += 1
@@ -480,7 +276,7 @@ class Engine:
                     if r is not None
                 ]
                 steps = max(1, min(self.burst, *left)) if left else self.burst
-            state, steps_run = _burst(
+            state, steps_run = burst(
                 self.params,
                 state,
                 jnp.int32(steps),
@@ -537,7 +333,7 @@ class Engine:
         limits = [requests[r].max_new_tokens for r in admitted]
         counts["admissions"] += 1
         counts["prefill_rows"] += len(rows)
-        return _admit(
+        return admit(
             self.params,
             state,
             jnp.asarray(tokens),
