@@ -50,6 +50,8 @@ class RolloutBatch(NamedTuple):
       returns: ``[B, T]`` value targets (PPO).
       num_tokens: scalar, valid tokens of the *whole* batch (global normaliser for micro-batches).
       num_seqs: scalar, non-empty rows of the *whole* batch (global normaliser for micro-batches).
+      rollout_logprobs: ``[B, T]`` the sampler's own log-probs of the completion tokens, when
+        the step should report how far they are from the trainer's (``rollout/*`` metrics).
     """
 
     completion_mask: Array
@@ -64,6 +66,7 @@ class RolloutBatch(NamedTuple):
     returns: Array | None = None
     num_tokens: Array | None = None
     num_seqs: Array | None = None
+    rollout_logprobs: Array | None = None
 
 
 class PreferenceBatch(NamedTuple):

@@ -104,6 +104,11 @@ class RolloutSection:
         one device for now).
       slots: the continuous engine's decode slots (default: every row of the draw).
       burst: the continuous engine's decode steps per host round trip.
+      logprobs: the behaviour log-probs of the update: ``recompute`` (a trainer forward over
+        the rollout, skipped when the update is on-policy) or ``sampler`` (the sampler's own,
+        no forward: verl's "bypass" mode). Either way every step reports how far the
+        sampler's log-probs are from the trainer's (``rollout/logprob_diff_mean``,
+        ``rollout/logprob_diff_max``, ``rollout/k3``).
     """
 
     prompts_per_step: int = 32
@@ -117,9 +122,11 @@ class RolloutSection:
     engine: str = "static"
     slots: int | None = None
     burst: int = 8
+    logprobs: str = "recompute"
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
+ROLLOUT_LOGPROBS = ("recompute", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +349,8 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _at_least("rollout.burst", r.burst, 1)
     if r.slots is not None:
         _at_least("rollout.slots", r.slots, 1)
+    if r.logprobs not in ROLLOUT_LOGPROBS:
+        raise ValueError(f"rollout.logprobs must be one of {ROLLOUT_LOGPROBS}, got {r.logprobs!r}")
     if r.engine not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxrl_llm import objectives
+from jaxrl_llm.objectives import _metrics
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.step import LossFn, Step, Totals, make_step
 from jaxrl_llm.types import RolloutBatch, sequences_of
@@ -26,6 +28,34 @@ def with_totals(batch: RolloutBatch, totals: Totals | None) -> RolloutBatch:
     if totals is None:
         return batch
     return batch._replace(num_tokens=totals.num_tokens, num_seqs=totals.num_seqs)
+
+
+# Bound on |log pi_train - log pi_rollout| inside exp (k3): finite however far apart they are.
+_MAX_LOG_RATIO = 20.0
+
+
+def sampler_mismatch(
+    train_logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array, num_tokens
+) -> dict[str, jax.Array]:
+    """How far the sampler's log-probs are from the trainer's, on the valid tokens.
+
+    With ``d = log pi_train(y) - log pi_rollout(y)`` (``y`` sampled by the rollout policy):
+    ``rollout/logprob_diff_mean = Σ|d|·m / N``, ``rollout/logprob_diff_max = max |d|`` and
+    ``rollout/k3 = Σ (e^d - 1 - d)·m / N``, the k3 estimate (Schulman, 2020) of
+    ``KL(pi_rollout || pi_train)`` (``d`` clipped to ±20 inside the exponential). ``N`` is the
+    whole batch's token count (micro-batch sums then add up). Zero in exact arithmetic when
+    both sides run the same policy: what is left is the numerics (bf16 matmuls, kernels,
+    batch shapes).
+    """
+    mask = mask.astype(jnp.float32)
+    diff = jax.lax.stop_gradient(train_logprobs).astype(jnp.float32) - rollout_logprobs
+    clipped = jnp.clip(diff, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    denom = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
+    return {
+        "rollout/logprob_diff_mean": jnp.sum(jnp.abs(diff) * mask) / denom,
+        "rollout/logprob_diff_max": _metrics.masked_extreme(jnp.abs(diff), mask, jnp.max, 0.0),
+        "rollout/k3": jnp.sum((jnp.expm1(clipped) - clipped) * mask) / denom,
+    }
 
 
 def make_policy_loss_fn(
@@ -59,7 +89,18 @@ def make_policy_loss_fn(
         result = objectives.policy_loss(
             objective, token_logprobs, with_totals(batch, totals), entropy=entropy
         )
-        return result.loss, result.metrics
+        metrics = result.metrics
+        if batch.rollout_logprobs is not None:
+            # Against this step's own forward: exact while the parameters are the rollout's
+            # (every step on-policy; a batch's first optimizer step otherwise).
+            count = jnp.sum(batch.completion_mask) if totals is None else totals.num_tokens
+            metrics = {
+                **metrics,
+                **sampler_mismatch(
+                    token_logprobs, batch.rollout_logprobs, batch.completion_mask, count
+                ),
+            }
+        return result.loss, metrics
 
     return loss_fn
 

@@ -36,6 +36,7 @@ class Samples(NamedTuple):
     correct: np.ndarray  # [N*G] bool
     components: dict[str, np.ndarray]  # reward name -> [N*G]
     finished: np.ndarray  # [N*G] bool, ended with EOS within the length limit
+    logprobs: np.ndarray | None = None  # [N*G, T] f32, the sampler's log-probs (0 on padding)
 
 
 def sample_and_score(
@@ -81,7 +82,7 @@ def sample_and_score(
         eos = tuple(stop_ids)
         options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         if engine == "continuous":
-            tokens, mask = _continuous(
+            tokens, mask, logprobs = _continuous(
                 params,
                 model_config,
                 prompt_tokens,
@@ -111,6 +112,7 @@ def sample_and_score(
                 **options,
             )
             tokens, mask = fetch(completion.tokens), fetch(completion.mask)
+            logprobs = fetch(completion.logprobs)
     with phase("scoring"):
         texts = decode_completions(tokenizer, tokens, mask)
         lengths = mask.sum(axis=1)
@@ -135,6 +137,7 @@ def sample_and_score(
         correct=correct,
         components=components,
         finished=finished,
+        logprobs=np.asarray(logprobs, np.float32),
     )
 
 
@@ -153,8 +156,8 @@ def _continuous(
     burst: int,
     mesh: Any,
     **options: Any,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``[N*G, T]`` tokens (right-padded) and mask from the continuous-batching engine."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[N*G, T]`` tokens (right-padded), mask and log-probs from the continuous engine."""
     if mesh is not None and mesh.devices.size > 1:
         raise ValueError(
             f"rollout.engine=continuous runs on one device for now; this run's mesh has "
@@ -180,10 +183,12 @@ def _continuous(
     results, _ = engine.run(requests, key=key)
     tokens = np.full((len(results), max_new_tokens), pad, np.int32)
     completion_mask = np.zeros((len(results), max_new_tokens), bool)
+    logprobs = np.zeros((len(results), max_new_tokens), np.float32)
     for row, result in enumerate(results):
         tokens[row, : len(result.tokens)] = result.tokens
         completion_mask[row, : len(result.tokens)] = True
-    return tokens, completion_mask
+        logprobs[row, : len(result.tokens)] = result.logprobs
+    return tokens, completion_mask, logprobs
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:
@@ -206,6 +211,9 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
             k: np.concatenate([p.components[k] for p in parts]) for k in parts[0].components
         },
         finished=np.concatenate([p.finished for p in parts]),
+        logprobs=None
+        if any(p.logprobs is None for p in parts)
+        else np.concatenate([p.logprobs for p in parts]),
     )
 
 
@@ -224,6 +232,7 @@ def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samp
         correct=take(samples.correct),
         components={k: take(v) for k, v in samples.components.items()},
         finished=take(samples.finished),
+        logprobs=None if samples.logprobs is None else take(samples.logprobs),
     )
 
 

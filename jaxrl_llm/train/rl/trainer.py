@@ -151,7 +151,8 @@ class RLTrainer(Trainer):
         )
         self.open_run()
         self._initial_params = params
-        self.on_policy = on_policy_update(cfg, objective)
+        self.sampler_logprobs = cfg.rollout.logprobs == "sampler"
+        self.on_policy = on_policy_update(cfg, objective) and not self.sampler_logprobs
         self.start_lines(
             {
                 "mesh": str(dict(mesh.shape)),
@@ -164,7 +165,9 @@ class RLTrainer(Trainer):
                 "sft warm-up": f"{self.sft_steps} steps on demonstrations"
                 if self.sft_steps
                 else "off",
-                "old log-probs": "the update's own forward (one epoch, one minibatch: on-policy)"
+                "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
+                if self.sampler_logprobs
+                else "the update's own forward (one epoch, one minibatch: on-policy)"
                 if self.on_policy
                 else "recomputed before the update",
             }
@@ -369,13 +372,19 @@ class RLTrainer(Trainer):
                     samples.completion_mask,
                 )
             )
-            old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
+            sampled = setup.to_device(samples.logprobs, run.mesh)
+            if self.sampler_logprobs:
+                old = sampled
+            else:
+                old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
             ref = None if self.reference is None else self.logprob_fn(self.reference, seqs)
             jax.block_until_ready((old, ref))
-        timer.count("logprobs", tokens * ((old is not None) + (ref is not None)))
+        recomputed = old is not None and not self.sampler_logprobs
+        timer.count("logprobs", tokens * (recomputed + (ref is not None)))
         with timer.phase("advantages"):
             device_rewards = setup.to_device(samples.rewards, run.mesh)
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
+            batch = batch._replace(rollout_logprobs=sampled)
             adv = setup.fetch(batch.advantages)
         with timer.phase("update"):
             updates = []

@@ -79,3 +79,11 @@ def test_bad_rollout_engine_settings_name_the_key(override, match):
     cfg = load_config(TrainConfig, None, ["run_dir=x", override])
     with pytest.raises(ValueError, match=match):
         check_config(cfg)
+
+
+def test_bad_rollout_logprobs_setting_names_the_key():
+    cfg = load_config(TrainConfig, None, ["run_dir=x", "rollout.logprobs=trainer"])
+    with pytest.raises(
+        ValueError, match=r"rollout.logprobs must be one of \('recompute', 'sampler'\)"
+    ):
+        check_config(cfg)

@@ -278,3 +278,69 @@ def test_on_policy_rule(tmp_path, overrides, on_policy):
 
     cfg = rl_helpers.tiny_config(GRPO, tmp_path, *overrides)
     assert on_policy_update(cfg, check_config(cfg)) is on_policy
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_sampler_logprobs_equal_the_trainers_and_are_reported(tmp_path, engine):
+    """The sampler's own log-probs ride along to the step (``rollout_logprobs``): in f32 they
+    equal the trainer's (float64 reference from the rollout-time logits) to 1e-5, and the
+    step reports the gap (``rollout/*``), near 0 here."""
+    cfg = rl_helpers.tiny_config(
+        GRPO,
+        tmp_path / "run",
+        rl_helpers.SHAPED_REWARDS,
+        "trainer.max_steps=1",
+        "rollout.temperature=0.7",
+        f"rollout.engine={engine}",
+        "rollout.slots=5",
+    )
+    trainer, (call,) = _one_step(cfg)
+    batch = call.batch
+    mask = batch.completion_mask.astype(bool)
+    want = _expected_logprobs(
+        _full_logits(call.params, trainer.run.model_config, batch), batch, 0.7
+    )
+    np.testing.assert_allclose(batch.rollout_logprobs[mask], want[mask], rtol=0, atol=1e-5)
+    assert not np.any(batch.rollout_logprobs[~mask])
+    assert (
+        0.0 <= call.metrics["rollout/logprob_diff_mean"] <= call.metrics["rollout/logprob_diff_max"]
+    )
+    assert call.metrics["rollout/logprob_diff_max"] < 1e-5
+    assert abs(call.metrics["rollout/k3"]) < 1e-9
+
+
+def test_sampler_mode_uses_the_samplers_logprobs_without_a_forward(tmp_path):
+    """``rollout.logprobs=sampler``: the update's behaviour log-probs are the sampler's (no
+    recompute forward, even with two minibatches), the same values in every minibatch."""
+    cfg = rl_helpers.tiny_config(
+        GRPO,
+        tmp_path / "run",
+        rl_helpers.SHAPED_REWARDS,
+        "trainer.max_steps=1",
+        "trainer.minibatches=2",
+        "rollout.logprobs=sampler",
+    )
+    trainer = RLTrainer(cfg)
+    forwards = []
+    try:
+        trainer.setup()
+        logprob_fn, step_fn = trainer.logprob_fn, trainer.update_fn
+        trainer.logprob_fn = lambda params, seqs: (
+            forwards.append(params) or logprob_fn(params, seqs)
+        )
+        batches = []
+
+        def recording_step(state, batch):
+            batches.append(jax.device_get(batch))
+            return step_fn(state, batch)
+
+        trainer.update_fn = recording_step
+        trainer.train_step(0, PhaseTimer())
+    finally:
+        trainer.checkpointer.close()
+        trainer.metrics_writer.close()
+    assert not trainer.on_policy and trainer.sampler_logprobs
+    assert all(p is trainer.reference for p in forwards)  # only the reference's forward
+    assert len(batches) == 2
+    for batch in batches:
+        np.testing.assert_array_equal(batch.old_logprobs, batch.rollout_logprobs)
