@@ -11,6 +11,9 @@ Two ways to give prompts:
   "completion", "tokens", "logprobs", "finish_reason", "num_tokens"}``. A progress bar and the
   run's tokens/s and slot utilisation go to stderr.
 
+``--stop TEXT`` (repeatable) ends a completion once its tokens end with TEXT's tokens (matched
+as token ids on device, so TEXT must tokenize the same inside a completion).
+
 Prompts go through the checkpoint's chat template when it has one (``--no-chat-template``:
 raw text; ``--chat-template``: required, an error without one); ``messages`` always need it.
 Requests run through ``jaxrl_llm.sampling.engine`` (``--engine continuous``, the default, refills
@@ -54,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     parser.add_argument("--burst", type=int, default=8, help="decode steps per host round trip")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end a completion when it ends with TEXT's tokens (repeatable; kept in the output)",
+    )
     template = parser.add_mutually_exclusive_group()
     template.add_argument(
         "--chat-template", action="store_true", help="require and apply the chat template"
@@ -123,6 +133,13 @@ def _encode(tokenizer: Any, row: dict, *, chat: bool) -> list[int]:
     return list(ids)
 
 
+def _stop_ids(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"--stop {text!r} encodes to no tokens")
+    return list(ids)
+
+
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``jaxrl-llm generate``; returns the process exit status."""
     parser = _parser()
@@ -179,6 +196,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             min_p=args.min_p,
             burst=args.burst,
             engine=args.engine,
+            stop_sequences=[_stop_ids(tokenizer, text) for text in args.stop],
         )
         progress = None
         if args.prompts and not args.no_progress:

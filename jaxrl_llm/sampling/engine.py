@@ -76,7 +76,8 @@ class Result(NamedTuple):
     Attributes:
       tokens: ``[n]`` int32 sampled tokens, the EOS included when it stopped there.
       logprobs: ``[n]`` f32 log-probs of those tokens (temperature-scaled full distribution).
-      finish_reason: ``"stop"`` (an EOS) or ``"length"`` (its ``max_new_tokens``).
+      finish_reason: ``"stop"`` (an EOS or a stop sequence) or ``"length"`` (its
+        ``max_new_tokens``).
     """
 
     tokens: np.ndarray
@@ -152,6 +153,8 @@ class Engine:
       engine: ``"continuous"`` (refill slots as they finish) or ``"static"`` (admit only into
         an empty engine, decode until every slot has finished).
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
+      stop_sequences: token-id sequences that end a completion (kept in it, like an EOS), as
+        matched on device after every token.
     """
 
     def __init__(
@@ -171,6 +174,7 @@ class Engine:
         burst: int = 8,
         engine: str = "continuous",
         cache_dtype: Any = None,
+        stop_sequences: Sequence[Sequence[int]] = (),
     ):
         for name, value in (
             ("slots", slots),
@@ -193,6 +197,17 @@ class Engine:
             temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
         )
         self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
+        self.stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]
+        if any(not s or min(s) < 0 for s in self.stop_sequences):
+            raise ValueError(
+                f"stop_sequences must be non-empty sequences of token ids, got {stop_sequences!r}"
+            )
+        # [N, L] right-aligned, -1 padded; both sizes powers of two (few compiled programs).
+        longest = max(map(len, self.stop_sequences), default=1)
+        stops = np.full((_pow2(max(len(self.stop_sequences), 1)), _pow2(longest)), -1, np.int32)
+        for i, s in enumerate(self.stop_sequences):
+            stops[i, stops.shape[1] - len(s) :] = s
+        self.stops = jnp.asarray(stops)
         self.config, self.pad_id = config, int(pad_id)
         self.slots, self.max_new_tokens, self.burst, self.engine = (
             slots,
@@ -282,6 +297,7 @@ class Engine:
                 jnp.int32(steps),
                 key,
                 self.sampling,
+                self.stops,
                 config=self.config,
                 top_k=self.top_k,
             )
@@ -362,7 +378,11 @@ class Engine:
         for i, s in enumerate(ready):
             n = int(count[i])
             row = tokens[i, :n]
-            reason = "stop" if n and int(row[-1]) in self.eos else "length"
+            stopped = n and int(row[-1]) in self.eos
+            stopped = stopped or any(
+                n >= len(s) and tuple(row[n - len(s) :].tolist()) == s for s in self.stop_sequences
+            )
+            reason = "stop" if stopped else "length"
             results[occupant[s]] = Result(row, logprobs[i, :n], reason)
             occupant[s] = None
         return len(ready), all_counts

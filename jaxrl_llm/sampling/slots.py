@@ -149,11 +149,17 @@ def burst(
     steps: Array,
     key: Array,
     sampling: SamplingParams,
+    stops: Array,
     *,
     config: Any,
     top_k: int,
 ) -> tuple[EngineState, Array]:
-    """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run."""
+    """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run.
+
+    A slot finishes on an EOS id, at its ``limit``, or when its completion ends with one of
+    ``stops``: ``[N, L]`` int32 token sequences, each right-aligned and left-padded with -1
+    (a row of -1 never matches).
+    """
     params = cast_params(params, config)  # once per call, not per step
     slots, max_new = state.tokens.shape
     rows = jnp.arange(slots)
@@ -190,7 +196,12 @@ def burst(
         )
         column = jnp.where(live, st.count, max_new)  # out of range for dead slots: dropped
         count = st.count + live
-        finished = live & (jnp.isin(token, sampling.eos_ids) | (count >= st.limit))
+        tokens = st.tokens.at[rows, column].set(token, mode="drop")
+        finished = live & (
+            jnp.isin(token, sampling.eos_ids)
+            | (count >= st.limit)
+            | _ends_with_stop(tokens, count, stops)
+        )
         st = st._replace(
             cache=cache,
             logits=unembed(params, config, hidden[:, 0]),
@@ -198,13 +209,27 @@ def burst(
             position=st.position + live,
             count=count,
             done=st.done | finished,
-            tokens=st.tokens.at[rows, column].set(token, mode="drop"),
+            tokens=tokens,
             logprobs=st.logprobs.at[rows, column].set(logprob, mode="drop"),
         )
         return step + 1, st
 
     steps_run, state = jax.lax.while_loop(live_left, body, (jnp.int32(0), state))
     return state, steps_run
+
+
+def _ends_with_stop(tokens: Array, count: Array, stops: Array) -> Array:
+    """``[S]`` bool: row ``s``'s first ``count[s]`` tokens end with a row of ``stops``."""
+    length = stops.shape[1]
+    real = stops >= 0  # [N, L]
+    need = jnp.sum(real, axis=1)  # [N]
+    # The last L tokens of each row (columns count - L ... count - 1; before 0: -2).
+    cols = count[:, None] - length + jnp.arange(length)  # [S, L]
+    tail = jnp.take_along_axis(tokens, jnp.clip(cols, 0, tokens.shape[1] - 1), axis=1)
+    tail = jnp.where(cols >= 0, tail, -2)
+    same = (tail[:, None, :] == stops[None]) | ~real[None]  # [S, N, L]
+    hit = jnp.all(same, axis=2) & (need[None] > 0) & (count[:, None] >= need[None])
+    return jnp.any(hit, axis=1)
 
 
 @jax.jit  # no donation: the result is smaller than the state

@@ -194,3 +194,20 @@ def test_generate_argument_errors(model_dir, tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w1"}])
     with pytest.raises(SystemExit):
         generate_main([model_dir, "w1", "--prompts", prompts])  # both ways at once
+
+
+def test_generate_stop_text_ends_the_completion(model_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w3 w17 w5"}])
+    base = [model_dir, "--prompts", prompts, "--max-new-tokens", "8", "--temperature", "0"]
+    base += ["--no-progress"]
+    free, stopped = tmp_path / "free.jsonl", tmp_path / "stopped.jsonl"
+    assert generate_main(base + ["--out", str(free)]) == 0
+    (line,) = [json.loads(x) for x in free.read_text().splitlines()]
+    words = line["completion"].split()
+    assert len(words) >= 3, "the free-running completion must be long enough to cut"
+    cut = words.index(words[-1])  # stop at the first occurrence of the last word
+    assert cut < len(words) - 1, "the stop must cut the completion short"
+    assert generate_main(base + ["--out", str(stopped), "--stop", words[cut]]) == 0
+    (line,) = [json.loads(x) for x in stopped.read_text().splitlines()]
+    assert line["completion"].split() == words[: cut + 1]
+    assert line["finish_reason"] == "stop"

@@ -226,3 +226,44 @@ def test_bad_input_is_refused(params, kwargs, requests, match):
     args = dict(slots=2, max_new_tokens=8, max_prompt_len=4, eos_ids=(), pad_id=PAD) | kwargs
     with pytest.raises(ValueError, match=match):
         Engine(params, CONFIG, **args).run(requests)
+
+
+def test_stop_sequences_end_a_completion_on_device(params, rng):
+    requests = _requests(rng, [5, 3], [12, 12])
+    free = [np.asarray(_generate_one(params, r, eos_ids=()).tokens)[0] for r in requests]
+    # A 2-token stop taken from request 0's free-running output at columns 3-4; another that
+    # never occurs in either output (checked), so request 1 runs to its length.
+    stop = tuple(int(t) for t in free[0][3:5])
+    never = next(
+        (a, b)
+        for a in range(3, CONFIG.vocab_size)
+        for b in range(3, CONFIG.vocab_size)
+        if not any((a, b) == tuple(row[i : i + 2]) for row in free for i in range(11))
+    )
+    first = next(i for i in range(11) if tuple(free[0][i : i + 2]) == stop)
+    results, _ = generate_requests(
+        params,
+        CONFIG,
+        requests,
+        slots=1,
+        max_new_tokens=12,
+        eos_ids=(),
+        pad_id=PAD,
+        temperature=0.0,
+        stop_sequences=[list(never), list(stop), [int(free[1][0]) + 1000]],
+    )
+    np.testing.assert_array_equal(results[0].tokens, free[0][: first + 2])
+    assert results[0].finish_reason == "stop"
+    np.testing.assert_array_equal(results[1].tokens, free[1])
+    assert results[1].finish_reason == "length"
+    with pytest.raises(ValueError, match="stop_sequences must be non-empty"):
+        Engine(
+            params,
+            CONFIG,
+            slots=1,
+            max_new_tokens=4,
+            max_prompt_len=4,
+            eos_ids=(),
+            pad_id=0,
+            stop_sequences=[[]],
+        )
