@@ -35,6 +35,7 @@ two.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -46,7 +47,14 @@ import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.prompts import bucket_length
-from jaxrl_llm.sampling.slots import EngineState, admit, burst, init_state, take_slots
+from jaxrl_llm.sampling.slots import (
+    EngineState,
+    admit,
+    burst,
+    init_state,
+    shardings,
+    take_slots,
+)
 from jaxrl_llm.sampling.state import sampling_params
 
 Array = jax.Array
@@ -175,6 +183,7 @@ class Engine:
         engine: str = "continuous",
         cache_dtype: Any = None,
         stop_sequences: Sequence[Sequence[int]] = (),
+        mesh: Any = None,
     ):
         for name, value in (
             ("slots", slots),
@@ -216,6 +225,18 @@ class Engine:
             engine,
         )
         self.prompt_width = bucket_length(max_prompt_len)
+        self.mesh, self.shards = mesh, 1
+        if mesh is not None:
+            from jaxrl_llm.parallel import batch_shards  # noqa: PLC0415
+
+            if jax.process_count() > 1:
+                raise ValueError("the engine runs in one process for now (jax.process_count() > 1)")
+            self.shards = batch_shards(mesh)
+            if slots % self.shards:
+                raise ValueError(
+                    f"slots={slots} must be a multiple of the mesh's {self.shards} batch shards "
+                    f"(data x fsdp)"
+                )
         unstacked = layout.worth_unstacking(params)
         self.params = layout.unstack_layers(params) if unstacked else params
         if cache_dtype is None:
@@ -254,7 +275,24 @@ class Engine:
             )
         start = time.perf_counter()
         key = jax.random.key(seed) if key is None else key
+        context = contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+        with context:
+            results, counts = self._run(requests, key, progress)
+        done = [r for r in results if r is not None]
+        stats = EngineStats(
+            requests=len(requests),
+            tokens=int(sum(len(r.tokens) for r in done)),
+            seconds=time.perf_counter() - start,
+            **counts,
+        )
+        return done, stats
+
+    def _run(
+        self, requests: list[Request], key: Array, progress: Any
+    ) -> tuple[list[Result | None], dict[str, int]]:
         state = init_state(self.config, **self._state_args)
+        if self.mesh is not None:
+            state = jax.device_put(state, shardings(state, self.mesh))
         queue = deque(range(len(requests)))
         occupant: list[int | None] = [None] * self.slots  # request id per slot, on the host
         host_count = np.zeros(self.slots, np.int64)  # tokens sampled per slot, last read
@@ -268,10 +306,10 @@ class Engine:
                 # The drain: decode the remaining slots in a smaller program (S/2, S/4, ...),
                 # so the long tail does not keep running S rows.
                 busy = [s for s, r in enumerate(occupant) if r is not None]
-                size = _pow2(len(busy))
+                size = self.shards * _pow2(-(-len(busy) // self.shards))
                 if size <= len(occupant) // 2:
                     keep = busy + free[: size - len(busy)]
-                    state = take_slots(state, jnp.asarray(keep, jnp.int32))
+                    state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
                     counts["shrinks"] += 1
@@ -300,6 +338,7 @@ class Engine:
                 self.stops,
                 config=self.config,
                 top_k=self.top_k,
+                mesh=self.mesh,
             )
             counts["decode_steps"] += int(steps_run)
             counts["slot_steps"] += int(steps_run) * len(occupant)
@@ -307,14 +346,7 @@ class Engine:
             finished, host_count = self._harvest(state, occupant, results)
             if progress is not None and finished:
                 progress.update(finished)
-        done = [r for r in results if r is not None]
-        stats = EngineStats(
-            requests=len(requests),
-            tokens=int(sum(len(r.tokens) for r in done)),
-            seconds=time.perf_counter() - start,
-            **counts,
-        )
-        return done, stats
+        return results, counts
 
     def _admit(
         self,
@@ -335,7 +367,8 @@ class Engine:
                 rows.append(requests[r].prompt)
             owner.append(prompts[key])
         width = bucket_length(max(len(p) for p in rows))
-        num_prompts = _pow2(len(rows))
+        # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
+        num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
         tokens = np.full((num_prompts, width), self.pad_id, np.int32)
         mask = np.zeros((num_prompts, width), bool)
         for i in range(num_prompts):
@@ -360,6 +393,7 @@ class Engine:
             jnp.asarray(np.asarray(admitted + [0] * pad, np.int32)),
             jnp.asarray(self.pad_id, jnp.int32),
             config=self.config,
+            mesh=self.mesh,
         )
 
     def _harvest(

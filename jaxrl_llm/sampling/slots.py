@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import KVCache, cast_params, forward, init_cache, unembed
+from jaxrl_llm.models import CACHE_AXES, KVCache, cast_params, forward, init_cache, unembed
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.state import SamplingParams
 
@@ -81,7 +81,43 @@ def init_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def state_axes(state: EngineState) -> EngineState:
+    """Logical axes of every state leaf (slots are the ``batch`` axis)."""
+    cache_axes = CACHE_AXES
+    if isinstance(state.cache.k, tuple):  # per-layer arrays drop the layers axis
+        layers = len(state.cache.k)
+        cache_axes = CACHE_AXES._replace(
+            k=(CACHE_AXES.k[1:],) * layers, v=(CACHE_AXES.v[1:],) * layers
+        )
+    row = ("batch",)
+    return EngineState(
+        cache=cache_axes,
+        logits=("batch", "vocab"),
+        next_slot=row,
+        position=row,
+        count=row,
+        limit=row,
+        done=row,
+        request=row,
+        tokens=("batch", None),
+        logprobs=("batch", None),
+    )
+
+
+def shardings(state: EngineState, mesh: Any) -> Any:
+    """The state's ``NamedSharding`` s under ``SAMPLING_RULES`` (slots over data x fsdp)."""
+    from jaxrl_llm.parallel import SAMPLING_RULES, logical_to_sharding  # noqa: PLC0415
+
+    return logical_to_sharding(state_axes(state), mesh, SAMPLING_RULES, shapes=state)
+
+
+def _constrain(state: EngineState, mesh: Any) -> EngineState:
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, shardings(state, mesh))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
 def admit(
     params: Any,
     state: EngineState,
@@ -94,6 +130,7 @@ def admit(
     pad_id: Array,
     *,
     config: Any,
+    mesh: Any = None,
 ) -> EngineState:
     """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
     into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped)."""
@@ -128,21 +165,24 @@ def admit(
     def set_rows(x: Array, value: Any) -> Array:
         return x.at[slot].set(value, mode="drop")
 
-    return EngineState(
-        cache=KVCache(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask)),
-        logits=set_rows(state.logits, logits[owner]),
-        next_slot=set_rows(state.next_slot, prompt_width),
-        position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
-        count=set_rows(state.count, 0),
-        limit=set_rows(state.limit, limit),
-        done=set_rows(state.done, False),
-        request=set_rows(state.request, request),
-        tokens=set_rows(state.tokens, pad_id),
-        logprobs=set_rows(state.logprobs, 0.0),
+    return _constrain(
+        EngineState(
+            cache=KVCache(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask)),
+            logits=set_rows(state.logits, logits[owner]),
+            next_slot=set_rows(state.next_slot, prompt_width),
+            position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
+            count=set_rows(state.count, 0),
+            limit=set_rows(state.limit, limit),
+            done=set_rows(state.done, False),
+            request=set_rows(state.request, request),
+            tokens=set_rows(state.tokens, pad_id),
+            logprobs=set_rows(state.logprobs, 0.0),
+        ),
+        mesh,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "top_k"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "top_k", "mesh"), donate_argnames=("state",))
 def burst(
     params: Any,
     state: EngineState,
@@ -153,6 +193,7 @@ def burst(
     *,
     config: Any,
     top_k: int,
+    mesh: Any = None,
 ) -> tuple[EngineState, Array]:
     """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run.
 
@@ -212,7 +253,7 @@ def burst(
             tokens=tokens,
             logprobs=st.logprobs.at[rows, column].set(logprob, mode="drop"),
         )
-        return step + 1, st
+        return step + 1, _constrain(st, mesh)
 
     steps_run, state = jax.lax.while_loop(live_left, body, (jnp.int32(0), state))
     return state, steps_run
@@ -232,8 +273,8 @@ def _ends_with_stop(tokens: Array, count: Array, stops: Array) -> Array:
     return jnp.any(hit, axis=1)
 
 
-@jax.jit  # no donation: the result is smaller than the state
-def take_slots(state: EngineState, index: Array) -> EngineState:
+@functools.partial(jax.jit, static_argnames=("mesh",))  # no donation: the result is smaller
+def take_slots(state: EngineState, index: Array, *, mesh: Any = None) -> EngineState:
     """The slots ``index`` (in that order) of ``state``: a smaller (or reordered) engine."""
 
     def take(x: Array, axis: int) -> Array:
@@ -246,7 +287,7 @@ def take_slots(state: EngineState, index: Array) -> EngineState:
     else:
         k, v = take(cache.k, 1), take(cache.v, 1)
     rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
-    return EngineState(cache=KVCache(k=k, v=v, mask=take(cache.mask, 0)), **rest)
+    return _constrain(EngineState(cache=KVCache(k=k, v=v, mask=take(cache.mask, 0)), **rest), mesh)
 
 
-__all__ = ["EngineState", "admit", "burst", "init_state", "take_slots"]
+__all__ = ["EngineState", "admit", "burst", "init_state", "shardings", "state_axes", "take_slots"]

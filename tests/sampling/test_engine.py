@@ -1,6 +1,8 @@
 """Continuous batching (``jaxrl_llm.sampling.engine``): same tokens as ``generate`` and as
 transformers with refills happening, per-request reproducibility, trainer log-probs, stats."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,4 +268,47 @@ def test_stop_sequences_end_a_completion_on_device(params, rng):
             eos_ids=(),
             pad_id=0,
             stop_sequences=[[]],
+        )
+
+
+@pytest.mark.needs_devices(8)
+def test_engine_on_a_mesh_matches_one_device(params, rng):
+    """Slots over data x fsdp (4 shards) of a (2, 2, 2) mesh, weights by PARAM_RULES: the
+    same tokens and log-probs as on one device, refills and the drain included."""
+    from jaxrl_llm.models import logical_axes
+    from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
+
+    config = dataclasses.replace(CONFIG, vocab_size=96)  # divisible by the tensor axis
+    params = init_params(config, jax.random.key(1), dtype=jnp.float32)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = jax.device_put(
+        params, logical_to_sharding(logical_axes(config), mesh, PARAM_RULES, shapes=params)
+    )
+    requests = _requests(
+        rng,
+        [3, 7, 5, 2, 6, 4, 1, 5, 2],
+        [4, 9, 2, 12, 6, 12, 3, 1, 8],
+        keys=[0, 0, 1, 2, 3, 3, 4, 5, 6],
+    )
+    kw = dict(slots=4, max_new_tokens=12, eos_ids=(7,), pad_id=PAD, seed=2)
+    for temperature in (0.0, 1.0):
+        single, _ = generate_requests(params, config, requests, temperature=temperature, **kw)
+        multi, stats = generate_requests(
+            sharded, config, requests, temperature=temperature, mesh=mesh, **kw
+        )
+        assert stats.admissions > 1
+        for a, b in zip(single, multi, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+            assert a.finish_reason == b.finish_reason
+    with pytest.raises(ValueError, match="multiple of the mesh's 4 batch shards"):
+        Engine(
+            sharded,
+            CONFIG,
+            slots=6,
+            max_new_tokens=4,
+            max_prompt_len=4,
+            eos_ids=(),
+            pad_id=0,
+            mesh=mesh,
         )

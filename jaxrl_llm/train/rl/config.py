@@ -101,7 +101,7 @@ class RolloutSection:
       engine: ``static`` (one batch: every row decodes until the longest finishes) or
         ``continuous`` (``jaxrl_llm.sampling.engine``: ``slots`` decode slots refilled as
         completions finish, the remaining rows moved to smaller programs as the batch drains;
-        one device for now).
+        one process for now).
       slots: the continuous engine's decode slots (default: every row of the draw).
       burst: the continuous engine's decode steps per host round trip.
       logprobs: the behaviour log-probs of the update: ``recompute`` (a trainer forward over

@@ -66,8 +66,9 @@ def sample_and_score(
     """Samples ``group_size`` completions for each prompt and scores them.
 
     ``engine``: ``static`` runs ``sampling.generate`` (one batch); ``continuous`` the
-    continuous-batching ``sampling.engine.Engine`` with ``slots`` slots (default: every row)
-    and ``burst`` decode steps per host round trip, on one device. ``timer`` (a
+    continuous-batching ``sampling.engine.Engine`` with ``slots`` slots (default: every row;
+    a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip, in
+    one process. ``timer`` (a
     ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
     ``scoring``.
     """
@@ -158,11 +159,6 @@ def _continuous(
     **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``[N*G, T]`` tokens (right-padded), mask and log-probs from the continuous engine."""
-    if mesh is not None and mesh.devices.size > 1:
-        raise ValueError(
-            f"rollout.engine=continuous runs on one device for now; this run's mesh has "
-            f"{mesh.devices.size} (use rollout.engine=static)"
-        )
     mask = np.asarray(prompt_mask, bool)
     requests = [
         Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
@@ -178,6 +174,7 @@ def _continuous(
         eos_ids=eos_ids,
         pad_id=pad,
         burst=burst,
+        mesh=mesh,
         **options,
     )
     results, _ = engine.run(requests, key=key)

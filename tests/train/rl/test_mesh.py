@@ -72,3 +72,18 @@ def test_two_steps_on_a_2x2x2_mesh(tmp_path):
         assert first[key] == single_first[key], key
     for key in ("advantage_std", "entropy", "grad_norm", "loss"):
         assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), key
+
+
+def test_continuous_engine_rollouts_on_the_mesh_match_one_device(tmp_path):
+    """``rollout.engine=continuous`` with 8 slots for 16 rows (refills) over the mesh's 4
+    batch shards samples the same first batch as on one device."""
+    engine = ("rollout.engine=continuous", "rollout.slots=8", "trainer.max_steps=1")
+    cfg = _config(tmp_path / "mesh", *MESH, *engine)
+    summary = RLTrainer(cfg).fit()
+    single = RLTrainer(_config(tmp_path / "single", *engine)).fit()
+    first = read_metrics(pathlib.Path(cfg.run_dir))[0]
+    single_first = read_metrics(tmp_path / "single")[0]
+    assert summary["eval_before_rl"] == single["eval_before_rl"]
+    for key in ("reward_mean", "accuracy", "completion_length_mean", "zero_variance_frac"):
+        assert first[key] == single_first[key], key
+    assert first["rollout/logprob_diff_max"] < 1e-5
