@@ -60,14 +60,14 @@ JAX_IMPLEMENTATIONS = ("xla", "einsum")
 PAD = 20
 
 
-def _inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int):
+def _inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int, pad: int = PAD):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
     k = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
     v = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
     w = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
     valid = np.ones((batch, seq), bool)
-    valid[:, :PAD] = False
+    valid[:, :pad] = False
     return q, k, v, w, valid
 
 
@@ -203,13 +203,7 @@ def _gpu_median(fn: Callable, rounds: int) -> float:
 def bench_gpu(shape, rounds: int) -> list[tuple[str, str, float, float, str]]:
     """Rows ``(shape, variant, forward s, fwd+bwd s, errors)`` on the GPU, bf16."""
     label, batch, seq, heads, kv_heads, dim = shape
-    rng = np.random.default_rng(0)
-    q = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
-    k = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
-    v = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
-    w = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
-    valid = np.ones((batch, seq), bool)
-    valid[:, :GPU_PAD] = False
+    q, k, v, w, valid = _inputs(batch, seq, heads, kv_heads, dim, pad=GPU_PAD)
     scale = dim**-0.5
     # bf16 inputs: the reference sees the same rounded values.
     q, k, v, w = (

@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     params = init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
     requests = make_requests(args.requests, args.samples, args.max_new_tokens)
-    engines = {
-        name: Engine(
+
+    def engine(name: str, temperature: float = 1.0) -> Engine:
+        return Engine(
             params,
             CONFIG,
             slots=args.slots,
@@ -90,31 +91,18 @@ def main(argv: list[str] | None = None) -> int:
             pad_id=0,
             burst=args.burst,
             engine=name,
+            temperature=temperature,
         )
-        for name in ("continuous", "static")
-    }
-    for engine in engines.values():
-        engine.run(requests)  # compiles
+
+    engines = {name: engine(name) for name in ("continuous", "static")}
+    for each in engines.values():
+        each.run(requests)  # compiles
     stats: dict[str, list] = {name: [] for name in engines}
     for _ in range(args.repeats):
-        for name, engine in engines.items():
-            stats[name].append(engine.run(requests, seed=1)[1])
+        for name, each in engines.items():
+            stats[name].append(each.run(requests, seed=1)[1])
     # Greedy: both engines give every request the same tokens.
-    greedy = {}
-    for name in engines:
-        engine = Engine(
-            params,
-            CONFIG,
-            slots=args.slots,
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_len=32,
-            eos_ids=(),
-            pad_id=0,
-            burst=args.burst,
-            engine=name,
-            temperature=0.0,
-        )
-        greedy[name] = engine.run(requests)[0]
+    greedy = {name: engine(name, temperature=0.0).run(requests)[0] for name in engines}
     same = sum(
         np.array_equal(a.tokens, b.tokens) for a, b in zip(greedy["continuous"], greedy["static"])
     )

@@ -77,45 +77,32 @@ def _parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[dict]:
     """The JSONL request rows of ``path``, checked (``ValueError`` naming the line)."""
+    from jaxrl_llm.data.datasets import jsonl_records  # noqa: PLC0415
+
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: each line must be a JSON object, got {row!r}")
-            unknown = set(row) - _ROW_KEYS
-            if unknown:
-                raise ValueError(
-                    f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_ROW_KEYS)}"
-                )
-            if ("prompt" in row) == ("messages" in row):
-                raise ValueError(f"{where}: give exactly one of 'prompt' and 'messages'")
-            if "prompt" in row and not isinstance(row["prompt"], str):
-                raise ValueError(f"{where}: 'prompt' must be a string")
-            if "messages" in row and not (
-                isinstance(row["messages"], list)
-                and row["messages"]
-                and all(
-                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in row["messages"]
-                )
-            ):
-                raise ValueError(
-                    f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
-                )
-            budget = row.get("max_new_tokens")
-            if budget is not None and (not isinstance(budget, int) or budget < 1):
-                raise ValueError(
-                    f"{where}: 'max_new_tokens' must be a positive int, got {budget!r}"
-                )
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no requests")
+    for where, row in jsonl_records(path, fields=()):
+        unknown = set(row) - _ROW_KEYS
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_ROW_KEYS)}"
+            )
+        if ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{where}: give exactly one of 'prompt' and 'messages'")
+        if "prompt" in row and not isinstance(row["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        messages = row.get("messages")
+        if messages is not None and not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages)
+        ):
+            raise ValueError(
+                f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
+            )
+        budget = row.get("max_new_tokens")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"{where}: 'max_new_tokens' must be a positive int, got {budget!r}")
+        rows.append(row)
     return rows
 
 

@@ -175,10 +175,10 @@ def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path):
         ('{"prompt": "w1"}\n{"prompt": 3}\n', r"in.jsonl:2: 'prompt' must be a string"),
         ('{"prompt": "w1", "temperature": 0}\n', r"unknown keys \['temperature'\]"),
         ('{"prompt": "w1", "messages": []}\n', "exactly one of"),
-        ("not json\n", "in.jsonl:1: not valid JSON"),
+        ("not json\n", "in.jsonl:1: invalid JSON"),
         ('{"prompt": "w1", "max_new_tokens": 0}\n', "'max_new_tokens' must be a positive int"),
         ('{"messages": [{"content": "w1"}]}\n', "'messages' must be"),
-        ("\n", "no requests"),
+        ("\n", "holds no record"),
     ],
 )
 def test_generate_jsonl_errors(model_dir, tmp_path, capsys, content, match):
