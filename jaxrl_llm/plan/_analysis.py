@@ -24,6 +24,7 @@ from jaxrl_llm.plan._job import (
     _replicated,
     _sampling_params,
     _sampling_state_shardings,
+    abstract_critic_state,
     abstract_rollout_batch,
     abstract_sequences,
     abstract_train_state,
@@ -43,9 +44,10 @@ from jaxrl_llm.sampling import strategies
 from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.forward import make_logprob_fn
-from jaxrl_llm.train.optim import make_trainer_optimizer
+from jaxrl_llm.train.optim import make_optimizer, make_trainer_optimizer
 from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.ppo import make_value_fn, make_value_step
 from jaxrl_llm.train.rl.trainer import on_policy_update
 from jaxrl_llm.train.step import jit_step
 
@@ -107,7 +109,18 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         ),
         params,
     )
-    sizes = state_bytes(state, reference, params_compute)
+    critic = None
+    if objective.needs_critic:  # PPO: the critic's own state and optimizer (PPOTrainer)
+        critic_optimizer = make_optimizer(
+            cfg.critic.learning_rate, max_grad_norm=cfg.critic.max_grad_norm
+        )
+        critic = (
+            critic_optimizer,
+            *abstract_critic_state(
+                model_config, critic_optimizer, mesh, setup.param_dtype(cfg.model)
+            ),
+        )
+    sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
     programs = _lower_programs(
         cfg,
         mesh,
@@ -120,6 +133,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         reference,
         params_compute,
         sizes,
+        critic,
     )
     return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs)
 
@@ -136,10 +150,13 @@ def _lower_programs(
     reference,
     params_compute,
     sizes,
+    critic=None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
-    ref_bytes = {"reference": sizes.reference}
+    # What stays on device all step beside a program's own arguments: the reference and, for
+    # PPO, the critic's state.
+    ref_bytes = {"reference": sizes.reference, "critic": sizes.critic}
     programs: dict[str, Program] = {}
 
     # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
@@ -174,11 +191,12 @@ def _lower_programs(
             flops=forward,
             model_flops=forward,
             tokens=rows * t_len,
-            argument_parts=dict(ref_bytes),
+            argument_parts={"reference": sizes.reference},
             # The old log-probs computed just before stay on device.
             resident={
                 "parameters": sizes.params,
                 "optimizer_state": sizes.optimizer,
+                "critic": sizes.critic,
                 "inputs": shard_bytes(logprob_out),
             },
             same_as="logprobs" if same else None,
@@ -218,6 +236,20 @@ def _lower_programs(
         # The whole rollout batch stays on device while its minibatches are drawn.
         resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
     )
+    if critic is not None:
+        _lower_critic_programs(
+            programs,
+            critic,
+            cfg,
+            mesh,
+            model_config,
+            objective,
+            shape,
+            sizes,
+            seqs,
+            minibatch,
+            full_batch,
+        )
 
     # (c) the rollout's prefill and (d) one decode step, under the trainer's layout.
     cache_dtype = jnp.dtype(model_config.compute_dtype)
@@ -281,6 +313,56 @@ def _lower_programs(
             per_step_loop=True,
         )
     return {name: programs[name] for name in PROGRAMS if name in programs}
+
+
+def _lower_critic_programs(
+    programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
+) -> None:
+    """PPO's rollout-time ``values`` forward and its ``critic_update`` (``PPOTrainer``)."""
+    optimizer, state, shardings = critic
+    policy = {
+        "parameters": sizes.params,
+        "optimizer_state": sizes.optimizer,
+        "reference": sizes.reference,
+    }
+    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
+    # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
+    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=0)
+    values_fn = make_value_fn(model_config, param_shardings=shardings.params)
+    programs["values"] = Program(
+        name="values",
+        lowered=values_fn.lower(state.params, seqs),
+        calls_per_step=1,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={"critic": sizes.critic_params},
+        resident={**policy, "critic": sizes.critic_optimizer},
+    )
+    step = jit_step(
+        make_value_step(
+            model_config,
+            objective,
+            optimizer,
+            micro_batches=shape.micro_batches,
+            remat=shape.remat,
+            param_shardings=shardings.params,
+        ),
+        shardings,
+    )
+    m_rows = shape.minibatch_rows
+    programs["critic_update"] = Program(
+        name="critic_update",
+        lowered=step.lower(state, minibatch),
+        calls_per_step=shape.updates_per_step,
+        flops=flops_lib.train_flops(
+            model_config, m_rows, seq, remat=shape.remat, logits_positions=0
+        ),
+        model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=0),
+        tokens=m_rows * t_len,
+        argument_parts={"critic": sizes.critic},
+        resident={**policy, "inputs": shard_bytes(full_batch)},
+    )
 
 
 # -- memory accounting -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import models, objectives, parallel
+from jaxrl_llm.models import heads
 from jaxrl_llm.plan.topology import TopologySpec
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -27,11 +28,20 @@ from jaxrl_llm.types import RolloutBatch, Sequences
 
 PyTree = Any
 
-PROGRAMS = ("update", "logprobs", "ref_logprobs", "prefill", "decode_step")
+PROGRAMS = (
+    "update",
+    "critic_update",
+    "logprobs",
+    "ref_logprobs",
+    "values",
+    "prefill",
+    "decode_step",
+)
 MEMORY_PARTS = (
     "parameters",
     "optimizer_state",
     "reference",
+    "critic",
     "sampler_weights",
     "kv_cache",
     "inputs",
@@ -142,18 +152,23 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
     """``check_config(cfg)``, refusing what ``plan`` does not model yet.
 
     Raises:
-      PlanError: a config ``check_config`` refuses, an objective with a critic (PPO) or a
-        process reward model (PRIME), or a learned reward model (``reward_model.path``).
+      PlanError: a config ``check_config`` refuses, a critic (PPO) on the joint optimizer or
+        initialised from a reward model, a process reward model (PRIME), or a learned reward
+        model (``reward_model.path``).
     """
     try:
         objective = check_config(cfg)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    if objective.needs_critic:
+    if objective.needs_critic and cfg.critic.optimizer != "separate":
         raise PlanError(
-            f"objective {objective.name!r} trains a critic (value model): its state and its "
-            "update step are not planned yet; plan a critic-free objective (e.g. grpo, dapo, "
-            "rloo) for the policy's share"
+            f"critic.optimizer={cfg.critic.optimizer!r}: plan models PPO's critic with its own "
+            "optimizer (critic.optimizer=separate), not one optimizer over both"
+        )
+    if objective.needs_critic and cfg.critic.init == "reward_model":
+        raise PlanError(
+            "critic.init=reward_model: plan models a critic of the policy's architecture "
+            "(critic.init=policy or random)"
         )
     if objective.needs_process_rewards:
         raise PlanError(
@@ -267,6 +282,27 @@ def abstract_train_state(
     return with_shardings(abstract, shardings), shardings
 
 
+def abstract_critic_state(
+    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
+) -> tuple[TrainState, TrainState]:
+    """PPO's critic state (``PPOTrainer``: the policy's architecture with a scalar head, its
+    own optimizer), shapes only, with its shardings."""
+
+    def init():
+        params = heads.init_scalar_params(model_config, jax.random.key(0), dtype=param_dtype)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key(1),
+        )
+
+    abstract = jax.eval_shape(init)
+    axes = heads.scalar_logical_axes(model_config)
+    shardings = state_shardings(abstract, model_config, mesh, params_axes=axes)
+    return with_shardings(abstract, shardings), shardings
+
+
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
     """Per-chip bytes of what stays resident all RL step.
@@ -283,22 +319,42 @@ class StateBytes:
     optimizer: int
     reference: int
     params_compute: int
+    critic_params: int = 0
+    critic_optimizer: int = 0
+
+    @property
+    def critic(self) -> int:
+        """PPO's critic: its parameters and optimizer state (0 without one)."""
+        return self.critic_params + self.critic_optimizer
 
     @property
     def train_state(self) -> int:
         return self.params + self.optimizer
 
 
-def state_bytes(state: TrainState, reference: PyTree | None, params_compute: PyTree) -> StateBytes:
-    """``StateBytes`` of an abstract sharded state, reference and compute-dtype weights."""
+def state_bytes(
+    state: TrainState,
+    reference: PyTree | None,
+    params_compute: PyTree,
+    critic: TrainState | None = None,
+) -> StateBytes:
+    """``StateBytes`` of an abstract sharded state, reference, compute-dtype weights and
+    (PPO) critic state."""
     params = shard_bytes(state.params)
     same = jax.tree.leaves(params_compute)[0].dtype == jax.tree.leaves(state.params)[0].dtype
     return StateBytes(
         params=params,
-        optimizer=shard_bytes(state.opt_state) + shard_bytes((state.step, state.rng)),
+        optimizer=_optimizer_bytes(state),
         reference=0 if reference is None else shard_bytes(reference),
         params_compute=0 if same else shard_bytes(params_compute),
+        critic_params=0 if critic is None else shard_bytes(critic.params),
+        critic_optimizer=0 if critic is None else _optimizer_bytes(critic),
     )
+
+
+def _optimizer_bytes(state: TrainState) -> int:
+    """The optimizer state plus the state's step counter and PRNG key."""
+    return shard_bytes(state.opt_state) + shard_bytes((state.step, state.rng))
 
 
 # -- the programs ----------------------------------------------------------------------------
@@ -392,13 +448,19 @@ def abstract_rollout_batch(
     advantage_fn = objectives.advantage_fn(objective, group_size=shape.group_size)
     # Shapes only; group_size divides the full batch (the advantages are computed on it).
     full = _rows(mesh, (shape.rows, shape.completion_len), logprob_dtype)
+    values = _rows(mesh, (shape.rows, shape.completion_len), jnp.float32)
+    critic = {"values": values} if objective.needs_critic else {}
     adv, _ = jax.eval_shape(
-        lambda r, m, o, f: advantage_fn(r, m, old_logprobs=o, ref_logprobs=f),
+        lambda r, m, o, f, c: advantage_fn(r, m, old_logprobs=o, ref_logprobs=f, **c),
         jax.ShapeDtypeStruct((shape.rows,), jnp.float32),
         jax.ShapeDtypeStruct((shape.rows, shape.completion_len), bool),
         full,
         None if ref is None else full,
+        critic,
     )
+    # PPO: the critic's rollout-time values and its targets (``PPOTrainer.score``).
+    per_value = _rows(mesh, (rows, shape.completion_len), jnp.float32)
+    value_fields = {"old_values": per_value, "returns": per_value} if objective.needs_critic else {}
     return RolloutBatch(
         completion_mask=seqs.completion_mask,
         old_logprobs=None if on_policy else per_token,
@@ -408,6 +470,7 @@ def abstract_rollout_batch(
         prompt_mask=seqs.prompt_mask,
         completion_tokens=seqs.completion_tokens,
         rewards=rewards,
+        **value_fields,
     )
 
 

@@ -26,6 +26,7 @@ _PARTS = (
     ("parameters", "params"),
     ("optimizer_state", "optim"),
     ("reference", "ref"),
+    ("critic", "critic"),
     ("sampler_weights", "bf16 w"),
     ("kv_cache", "KV"),
     ("inputs", "inputs"),

@@ -200,6 +200,7 @@ def test_memory_parts_by_hand():
         "parameters": 1000,
         "optimizer_state": 2000,
         "reference": 500,
+        "critic": 0,
         "sampler_weights": 0,
         "kv_cache": 300,
         "inputs": 40,
@@ -291,7 +292,8 @@ def test_unique_collectives_counts_an_async_fusion_copy_once():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("objective.name=ppo",), "critic"),
+        (("objective.name=ppo", "critic.optimizer=joint"), "critic.optimizer=separate"),
+        (("objective.name=ppo", "critic.init=reward_model", "critic.path=/x"), "critic.init"),
         (("objective.name=prime",), "process reward"),
         (("reward_model.path=/x",), "reward_model.path"),
         (("rollout.prompts_per_step=2",), "rollout.prompts_per_step"),
@@ -467,7 +469,9 @@ def test_loop_body_module_is_one_trip_of_the_data_dependent_loop():
         pr.loop_body_module(hlo.parse_hlo_module(COPIES))  # its loop runs a known 3 trips
 
 
-@pytest.mark.parametrize("overrides", [(), ("model.param_dtype=bfloat16",)])
+@pytest.mark.parametrize(
+    "overrides", [(), ("model.param_dtype=bfloat16",), ("objective.name=ppo",)]
+)
 def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
     """Parameters, optimizer state and reference are alive during every program, as its
     arguments or around it; the decode loop's compute-dtype weights only during decoding."""
@@ -480,5 +484,40 @@ def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
         assert alive["parameters"] == state.params, name
         assert alive["optimizer_state"] == state.optimizer, name
         assert alive["reference"] == state.reference, name
+        assert alive.get("critic", 0) == state.critic, name
         copy = program.inner_parts.get("sampler_weights", 0)
         assert copy == (state.params_compute if name == "decode_step" else 0), name
+
+
+def test_ppo_plans_the_critic_by_hand(tiny_path):
+    """PPO (``PPOTrainer``, critic.optimizer=separate): the critic is the policy's backbone
+    with a scalar head instead of the unembedding (``V D`` -> ``D``), f32 with its own AdamW
+    moments, over the same fsdp=4; its rollout-time ``values`` forward and ``critic_update``
+    run beside the policy's programs, compiled here on the CPU devices."""
+    job = _job(tiny_path, "objective.name=ppo")
+    state = job.state
+    critic_params = TINY_PARAMS - 256 * 64 + 64  # no lm_head; a [D, 1] score head
+    assert state.critic_params == critic_params  # f32 = 4 bytes, over 4 chips
+    # Two f32 moments, plus the optimizer's counters, the state's step and PRNG key.
+    assert 2 * critic_params < state.critic_optimizer <= 2 * critic_params + SCALARS
+    assert {"values", "critic_update"} <= set(job.programs)
+    shape = job.shape
+    assert job.programs["critic_update"].calls_per_step == shape.updates_per_step
+    assert job.programs["values"].calls_per_step == 1
+    outcomes = pr.compile_job(job)
+    for name in ("values", "critic_update"):
+        program = job.programs[name]
+        memory = est.memory_breakdown(outcomes[name].compiled)
+        parts = pr.memory_parts(program, memory)
+        assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
+        assert parts["critic"] == state.critic, name
+    report = pr.summarise(
+        job,
+        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
+        skipped_compile=False,
+    )
+    assert report["fits"]
+    assert report["step_breakdown_s"]["critic_update"] > 0
+    # The critic update trains the backbone without the unembedding: fewer FLOPs than the
+    # policy update on the same minibatch.
+    assert 0 < job.programs["critic_update"].flops < job.programs["update"].flops
