@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 from jaxrl_llm._checks import check_rank, check_same_shape
 from jaxrl_llm.models import checkpoint as _ckpt
 from jaxrl_llm.models.config import ARCHITECTURES, ModelConfig
+from jaxrl_llm.models.layers import gathered
 from jaxrl_llm.models.transformer import Params, forward, init_params, logical_axes, param_shapes
 
 Array = jax.Array
@@ -171,7 +172,9 @@ def _sequence_hidden(
 
 
 def _head(hidden: Array, score: Array) -> Array:
-    """``h w`` in f32: ``[..., D] @ [D, 1] -> [...]``."""
+    """``h w`` in f32: ``[..., D] @ [D, 1] -> [...]``; the (tiny) head is gathered over fsdp
+    where used, so the batch-sharded activations stay where they are."""
+    score = gathered(score, "embed", None)
     return jnp.einsum("...d,dk->...k", hidden, score, preferred_element_type=jnp.float32)[..., 0]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import models, objectives
+from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.optim import make_optimizer
@@ -98,10 +98,16 @@ def make_joint_step(
 
 
 def make_value_fn(model_config, *, param_shardings=None):
-    """A jitted ``(value_params, seqs) -> [B, T]`` of rollout-time values, 0 on padding."""
+    """A jitted ``(value_params, seqs) -> [B, T]`` of rollout-time values, 0 on padding.
+
+    Runs under the parameters' mesh, so the model's activation constraints apply (FSDP:
+    batch-sharded activations, weights gathered where used) as in the log-prob forward.
+    """
+    mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
 
     def fn(params, seqs: Sequences):
-        values = _values(model_config, jax.lax.stop_gradient(params), seqs)
+        with parallel.mesh_context(mesh):
+            values = _values(model_config, jax.lax.stop_gradient(params), seqs)
         return values * seqs.completion_mask
 
     if param_shardings is None:
