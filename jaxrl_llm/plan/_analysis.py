@@ -22,6 +22,7 @@ from jaxrl_llm.plan._job import (
     PlanError,
     Program,
     _replicated,
+    _rows,
     _sampling_params,
     _sampling_state_shardings,
     abstract_critic_state,
@@ -45,11 +46,13 @@ from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_optimizer, make_trainer_optimizer
-from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
+from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching, micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.ppo import make_value_fn, make_value_step
+from jaxrl_llm.train.rl.prime import make_prm_loss_fn
 from jaxrl_llm.train.rl.trainer import on_policy_update
-from jaxrl_llm.train.step import jit_step
+from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.types import RolloutBatch
 
 PyTree = Any
 
@@ -120,6 +123,14 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
                 model_config, critic_optimizer, mesh, setup.param_dtype(cfg.model)
             ),
         )
+    if objective.needs_process_rewards:  # PRIME: a trainable copy of the policy (PRIMETrainer)
+        prm_optimizer = make_optimizer(
+            cfg.prime.learning_rate, max_grad_norm=cfg.prime.max_grad_norm
+        )
+        critic = (
+            prm_optimizer,
+            *abstract_train_state(model_config, prm_optimizer, mesh, setup.param_dtype(cfg.model)),
+        )
     sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
     programs = _lower_programs(
         cfg,
@@ -156,7 +167,7 @@ def _lower_programs(
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
     # What stays on device all step beside a program's own arguments: the reference and, for
     # PPO, the critic's state.
-    ref_bytes = {"reference": sizes.reference, "critic": sizes.critic}
+    ref_bytes = {"reference": sizes.reference, "aux_model": sizes.aux}
     programs: dict[str, Program] = {}
 
     # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
@@ -196,7 +207,7 @@ def _lower_programs(
             resident={
                 "parameters": sizes.params,
                 "optimizer_state": sizes.optimizer,
-                "critic": sizes.critic,
+                "aux_model": sizes.aux,
                 "inputs": shard_bytes(logprob_out),
             },
             same_as="logprobs" if same else None,
@@ -236,7 +247,11 @@ def _lower_programs(
         # The whole rollout batch stays on device while its minibatches are drawn.
         resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
     )
-    if critic is not None:
+    if critic is not None and objective.needs_process_rewards:
+        _lower_prm_programs(
+            programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+        )
+    elif critic is not None:
         _lower_critic_programs(
             programs,
             critic,
@@ -336,8 +351,8 @@ def _lower_critic_programs(
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,
-        argument_parts={"critic": sizes.critic_params},
-        resident={**policy, "critic": sizes.critic_optimizer},
+        argument_parts={"aux_model": sizes.aux_params},
+        resident={**policy, "aux_model": sizes.aux_optimizer},
     )
     step = jit_step(
         make_value_step(
@@ -360,8 +375,78 @@ def _lower_critic_programs(
         ),
         model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=0),
         tokens=m_rows * t_len,
-        argument_parts={"critic": sizes.critic},
+        argument_parts={"aux_model": sizes.aux},
         resident={**policy, "inputs": shard_bytes(full_batch)},
+    )
+
+
+def _lower_prm_programs(
+    programs, prm, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+) -> None:
+    """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
+    (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
+    log-prob program as the policy's on the PRM's parameters)."""
+    optimizer, state, shardings = prm
+    policy = {
+        "parameters": sizes.params,
+        "optimizer_state": sizes.optimizer,
+        "reference": sizes.reference,
+    }
+    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
+    per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
+    labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}
+    batch = RolloutBatch(
+        completion_mask=seqs.completion_mask,
+        old_logprobs=None,
+        advantages=None,
+        ref_logprobs=per_token,
+        prompt_tokens=seqs.prompt_tokens,
+        prompt_mask=seqs.prompt_mask,
+        completion_tokens=seqs.completion_tokens,
+        rewards=labels,
+    )
+    step = jit_step(
+        make_step(
+            make_prm_loss_fn(
+                model_config,
+                beta=objective.prime_beta,
+                temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.chunk_size,
+                remat=shape.remat,
+            ),
+            optimizer,
+            micro_batches=micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
+            param_shardings=shardings.params,
+        ),
+        shardings,
+    )
+    programs["prm_update"] = Program(
+        name="prm_update",
+        lowered=step.lower(state, batch),
+        calls_per_step=1,
+        flops=flops_lib.train_flops(
+            model_config, rows, seq, remat=shape.remat, logits_positions=t_len
+        ),
+        model_flops=flops_lib.train_flops(model_config, rows, seq, logits_positions=t_len),
+        tokens=rows * t_len,
+        argument_parts={"aux_model": sizes.aux},
+        resident=dict(policy),
+    )
+    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
+    programs["prm_logprobs"] = Program(
+        name="prm_logprobs",
+        lowered=None,  # the policy's log-prob program, on the PRM's parameters
+        calls_per_step=1,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={"aux_model": sizes.aux_params},
+        resident={
+            **policy,
+            "aux_model": sizes.aux_optimizer,
+            "inputs": shard_bytes(logprob_out),  # the reference log-probs, on device
+        },
+        same_as="logprobs",
     )
 
 

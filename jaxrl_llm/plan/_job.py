@@ -31,9 +31,11 @@ PyTree = Any
 PROGRAMS = (
     "update",
     "critic_update",
+    "prm_update",
     "logprobs",
     "ref_logprobs",
     "values",
+    "prm_logprobs",
     "prefill",
     "decode_step",
 )
@@ -41,7 +43,7 @@ MEMORY_PARTS = (
     "parameters",
     "optimizer_state",
     "reference",
-    "critic",
+    "aux_model",
     "sampler_weights",
     "kv_cache",
     "inputs",
@@ -153,8 +155,7 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
 
     Raises:
       PlanError: a config ``check_config`` refuses, a critic (PPO) on the joint optimizer or
-        initialised from a reward model, a process reward model (PRIME), or a learned reward
-        model (``reward_model.path``).
+        initialised from a reward model, or a learned reward model (``reward_model.path``).
     """
     try:
         objective = check_config(cfg)
@@ -169,11 +170,6 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
         raise PlanError(
             "critic.init=reward_model: plan models a critic of the policy's architecture "
             "(critic.init=policy or random)"
-        )
-    if objective.needs_process_rewards:
-        raise PlanError(
-            f"objective {objective.name!r} trains an implicit process reward model (PRIME): its "
-            "state and update are not planned yet"
         )
     if cfg.reward_model.path is not None:
         raise PlanError(
@@ -319,13 +315,14 @@ class StateBytes:
     optimizer: int
     reference: int
     params_compute: int
-    critic_params: int = 0
-    critic_optimizer: int = 0
+    aux_params: int = 0
+    aux_optimizer: int = 0
 
     @property
-    def critic(self) -> int:
-        """PPO's critic: its parameters and optimizer state (0 without one)."""
-        return self.critic_params + self.critic_optimizer
+    def aux(self) -> int:
+        """The trained auxiliary model (PPO's critic, PRIME's implicit PRM): its parameters
+        and optimizer state (0 without one)."""
+        return self.aux_params + self.aux_optimizer
 
     @property
     def train_state(self) -> int:
@@ -336,10 +333,10 @@ def state_bytes(
     state: TrainState,
     reference: PyTree | None,
     params_compute: PyTree,
-    critic: TrainState | None = None,
+    aux: TrainState | None = None,
 ) -> StateBytes:
-    """``StateBytes`` of an abstract sharded state, reference, compute-dtype weights and
-    (PPO) critic state."""
+    """``StateBytes`` of an abstract sharded state, reference, compute-dtype weights and the
+    auxiliary model's state (PPO's critic, PRIME's PRM)."""
     params = shard_bytes(state.params)
     same = jax.tree.leaves(params_compute)[0].dtype == jax.tree.leaves(state.params)[0].dtype
     return StateBytes(
@@ -347,8 +344,8 @@ def state_bytes(
         optimizer=_optimizer_bytes(state),
         reference=0 if reference is None else shard_bytes(reference),
         params_compute=0 if same else shard_bytes(params_compute),
-        critic_params=0 if critic is None else shard_bytes(critic.params),
-        critic_optimizer=0 if critic is None else _optimizer_bytes(critic),
+        aux_params=0 if aux is None else shard_bytes(aux.params),
+        aux_optimizer=0 if aux is None else _optimizer_bytes(aux),
     )
 
 
@@ -450,6 +447,8 @@ def abstract_rollout_batch(
     full = _rows(mesh, (shape.rows, shape.completion_len), logprob_dtype)
     values = _rows(mesh, (shape.rows, shape.completion_len), jnp.float32)
     critic = {"values": values} if objective.needs_critic else {}
+    if objective.needs_process_rewards:  # PRIME: dense rewards from the implicit PRM
+        critic = {"process_rewards": full}
     adv, _ = jax.eval_shape(
         lambda r, m, o, f, c: advantage_fn(r, m, old_logprobs=o, ref_logprobs=f, **c),
         jax.ShapeDtypeStruct((shape.rows,), jnp.float32),

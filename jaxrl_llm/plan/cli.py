@@ -26,7 +26,7 @@ _PARTS = (
     ("parameters", "params"),
     ("optimizer_state", "optim"),
     ("reference", "ref"),
-    ("critic", "critic"),
+    ("aux_model", "critic/PRM"),
     ("sampler_weights", "bf16 w"),
     ("kv_cache", "KV"),
     ("inputs", "inputs"),

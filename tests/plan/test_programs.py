@@ -200,7 +200,7 @@ def test_memory_parts_by_hand():
         "parameters": 1000,
         "optimizer_state": 2000,
         "reference": 500,
-        "critic": 0,
+        "aux_model": 0,
         "sampler_weights": 0,
         "kv_cache": 300,
         "inputs": 40,
@@ -294,7 +294,6 @@ def test_unique_collectives_counts_an_async_fusion_copy_once():
     [
         (("objective.name=ppo", "critic.optimizer=joint"), "critic.optimizer=separate"),
         (("objective.name=ppo", "critic.init=reward_model", "critic.path=/x"), "critic.init"),
-        (("objective.name=prime",), "process reward"),
         (("reward_model.path=/x",), "reward_model.path"),
         (("rollout.prompts_per_step=2",), "rollout.prompts_per_step"),
         (("trainer.micro_batches=4",), "micro-batch"),
@@ -470,7 +469,8 @@ def test_loop_body_module_is_one_trip_of_the_data_dependent_loop():
 
 
 @pytest.mark.parametrize(
-    "overrides", [(), ("model.param_dtype=bfloat16",), ("objective.name=ppo",)]
+    "overrides",
+    [(), ("model.param_dtype=bfloat16",), ("objective.name=ppo",), ("objective.name=prime",)],
 )
 def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
     """Parameters, optimizer state and reference are alive during every program, as its
@@ -484,7 +484,7 @@ def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
         assert alive["parameters"] == state.params, name
         assert alive["optimizer_state"] == state.optimizer, name
         assert alive["reference"] == state.reference, name
-        assert alive.get("critic", 0) == state.critic, name
+        assert alive.get("aux_model", 0) == state.aux, name
         copy = program.inner_parts.get("sampler_weights", 0)
         assert copy == (state.params_compute if name == "decode_step" else 0), name
 
@@ -497,9 +497,9 @@ def test_ppo_plans_the_critic_by_hand(tiny_path):
     job = _job(tiny_path, "objective.name=ppo")
     state = job.state
     critic_params = TINY_PARAMS - 256 * 64 + 64  # no lm_head; a [D, 1] score head
-    assert state.critic_params == critic_params  # f32 = 4 bytes, over 4 chips
+    assert state.aux_params == critic_params  # f32 = 4 bytes, over 4 chips
     # Two f32 moments, plus the optimizer's counters, the state's step and PRNG key.
-    assert 2 * critic_params < state.critic_optimizer <= 2 * critic_params + SCALARS
+    assert 2 * critic_params < state.aux_optimizer <= 2 * critic_params + SCALARS
     assert {"values", "critic_update"} <= set(job.programs)
     shape = job.shape
     assert job.programs["critic_update"].calls_per_step == shape.updates_per_step
@@ -510,7 +510,7 @@ def test_ppo_plans_the_critic_by_hand(tiny_path):
         memory = est.memory_breakdown(outcomes[name].compiled)
         parts = pr.memory_parts(program, memory)
         assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
-        assert parts["critic"] == state.critic, name
+        assert parts["aux_model"] == state.aux, name
     report = pr.summarise(
         job,
         {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
@@ -521,3 +521,31 @@ def test_ppo_plans_the_critic_by_hand(tiny_path):
     # The critic update trains the backbone without the unembedding: fewer FLOPs than the
     # policy update on the same minibatch.
     assert 0 < job.programs["critic_update"].flops < job.programs["update"].flops
+
+
+def test_prime_plans_the_implicit_prm_by_hand(tiny_path):
+    """PRIME (``PRIMETrainer``): the implicit PRM is a trainable copy of the policy with its
+    own AdamW, resident all step; it is updated once a step on the whole rollout batch and
+    scores it with the policy's log-prob program (one compile for both)."""
+    job = _job(tiny_path, "objective.name=prime")
+    state = job.state
+    assert state.aux_params == state.params == TINY_PARAMS  # f32 = 4 bytes, over 4 chips
+    assert 2 * TINY_PARAMS < state.aux_optimizer <= 2 * TINY_PARAMS + SCALARS
+    update, forward = job.programs["prm_update"], job.programs["prm_logprobs"]
+    assert update.calls_per_step == forward.calls_per_step == 1
+    assert forward.same_as == "logprobs" and forward.lowered is None
+    # The PRM update trains on all B rows (the policy update on one minibatch of them).
+    assert update.tokens == job.shape.rows * job.shape.completion_len
+    outcomes = pr.compile_job(job)
+    for name in ("prm_update", "prm_logprobs"):
+        program = job.programs[name]
+        memory = est.memory_breakdown(outcomes[name].compiled)
+        parts = pr.memory_parts(program, memory)
+        assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
+        assert parts["aux_model"] == state.aux, name
+    report = pr.summarise(
+        job,
+        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
+        skipped_compile=False,
+    )
+    assert report["fits"] and report["step_breakdown_s"]["prm_update"] > 0
