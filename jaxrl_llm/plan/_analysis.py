@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,6 +14,8 @@ from jaxrl_llm import models, parallel
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
+from jaxrl_llm.plan._aux import aux_state, lower_aux_programs
+from jaxrl_llm.plan._collectives import _optimal_seconds, loop_body_module, unique_collectives
 from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
     PROGRAMS,
@@ -22,10 +23,8 @@ from jaxrl_llm.plan._job import (
     PlanError,
     Program,
     _replicated,
-    _rows,
     _sampling_params,
     _sampling_state_shardings,
-    abstract_critic_state,
     abstract_rollout_batch,
     abstract_sequences,
     abstract_train_state,
@@ -45,14 +44,11 @@ from jaxrl_llm.sampling import strategies
 from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.forward import make_logprob_fn
-from jaxrl_llm.train.optim import make_optimizer, make_trainer_optimizer
-from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching, micro_batching
+from jaxrl_llm.train.optim import make_trainer_optimizer
+from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_step
-from jaxrl_llm.train.rl.ppo import make_value_fn, make_value_step
-from jaxrl_llm.train.rl.prime import make_prm_loss_fn
 from jaxrl_llm.train.rl.trainer import on_policy_update
-from jaxrl_llm.train.step import jit_step, make_step
-from jaxrl_llm.types import RolloutBatch
+from jaxrl_llm.train.step import jit_step
 
 PyTree = Any
 
@@ -112,25 +108,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         ),
         params,
     )
-    critic = None
-    if objective.needs_critic:  # PPO: the critic's own state and optimizer (PPOTrainer)
-        critic_optimizer = make_optimizer(
-            cfg.critic.learning_rate, max_grad_norm=cfg.critic.max_grad_norm
-        )
-        critic = (
-            critic_optimizer,
-            *abstract_critic_state(
-                model_config, critic_optimizer, mesh, setup.param_dtype(cfg.model)
-            ),
-        )
-    if objective.needs_process_rewards:  # PRIME: a trainable copy of the policy (PRIMETrainer)
-        prm_optimizer = make_optimizer(
-            cfg.prime.learning_rate, max_grad_norm=cfg.prime.max_grad_norm
-        )
-        critic = (
-            prm_optimizer,
-            *abstract_train_state(model_config, prm_optimizer, mesh, setup.param_dtype(cfg.model)),
-        )
+    critic = aux_state(cfg, objective, model_config, mesh)
     sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
     programs = _lower_programs(
         cfg,
@@ -247,12 +225,8 @@ def _lower_programs(
         # The whole rollout batch stays on device while its minibatches are drawn.
         resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
     )
-    if critic is not None and objective.needs_process_rewards:
-        _lower_prm_programs(
-            programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
-        )
-    elif critic is not None:
-        _lower_critic_programs(
+    if critic is not None:
+        lower_aux_programs(
             programs,
             critic,
             cfg,
@@ -262,6 +236,7 @@ def _lower_programs(
             shape,
             sizes,
             seqs,
+            logprob_out,
             minibatch,
             full_batch,
         )
@@ -330,126 +305,6 @@ def _lower_programs(
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
 
-def _lower_critic_programs(
-    programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
-) -> None:
-    """PPO's rollout-time ``values`` forward and its ``critic_update`` (``PPOTrainer``)."""
-    optimizer, state, shardings = critic
-    policy = {
-        "parameters": sizes.params,
-        "optimizer_state": sizes.optimizer,
-        "reference": sizes.reference,
-    }
-    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
-    # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
-    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=0)
-    values_fn = make_value_fn(model_config, param_shardings=shardings.params)
-    programs["values"] = Program(
-        name="values",
-        lowered=values_fn.lower(state.params, seqs),
-        calls_per_step=1,
-        flops=forward,
-        model_flops=forward,
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux_params},
-        resident={**policy, "aux_model": sizes.aux_optimizer},
-    )
-    step = jit_step(
-        make_value_step(
-            model_config,
-            objective,
-            optimizer,
-            micro_batches=shape.micro_batches,
-            remat=shape.remat,
-            param_shardings=shardings.params,
-        ),
-        shardings,
-    )
-    m_rows = shape.minibatch_rows
-    programs["critic_update"] = Program(
-        name="critic_update",
-        lowered=step.lower(state, minibatch),
-        calls_per_step=shape.updates_per_step,
-        flops=flops_lib.train_flops(
-            model_config, m_rows, seq, remat=shape.remat, logits_positions=0
-        ),
-        model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=0),
-        tokens=m_rows * t_len,
-        argument_parts={"aux_model": sizes.aux},
-        resident={**policy, "inputs": shard_bytes(full_batch)},
-    )
-
-
-def _lower_prm_programs(
-    programs, prm, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
-) -> None:
-    """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
-    (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
-    log-prob program as the policy's on the PRM's parameters)."""
-    optimizer, state, shardings = prm
-    policy = {
-        "parameters": sizes.params,
-        "optimizer_state": sizes.optimizer,
-        "reference": sizes.reference,
-    }
-    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
-    per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
-    labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}
-    batch = RolloutBatch(
-        completion_mask=seqs.completion_mask,
-        old_logprobs=None,
-        advantages=None,
-        ref_logprobs=per_token,
-        prompt_tokens=seqs.prompt_tokens,
-        prompt_mask=seqs.prompt_mask,
-        completion_tokens=seqs.completion_tokens,
-        rewards=labels,
-    )
-    step = jit_step(
-        make_step(
-            make_prm_loss_fn(
-                model_config,
-                beta=objective.prime_beta,
-                temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.chunk_size,
-                remat=shape.remat,
-            ),
-            optimizer,
-            micro_batches=micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
-            param_shardings=shardings.params,
-        ),
-        shardings,
-    )
-    programs["prm_update"] = Program(
-        name="prm_update",
-        lowered=step.lower(state, batch),
-        calls_per_step=1,
-        flops=flops_lib.train_flops(
-            model_config, rows, seq, remat=shape.remat, logits_positions=t_len
-        ),
-        model_flops=flops_lib.train_flops(model_config, rows, seq, logits_positions=t_len),
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux},
-        resident=dict(policy),
-    )
-    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
-    programs["prm_logprobs"] = Program(
-        name="prm_logprobs",
-        lowered=None,  # the policy's log-prob program, on the PRM's parameters
-        calls_per_step=1,
-        flops=forward,
-        model_flops=forward,
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux_params},
-        resident={
-            **policy,
-            "aux_model": sizes.aux_optimizer,
-            "inputs": shard_bytes(logprob_out),  # the reference log-probs, on device
-        },
-        same_as="logprobs",
-    )
-
-
 # -- memory accounting -----------------------------------------------------------------------
 
 
@@ -485,90 +340,6 @@ def memory_parts(
     for name, nbytes in program.resident.items():
         parts[name] += nbytes
     return parts
-
-
-# -- collectives -----------------------------------------------------------------------------
-
-
-def _fused_computations(module: hlo_lib.HloModule) -> set[str]:
-    return {
-        name
-        for comp in module.computations.values()
-        for ins in comp.instructions
-        if ins.opcode == "fusion"
-        for name in ins.called("calls")
-    }
-
-
-def _channel(module: hlo_lib.HloModule, op: hlo_lib.CollectiveOp) -> str | None:
-    comp = module.computations.get(op.computation)
-    ins = None if comp is None else comp.by_name.get(op.name)
-    if ins is None:
-        return None
-    channel = ins.attribute("channel_id")
-    if channel is None and ins.opcode == "fusion":  # an XLA:TPU all-reduce-scatter fusion
-        for callee in ins.called("calls"):
-            inner = module.computations.get(callee)
-            for sub in () if inner is None else inner.instructions:
-                channel = channel or sub.attribute("channel_id")
-    return channel
-
-
-def unique_collectives(
-    module: hlo_lib.HloModule, ops: Sequence[hlo_lib.CollectiveOp]
-) -> list[hlo_lib.CollectiveOp]:
-    """``ops`` with each collective counted once.
-
-    XLA:TPU's async collective fusion copies one collective (one ``channel_id``) into each
-    fusion of its start, continuation and done steps; ``hlo.collective_ops`` lists every copy
-    (e.g. one all-gather of an MLP weight eight times). Copies sharing a kind and channel id, at
-    least one inside a fused computation, are one collective: kept once, with the largest loop
-    multiplier among them. Collectives without a channel id, and same-channel ops that all sit
-    outside fusions, are kept as they are.
-    """
-    fused = _fused_computations(module)
-    groups: dict[tuple[str, str], list[int]] = {}
-    for index, op in enumerate(ops):
-        channel = _channel(module, op)
-        if channel is not None:
-            groups.setdefault((op.kind, channel), []).append(index)
-    drop: set[int] = set()
-    for members in groups.values():
-        if len(members) > 1 and any(ops[i].computation in fused for i in members):
-            keep = max(members, key=lambda i: ops[i].multiplier)
-            drop.update(i for i in members if i != keep)
-    return [op for i, op in enumerate(ops) if i not in drop]
-
-
-def _optimal_seconds(compiled: Any) -> float | None:
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - some backends have no cost model
-        return None
-    if isinstance(cost, list | tuple):
-        cost = cost[0] if cost else None
-    seconds = float(cost.get("optimal_seconds", -1.0)) if isinstance(cost, Mapping) else -1.0
-    return seconds if seconds >= 0 else None
-
-
-def loop_body_module(module: hlo_lib.HloModule) -> hlo_lib.HloModule:
-    """The module seen from the body of its entry's one data-dependent ``while`` loop (the
-    decode loop: ``step < T and any(~done)``), so that walking it counts one trip.
-
-    Raises:
-      ValueError: the entry has no such loop, or more than one.
-    """
-    entry = module.computations[module.entry]
-    bodies = [
-        ins.attribute("body")
-        for ins in entry.instructions
-        if ins.opcode == "while" and hlo_lib.loop_trip_count(module, entry, ins)[0] is None
-    ]
-    if len(bodies) != 1 or bodies[0] not in module.computations:
-        raise ValueError(
-            f"expected one data-dependent while loop in the entry computation, found {bodies}"
-        )
-    return dataclasses.replace(module, entry=bodies[0])
 
 
 def decode_hbm_bytes_per_chip(
