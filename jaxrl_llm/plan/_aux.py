@@ -41,6 +41,15 @@ def aux_state(cfg, objective, model_config, mesh) -> tuple[Any, Any, Any] | None
     return None
 
 
+def _policy_resident(sizes) -> dict[str, int]:
+    """The policy's state and reference: alive around every auxiliary program."""
+    return {
+        "parameters": sizes.params,
+        "optimizer_state": sizes.optimizer,
+        "reference": sizes.reference,
+    }
+
+
 def lower_aux_programs(
     programs,
     aux,
@@ -81,11 +90,7 @@ def _lower_critic_programs(
 ) -> None:
     """PPO's rollout-time ``values`` forward and its ``critic_update`` (``PPOTrainer``)."""
     optimizer, state, shardings = critic
-    policy = {
-        "parameters": sizes.params,
-        "optimizer_state": sizes.optimizer,
-        "reference": sizes.reference,
-    }
+    policy = _policy_resident(sizes)
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
     # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
     forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=0)
@@ -133,11 +138,7 @@ def _lower_prm_programs(
     (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
     log-prob program as the policy's on the PRM's parameters)."""
     optimizer, state, shardings = prm
-    policy = {
-        "parameters": sizes.params,
-        "optimizer_state": sizes.optimizer,
-        "reference": sizes.reference,
-    }
+    policy = _policy_resident(sizes)
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
     per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
     labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}

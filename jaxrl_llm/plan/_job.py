@@ -258,14 +258,12 @@ def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
     )
 
 
-def abstract_train_state(
-    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
-) -> tuple[TrainState, TrainState]:
-    """``(abstract state with shardings, shardings)``: ``create_train_state``'s state, shapes
-    only (``jax.eval_shape`` of its init; nothing is allocated)."""
+def _abstract_state(init_params, optimizer, model_config, mesh: Mesh, params_axes=None):
+    """``(abstract state with shardings, shardings)`` of a ``TrainState`` around
+    ``init_params(key)``: shapes only (``jax.eval_shape``; nothing is allocated)."""
 
     def init():
-        params = models.init_params(model_config, jax.random.key(0), dtype=param_dtype)
+        params = init_params(jax.random.key(0))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -274,8 +272,21 @@ def abstract_train_state(
         )
 
     abstract = jax.eval_shape(init)
-    shardings = state_shardings(abstract, model_config, mesh)
+    shardings = state_shardings(abstract, model_config, mesh, params_axes=params_axes)
     return with_shardings(abstract, shardings), shardings
+
+
+def abstract_train_state(
+    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
+) -> tuple[TrainState, TrainState]:
+    """``(abstract state with shardings, shardings)``: ``create_train_state``'s state, shapes
+    only (``jax.eval_shape`` of its init; nothing is allocated)."""
+    return _abstract_state(
+        lambda key: models.init_params(model_config, key, dtype=param_dtype),
+        optimizer,
+        model_config,
+        mesh,
+    )
 
 
 def abstract_critic_state(
@@ -283,20 +294,13 @@ def abstract_critic_state(
 ) -> tuple[TrainState, TrainState]:
     """PPO's critic state (``PPOTrainer``: the policy's architecture with a scalar head, its
     own optimizer), shapes only, with its shardings."""
-
-    def init():
-        params = heads.init_scalar_params(model_config, jax.random.key(0), dtype=param_dtype)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=optimizer.init(params),
-            rng=jax.random.key(1),
-        )
-
-    abstract = jax.eval_shape(init)
-    axes = heads.scalar_logical_axes(model_config)
-    shardings = state_shardings(abstract, model_config, mesh, params_axes=axes)
-    return with_shardings(abstract, shardings), shardings
+    return _abstract_state(
+        lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
+        optimizer,
+        model_config,
+        mesh,
+        params_axes=heads.scalar_logical_axes(model_config),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,18 @@ def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
+def _abstract_sequences(mesh) -> Sequences:
+    """``ROWS`` rows of prompt + completion, split over ``data x fsdp`` (shapes only)."""
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return Sequences(
+        *(
+            jax.ShapeDtypeStruct((ROWS, n), dtype, sharding=rows)
+            for n, dtype in [(PROMPT, jnp.int32), (PROMPT, bool)]
+            + [(COMPLETION, jnp.int32), (COMPLETION, bool)]
+        )
+    )
+
+
 def _compile(mesh, *, devices_abstract: bool = False) -> str:
     optimizer = make_optimizer(1e-3)
 
@@ -74,14 +86,7 @@ def _compile(mesh, *, devices_abstract: bool = False) -> str:
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    seqs = Sequences(
-        *(
-            jax.ShapeDtypeStruct((ROWS, n), dtype, sharding=rows)
-            for n, dtype in [(PROMPT, jnp.int32), (PROMPT, bool)]
-            + [(COMPLETION, jnp.int32), (COMPLETION, bool)]
-        )
-    )
+    seqs = _abstract_sequences(mesh)
     step = jit_step(
         make_sft_step(CONFIG, optimizer, param_shardings=shardings.params),
         shardings,
@@ -168,14 +173,7 @@ def test_ppo_value_forward_moves_weights_never_activations():
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    seqs = Sequences(
-        *(
-            jax.ShapeDtypeStruct((ROWS, n), dtype, sharding=rows)
-            for n, dtype in [(PROMPT, jnp.int32), (PROMPT, bool)]
-            + [(COMPLETION, jnp.int32), (COMPLETION, bool)]
-        )
-    )
+    seqs = _abstract_sequences(mesh)
     hlo = make_value_fn(CONFIG, param_shardings=shardings).lower(params, seqs).compile().as_text()
     moved = [c for c in _collectives(hlo) if SEQUENCE_DIMS & set(c[2])]
     assert not moved, f"activation-sized collectives in the value forward: {moved}"

@@ -489,6 +489,23 @@ def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
         assert copy == (state.params_compute if name == "decode_step" else 0), name
 
 
+def _compiled_aux_report(job, names):
+    """Compiles ``job`` on the CPU devices; checks the auxiliary model's programs ``names``
+    count its whole state; returns the summary."""
+    outcomes = pr.compile_job(job)
+    for name in names:
+        program = job.programs[name]
+        memory = est.memory_breakdown(outcomes[name].compiled)
+        parts = pr.memory_parts(program, memory)
+        assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
+        assert parts["aux_model"] == job.state.aux, name
+    return pr.summarise(
+        job,
+        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
+        skipped_compile=False,
+    )
+
+
 def test_ppo_plans_the_critic_by_hand(tiny_path):
     """PPO (``PPOTrainer``, critic.optimizer=separate): the critic is the policy's backbone
     with a scalar head instead of the unembedding (``V D`` -> ``D``), f32 with its own AdamW
@@ -504,18 +521,7 @@ def test_ppo_plans_the_critic_by_hand(tiny_path):
     shape = job.shape
     assert job.programs["critic_update"].calls_per_step == shape.updates_per_step
     assert job.programs["values"].calls_per_step == 1
-    outcomes = pr.compile_job(job)
-    for name in ("values", "critic_update"):
-        program = job.programs[name]
-        memory = est.memory_breakdown(outcomes[name].compiled)
-        parts = pr.memory_parts(program, memory)
-        assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
-        assert parts["aux_model"] == state.aux, name
-    report = pr.summarise(
-        job,
-        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
-        skipped_compile=False,
-    )
+    report = _compiled_aux_report(job, ("values", "critic_update"))
     assert report["fits"]
     assert report["step_breakdown_s"]["critic_update"] > 0
     # The critic update trains the backbone without the unembedding: fewer FLOPs than the
@@ -536,16 +542,5 @@ def test_prime_plans_the_implicit_prm_by_hand(tiny_path):
     assert forward.same_as == "logprobs" and forward.lowered is None
     # The PRM update trains on all B rows (the policy update on one minibatch of them).
     assert update.tokens == job.shape.rows * job.shape.completion_len
-    outcomes = pr.compile_job(job)
-    for name in ("prm_update", "prm_logprobs"):
-        program = job.programs[name]
-        memory = est.memory_breakdown(outcomes[name].compiled)
-        parts = pr.memory_parts(program, memory)
-        assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
-        assert parts["aux_model"] == state.aux, name
-    report = pr.summarise(
-        job,
-        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
-        skipped_compile=False,
-    )
+    report = _compiled_aux_report(job, ("prm_update", "prm_logprobs"))
     assert report["fits"] and report["step_breakdown_s"]["prm_update"] > 0
