@@ -81,12 +81,31 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
         engine=engine,
     )
     assert stats.admissions >= 3  # slots were refilled
+    # ``generate`` on all prompts at once (left-padded, 12 columns): greedy, so each request's
+    # completion is the first ``max_new_tokens`` columns up to its EOS.
+    width = max(len(r.prompt) for r in requests)
+    tokens = np.zeros((len(requests), width), np.int32)
+    for i, r in enumerate(requests):
+        tokens[i, width - len(r.prompt) :] = r.prompt
+    want = generate(
+        params,
+        CONFIG,
+        tokens,
+        tokens > 0,
+        key=jax.random.key(0),
+        max_new_tokens=12,
+        temperature=0.0,
+        eos_ids=eos,
+        pad_id=PAD,
+    )
     stopped = 0
-    for request, result in zip(requests, results, strict=True):
-        want = _generate_one(params, request, eos_ids=eos)
-        mask = np.asarray(want.mask)[0]
-        np.testing.assert_array_equal(result.tokens, np.asarray(want.tokens)[0][mask])
-        np.testing.assert_allclose(result.logprobs, np.asarray(want.logprobs)[0][mask], atol=1e-5)
+    for i, (request, result) in enumerate(zip(requests, results, strict=True)):
+        n = request.max_new_tokens
+        mask = np.asarray(want.mask)[i, :n]
+        np.testing.assert_array_equal(result.tokens, np.asarray(want.tokens)[i, :n][mask])
+        np.testing.assert_allclose(
+            result.logprobs, np.asarray(want.logprobs)[i, :n][mask], atol=1e-5
+        )
         stop = int(result.tokens[-1]) == eos
         assert result.finish_reason == ("stop" if stop else "length")
         assert stop or len(result.tokens) == request.max_new_tokens
