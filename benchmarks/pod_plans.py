@@ -192,7 +192,7 @@ def table(results: list[dict]) -> str:
         "| model | topology (chips) | mesh | micro-batches | AdamW moments | fits | HBM/chip GiB "
         "(largest "
         "program) | headroom GiB | est. RL step s | update MFU | update ICI / compute | "
-        "decode tok/s | dominant program | compile s |"
+        "decode tok/s | decode / HBM roofline | sampler layout | dominant program | compile s |"
     )
     lines = [header, header_rule(header)]
     for result in results:
@@ -200,7 +200,7 @@ def table(results: list[dict]) -> str:
         if not report:
             lines.append(
                 f"| {row.model} | {row.topology} | - | - | - | error (exit {result['exit']}) | "
-                "- | - | - | - | - | - | - | - |"
+                "- | - | - | - | - | - | - | - | - | - |"
             )
             continue
         mesh = "x".join(f"{k[0]}{v}" for k, v in report["mesh"].items() if v > 1) or "1"
@@ -223,9 +223,22 @@ def table(results: list[dict]) -> str:
             f"{report['headroom_gib']:.2f} | {step} | "
             f"{_fmt(report['est_mfu'], '.1%')} | {_fmt(ratio, '.2f')} | "
             f"{_fmt(report['est_decode_tokens_per_s'], ',.0f')} | "
+            f"{_fmt(report.get('est_decode_fraction_of_roofline'), '.0%')} | "
+            f"{_sampler(report)} | "
             f"{dominant} ({share:.0%}) | {report['compile_s']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _sampler(report: dict) -> str:
+    """``d4xt4`` for a serving layout of data 4 x tensor 4, ``trainer`` for the trainer's."""
+    layout = report.get("sampler_layout")
+    if layout is None:
+        return "-"
+    if layout["is_trainer_layout"]:
+        return "trainer"
+    mesh = layout["mesh"]
+    return f"d{mesh['data']}xt{mesh['tensor']}"
 
 
 def header_rule(header: str) -> str:

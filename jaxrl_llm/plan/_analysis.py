@@ -22,9 +22,6 @@ from jaxrl_llm.plan._job import (
     Job,
     PlanError,
     Program,
-    _replicated,
-    _sampling_params,
-    _sampling_state_shardings,
     abstract_rollout_batch,
     abstract_sequences,
     abstract_train_state,
@@ -34,14 +31,12 @@ from jaxrl_llm.plan._job import (
     plannable_objective,
     shard_bytes,
     state_bytes,
-    with_shardings,
 )
+from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
-from jaxrl_llm.sampling import strategies
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
 # function ``sampling.generate``, hence the direct import).
-from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
@@ -110,6 +105,13 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     )
     critic = aux_state(cfg, objective, model_config, mesh)
     sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
+    resident = sizes.train_state + sizes.reference + sizes.aux
+    try:
+        layout = choose_layout(
+            cfg, model_config, mesh, shape, spec.usable_hbm_bytes_per_chip - resident
+        )
+    except ValueError as err:
+        raise PlanError(f"the sampler's layout: {err}") from None
     programs = _lower_programs(
         cfg,
         mesh,
@@ -123,8 +125,9 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         params_compute,
         sizes,
         critic,
+        layout,
     )
-    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs)
+    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout)
 
 
 def _lower_programs(
@@ -140,6 +143,7 @@ def _lower_programs(
     params_compute,
     sizes,
     critic=None,
+    layout=None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
@@ -241,67 +245,19 @@ def _lower_programs(
             full_batch,
         )
 
-    # (c) the rollout's prefill and (d) one decode step, under the trainer's layout.
-    cache_dtype = jnp.dtype(model_config.compute_dtype)
-    top_k = strategies.check_sampling_args(
-        temperature=1.0,
-        top_k=r.top_k if r.temperature > 0 else 0,
-        top_p=1.0,
-        min_p=0.0,
-        vocab_size=model_config.vocab_size,
+    # (c) the reshard into the sampler's layout, the rollout's prefill and (d) one decode step.
+    lower_sampler_programs(
+        programs,
+        cfg,
+        mesh,
+        model_config,
+        shape,
+        state,
+        sizes,
+        ref_bytes,
+        layout,
+        lambda m: decode_hbm_bytes_per_chip(model_config, m, rows, seq),
     )
-    prompts = abstract_sequences(mesh, shape.prompts, p_len, 1)
-    pad_id = _replicated(mesh, (), jnp.int32)
-    prefill_kwargs = dict(
-        config=model_config,
-        max_new_tokens=t_len,
-        num_samples=shape.group_size,
-        cache_dtype=cache_dtype,
-        mesh=mesh,
-    )
-    with jax.set_mesh(mesh):
-        prefill_args = (state.params, prompts.prompt_tokens, prompts.prompt_mask, pad_id)
-        sampling_state = jax.eval_shape(lambda *a: _prefill(*a, **prefill_kwargs), *prefill_args)
-        sampling_state = with_shardings(
-            sampling_state, _sampling_state_shardings(sampling_state, mesh)
-        )
-        cache = shard_bytes(sampling_state.cache)
-        programs["prefill"] = Program(
-            name="prefill",
-            lowered=_prefill.lower(*prefill_args, **prefill_kwargs),
-            calls_per_step=1,
-            flops=flops_lib.forward_flops(
-                model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
-            ),
-            model_flops=flops_lib.forward_flops(
-                model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
-            ),
-            tokens=shape.prompts * p_len,
-            argument_parts={"parameters": sizes.params},
-            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
-            inner_parts={"kv_cache": cache},
-        )
-
-        # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers stacked),
-        # on the trainer's f32 (or bf16) weights, which it casts once to the compute dtype;
-        # its loop body is one decode step.
-        key = _replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
-        decode_args = (state.params, sampling_state, key, _sampling_params(mesh))
-        decode_kwargs = dict(config=model_config, top_k=top_k, mesh=mesh, unroll=False)
-        decode = flops_lib.decode_flops(model_config, rows, seq)
-        programs["decode_step"] = Program(
-            name="decode_step",
-            lowered=_decode.lower(*decode_args, **decode_kwargs),
-            calls_per_step=t_len,
-            flops=decode,
-            model_flops=decode,
-            tokens=rows,
-            argument_parts={"parameters": sizes.params, "kv_cache": cache},
-            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
-            inner_parts={"sampler_weights": sizes.params_compute},
-            hbm_bytes=decode_hbm_bytes_per_chip(model_config, mesh, rows, seq),
-            per_step_loop=True,
-        )
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
 

@@ -36,6 +36,7 @@ PROGRAMS = (
     "ref_logprobs",
     "values",
     "prm_logprobs",
+    "reshard",
     "prefill",
     "decode_step",
 )
@@ -57,8 +58,9 @@ ASSUMPTIONS = (
     "compute) or max(compute, HBM) + ICI (est_step_conservative_s, nothing hidden)",
     "every rollout row decodes rollout.max_new_tokens tokens (no early EOS), one decode step "
     "each, and DAPO dynamic sampling draws once",
-    "the sampler runs on the trainer's parameter layout (FSDP-sharded weights gathered every "
-    "decode step; there is no serving layout yet)",
+    "the sampler runs on the layout train picks (rollout.tensor_parallel: a tensor-parallel "
+    "serving copy in the compute dtype, resharded on device once per RL step, or the "
+    "trainer's FSDP layout, its weights gathered every decode step)",
     "FLOPs are analytic matmul FLOPs with causal attention (a causal-skipping kernel); the "
     "decode step attends to every cache slot; peak is the chip's bf16 matmul rate",
     "HBM bytes and collectives are read from the optimized HLO, weighted by loop trip counts",
@@ -410,6 +412,7 @@ class Job:
     shape: JobShape
     state: StateBytes
     programs: dict[str, Program]
+    serving: Any = None  # sampling.serving.ServingLayout of the rollout
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

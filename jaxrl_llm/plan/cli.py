@@ -158,6 +158,18 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _sampler_line(layout: Mapping[str, Any]) -> str:
+    mesh = " x ".join(f"{k} {v}" for k, v in layout["mesh"].items())
+    if layout["is_trainer_layout"]:
+        return f"sampler: on the trainer's layout (mesh {mesh}), no reshard"
+    moved = sum((layout["reshard_collective_bytes"] or {}).values())
+    return (
+        f"sampler: serving layout, mesh {mesh} (tensor-parallel {layout['tensor']}, weights "
+        f"in the compute dtype); reshard from the trainer's layout once per step: "
+        f"{moved / 2**30:.2f} GiB of collectives a chip, {_ms(layout['reshard_s'])} ms"
+    )
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The readable per-chip report of ``plan_job``'s dict."""
     model, job, mesh = report["model"], report["job"], report["mesh"]
@@ -233,7 +245,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"with no overlap); whole RL step: {_pct(report['est_step_mfu'])}",
         f"decode: {_rate(report['est_decode_tokens_per_s'])} tokens/s on the slice "
         f"({_rate(report['est_decode_tokens_per_s_conservative'])} with no overlap), every "
-        f"row decoding {job['completion_len']} tokens",
+        f"row decoding {job['completion_len']} tokens; "
+        f"{_pct(report['est_decode_fraction_of_roofline'])} of the HBM roofline "
+        f"({_rate(report['est_decode_roofline_tokens_per_s'])} tokens/s: weights and KV cache "
+        "read once per step on the serving layout)",
+        _sampler_line(report["sampler_layout"]),
         "",
     ]
     if report["fits"]:

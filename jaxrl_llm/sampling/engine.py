@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.generate import default_cache_dtype
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.slots import (
     EngineState,
@@ -55,7 +56,7 @@ from jaxrl_llm.sampling.slots import (
     shardings,
     take_slots,
 )
-from jaxrl_llm.sampling.state import sampling_params
+from jaxrl_llm.sampling.state import replicate, sampling_params
 
 Array = jax.Array
 
@@ -205,6 +206,7 @@ class Engine:
         self.sampling = sampling_params(
             temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
         )
+        self.sampling = replicate(self.sampling, mesh)
         self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
         self.stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]
         if any(not s or min(s) < 0 for s in self.stop_sequences):
@@ -240,8 +242,7 @@ class Engine:
         unstacked = layout.worth_unstacking(params)
         self.params = layout.unstack_layers(params) if unstacked else params
         if cache_dtype is None:
-            floats = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-            cache_dtype = config.compute_dtype or max(floats, key=lambda x: x.size).dtype
+            cache_dtype = default_cache_dtype(params, config)
         self._state_args = dict(
             slots=slots,
             prompt_width=self.prompt_width,
@@ -274,7 +275,7 @@ class Engine:
                 f"({self.prompt_width})"
             )
         start = time.perf_counter()
-        key = jax.random.key(seed) if key is None else key
+        key = replicate(jax.random.key(seed) if key is None else key, self.mesh)
         context = contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
         with context:
             results, counts = self._run(requests, key, progress)

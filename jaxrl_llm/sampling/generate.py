@@ -35,6 +35,7 @@ from jaxrl_llm.sampling.state import (
     SamplingState,
     constrain_state,
     grow_cache,
+    replicate,
     sampling_params,
 )
 from jaxrl_llm.types import Completion
@@ -167,12 +168,15 @@ def _decode(
     return state._replace(cache=layout.stack_cache(state.cache))
 
 
-def _default_cache_dtype(params: Any) -> Any:
-    """The dtype of the largest floating parameter (bf16 weights give a bf16 cache)."""
+def default_cache_dtype(params: Any, config: Any) -> Any:
+    """``config.compute_dtype``, else the dtype of the largest floating parameter (bf16 weights
+    give a bf16 cache)."""
+    if config.compute_dtype is not None:
+        return jnp.dtype(config.compute_dtype)
     leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
     if not leaves:
         raise ValueError("params contain no floating-point arrays")
-    return max(leaves, key=lambda x: x.size).dtype
+    return jnp.dtype(max(leaves, key=lambda x: x.size).dtype)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -221,7 +225,7 @@ def prefill(
         config=config,
         max_new_tokens=max_new_tokens,
         num_samples=num_samples,
-        cache_dtype=jnp.dtype(cache_dtype or config.compute_dtype or _default_cache_dtype(params)),
+        cache_dtype=jnp.dtype(cache_dtype or default_cache_dtype(params, config)),
         mesh=mesh,
     )
 
@@ -330,6 +334,7 @@ def generate(
             cache_dtype=cache_dtype,
             mesh=mesh,
         )
+        key, sampling = replicate((key, sampling), mesh)
         state = decode(params, config, state, key=key, sampling=sampling, top_k=top_k, mesh=mesh)
     return Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
 

@@ -102,6 +102,18 @@ def constrain_state(state: SamplingState, mesh: Any) -> SamplingState:
     return jax.tree.map(constrain, state, shardings)
 
 
+def replicate(tree: Any, mesh: Any) -> Any:
+    """``tree``'s arrays replicated on ``mesh`` (unchanged without a mesh).
+
+    Small host-made inputs (the PRNG key, ``SamplingParams``) may carry another mesh's
+    sharding, e.g. the trainer's when the sampler runs on its serving layout
+    (``jaxrl_llm.sampling.serving``); a jitted program needs all its inputs on one mesh.
+    """
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def grow_cache(cache: KVCache, num_samples: int, extra_slots: int) -> KVCache:
     """Repeats each row ``num_samples`` times (groups contiguous) and appends empty slots."""
 

@@ -26,7 +26,7 @@ SMALL_ROLLOUT = [
     "data.max_prompt_tokens=128",
     "rollout.max_new_tokens=256",
 ]
-PROGRAMS = {"update", "logprobs", "ref_logprobs", "prefill", "decode_step"}
+PROGRAMS = {"update", "logprobs", "ref_logprobs", "reshard", "prefill", "decode_step"}
 # Qwen2.5-0.5B: 494,032,768 parameters; fsdp=4 splits every leaf but the q/k/v biases
 # (24 layers x (896 + 128 + 128) = 27,648 values, split only by a tensor axis), which every
 # chip holds whole: f32 bytes a chip = 4 x (P - 27648) / 4 + 4 x 27648.
@@ -90,9 +90,17 @@ def test_small_job_memory_by_hand(small_plan):
         assert parts["optimizer_state"] == resident["optimizer"], name
         assert parts["reference"] == resident["reference"], name
         assert sum(parts.values()) == program["total_bytes"], name
-    # Decode: cache of 24 layers x 2 (k, v) x 32 rows x 2 kv-heads x 384 slots x 64 x bf16,
-    # plus the [32, 384] bool mask, rows over 4 chips.
-    kv = (24 * 2 * 32 * 2 * 384 * 64 * 2 + 32 * 384) // 4
+    # The sampler's serving layout: 14 heads allow tensor 1 or 2 on 4 chips; the largest in
+    # the host (4 chips) is 2, so data 2 x tensor 2. Its bf16 weights split by tensor but
+    # for the norms (24 layers x 2 x 896 + 896 values, whole on every chip).
+    assert report["sampler_layout"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+    norms = 24 * 2 * 896 + 896
+    served = 2 * ((QWEN_05B_PARAMS - norms) // 2 + norms)
+    for name in ("prefill", "decode_step"):
+        assert report["programs"][name]["memory_bytes"]["sampler_weights"] == served, name
+    # Decode: cache of 24 layers x 2 (k, v) x 32 rows x 2 kv-heads x 384 slots x 64 x bf16
+    # (rows over 2 shards, kv-heads over 2), plus the [32, 384] bool mask (rows over 2).
+    kv = 24 * 2 * 32 * 2 * 384 * 64 * 2 // 4 + 32 * 384 // 2
     assert report["programs"]["decode_step"]["memory_bytes"]["kv_cache"] == kv
     assert report["hbm_per_chip_gib"] == pytest.approx(
         max(p["total_bytes"] for p in report["programs"].values()) / GiB
@@ -112,6 +120,21 @@ def test_small_job_times_add_up(small_plan):
     assert report["est_mfu"] == update["mfu"]
     # One decode step is one trip of the compiled decode loop, read from its body.
     assert programs["decode_step"]["hlo_of_one_loop_trip"] is True
+    # On the serving layout the loop reads its weights in place: no all-gather of them per
+    # token (the trainer's FSDP layout gathered all 0.99 GB of bf16 weights per step). What
+    # it gathers is the sampler's f32 logits over the vocabulary (16 rows a shard x 151936
+    # x 4 bytes); the step is HBM-bound near its floor.
+    gathered = programs["decode_step"]["collective_bytes"]["all-gather"]
+    assert gathered <= 16 * 151_936 * 4
+    assert decode["bound"] == "hbm"
+    assert report["est_decode_fraction_of_roofline"] >= 0.7
+    assert report["est_decode_roofline_tokens_per_s"] == pytest.approx(
+        32 / programs["decode_step"]["hbm_roofline_s"]
+    )
+    # The reshard runs once a step, moving the weights over ICI (no host round trip).
+    assert programs["reshard"]["calls_per_step"] == 1
+    assert report["sampler_layout"]["reshard_s"] == programs["reshard"]["times"]["step_s"] > 0
+    assert sum(programs["reshard"]["collective_bytes"].values()) > 0
     for p in programs.values():
         times = p["times"]
         assert times["step_s"] == max(times["compute_s"], times["hbm_s"], times["ici_s"])

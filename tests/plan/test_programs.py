@@ -148,11 +148,16 @@ def test_rollout_batch_bytes_by_hand(tiny_path):
     several = _job(tiny_path, "trainer.minibatches=2")
     assert several.programs["update"].resident["inputs"] == expected + 64
     assert several.programs["logprobs"].calls_per_step == 1
-    # The decode step's KV cache: L x 2 (k, v) x rows x K x (P + T) x H x 2 bytes (bf16), rows
-    # split over 4 chips: 2 x 2 x 2 x 2 x 24 x 16 x 2, plus the [rows, P + T] bool mask 2 x 24.
-    assert (
-        job.programs["decode_step"].argument_parts["kv_cache"] == 2 * 2 * 2 * 2 * 24 * 16 * 2 + 48
-    )
+    # The decode step's KV cache: L x 2 (k, v) x rows x K x (P + T) x H x 2 bytes (bf16) on the
+    # sampler's serving layout (data 2 x tensor 2: rows over 2 shards, kv-heads over 2):
+    # 2 x 2 x 4 x 1 x 24 x 16 x 2, plus the [rows, P + T] bool mask 4 x 24.
+    assert dict(job.serving.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert job.programs["decode_step"].argument_parts["kv_cache"] == 2 * 2 * 4 * 24 * 16 * 2 + 96
+    # On the trainer's layout (fsdp 4): rows over 4 chips, kv-heads whole.
+    trainer = _job(tiny_path, "rollout.tensor_parallel=trainer")
+    assert trainer.serving.is_trainer_layout
+    cache = trainer.programs["decode_step"].argument_parts["kv_cache"]
+    assert cache == 2 * 2 * 2 * 2 * 24 * 16 * 2 + 48
 
 
 def _memory(**sizes):
@@ -348,12 +353,14 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
         # Sequences of 2 rows: prompt tokens 2x16x4, mask 2x16, completion 2x8x4, mask 2x8.
         "logprobs": 240,
         "ref_logprobs": 240,
-        # One prompt a chip: tokens 16x4, mask 16, the pad id 4.
-        "prefill": 84,
-        # Sampling state of 2 rows: step 4, tokens 2x8x4, log-probs 2x8x4, mask 2x8, done 2,
-        # positions 2x4, logits 2x256x4; the key 8; temperature, top-p, min-p 3x4, 4 EOS
-        # slots 16, pad id 4.
-        "decode_step": 4 + 64 + 64 + 16 + 2 + 8 + 2048 + 8 + 12 + 16 + 4,
+        # On the sampler's layout (data 2 x tensor 2): two prompts a chip: tokens 2x16x4, mask
+        # 2x16, the pad id 4.
+        "prefill": 164,
+        # Sampling state of 4 rows a chip (8 over the 2 batch shards): step 4, tokens 4x8x4,
+        # log-probs 4x8x4, mask 4x8, done 4, positions 4x4, logits 4x256x4 split over tensor 2;
+        # the key 8; temperature, top-p, min-p 3x4, 4 EOS slots 16, pad id 4.
+        "decode_step": 4 + 128 + 128 + 32 + 4 + 16 + 2048 + 8 + 12 + 16 + 4,
+        "reshard": 0,  # the parameters only
     }
     for name, program in job.programs.items():
         memory = est.memory_breakdown(outcomes[name].compiled)
@@ -485,8 +492,15 @@ def test_every_program_counts_the_whole_resident_state(tiny_path, overrides):
         assert alive["optimizer_state"] == state.optimizer, name
         assert alive["reference"] == state.reference, name
         assert alive.get("aux_model", 0) == state.aux, name
-        copy = program.inner_parts.get("sampler_weights", 0)
-        assert copy == (state.params_compute if name == "decode_step" else 0), name
+        # The sampler's serving copy: made by the reshard, read by the prefill and decode.
+        served = program.argument_parts.get("sampler_weights", 0)
+        made = program.inner_parts.get("sampler_weights", 0)
+        if name in ("prefill", "decode_step"):
+            assert served == job.programs["reshard"].inner_parts["sampler_weights"] > 0, name
+        else:
+            assert served == 0, name
+        copy = job.programs["reshard"].inner_parts["sampler_weights"]
+        assert made == (copy if name == "reshard" else 0), name
 
 
 def _compiled_aux_report(job, names):

@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from jaxrl_llm import objectives
+from jaxrl_llm.sampling.serving import TENSOR_CHOICES
 from jaxrl_llm.train.config import (
     CheckpointSection,
     LoggingSection,
@@ -123,6 +124,7 @@ class RolloutSection:
     slots: int | None = None
     burst: int = 8
     logprobs: str = "recompute"
+    tensor_parallel: int | str = "auto"
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -353,6 +355,11 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         raise ValueError(f"rollout.logprobs must be one of {ROLLOUT_LOGPROBS}, got {r.logprobs!r}")
     if r.engine not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+    tp = r.tensor_parallel
+    if isinstance(tp, bool) or not (tp in TENSOR_CHOICES or (isinstance(tp, int) and tp >= 1)):
+        raise ValueError(
+            f"rollout.tensor_parallel must be one of {TENSOR_CHOICES} or a positive int, got {tp!r}"
+        )
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
     _at_least("trainer.eval_every", t.eval_every, 0)
     tokens = t.micro_batch_tokens

@@ -104,9 +104,12 @@ class RunContext:
         return setup.to_device(setup.bucket_prompts(host), self.mesh)
 
     def sample(
-        self, params, examples, key, *, temperature, group_size, timer=None
+        self, params, examples, key, *, temperature, group_size, timer=None, mesh=None
     ) -> rollout_lib.Samples:
-        """``group_size`` completions of each example's prompt, scored (learned reward added)."""
+        """``group_size`` completions of each example's prompt, scored (learned reward added).
+
+        ``mesh``: the mesh ``params`` live on (default: the run's; the trainer passes its
+        serving layout's, ``sampling.serving``)."""
         r = self.cfg.rollout
         samples = rollout_lib.sample_and_score(
             params,
@@ -125,7 +128,7 @@ class RunContext:
             top_k=r.top_k if temperature > 0 else 0,
             top_p=r.top_p,
             min_p=r.min_p,
-            mesh=self.mesh,
+            mesh=self.mesh if mesh is None else mesh,
             timer=timer,
             engine=r.engine,
             slots=r.slots,
@@ -157,10 +160,10 @@ class RunContext:
             components=components,
         )
 
-    def evaluate(self, params) -> tuple[dict[str, float], rollout_lib.Samples]:
+    def evaluate(self, params, *, mesh=None) -> tuple[dict[str, float], rollout_lib.Samples]:
         """Greedy accuracy and mean reward on the held-out prompts, and the samples."""
         samples = self.sample(
-            params, self.eval_examples, jax.random.key(0), temperature=0.0, group_size=1
+            params, self.eval_examples, jax.random.key(0), temperature=0.0, group_size=1, mesh=mesh
         )
         metrics = {
             "accuracy": float(samples.correct.mean()),

@@ -1,9 +1,8 @@
 """The RL trainer: rollout → reward → advantages → K epochs × minibatches of the sharded step.
 
-Each step draws prompts, samples G completions per prompt, scores them on the host (DAPO
-dynamic sampling optional), computes the behaviour (and reference) log-probs with the training
-forward on device, computes advantages on device, and runs the jitted policy step over
-minibatches drawn on device — the batch never goes back to the host between those phases.
+Each step samples G completions per prompt (on the sampler's layout), scores them on the host
+(DAPO dynamic sampling optional), computes log-probs and advantages on device, and runs the
+jitted policy step over minibatches drawn on device: the batch stays on device throughout.
 Every random draw is a function of ``(seed, step)`` and the data position is checkpointed, so a
 resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRIME
 (``train.rl.prime``) extend it through the ``score`` / ``update`` hooks.
@@ -11,6 +10,7 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -36,6 +36,7 @@ from jaxrl_llm.train.rl.config import (
 )
 from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model
 from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.sft import sft_warmup
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
@@ -259,6 +260,7 @@ class RLTrainer(Trainer):
             # An f32 average: in bf16 the (1 - decay)-sized steps towards the policy round away.
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref
+        self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
         self.compile()
 
     def setup_extra_networks(self) -> None:
@@ -332,21 +334,30 @@ class RLTrainer(Trainer):
             self.reference = _ema(self.reference, self.policy_params, ref.ema_decay)
             self.reference_dirty = True
 
+    def sampler_params(self, timer: PhaseTimer | None = None):
+        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``)."""
+        if self.serving.is_trainer_layout:  # else resharded on device
+            return self.policy_params
+        with timer.phase("reshard") if timer else contextlib.nullcontext():
+            return jax.block_until_ready(self.reshard(self.policy_params))
+
     # -- one step ----------------------------------------------------------------------------
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
         """The step's groups (DAPO dynamic sampling replaces zero-variance groups)."""
         r = self.cfg.rollout
         step_key = jax.random.fold_in(self.key, step)
+        params = self.sampler_params(timer)
 
         def draw(attempt: int) -> rollout_lib.Samples:
             return self.run.sample(
-                self.policy_params,
+                params,
                 self.sampler.next_batch(r.prompts_per_step),
                 jax.random.fold_in(step_key, attempt),
                 temperature=r.temperature,
                 group_size=r.group_size,
                 timer=timer,
+                mesh=self.serving.mesh,
             )
 
         return rollout_lib.collect(
@@ -447,7 +458,7 @@ class RLTrainer(Trainer):
     # -- evaluation and outputs ----------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        metrics, samples = self.run.evaluate(self.policy_params)
+        metrics, samples = self.run.evaluate(self.sampler_params(), mesh=self.serving.mesh)
         self._write_samples(samples)
         return metrics
 

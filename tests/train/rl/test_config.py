@@ -73,6 +73,8 @@ def test_the_trainer_updates_in_the_budgeted_micro_batches(tmp_path):
         ("rollout.engine=paged", r"rollout.engine must be one of \('static', 'continuous'\)"),
         ("rollout.slots=0", "rollout.slots"),
         ("rollout.burst=0", "rollout.burst"),
+        ("rollout.tensor_parallel=0", r"rollout.tensor_parallel must be one of \('auto', 'tr"),
+        ("rollout.tensor_parallel=fsdp", "rollout.tensor_parallel must be one of"),
     ],
 )
 def test_bad_rollout_engine_settings_name_the_key(override, match):

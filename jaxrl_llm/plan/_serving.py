@@ -1,0 +1,160 @@
+"""The rollout's programs in a plan: the reshard into the sampler's serving layout, the
+prefill and one decode step on it (``jaxrl_llm.sampling.serving``), as ``train`` runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan._job import (
+    Program,
+    _replicated,
+    _sampling_params,
+    _sampling_state_shardings,
+    abstract_sequences,
+    shard_bytes,
+    with_shardings,
+)
+from jaxrl_llm.sampling import serving, strategies
+from jaxrl_llm.sampling.generate import _decode, _prefill
+from jaxrl_llm.train.rl.serving import rollout_layout
+
+PyTree = Any
+
+
+def choose_layout(cfg, model_config, mesh, shape, budget_bytes: float) -> serving.ServingLayout:
+    """The layout ``train`` would pick (``RLTrainer._serving_layout``) with ``budget_bytes``
+    per chip left beside the resident state."""
+    return rollout_layout(
+        cfg, model_config, mesh, kv_slots=shape.seq_len, budget_bytes=budget_bytes
+    )
+
+
+def roofline_mesh(job) -> Any:
+    """The mesh of the decode roofline: the sampler's serving layout, or the one ``auto``
+    would choose when the job decodes on the trainer's layout (the floor it forgoes)."""
+    if not job.serving.is_trainer_layout or dict(job.mesh.shape)["fsdp"] == 1:
+        return job.serving.mesh
+    auto = dataclasses.replace(job.cfg.rollout, tensor_parallel="auto")
+    cfg = dataclasses.replace(job.cfg, rollout=auto)
+    resident = job.state.train_state + job.state.reference + job.state.aux
+    budget = job.spec.usable_hbm_bytes_per_chip - resident
+    return choose_layout(cfg, job.model_config, job.mesh, job.shape, budget).mesh
+
+
+def lower_sampler_programs(
+    programs: dict[str, Program],
+    cfg,
+    mesh,
+    model_config,
+    shape,
+    state,
+    sizes,
+    ref_bytes: dict[str, int],
+    layout: serving.ServingLayout,
+    decode_hbm_bytes: Any,
+) -> None:
+    """Adds ``reshard`` (unless the sampler runs on the trainer's layout), ``prefill`` and
+    ``decode_step`` to ``programs``.
+
+    ``decode_hbm_bytes(mesh)``: the analytic HBM bytes of one decode step on the trainer's
+    layout (its weight gathers are not in the loop body XLA:TPU emits for small meshes); on
+    a serving layout the HBM bytes are read off the HLO of one loop trip.
+    """
+    r = cfg.rollout
+    p_len, t_len, rows = shape.prompt_len, shape.completion_len, shape.rows
+    resident = {"optimizer_state": sizes.optimizer, **ref_bytes}
+    if layout.is_trainer_layout:
+        smesh, params = mesh, state.params
+        weights_arg = {"parameters": sizes.params}
+        inner = {"sampler_weights": sizes.params_compute}
+        hbm = decode_hbm_bytes(mesh)
+    else:
+        smesh = layout.mesh
+        compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
+        params = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(
+                p.shape, compute if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype, sharding=s
+            ),
+            state.params,
+            layout.shardings,
+        )
+        served = shard_bytes(params)
+        # The trainer's parameters stay where they are while the sampler holds its copy.
+        resident = {"parameters": sizes.params, **resident}
+        weights_arg = {"sampler_weights": served}
+        inner = {}
+        hbm = None
+        programs["reshard"] = Program(
+            name="reshard",
+            lowered=serving.make_reshard(model_config, layout).lower(state.params),
+            calls_per_step=1,
+            flops=0.0,
+            model_flops=0.0,
+            tokens=0,
+            argument_parts={"parameters": sizes.params},
+            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+            inner_parts={"sampler_weights": served},
+        )
+
+    cache_dtype = jnp.dtype(model_config.compute_dtype)
+    top_k = strategies.check_sampling_args(
+        temperature=1.0,
+        top_k=r.top_k if r.temperature > 0 else 0,
+        top_p=1.0,
+        min_p=0.0,
+        vocab_size=model_config.vocab_size,
+    )
+    prompts = abstract_sequences(smesh, shape.prompts, p_len, 1)
+    pad_id = _replicated(smesh, (), jnp.int32)
+    prefill_kwargs = dict(
+        config=model_config,
+        max_new_tokens=t_len,
+        num_samples=shape.group_size,
+        cache_dtype=cache_dtype,
+        mesh=smesh,
+    )
+    prefill_flops = flops_lib.forward_flops(
+        model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
+    )
+    with jax.set_mesh(smesh):
+        prefill_args = (params, prompts.prompt_tokens, prompts.prompt_mask, pad_id)
+        sampling_state = jax.eval_shape(lambda *a: _prefill(*a, **prefill_kwargs), *prefill_args)
+        sampling_state = with_shardings(
+            sampling_state, _sampling_state_shardings(sampling_state, smesh)
+        )
+        cache = shard_bytes(sampling_state.cache)
+        programs["prefill"] = Program(
+            name="prefill",
+            lowered=_prefill.lower(*prefill_args, **prefill_kwargs),
+            calls_per_step=1,
+            flops=prefill_flops,
+            model_flops=prefill_flops,
+            tokens=shape.prompts * p_len,
+            argument_parts=weights_arg,
+            resident=resident,
+            inner_parts={**inner, "kv_cache": cache},
+        )
+        # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers
+        # stacked); its loop body is one decode step.
+        key = _replicated(smesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+        decode_args = (params, sampling_state, key, _sampling_params(smesh))
+        decode_kwargs = dict(config=model_config, top_k=top_k, mesh=smesh, unroll=False)
+        decode = flops_lib.decode_flops(model_config, rows, shape.seq_len)
+        programs["decode_step"] = Program(
+            name="decode_step",
+            lowered=_decode.lower(*decode_args, **decode_kwargs),
+            calls_per_step=t_len,
+            flops=decode,
+            model_flops=decode,
+            tokens=rows,
+            argument_parts={**weights_arg, "kv_cache": cache},
+            resident=resident,
+            inner_parts=inner,
+            hbm_bytes=hbm,
+            per_step_loop=True,
+        )

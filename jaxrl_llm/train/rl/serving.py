@@ -1,0 +1,60 @@
+"""The RL rollout's sampler layout (``rollout.tensor_parallel``), as ``train`` and ``plan``
+both choose it (``jaxrl_llm.sampling.serving``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl_llm.sampling import serving
+
+log = logging.getLogger(__name__)
+
+
+def rollout_layout(
+    cfg: Any, model_config: Any, mesh: Any, *, kv_slots: int, budget_bytes: float | None
+) -> serving.ServingLayout:
+    """The sampler's layout for an RL job's rollouts.
+
+    The batch shards must divide the prefill's prompts (``rollout.prompts_per_step``), the
+    decode rows (times ``rollout.group_size``), the evaluation's prompts and the continuous
+    engine's slots; ``auto`` budgets the KV cache of the decode rows (or slots) of
+    ``kv_slots`` positions plus the serving weights against ``BUDGET_FRACTION`` of
+    ``budget_bytes`` (per device, what the resident state leaves; None: unknown).
+    """
+    r = cfg.rollout
+    rows = r.prompts_per_step * r.group_size
+    counts = (r.prompts_per_step, rows, cfg.data.eval_size) + ((r.slots,) if r.slots else ())
+    return serving.serving_layout(
+        model_config,
+        mesh,
+        tensor=r.tensor_parallel,
+        rows=counts,
+        kv_rows=min(r.slots or rows, rows),
+        kv_slots=kv_slots,
+        budget_bytes=None if budget_bytes is None else serving.BUDGET_FRACTION * budget_bytes,
+    )
+
+
+def trainer_sampler(
+    cfg: Any, model_config: Any, mesh: Any
+) -> tuple[serving.ServingLayout, Callable]:
+    """``(layout, reshard)`` of a run's sampler, chosen once every resident state is on device
+    (``auto`` budgets the free device memory; the cache of ``data.max_prompt_tokens +
+    rollout.max_new_tokens`` positions a row)."""
+    layout = rollout_layout(
+        cfg,
+        model_config,
+        mesh,
+        kv_slots=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        budget_bytes=serving.free_device_bytes(mesh),
+    )
+    if not layout.is_trainer_layout:
+        log.info(
+            "sampler layout: mesh %s (tensor-parallel %d, compute-dtype weights), resharded on "
+            "device every step",
+            dict(layout.mesh.shape),
+            layout.tensor,
+        )
+    return layout, serving.make_reshard(model_config, layout)
