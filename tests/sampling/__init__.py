@@ -4,7 +4,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models import param_shapes
+from jaxrl_llm.models import ModelConfig, param_shapes
+
+# A Qwen2-shaped model small enough for 8-device meshes: 4 heads and 2 kv-heads split by a
+# tensor axis of 2, biases on q/k/v.
+SHARDED_QWEN2 = ModelConfig(
+    architecture="Qwen2ForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+)
 
 
 def random_params(config, seed=0):

@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.models import ModelConfig, logical_axes
+from jaxrl_llm.models import logical_axes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
 from jaxrl_llm.sampling import generate
-from tests.sampling import random_params
+from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
 
@@ -30,17 +30,7 @@ PAD = 0
 def setup():
     if jax.device_count() < 8:
         pytest.skip("needs the 8 fake CPU devices set up by tests/conftest.py")
-    config = ModelConfig(
-        architecture="Qwen2ForCausalLM",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-    )
+    config = SHARDED_QWEN2
     params = random_params(config)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     shardings = logical_to_sharding(logical_axes(config), mesh, PARAM_RULES, shapes=params)

@@ -23,24 +23,14 @@ from jaxrl_llm.models import ModelConfig, logical_axes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
 from jaxrl_llm.plan import hlo as hlo_lib
 from jaxrl_llm.sampling import generate, serving
-from tests.sampling import random_params
+from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
 
 MODELS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "models"
 GiB = 2**30
 
-CONFIG = ModelConfig(
-    architecture="Qwen2ForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    qkv_bias=True,
-)
+CONFIG = SHARDED_QWEN2
 
 
 def _qwen7b() -> ModelConfig:
