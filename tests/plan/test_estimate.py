@@ -185,6 +185,26 @@ def test_hlo_hbm_bytes_of_slices_gathers_and_nested_fusions_by_hand():
     assert est.hlo_hbm_bytes(NESTED) == 64 * 32 * 2 + 4 + 0 + 8 * 64 * 4 + 8 * 4 + 8 * 32 * 4
 
 
+STANDALONE_UPDATE = """
+HloModule m
+
+ENTRY %main (c: bf16[4,256,64], u: bf16[4,1,64], i: s32[]) -> bf16[4,256,64] {
+  %c = bf16[4,256,64]{2,1,0} parameter(0)
+  %u = bf16[4,1,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[4,256,64]{2,1,0} dynamic-update-slice(%c, %u, %z, %i, %z)
+}
+"""
+
+
+def test_a_standalone_dynamic_update_slice_counts_its_update_not_the_buffer():
+    # A KV-cache write (as the unrolled decode loop emits it, one per layer): in place, so the
+    # 4x1x64 bf16 update is read and written (512 bytes each way) and the three s32 indices
+    # read, not the 4x256x64 cache (128 KiB) read and written.
+    assert est.hlo_hbm_bytes(STANDALONE_UPDATE) == 2 * 4 * 64 * 2 + 3 * 4
+
+
 def test_hlo_hbm_bytes_grows_by_the_same_amount_per_loop_trip():
     def f(w, x):
         def body(x, w):  # reads slice t of the stacked weights, writes row t of the stacked ys
