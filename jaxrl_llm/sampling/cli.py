@@ -8,7 +8,7 @@ Two ways to give prompts:
   input line is ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}``,
   optionally with ``"max_new_tokens"`` (that request's budget) and ``"id"`` (copied to the
   output). Each output line, in input order and sample order, is ``{"index", "sample", "id"?,
-  "completion", "tokens", "logprobs", "finish_reason", "num_tokens"}``. A progress bar and the
+  "text", "tokens", "logprobs", "finish_reason", "num_tokens"}``. A progress bar and the
   run's tokens/s and slot utilisation go to stderr.
 
 ``--stop TEXT`` (repeatable) ends a completion once its tokens end with TEXT's tokens (matched
@@ -208,7 +208,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
                 if "id" in rows[index]:
                     line["id"] = rows[index]["id"]
                 line |= {
-                    "completion": text,
+                    "text": text,
                     "tokens": result.tokens.tolist(),
                     "logprobs": np.round(result.logprobs.astype(float), 6).tolist(),
                     "finish_reason": result.finish_reason,

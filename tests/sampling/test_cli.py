@@ -149,7 +149,7 @@ def test_generate_jsonl_batch_with_refills(model_dir, tmp_path, capsys):
         np.testing.assert_allclose(line["logprobs"], want.logprobs, atol=1e-5)
         assert line["finish_reason"] == want.finish_reason
         assert line["num_tokens"] == len(want.tokens) <= budget
-        assert line["completion"] == " ".join(vocab[i] for i in want.tokens if i > 3)
+        assert line["text"] == " ".join(vocab[i] for i in want.tokens if i > 3)
     assert lines[0]["tokens"] == lines[1]["tokens"]  # greedy: both samples alike
     assert {len(r["tokens"]) for r in lines[2:4]} <= {1, 2}
 
@@ -203,11 +203,11 @@ def test_generate_stop_text_ends_the_completion(model_dir, tmp_path):
     free, stopped = tmp_path / "free.jsonl", tmp_path / "stopped.jsonl"
     assert generate_main(base + ["--out", str(free)]) == 0
     (line,) = [json.loads(x) for x in free.read_text().splitlines()]
-    words = line["completion"].split()
+    words = line["text"].split()
     assert len(words) >= 3, "the free-running completion must be long enough to cut"
     cut = words.index(words[-1])  # stop at the first occurrence of the last word
     assert cut < len(words) - 1, "the stop must cut the completion short"
     assert generate_main(base + ["--out", str(stopped), "--stop", words[cut]]) == 0
     (line,) = [json.loads(x) for x in stopped.read_text().splitlines()]
-    assert line["completion"].split() == words[: cut + 1]
+    assert line["text"].split() == words[: cut + 1]
     assert line["finish_reason"] == "stop"
