@@ -29,6 +29,11 @@ def _register_optional() -> None:
             "export_main",
             "write a Hugging Face checkpoint of a run's policy",
         ),
+        "eval": (
+            "jaxrl_llm.evaluation.cli",
+            "eval_main",
+            "pass@k, maj@k, mean@k of a run's policy on held-out prompts",
+        ),
         "plan": (
             "jaxrl_llm.plan.cli",
             "plan_main",

@@ -18,8 +18,7 @@ Given a compiled (deviceless) program and a ``TopologySpec``:
 * MFU = model FLOPs / (chips x peak x step time) (PaLM's definition, Chowdhery et al. 2022,
   App. B: model FLOPs exclude rematerialisation); tokens/s = tokens per call / step time.
 
-Every figure is per call of the program; byte counts are per chip (the SPMD program of one
-device), FLOPs are over all chips.
+Figures are per call; bytes per chip (one device's SPMD program), FLOPs over all chips.
 """
 
 from __future__ import annotations
@@ -381,10 +380,10 @@ def hlo_hbm_bytes(hlo: str | HloModule, *, trip_weighted: bool = True) -> int:
     computations are not walked (their traffic is the fusion's). A fusion operand read only
     through (dynamic-)slices or gathers, possibly in nested fusions, counts what those read (a
     scanned layer's slice of the stacked weights, the embedding rows looked up); a buffer
-    updated in place (a ``dynamic-update-slice``, alone or as a fusion's root on one of its
-    parameters) counts the update, read and written: after XLA's copy insertion every such
-    update is in place (an explicit ``copy`` is added, and counted, where it cannot be). Arrays
-    in other memory spaces (``S(1)``: TPU VMEM) are free. Unweighted, it matched XLA:CPU's
+    updated by a ``dynamic-update-slice`` (alone or a fusion's root on its parameter) counts
+    the update, read and written: XLA's copy insertion makes every such update in place (adding
+    a ``copy``, counted, where it cannot be). Arrays in other memory spaces (``S(1)``: TPU
+    VMEM) are free. Unweighted, it matched XLA:CPU's
     ``cost_analysis()["bytes accessed"]`` to 0.1% on the programs of the tests.
     """
     module = hlo if isinstance(hlo, HloModule) else parse_hlo_module(hlo)
@@ -409,9 +408,7 @@ def _op_hbm_bytes(
     if ins.opcode.endswith("-start"):
         return sum(reads) + (array_bytes(done.type_text, memory_space=0) if done is not None else 0)
     out = array_bytes(ins.type_text, memory_space=0)
-    if ins.opcode == "dynamic-update-slice" and reads:
-        # In place (XLA's copy insertion adds an explicit copy wherever it cannot be): the
-        # update and indices are read and the update's bytes written, not the whole buffer.
+    if ins.opcode == "dynamic-update-slice" and reads:  # in place: see hlo_hbm_bytes
         return 2 * sum(reads[1:2]) + sum(reads[2:])
     fused = _fused(module, ins)
     if fused is None:

@@ -1,0 +1,164 @@
+"""``jaxrl-llm eval CONFIG|RUN_DIR [--k K] [overrides]``: pass@k, maj@k and mean@k on a task's
+held-out prompts, with bootstrap confidence intervals.
+
+``RUN_DIR`` (a directory with ``config.yaml``, e.g. ``runs/default``) evaluates the policy the
+run left in ``RUN_DIR/hf`` on the run's own task and eval set; ``CONFIG`` (a YAML file)
+evaluates ``model.path``. Every held-out prompt is sampled ``--samples`` times (default ``K``)
+at ``--temperature`` (default the config's ``rollout.temperature``), through the same sampler,
+prompt formatting, stop tokens and correctness check as training (``train.rl.context``). The
+report gives, for ``k`` in ``1`` and ``K``, the unbiased pass@k, mean@k and maj@k (the majority
+final answer, ``rewards.math.extract_answer``) with their percentile-bootstrap intervals over
+the prompts (``jaxrl_llm.evaluation.estimators``); ``--json FILE`` writes them with the
+per-prompt counts and answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm.evaluation.estimators import summarize
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm eval",
+        description="pass@k, maj@k and mean@k of a run's policy (or model.path) on the task's "
+        "held-out prompts, with bootstrap intervals",
+    )
+    parser.add_argument("target", help="a run directory (with config.yaml) or a YAML config")
+    parser.add_argument("--k", type=int, default=8, help="the largest k reported (default 8)")
+    parser.add_argument("--samples", type=int, default=None, help="completions a prompt (>= k)")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    return parser
+
+
+def load_eval_config(target: str, overrides: list[str]):
+    """The ``TrainConfig`` to evaluate: a run directory's own (its ``hf/`` policy as
+    ``model.path``) or a YAML config's.
+
+    Raises:
+      FileNotFoundError: no such file or directory, or a run directory without ``config.yaml``
+        or ``hf/``.
+    """
+    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
+    from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
+
+    path = pathlib.Path(target)
+    if path.is_dir():
+        config, hf = path / "config.yaml", path / "hf"
+        if not config.is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.yaml (not a run dir)")
+        if not (hf / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{hf} holds no Hugging Face checkpoint: the run has not finished (or "
+                f"`jaxrl-llm export {path}` writes one)"
+            )
+        return load_config(TrainConfig, str(config), [*overrides, f"model.path={hf}"])
+    if not path.is_file():
+        raise FileNotFoundError(f"no run directory or config file at {path}")
+    return load_config(TrainConfig, str(path), overrides)
+
+
+def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamples: int):
+    """``(summary, per_prompt)`` of ``cfg``'s policy on its held-out prompts (see module)."""
+    from jaxrl_llm import data, rewards  # noqa: PLC0415
+    from jaxrl_llm.rewards.math import answer_value, extract_answer  # noqa: PLC0415
+    from jaxrl_llm.train import setup  # noqa: PLC0415
+    from jaxrl_llm.train.rl.config import check_config  # noqa: PLC0415
+    from jaxrl_llm.train.rl.context import RunContext, load_examples  # noqa: PLC0415
+
+    if samples < k:
+        raise ValueError(f"--samples {samples} must be at least --k {k}")
+    if cfg.model.path is None:
+        raise ValueError(
+            "eval needs trained weights: give a run directory or a config with model.path (the "
+            "built-in tiny model would be evaluated at its random initialisation)"
+        )
+    objective = check_config(cfg)
+    mesh = setup.make_run_mesh(cfg.mesh)
+    tokenizer, model_config, params = setup.build_policy(cfg, mesh)
+    _, examples = load_examples(cfg)
+    context = RunContext(
+        cfg,
+        mesh,
+        tokenizer,
+        model_config,
+        objective,
+        rewards.combine_rewards(
+            [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
+        ),
+        [],
+        examples,
+        stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
+    )
+    drawn = context.sample(
+        params, examples, jax.random.key(seed), temperature=temperature, group_size=samples
+    )
+    correct = np.asarray(drawn.correct, bool).reshape(len(examples), samples)
+
+    def answer(text: str) -> Any:
+        found = extract_answer(text)
+        return None if found is None else answer_value(found)
+
+    answers = [
+        [answer(drawn.completions[p * samples + j]) for j in range(samples)]
+        for p in range(len(examples))
+    ]
+    ks = sorted({1, k})
+    summary = summarize(correct, ks=ks, answers=answers, resamples=resamples, seed=seed)
+    summary |= {"temperature": temperature, "k": k}
+    per_prompt = [
+        {
+            "prompt": examples[p].prompt,
+            "correct": int(correct[p].sum()),
+            "samples": samples,
+            "answers": [None if a is None else str(a) for a in answers[p]],
+        }
+        for p in range(len(examples))
+    ]
+    return summary, per_prompt
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``jaxrl-llm eval`` (exit 0; 2 on bad input, with the reason)."""
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_eval_config(args.target, args.overrides)
+        temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
+        summary, per_prompt = evaluate(
+            cfg,
+            k=args.k,
+            samples=args.k if args.samples is None else args.samples,
+            temperature=temperature,
+            seed=args.seed,
+            resamples=args.resamples,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        print(f"jaxrl-llm eval: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"{summary['problems']} prompts x {summary['samples']} samples at temperature "
+        f"{temperature:g} ({cfg.model.path}); 95% bootstrap intervals over the prompts"
+    )
+    for key in (k for k in summary if "@" in k and not k.endswith(("_low", "_high"))):
+        low, high = summary[f"{key}_low"], summary[f"{key}_high"]
+        print(f"  {key:8s} {summary[key]:.4f}  [{low:.4f}, {high:.4f}]")
+    if args.json:
+        pathlib.Path(args.json).write_text(
+            json.dumps({"summary": summary, "per_prompt": per_prompt}, indent=2), encoding="utf-8"
+        )
+    return 0
+
+
+__all__ = ["eval_main", "evaluate", "load_eval_config"]

@@ -1,0 +1,77 @@
+"""``jaxrl-llm eval`` on a run directory of the built-in task (a short SFT warm-up, one RL step).
+
+Greedy (temperature 0) every sample of a prompt is the same, so pass@1 = pass@k = mean@k =
+maj@k = the trainer's own held-out greedy accuracy (``summary.json``), computed by other code.
+Sampled, pass@k is checked against ``1 - C(n - c, k) / C(n, k)`` from the reported per-prompt
+counts with ``math.comb``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jaxrl_llm.cli import main
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from tests.train.rl import rl_helpers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eval_run")
+    cfg = rl_helpers.tiny_config(None, path, "sft_warmup.steps=300", "trainer.max_steps=1")
+    RLTrainer(cfg).fit()
+    return path
+
+
+def _eval(capsys, *argv):
+    code = main(["eval", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_greedy_eval_equals_the_trainers_accuracy(run_dir, tmp_path, capsys):
+    out_json = tmp_path / "eval.json"
+    code, out, err = _eval(capsys, run_dir, "--k", 4, "--temperature", 0, "--json", out_json)
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    summary = report["summary"]
+    accuracy = json.loads((run_dir / "summary.json").read_text())["eval_after_rl"]["accuracy"]
+    assert summary["problems"] == 16 and summary["samples"] == 4
+    for key in ("pass@1", "pass@4", "mean@1", "mean@4", "maj@4"):
+        assert summary[key] == pytest.approx(accuracy), key
+    assert all(p["correct"] in (0, 4) for p in report["per_prompt"])
+    assert "pass@4" in out and "[" in out
+
+
+def test_sampled_pass_at_k_follows_the_per_prompt_counts(run_dir, tmp_path, capsys):
+    out_json = tmp_path / "eval.json"
+    code, _, err = _eval(capsys, run_dir, "--k", 4, "--samples", 6, "--json", out_json)
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    counts = [p["correct"] for p in report["per_prompt"]]
+    assert 0 < sum(counts) < 6 * 16, counts  # a partly trained policy: a real estimate
+    want = sum(1 - math.comb(6 - c, 4) / math.comb(6, 4) for c in counts) / 16
+    summary = report["summary"]
+    assert summary["pass@4"] == pytest.approx(want)
+    assert summary["pass@1"] == pytest.approx(sum(counts) / (6 * 16))
+    assert summary["pass@4_low"] <= summary["pass@4"] <= summary["pass@4_high"]
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "match"),
+    [
+        ("missing", (), "no run directory or config file"),
+        ("empty_dir", (), "without config.yaml"),
+        ("run", ("--samples", "2"), "--samples 2 must be at least --k 8"),
+    ],
+)
+def test_bad_input_exits_2_with_the_reason(run_dir, tmp_path, capsys, target, extra, match):
+    (tmp_path / "empty_dir").mkdir()
+    path = {"missing": tmp_path / "nope", "empty_dir": tmp_path / "empty_dir", "run": run_dir}
+    code, _, err = _eval(capsys, path[target], *extra)
+    assert code == 2 and match in err
