@@ -72,11 +72,15 @@ def load_eval_config(target: str, overrides: list[str]):
 
 def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamples: int):
     """``(summary, per_prompt)`` of ``cfg``'s policy on its held-out prompts (see module)."""
-    from jaxrl_llm import data, rewards  # noqa: PLC0415
+    from jaxrl_llm import data  # noqa: PLC0415
     from jaxrl_llm.rewards.math import answer_value, extract_answer  # noqa: PLC0415
     from jaxrl_llm.train import setup  # noqa: PLC0415
     from jaxrl_llm.train.rl.config import check_config  # noqa: PLC0415
-    from jaxrl_llm.train.rl.context import RunContext, load_examples  # noqa: PLC0415
+    from jaxrl_llm.train.rl.context import (  # noqa: PLC0415
+        RunContext,
+        load_examples,
+        task_reward,
+    )
 
     if samples < k:
         raise ValueError(f"--samples {samples} must be at least --k {k}")
@@ -88,16 +92,14 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
     objective = check_config(cfg)
     mesh = setup.make_run_mesh(cfg.mesh)
     tokenizer, model_config, params = setup.build_policy(cfg, mesh)
-    _, examples = load_examples(cfg)
+    _, examples = load_examples(cfg, tokenizer)
     context = RunContext(
         cfg,
         mesh,
         tokenizer,
         model_config,
         objective,
-        rewards.combine_rewards(
-            [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
-        ),
+        task_reward(cfg),
         [],
         examples,
         stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),

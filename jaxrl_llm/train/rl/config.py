@@ -36,7 +36,10 @@ class DataSection:
       prompt_field, answer_field: JSONL field names.
       chat_template: wrap prompts with the tokenizer's chat template.
       system_prompt: optional system message for the chat template.
-      max_prompt_tokens: longer prompts are an error (never silently truncated).
+      max_prompt_tokens: the longest prompt (formatted, in tokens); never silently truncated.
+      overlong_prompts: what a longer prompt does, checked once when the task loads:
+        ``filter`` (dropped, and the count of each split logged) or ``error`` (the run stops
+        before training, naming the first such prompt).
       num_train: built-in task size (training prompts).
       digits: built-in task operand digit counts.
       ops: built-in task operators.
@@ -51,6 +54,7 @@ class DataSection:
     chat_template: bool = False
     system_prompt: str | None = None
     max_prompt_tokens: int = 512
+    overlong_prompts: str = "filter"
     num_train: int = 4000
     digits: tuple[int, ...] = (1, 2)
     ops: tuple[str, ...] = ("+", "-")
@@ -128,6 +132,7 @@ class RolloutSection:
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
+OVERLONG_PROMPTS = ("filter", "error")
 ROLLOUT_LOGPROBS = ("recompute", "sampler")
 
 
@@ -355,6 +360,11 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         raise ValueError(f"rollout.logprobs must be one of {ROLLOUT_LOGPROBS}, got {r.logprobs!r}")
     if r.engine not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+    if cfg.data.overlong_prompts not in OVERLONG_PROMPTS:
+        raise ValueError(
+            f"data.overlong_prompts must be one of {OVERLONG_PROMPTS}, got "
+            f"{cfg.data.overlong_prompts!r}"
+        )
     tp = r.tensor_parallel
     if isinstance(tp, bool) or not (tp in TENSOR_CHOICES or (isinstance(tp, int) and tp >= 1)):
         raise ValueError(

@@ -8,21 +8,88 @@ and evaluates greedily on the held-out prompts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_llm import data, objectives
+from jaxrl_llm import data, objectives, rewards
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import RM_NORMALIZE, TrainConfig
 from jaxrl_llm.types import Sequences
 
+log = logging.getLogger("jaxrl_llm")
 
-def load_examples(cfg: TrainConfig) -> tuple[list, list]:
-    """``(train, eval)`` examples of the configured task."""
+
+def load_examples(cfg: TrainConfig, tokenizer: Any = None) -> tuple[list, list]:
+    """``(train, eval)`` examples of the configured task; with the ``tokenizer``, screened for
+    prompts over ``data.max_prompt_tokens`` (``screen_prompts``)."""
+    train, held_out = _load_examples(cfg)
+    if tokenizer is None:
+        return train, held_out
+    return (
+        screen_prompts(cfg, tokenizer, train, "train"),
+        screen_prompts(cfg, tokenizer, held_out, "eval"),
+    )
+
+
+def task_reward(cfg: TrainConfig):
+    """The configured reward: ``rewards``' terms, made and weighted (``combine_rewards``)."""
+    return rewards.combine_rewards(
+        [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
+    )
+
+
+def screen_prompts(cfg: TrainConfig, tokenizer: Any, examples: list, split: str) -> list:
+    """``examples`` whose formatted prompt (chat template, system prompt) fits
+    ``data.max_prompt_tokens``; the others are dropped and counted in a log line
+    (``data.overlong_prompts=filter``) or refused (``error``).
+
+    Raises:
+      ValueError: ``error`` mode and an overlong prompt (naming it, its length and the key),
+        or ``filter`` mode leaving no example at all.
+    """
+    section, limit = cfg.data, cfg.data.max_prompt_tokens
+    kept, dropped, longest = [], 0, 0
+    for ex in examples:
+        text = data.format_prompt(
+            ex.prompt,
+            tokenizer,
+            chat_template=section.chat_template,
+            system_prompt=section.system_prompt,
+        )
+        length = len(tokenizer(text, add_special_tokens=not section.chat_template)["input_ids"])
+        if length <= limit:
+            kept.append(ex)
+            continue
+        if section.overlong_prompts == "error":
+            raise ValueError(
+                f"a {split} prompt of {length} tokens exceeds data.max_prompt_tokens={limit} "
+                f"({text[:80]!r}...): raise the limit or set data.overlong_prompts=filter"
+            )
+        dropped, longest = dropped + 1, max(longest, length)
+    if dropped:
+        log.warning(
+            "data: dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d (longest "
+            "%d tokens)",
+            dropped,
+            len(examples),
+            split,
+            limit,
+            longest,
+        )
+    if examples and not kept:
+        raise ValueError(
+            f"every {split} prompt exceeds data.max_prompt_tokens={limit} (longest {longest} "
+            "tokens): raise the limit"
+        )
+    return kept
+
+
+def _load_examples(cfg: TrainConfig) -> tuple[list, list]:
     section = cfg.data
     if section.task == "arithmetic":
         examples = data.arithmetic_examples(

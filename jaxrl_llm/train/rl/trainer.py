@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import data, objectives, parallel, rewards
+from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
@@ -34,7 +34,7 @@ from jaxrl_llm.train.rl.config import (
     forward_micro_batching,
     micro_batching,
 )
-from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model
+from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model, task_reward
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.sft import sft_warmup
@@ -119,10 +119,8 @@ class RLTrainer(Trainer):
         mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh)
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
-        train_examples, eval_examples = load_examples(cfg)
-        reward_fn = rewards.combine_rewards(
-            [(rewards.make_reward(t.name, **dict(t.kwargs)), t.weight) for t in cfg.rewards]
-        )
+        train_examples, eval_examples = load_examples(cfg, tokenizer)
+        reward_fn = task_reward(cfg)
         self.run = RunContext(
             cfg,
             mesh,

@@ -19,8 +19,8 @@ import pytest
 from jaxrl_llm import data, models
 from jaxrl_llm.data.encoding import stop_token_ids
 from jaxrl_llm.train.config_io import load_config
-from jaxrl_llm.train.rl.config import TrainConfig
-from jaxrl_llm.train.rl.context import normalize_scores
+from jaxrl_llm.train.rl.config import TrainConfig, check_config
+from jaxrl_llm.train.rl.context import normalize_scores, screen_prompts
 from jaxrl_llm.train.rl.trainer import SFT_WARMUP_STEPS_BUILTIN, RLTrainer
 from jaxrl_llm.train.setup import tiny_model_config
 from tests.train.rl import rl_helpers
@@ -113,3 +113,41 @@ def test_learned_rewards_are_whitened_over_the_batch(rng):
     np.testing.assert_array_equal(normalize_scores(scores, "none"), scores)
     # One score has no spread to whiten: it is kept as it is.
     np.testing.assert_array_equal(normalize_scores(scores[:1], "batch"), scores[:1])
+
+
+def _screen_setup(tmp_path, *overrides):
+    cfg = load_config(
+        TrainConfig, None, [f"run_dir={tmp_path}", "data.max_prompt_tokens=12", *overrides]
+    )
+    tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
+    short = data.Example(prompt="1+2=", answer="3")
+    long = data.Example(prompt="12+34+56+78+90=", answer="270")
+    return cfg, tokenizer, [short, long, short, long, long]
+
+
+def test_overlong_prompts_are_dropped_and_counted(tmp_path, caplog):
+    # The character tokenizer: one token a character, so "1+2=" is 4 tokens and the
+    # 15-character prompt 15, over the limit of 12.
+    cfg, tokenizer, examples = _screen_setup(tmp_path)
+    assert len(tokenizer("1+2=")["input_ids"]) == 4
+    with caplog.at_level("WARNING", logger="jaxrl_llm"):
+        kept = screen_prompts(cfg, tokenizer, examples, "train")
+    assert kept == [examples[0], examples[2]]
+    assert "dropped 3 of 5 train prompts longer than data.max_prompt_tokens=12 (longest 15" in (
+        caplog.text
+    )
+    # The limit is inclusive: a prompt of exactly 12 tokens stays.
+    edge = data.Example(prompt="12+34+56+78=", answer="180")
+    assert screen_prompts(cfg, tokenizer, [edge], "eval") == [edge]
+
+
+def test_overlong_prompts_error_mode_and_nothing_left(tmp_path):
+    cfg, tokenizer, examples = _screen_setup(tmp_path, "data.overlong_prompts=error")
+    with pytest.raises(ValueError, match="a train prompt of 15 tokens exceeds data.max_prompt"):
+        screen_prompts(cfg, tokenizer, examples, "train")
+    cfg, tokenizer, examples = _screen_setup(tmp_path)
+    with pytest.raises(ValueError, match="every eval prompt exceeds data.max_prompt_tokens=12"):
+        screen_prompts(cfg, tokenizer, examples[1:2], "eval")
+    bad = load_config(TrainConfig, None, ["run_dir=x", "data.overlong_prompts=truncate"])
+    with pytest.raises(ValueError, match=r"data.overlong_prompts must be one of \('filter'"):
+        check_config(bad)
