@@ -105,11 +105,8 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     )
     critic = aux_state(cfg, objective, model_config, mesh)
     sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
-    resident = sizes.train_state + sizes.reference + sizes.aux
     try:
-        layout = choose_layout(
-            cfg, model_config, mesh, shape, spec.usable_hbm_bytes_per_chip - resident
-        )
+        layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
     except ValueError as err:
         raise PlanError(f"the sampler's layout: {err}") from None
     programs = _lower_programs(

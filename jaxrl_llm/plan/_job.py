@@ -331,8 +331,9 @@ class StateBytes:
         return self.aux_params + self.aux_optimizer
 
     @property
-    def train_state(self) -> int:
-        return self.params + self.optimizer
+    def resident(self) -> int:
+        """Alive all step: the train state, the reference and the auxiliary model."""
+        return self.params + self.optimizer + self.reference + self.aux
 
 
 def state_bytes(

@@ -130,8 +130,7 @@ def plan_job(
       PlanError: see ``build_job``.
     """
     job = build_job(cfg, spec, devices)
-    resident = job.state.train_state + job.state.reference + job.state.aux
-    skip = resident > spec.usable_hbm_bytes_per_chip and not compile_anyway
+    skip = job.state.resident > spec.usable_hbm_bytes_per_chip and not compile_anyway
     outcomes = {} if skip else compile_job(job)
     programs = {
         name: _program_report(job, program, outcomes.get(name))
@@ -251,7 +250,7 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
     spec, shape, state, cfg = job.spec, job.shape, job.state, job.cfg
     usable = spec.usable_hbm_bytes_per_chip
     chips = job.mesh.size
-    resident = state.train_state + state.reference + state.aux
+    resident = state.resident
     worst = max(programs, key=lambda n: programs[n]["total_bytes"])
     overflow = max(programs[worst]["total_bytes"], resident) - usable
 

@@ -26,12 +26,11 @@ from jaxrl_llm.train.rl.serving import rollout_layout
 PyTree = Any
 
 
-def choose_layout(cfg, model_config, mesh, shape, budget_bytes: float) -> serving.ServingLayout:
-    """The layout ``train`` would pick (``RLTrainer._serving_layout``) with ``budget_bytes``
-    per chip left beside the resident state."""
-    return rollout_layout(
-        cfg, model_config, mesh, kv_slots=shape.seq_len, budget_bytes=budget_bytes
-    )
+def choose_layout(cfg, model_config, mesh, shape, spec, sizes) -> serving.ServingLayout:
+    """The layout ``train`` would pick (``train.rl.serving.trainer_sampler``), with the chip's
+    usable HBM less the resident state (``sizes.resident``) as the free memory."""
+    budget = spec.usable_hbm_bytes_per_chip - sizes.resident
+    return rollout_layout(cfg, model_config, mesh, kv_slots=shape.seq_len, budget_bytes=budget)
 
 
 def roofline_mesh(job) -> Any:
@@ -41,9 +40,7 @@ def roofline_mesh(job) -> Any:
         return job.serving.mesh
     auto = dataclasses.replace(job.cfg.rollout, tensor_parallel="auto")
     cfg = dataclasses.replace(job.cfg, rollout=auto)
-    resident = job.state.train_state + job.state.reference + job.state.aux
-    budget = job.spec.usable_hbm_bytes_per_chip - resident
-    return choose_layout(cfg, job.model_config, job.mesh, job.shape, budget).mesh
+    return choose_layout(cfg, job.model_config, job.mesh, job.shape, job.spec, job.state).mesh
 
 
 def lower_sampler_programs(

@@ -203,10 +203,12 @@ class Engine:
             min_p=min_p,
             vocab_size=config.vocab_size,
         )
-        self.sampling = sampling_params(
-            temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
+        self.sampling = replicate(
+            sampling_params(
+                temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
+            ),
+            mesh,
         )
-        self.sampling = replicate(self.sampling, mesh)
         self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
         self.stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]
         if any(not s or min(s) < 0 for s in self.stop_sequences):
