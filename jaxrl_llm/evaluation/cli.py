@@ -18,12 +18,8 @@ import argparse
 import json
 import pathlib
 import sys
-from typing import Any
 
-import jax
-import numpy as np
-
-from jaxrl_llm.evaluation.estimators import summarize
+from jaxrl_llm.evaluation.sampled import sampled_report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,7 +69,6 @@ def load_eval_config(target: str, overrides: list[str]):
 def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamples: int):
     """``(summary, per_prompt)`` of ``cfg``'s policy on its held-out prompts (see module)."""
     from jaxrl_llm import data  # noqa: PLC0415
-    from jaxrl_llm.rewards.math import answer_value, extract_answer  # noqa: PLC0415
     from jaxrl_llm.train import setup  # noqa: PLC0415
     from jaxrl_llm.train.rl.config import check_config  # noqa: PLC0415
     from jaxrl_llm.train.rl.context import (  # noqa: PLC0415
@@ -104,32 +99,16 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
         examples,
         stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
     )
-    drawn = context.sample(
-        params, examples, jax.random.key(seed), temperature=temperature, group_size=samples
+    return sampled_report(
+        context,
+        params,
+        examples,
+        k=k,
+        samples=samples,
+        temperature=temperature,
+        seed=seed,
+        resamples=resamples,
     )
-    correct = np.asarray(drawn.correct, bool).reshape(len(examples), samples)
-
-    def answer(text: str) -> Any:
-        found = extract_answer(text)
-        return None if found is None else answer_value(found)
-
-    answers = [
-        [answer(drawn.completions[p * samples + j]) for j in range(samples)]
-        for p in range(len(examples))
-    ]
-    ks = sorted({1, k})
-    summary = summarize(correct, ks=ks, answers=answers, resamples=resamples, seed=seed)
-    summary |= {"temperature": temperature, "k": k}
-    per_prompt = [
-        {
-            "prompt": examples[p].prompt,
-            "correct": int(correct[p].sum()),
-            "samples": samples,
-            "answers": [None if a is None else str(a) for a in answers[p]],
-        }
-        for p in range(len(examples))
-    ]
-    return summary, per_prompt
 
 
 def eval_main(argv: list[str] | None = None) -> int:

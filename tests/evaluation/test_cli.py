@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval_run")
-    cfg = rl_helpers.tiny_config(None, path, "sft_warmup.steps=300", "trainer.max_steps=1")
+    cfg = rl_helpers.tiny_config(
+        None, path, "sft_warmup.steps=300", "trainer.max_steps=1", "trainer.eval_k=4"
+    )
     RLTrainer(cfg).fit()
     return path
 
@@ -60,6 +62,28 @@ def test_sampled_pass_at_k_follows_the_per_prompt_counts(run_dir, tmp_path, caps
     assert summary["pass@4"] == pytest.approx(want)
     assert summary["pass@1"] == pytest.approx(sum(counts) / (6 * 16))
     assert summary["pass@4_low"] <= summary["pass@4"] <= summary["pass@4_high"]
+
+
+def test_trainer_eval_k_reports_what_eval_reports_for_its_policy(run_dir, tmp_path, capsys):
+    """``trainer.eval_k=4``: the run's final evaluation holds pass@k / mean@k / maj@k with their
+    bounds, the numbers ``jaxrl-llm eval`` gives for the exported policy at the run's seed and
+    rollout temperature (the trainer's in-memory parameters vs the ``hf/`` export reloaded)."""
+    after = json.loads((run_dir / "summary.json").read_text())["eval_after_rl"]
+    out_json = tmp_path / "eval.json"
+    code, _, err = _eval(capsys, run_dir, "--k", 4, "--seed", 0, "--json", out_json)
+    assert code == 0, err
+    summary = json.loads(out_json.read_text())["summary"]
+    keys = [
+        f"{name}@{k}{end}"
+        for name in ("pass", "mean", "maj")
+        for k in (1, 4)
+        for end in ("", "_low", "_high")
+    ]
+    for key in keys:
+        assert after[key] == pytest.approx(summary[key], abs=1e-6), key
+    assert after["pass@1"] <= after["pass@4"] and after["mean@4"] == after["pass@1"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval/pass@4" in row for row in rows)  # eval_every=0: only before / after
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,11 @@ class TrainerSection:
       optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
         (halves their memory; the update is computed in f32 either way).
       eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
+      eval_k: besides greedy accuracy, each evaluation samples every held-out prompt
+        ``eval_k`` times and reports ``pass@1``, ``pass@k``, ``mean@k``, ``maj@k`` with their
+        95% bootstrap bounds (``_low`` / ``_high``), as ``jaxrl-llm eval --k`` does; 1 = greedy
+        accuracy only.
+      eval_temperature: the temperature of those samples (null: ``rollout.temperature``).
     """
 
     max_steps: int = 200
@@ -173,6 +178,8 @@ class TrainerSection:
     max_grad_norm: float = 1.0
     optimizer_state_dtype: str = "float32"
     eval_every: int = 0
+    eval_k: int = 1
+    eval_temperature: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +379,9 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         )
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
     _at_least("trainer.eval_every", t.eval_every, 0)
+    _at_least("trainer.eval_k", t.eval_k, 1)
+    if t.eval_temperature is not None:
+        _at_least("trainer.eval_temperature", t.eval_temperature, 0.0)
     tokens = t.micro_batch_tokens
     if not (tokens is None or tokens == "auto" or (isinstance(tokens, int) and tokens >= 1)):
         raise ValueError(

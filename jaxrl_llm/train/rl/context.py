@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import data, objectives, rewards
+from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import rollout as rollout_lib
@@ -228,7 +229,10 @@ class RunContext:
         )
 
     def evaluate(self, params, *, mesh=None) -> tuple[dict[str, float], rollout_lib.Samples]:
-        """Greedy accuracy and mean reward on the held-out prompts, and the samples."""
+        """Greedy accuracy and mean reward on the held-out prompts, and the samples; with
+        ``trainer.eval_k > 1`` also pass@k, mean@k, maj@k of ``eval_k`` samples a prompt
+        (``evaluation.sampled_report``, seeded by the run seed: every evaluation of a run
+        draws with the same key)."""
         samples = self.sample(
             params, self.eval_examples, jax.random.key(0), temperature=0.0, group_size=1, mesh=mesh
         )
@@ -236,4 +240,20 @@ class RunContext:
             "accuracy": float(samples.correct.mean()),
             "reward_mean": float(samples.rewards.mean()),
         }
+        t = self.cfg.trainer
+        if t.eval_k > 1:
+            temperature = (
+                self.cfg.rollout.temperature if t.eval_temperature is None else t.eval_temperature
+            )
+            summary, _ = sampled_report(
+                self,
+                params,
+                self.eval_examples,
+                k=t.eval_k,
+                samples=t.eval_k,
+                temperature=temperature,
+                seed=self.cfg.seed,
+                mesh=mesh,
+            )
+            metrics |= {key: value for key, value in summary.items() if "@" in key}
         return metrics, samples

@@ -89,3 +89,16 @@ def test_bad_rollout_logprobs_setting_names_the_key():
         ValueError, match=r"rollout.logprobs must be one of \('recompute', 'sampler'\)"
     ):
         check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("trainer.eval_k=0", "trainer.eval_k must be >= 1"),
+        ("trainer.eval_temperature=-0.5", "trainer.eval_temperature must be >= 0"),
+    ],
+)
+def test_bad_eval_settings_name_the_key(override, match):
+    cfg = load_config(TrainConfig, None, ["run_dir=x", override])
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg)
