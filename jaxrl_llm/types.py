@@ -52,6 +52,9 @@ class RolloutBatch(NamedTuple):
       num_seqs: scalar, non-empty rows of the *whole* batch (global normaliser for micro-batches).
       rollout_logprobs: ``[B, T]`` the sampler's own log-probs of the completion tokens, when
         the step should report how far they are from the trainer's (``rollout/*`` metrics).
+      attention_mask: ``[B, T]`` the completion tokens the model attends to, when more than
+        the trained ones (multi-turn: environment tokens are context with loss mask 0, in
+        ``completion_mask``); None = ``completion_mask``.
     """
 
     completion_mask: Array
@@ -67,6 +70,24 @@ class RolloutBatch(NamedTuple):
     num_tokens: Array | None = None
     num_seqs: Array | None = None
     rollout_logprobs: Array | None = None
+    attention_mask: Array | None = None
+
+
+class MaskedSequences(NamedTuple):
+    """``Sequences`` whose trained tokens are a subset of the attended ones: a multi-turn
+    episode's environment tokens are context, not targets (the SFT warm-up's demonstrations).
+
+    Attributes:
+      prompt_tokens, prompt_mask, completion_tokens: as in ``Sequences``.
+      completion_mask: ``[B, T]`` bool, the tokens trained on (the loss mask).
+      attention_mask: ``[B, T]`` bool, the completion tokens attended (``>= completion_mask``).
+    """
+
+    prompt_tokens: Array
+    prompt_mask: Array
+    completion_tokens: Array
+    completion_mask: Array
+    attention_mask: Array
 
 
 class PreferenceBatch(NamedTuple):
@@ -116,7 +137,12 @@ class Completion(NamedTuple):
 
 
 def sequences_of(batch: Any) -> Sequences:
-    """The ``Sequences`` of any batch that carries the four token fields."""
+    """The ``Sequences`` of any batch that carries the four token fields; the completion mask
+    is the batch's ``attention_mask`` when it has one (the tokens the model sees)."""
+    attention = getattr(batch, "attention_mask", None)
     return Sequences(
-        batch.prompt_tokens, batch.prompt_mask, batch.completion_tokens, batch.completion_mask
+        batch.prompt_tokens,
+        batch.prompt_mask,
+        batch.completion_tokens,
+        batch.completion_mask if attention is None else attention,
     )

@@ -13,7 +13,14 @@ from jaxrl_llm.data.char_tokenizer import (
     SPECIAL_TOKENS,
     build_char_tokenizer,
 )
-from jaxrl_llm.data.datasets import Example, PromptSampler, format_prompt, load_jsonl, split_eval
+from jaxrl_llm.data.datasets import (
+    Example,
+    PromptSampler,
+    format_example,
+    format_prompt,
+    load_jsonl,
+    split_eval,
+)
 from jaxrl_llm.data.encoding import (
     decode_completions,
     encode_completions,
@@ -22,6 +29,7 @@ from jaxrl_llm.data.encoding import (
     prompt_lengths,
     stop_token_ids,
 )
+from jaxrl_llm.data.hf import load_hf_examples
 from jaxrl_llm.data.preferences import (
     IndexSampler,
     PreferenceArrays,
@@ -60,7 +68,9 @@ __all__ = [
     "encode_pairs",
     "encode_prompts",
     "encode_unpaired",
+    "format_example",
     "format_prompt",
+    "load_hf_examples",
     "load_jsonl",
     "load_preference_jsonl",
     "load_unpaired_jsonl",

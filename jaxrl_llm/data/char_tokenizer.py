@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 ARITHMETIC_ALPHABET = "0123456789+-*="
+# The built-in tool task (``env.name``): arithmetic plus what Hermes tool calls and responses
+# are written with (``<tool_call>{"name":"calc","arguments":{"expr":"12*34"}}</tool_call>``).
+TOOL_ALPHABET = ARITHMETIC_ALPHABET + 'abcdefghijklmnopqrstuvwxyz<>/{}[]":,_. ()'
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")

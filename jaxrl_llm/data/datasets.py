@@ -1,5 +1,7 @@
 """Prompt datasets: JSONL loading, a held-out split, a resumable sampler, prompt formatting.
 
+Hugging Face ``datasets`` sources (saved datasets, parquet, JSON) load in ``data.hf``.
+
 Everything here is host-side Python. The sampler's position is plain JSON (``state()`` /
 ``restore()``), so the training loop stores it in its checkpoint and a resumed run draws exactly
 the prompts an uninterrupted run would have drawn.
@@ -22,14 +24,19 @@ class Example:
     """One prompt with its reference answer.
 
     Attributes:
-      prompt: the text the policy is asked to complete (before any chat template).
+      prompt: the text the policy is asked to complete (before any chat template); with
+        ``messages``, the content of their last user message.
       answer: the reference answer the verifiers compare against.
       extra: every other field of the source record, kept for custom rewards.
+      messages: optional chat conversation ``({"role": ..., "content": ...}, ...)`` ending
+        where the policy answers; when set, ``format_example`` renders it through the chat
+        template instead of the single user message ``prompt``.
     """
 
     prompt: str
     answer: str
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    messages: tuple[dict[str, Any], ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.prompt, str):
@@ -38,10 +45,46 @@ class Example:
             raise ValueError(f"Example.answer must be a str, got {type(self.answer).__name__}")
         if not isinstance(self.extra, Mapping):
             raise ValueError(f"Example.extra must be a mapping, got {type(self.extra).__name__}")
+        if self.messages is not None:
+            object.__setattr__(self, "messages", check_messages(self.messages))
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"prompt": ..., "answer": ..., **extra}``: the JSONL record this example came from."""
-        return {"prompt": self.prompt, "answer": self.answer, **self.extra}
+        """``{"prompt": ..., "answer": ..., **extra}`` (and ``"messages"`` when set): the
+        record this example came from."""
+        record = {"prompt": self.prompt, "answer": self.answer, **self.extra}
+        if self.messages is not None:
+            record["messages"] = [dict(m) for m in self.messages]
+        return record
+
+
+def check_messages(messages: Any, where: str = "messages") -> tuple[dict[str, Any], ...]:
+    """A chat conversation as a tuple of ``{"role": str, "content": str, ...}`` dicts.
+
+    Keys whose value is ``None`` are dropped (Arrow fills the keys other rows have with nulls).
+
+    Raises:
+      ValueError: naming ``where``, unless ``messages`` is a non-empty list of mappings each
+        with a string ``role`` and ``content``, one of them a ``user`` message.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"{where}: expected a non-empty list of chat messages, got {messages!r}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where}[{i}]: a message must be a mapping, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"{where}[{i}]: a message needs a string {key!r}, got {message!r}")
+        checked.append(message)
+    if not any(m["role"] == "user" for m in checked):
+        raise ValueError(f"{where}: the conversation has no user message")
+    return tuple(checked)
+
+
+def last_user_message(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The index of the last ``user`` message (the one ``Example.prompt`` mirrors)."""
+    return max(i for i, m in enumerate(messages) if m["role"] == "user")
 
 
 # --------------------------------------------------------------------------------------
@@ -49,7 +92,7 @@ class Example:
 # --------------------------------------------------------------------------------------
 
 
-def _answer_text(value: Any, where: str, field: str) -> str:
+def answer_text(value: Any, where: str, field: str) -> str:
     """Answers may be numbers in the source (``"answer": 72``); bools and nulls are mistakes."""
     if isinstance(value, str):
         return value
@@ -122,7 +165,7 @@ def load_jsonl(
         prompt = record.pop(prompt_field)
         if not isinstance(prompt, str):
             raise ValueError(f"{where}: field {prompt_field!r} must be a string, got {prompt!r}")
-        answer = _answer_text(record.pop(answer_field), where, answer_field)
+        answer = answer_text(record.pop(answer_field), where, answer_field)
         examples.append(Example(prompt=prompt, answer=answer, extra=record))
     return examples
 
@@ -194,6 +237,8 @@ def _fingerprint(examples: Sequence[Example]) -> str:
     digest = hashlib.sha256()
     for ex in examples:
         digest.update(ex.prompt.encode("utf-8"))
+        if ex.messages is not None:
+            digest.update(json.dumps(ex.messages, sort_keys=True, default=str).encode("utf-8"))
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
@@ -329,6 +374,7 @@ def format_prompt(
     *,
     chat_template: bool,
     system_prompt: str | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The text the policy conditions on.
 
@@ -341,27 +387,48 @@ def format_prompt(
       example_prompt: the raw prompt (``Example.prompt``).
       tokenizer: a ``transformers`` tokenizer (only used with ``chat_template=True``).
       chat_template: render through the tokenizer's chat template.
-      system_prompt: system message; needs ``chat_template=True``.
+      system_prompt: system message; needs ``chat_template=True``. With ``messages`` that
+        open with their own system message, theirs is kept and this one is not added.
+      messages: a whole conversation to render instead of the single user message
+        ``example_prompt`` (``Example.messages``); needs ``chat_template=True``.
 
     Returns:
       The prompt text. Chat templates usually write the BOS token themselves: tokenise the
       result with ``add_special_tokens=False`` when the tokenizer would add it again.
 
     Raises:
-      ValueError: if the tokenizer has no chat template, or a system prompt is given without
-        the chat template.
+      ValueError: if the tokenizer has no chat template, or a system prompt or messages are
+        given without the chat template.
     """
     if not isinstance(example_prompt, str):
         raise ValueError(f"prompt must be a str, got {type(example_prompt).__name__}")
     if not chat_template:
         if system_prompt is not None:
             raise ValueError("system_prompt needs chat_template=True (a raw prompt has no roles)")
+        if messages is not None:
+            raise ValueError("chat messages need chat_template=True (a raw prompt has no roles)")
         return example_prompt
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"{type(tokenizer).__name__} has no chat template; set chat_template=False or use a "
             "tokenizer that defines one"
         )
-    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    messages.append({"role": "user", "content": example_prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if messages is None:
+        messages = [{"role": "user", "content": example_prompt}]
+    conversation = [dict(m) for m in check_messages(messages)]
+    if system_prompt is not None and conversation[0]["role"] != "system":
+        conversation.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+
+def format_example(
+    example: Example, tokenizer: Any, *, chat_template: bool, system_prompt: str | None = None
+) -> str:
+    """``format_prompt`` of an example: its ``messages`` when it has them, else its prompt."""
+    return format_prompt(
+        example.prompt,
+        tokenizer,
+        chat_template=chat_template,
+        system_prompt=system_prompt,
+        messages=example.messages,
+    )

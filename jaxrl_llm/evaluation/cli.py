@@ -76,6 +76,7 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
         load_examples,
         task_reward,
     )
+    from jaxrl_llm.train.rl.episodes import make_run_env  # noqa: PLC0415
 
     if samples < k:
         raise ValueError(f"--samples {samples} must be at least --k {k}")
@@ -88,16 +89,18 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
     mesh = setup.make_run_mesh(cfg.mesh)
     tokenizer, model_config, params = setup.build_policy(cfg, mesh)
     _, examples = load_examples(cfg, tokenizer)
+    reward_fn = task_reward(cfg)
     context = RunContext(
         cfg,
         mesh,
         tokenizer,
         model_config,
         objective,
-        task_reward(cfg),
+        reward_fn,
         [],
         examples,
         stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
+        env=make_run_env(cfg, reward_fn),
     )
     return sampled_report(
         context,

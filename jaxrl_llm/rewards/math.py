@@ -1,4 +1,4 @@
-"""Math answer verification: extract the final answer, normalise it, compare exactly.
+"""Math answer verification: extract the final answer, then compare it with the reference.
 
 Extraction from a completion, first that applies:
 
@@ -7,13 +7,36 @@ Extraction from a completion, first that applies:
 3. the last number in the text (a sign counts only where it cannot be a binary minus, so
    ``"12-7=5"`` ends in ``5`` and ``"x = -3"`` in ``-3``).
 
-Numbers are compared as exact rationals (``fractions.Fraction``): integers, decimals,
-thousands separators (``1,234`` and LaTeX ``1{,}234``), ``$`` signs, ``%``, trailing ``.0``,
-Unicode minus signs, ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\frac12`` and ``a/b`` all normalise,
-so ``\\boxed{\\frac{1}{2}}`` matches ``0.5`` and ``$5.00`` matches ``5``; ``0.333`` does not
-match ``1/3``. Answers that are not numbers are compared as strings after removing whitespace,
-``$`` and ``\\text{}`` wrappers; there is no symbolic algebra (``2^{10}`` does not match
-``1024``).
+A reference holding ``####`` or ``\\boxed`` (a GSM8K / MATH solution) is reduced the same way.
+``MathMatch(strict=True)`` asks for the boxed format: a completion without a ``\\boxed{...}``
+(or ``\\fbox{...}``) scores ``incorrect``, instead of falling back to ``####`` or the last number.
+
+Comparison, ``backend``:
+
+* ``builtin``: numbers are compared as exact rationals (``fractions.Fraction``): integers,
+  decimals, thousands separators (``1,234`` and LaTeX ``1{,}234``), ``$`` signs, ``%``, trailing
+  ``.0``, Unicode minus signs, ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\frac12`` and ``a/b`` all
+  normalise, so ``\\boxed{\\frac{1}{2}}`` matches ``0.5`` and ``$5.00`` matches ``5``; ``0.333``
+  does not match ``1/3``. Answers that are not numbers are compared as strings after removing
+  whitespace, ``$`` and ``\\text{}`` wrappers; there is no symbolic algebra (``2^{10}`` does
+  not match ``1024``).
+* ``math_verify``: what ``builtin`` accepts, plus what ``math-verify`` proves equal
+  (``rewards.equivalence``): ``2^{10}`` = ``1024``, ``\\sqrt{4}`` = ``2``, ``x+1`` = ``1+x``,
+  ``\\frac{\\sqrt{2}}{2}`` = ``\\frac{1}{\\sqrt{2}}``, sets, intervals, ``x=2`` = ``2``. The
+  extracted answer and the reference are each parsed as ``\\boxed{...}``. math-verify is asked
+  only when the builtin comparison fails and one side is not a plain number (two numbers keep
+  the exact rational verdict, so no float tolerance, and numeric tasks never pay for SymPy);
+  when it cannot parse a side, fails or runs past ``timeout_s``, the builtin verdict stands.
+* ``auto`` (``MathMatch``'s default): ``math_verify`` when the package imports, else
+  ``builtin``.
+
+The answer is always extracted by the rules above, whatever the backend, so the reward,
+``is_correct`` and the evaluation's majority vote (``extract_answer``) agree on what the answer
+*is*. ``is_correct`` (the accuracy metric the trainer and ``jaxrl-llm eval`` report) compares
+with ``builtin`` by default: its meaning must not depend on which packages are installed, it
+runs on every sample in the training loop (outside any scoring pool) and it stays comparable
+with earlier runs. So a ``math_verify`` reward can exceed the reported accuracy on answers only
+math-verify accepts (``\\boxed{2^{10}}`` for ``1024``).
 """
 
 from __future__ import annotations
@@ -23,6 +46,7 @@ import re
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from jaxrl_llm.rewards import equivalence
 from jaxrl_llm.rewards.base import RewardInput, reference_answer
 
 _MINUS_SIGNS = str.maketrans({c: "-" for c in "\u2212\u2012\u2013\ufe63\uff0d"})
@@ -158,38 +182,87 @@ def answer_value(answer: str) -> Fraction | str:
     return re.sub(r"\s+", "", _clean(answer)).rstrip(".")
 
 
-def _reference_value(reference: str) -> Fraction | str:
+BACKENDS = ("auto", "math_verify", "builtin")
+
+
+def _check_backend(backend: str) -> str:
+    """The backend that will run: ``auto`` resolved to ``math_verify`` or ``builtin``.
+
+    Raises:
+      ValueError: on an unknown backend, or ``math_verify`` without the package.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"math_match backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "math_verify" if equivalence.installed() else "builtin"
+    if backend == "math_verify" and not equivalence.installed():
+        raise ValueError(
+            "math_match backend 'math_verify' needs the math-verify package: "
+            "pip install 'jaxrl-llm[math]' (or backend: builtin)"
+        )
+    return backend
+
+
+def _reference_text(reference: str) -> str:
     """References are usually bare answers; GSM8K / MATH solutions hold ``####`` / ``\\boxed``."""
     if "####" in reference or any(cmd in reference for cmd in _BOX_COMMANDS):
         extracted = extract_answer(reference)
         if extracted is not None:
-            reference = extracted
-    return answer_value(reference)
+            return extracted
+    return reference
 
 
-def answers_match(completion: str, reference: str) -> bool:
+def answers_match(
+    completion: str, reference: str, *, backend: str = "builtin", timeout_s: float = 5.0
+) -> bool:
     """Whether the answer extracted from ``completion`` equals the reference answer.
 
-    Numbers compare exactly as rationals; anything else compares as normalised text, and an
-    empty answer never matches.
+    Args:
+      completion: the text holding the answer (see the module docstring for the extraction).
+      reference: the reference answer, or a solution ending in ``#### x`` / ``\\boxed{x}``.
+      backend: ``builtin``, ``math_verify`` or ``auto`` (module docstring). With ``builtin``,
+        numbers compare exactly as rationals, anything else as normalised text; an empty answer
+        never matches.
+      timeout_s: math-verify's time budget for this comparison.
+
+    Raises:
+      ValueError: on an unknown backend, or ``math_verify`` without the package.
     """
+    backend = _check_backend(backend)
     predicted = extract_answer(completion)
     if predicted is None:
         return False
-    got, want = answer_value(predicted), _reference_value(reference)
-    if isinstance(got, Fraction) != isinstance(want, Fraction):
+    reference = _reference_text(reference)
+    got, want = answer_value(predicted), answer_value(reference)
+    if got == want and got != "" and isinstance(got, Fraction) == isinstance(want, Fraction):
+        return True
+    if backend == "builtin" or "" in (got, want):
         return False
-    return got == want and got != ""
+    if isinstance(got, Fraction) and isinstance(want, Fraction):
+        return False  # two plain numbers: the exact verdict stands, no float tolerance
+    verdict = equivalence.equivalent(
+        f"\\boxed{{{predicted}}}", f"\\boxed{{{reference.strip()}}}", timeout_s=timeout_s
+    )
+    return verdict is True
 
 
-def is_correct(completion: str, example: Any) -> bool:
-    """The accuracy metric: the completion's final answer equals ``example``'s answer."""
-    return answers_match(completion, reference_answer(example))
+def is_correct(completion: str, example: Any, *, backend: str = "builtin") -> bool:
+    """The accuracy metric: the completion's final answer equals ``example``'s answer.
+
+    Compared with the ``builtin`` backend unless asked otherwise: the metric must not change
+    meaning with the installed packages (see the module docstring).
+    """
+    return answers_match(completion, reference_answer(example), backend=backend)
+
+
+def has_boxed_answer(text: str) -> bool:
+    """Whether ``text`` holds a complete ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``)."""
+    return _boxed_content(text) is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class MathMatch:
-    """Verifiable-answer reward: ``correct`` if ``is_correct`` else ``incorrect``.
+    """Verifiable-answer reward: ``correct`` if the answers match, else ``incorrect``.
 
     ``r = correct · 1[answer(completion) = answer(example)] + incorrect · 1[otherwise]``,
     the rule-based outcome reward of DeepSeekMath (Shao et al., 2024) and DeepSeek-R1.
@@ -197,11 +270,36 @@ class MathMatch:
     Attributes:
       correct: reward of a matching answer.
       incorrect: reward of a wrong or missing answer.
+      backend: how answers compare: ``auto`` (math-verify when installed, else builtin),
+        ``math_verify`` or ``builtin`` (module docstring).
+      strict: require the ``\\boxed{...}`` format: a completion without one gets
+        ``incorrect``, whatever numbers it contains.
+      timeout_s: math-verify's time budget per completion (parsing and comparing).
+
+    Raises:
+      ValueError: on an unknown backend, ``math_verify`` without the package, or a
+        non-positive ``timeout_s``.
     """
 
     name: ClassVar[str] = "math_match"
     correct: float = 1.0
     incorrect: float = 0.0
+    backend: str = "auto"
+    strict: bool = False
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        _check_backend(self.backend)
+        if not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s < float("inf"):
+            raise ValueError(
+                f"math_match timeout_s must be a positive number, got {self.timeout_s!r}"
+            )
 
     def __call__(self, inp: RewardInput) -> float:
-        return float(self.correct if is_correct(inp.completion, inp.example) else self.incorrect)
+        reference = reference_answer(inp.example)
+        if self.strict and not has_boxed_answer(inp.completion):
+            return float(self.incorrect)
+        ok = answers_match(
+            inp.completion, reference, backend=self.backend, timeout_s=self.timeout_s
+        )
+        return float(self.correct if ok else self.incorrect)

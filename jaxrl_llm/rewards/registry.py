@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxrl_llm.rewards.base import RewardFn, RewardInput
+from jaxrl_llm.rewards.code import CodeExec
 from jaxrl_llm.rewards.format import FormatReward
 from jaxrl_llm.rewards.length import OverlongPenalty
 from jaxrl_llm.rewards.math import MathMatch
@@ -24,6 +25,7 @@ REWARDS: dict[str, Any] = {
     "math_match": MathMatch,
     "format": FormatReward,
     "overlong": OverlongPenalty,
+    "code_exec": CodeExec,
 }
 
 

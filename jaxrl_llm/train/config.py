@@ -9,6 +9,7 @@ into plain Python values before anything is jitted; it never enters traced code.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,46 @@ class MeshSection:
     tensor: int = 1
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSection:
+    """A Weights & Biases run mirroring ``metrics.jsonl`` (``logging.wandb``; see docs/logging.md).
+
+    Attributes:
+      project: the W&B project (required).
+      mode: ``online`` (stream to the server), ``offline`` (write under ``<run_dir>/wandb/``
+        only, for ``wandb sync`` later; needs no network or login) or ``disabled``; null (the
+        default) = W&B's own default: the ``WANDB_MODE`` environment variable, else ``online``.
+      entity: the W&B team or user (null: the login's default entity).
+      name: the run's display name (null: the run directory's name).
+      group, tags, notes: W&B's run grouping, tags and description.
+    """
+
+    project: str
+    mode: Literal["online", "offline", "disabled"] | None = None
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    notes: str | None = None
+
+    def __post_init__(self):
+        if not self.project.strip():
+            raise ValueError("logging.wandb.project must be a non-empty string")
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(
+                f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)} (or null), "
+                f"got {self.mode!r}"
+            )
+        for key in ("entity", "name", "group"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise ValueError(f"logging.wandb.{key} must be null or a non-empty string")
+        if any(not tag.strip() for tag in self.tags):
+            raise ValueError(f"logging.wandb.tags must be non-empty strings, got {self.tags!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingSection:
     """What a run writes besides ``metrics.jsonl`` and ``summary.json``.
@@ -104,9 +145,16 @@ class LoggingSection:
       plots: ``plots/*.png`` at every evaluation and at the end.
       progress: a progress bar.
       show_samples: completions printed at each evaluation (all go to ``samples.jsonl``).
+      wandb: a W&B run logging the metrics, the config, the plots and the summary; null (the
+        default) = off. Needs the ``wandb`` extra (``pip install "jaxrl-llm[wandb]"``).
     """
 
     tensorboard: bool = True
     plots: bool = True
     progress: bool = True
     show_samples: int = 4
+    wandb: WandbSection | None = None
+
+    def __post_init__(self):
+        if self.show_samples < 0:
+            raise ValueError(f"logging.show_samples must be >= 0, got {self.show_samples}")

@@ -4,9 +4,10 @@
 holds checkpoints unless ``resume=true`` (and then a config that changed in a way that breaks
 exact resumption unless ``resume_force=true``), writes ``config.yaml`` only once every check has
 passed, runs the step loop with evaluation, ``metrics.jsonl`` rows, per-phase timings, the
-progress bar and orbax checkpoints, and ends with ``summary.json``, ``plots/*.png`` and a
-Hugging Face checkpoint of the final policy in ``hf/``. A wing (``train.rl``,
-``train.preference``) supplies the state, one step, the evaluation and what to export.
+progress bar, orbax checkpoints and, with ``logging.wandb``, a W&B run, and ends with
+``summary.json``, ``plots/*.png`` and a Hugging Face checkpoint of the final policy in ``hf/``.
+A wing (``train.rl``, ``train.preference``) supplies the state, one step, the evaluation and
+what to export.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxrl_llm.train import plots
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config, save_config, to_dict
 from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar
+from jaxrl_llm.train.wandb_logger import require_wandb
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -115,6 +117,8 @@ class Trainer:
         self.latest: int | None = None
         self.completed_steps = 0
         self.reference_dirty = False
+        if self.is_main and cfg.logging.wandb is not None:
+            require_wandb()  # a missing package fails here, before the model is built
 
     # -- the run directory ---------------------------------------------------------------------
 
@@ -141,7 +145,13 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
-        self.metrics_writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
+        self.metrics_writer = MetricsWriter(
+            self.run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            config=to_dict(cfg),
+            resume=self.latest is not None,
+        )
 
     def _check_resume_config(self) -> None:
         saved_path = self.run_dir / "config.yaml"
@@ -256,9 +266,10 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _plot(self) -> None:
+    def _plot(self, step: int) -> None:
+        """Draws ``plots/*.png`` (and logs them to W&B at ``step``)."""
         if self.is_main and self.cfg.logging.plots:
-            plots.plot(self.run_dir, self.plot_keys)
+            self.metrics_writer.log_plots(step, plots.plot(self.run_dir, self.plot_keys))
 
     def fit(self) -> dict[str, Any]:
         """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``."""
@@ -308,7 +319,7 @@ class Trainer:
                 checkpoint_s = time.perf_counter() - saved
             bar.update(self.progress_view(metrics))
             if any(k.startswith("eval/") for k in metrics):
-                self._plot()
+                self._plot(step + 1)
         bar.close()
         after = self.evaluate()
         summary = {
@@ -324,7 +335,7 @@ class Trainer:
         summary["hf"] = os.fspath(hf_dir)
         if self.is_main:
             self.metrics_writer.write_summary(summary)
-        self._plot()
+        self._plot(max_steps)
         self.metrics_writer.close()
         self.checkpointer.close()
         log.info("evaluation after training: %s", after)

@@ -6,10 +6,13 @@ A run directory holds::
     tensorboard/       event files (when tensorboardX is installed)
     summary.json       the end-of-run summary
     plots/<key>.png    curves of chosen metrics (``train.plots``)
+    wandb/             the W&B run's local files (``logging.wandb``; ``train.wandb_logger``)
+    wandb_id.txt       its id, so that a resumed run continues it
 
 Only the primary process (``jax.process_index() == 0``) writes, so every process of a
 multi-host job can make the same calls. On resume, ``truncate(step)`` drops the rows written
-after the restored checkpoint, so the file ends up as an uninterrupted run would have written it.
+after the restored checkpoint, so the file ends up as an uninterrupted run would have written it
+(W&B cannot drop points: see docs/logging.md).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxrl_llm.train.config import WandbSection
+    from jaxrl_llm.train.wandb_logger import WandbLogger
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +96,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
 
 
 class MetricsWriter:
-    """Appends one row of scalar metrics per step to ``metrics.jsonl`` (and to TensorBoard).
+    """Appends one row of scalar metrics per step to ``metrics.jsonl`` (TensorBoard, W&B too).
 
     Example::
 
@@ -105,15 +112,25 @@ class MetricsWriter:
         run_dir: str | os.PathLike,
         *,
         tensorboard: bool = True,
+        wandb: WandbSection | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume: bool = False,
         primary: bool | None = None,
     ):
-        """Opens the run directory (created if missing).
+        """Opens the run directory (created if missing), and the W&B run when asked to.
 
         Args:
           run_dir: the run directory.
           tensorboard: also write TensorBoard events under ``tensorboard/`` when tensorboardX
             is importable (silently skipped otherwise).
+          wandb: ``logging.wandb``: also log rows, plots and the summary to a W&B run
+            (``train.wandb_logger``); ``None`` = off.
+          config: the job's resolved config (a plain dict), the W&B run's config.
+          resume: the run continues from a checkpoint, and so does its W&B run.
           primary: whether this process writes; ``None`` = ``jax.process_index() == 0``.
+
+        Raises:
+          ImportError: ``wandb`` is set but the package is not installed.
         """
         self.run_dir = os.fspath(run_dir)
         self.path = os.path.join(self.run_dir, METRICS_FILE)
@@ -123,17 +140,22 @@ class MetricsWriter:
         self._tb_purge_step: int | None = None
         self._file = None
         self._last_step: int | None = None
+        self.wandb: WandbLogger | None = None
         if self.primary:
             os.makedirs(self.run_dir, exist_ok=True)
             if os.path.exists(self.path):
                 rows = read_metrics(self.path)
                 self._last_step = max((r["step"] for r in rows), default=None)
+            if wandb is not None:
+                from jaxrl_llm.train.wandb_logger import WandbLogger  # noqa: PLC0415
+
+                self.wandb = WandbLogger(wandb, self.run_dir, config=config, resume=resume)
 
     def truncate(self, step: int) -> None:
         """Drops the rows with ``step`` greater than ``step`` (call on resume; 0 = fresh run).
 
         The file is rewritten atomically; TensorBoard events after ``step`` are purged by the
-        next write.
+        next write. A W&B run keeps its points (online, W&B ignores the replayed steps it holds).
 
         Raises:
           ValueError: ``step`` is negative.
@@ -193,7 +215,14 @@ class MetricsWriter:
             for key, value in row.items():
                 if key != "step":
                     tb.add_scalar(key, value, global_step=step)
+        if self.wandb is not None:
+            self.wandb.log(step, {k: v for k, v in row.items() if k != "step"})
         return row
+
+    def log_plots(self, step: int, paths: Sequence[str | os.PathLike]) -> None:
+        """Logs the PNGs ``train.plots`` wrote to W&B at ``step`` (nothing without W&B)."""
+        if self.primary and self.wandb is not None:
+            self.wandb.log_images(step, paths)
 
     def _tensorboard_writer(self):
         if not self.tensorboard or self._tb_writer is not None:
@@ -216,6 +245,8 @@ class MetricsWriter:
     def write_summary(self, summary: Mapping[str, Any]) -> str:
         """Writes ``summary.json`` atomically (NumPy / JAX scalars become Python numbers).
 
+        With W&B, the entries also go to the W&B run's summary.
+
         Returns:
           The file's path.
 
@@ -229,6 +260,8 @@ class MetricsWriter:
             raise ValueError(f"summary is not JSON-serialisable: {err}") from err
         if self.primary:
             _atomic_write(path, text + "\n")
+            if self.wandb is not None:
+                self.wandb.summary(json.loads(text))
         return path
 
     def _close_files(self) -> None:
@@ -241,8 +274,10 @@ class MetricsWriter:
             self._tb_writer = None
 
     def close(self) -> None:
-        """Flushes and closes the files."""
+        """Flushes and closes the files, and finishes the W&B run."""
         self._close_files()
+        if self.wandb is not None:
+            self.wandb.finish()
 
     def __enter__(self) -> MetricsWriter:
         return self

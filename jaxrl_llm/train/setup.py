@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import data, models, parallel, sampling
+from jaxrl_llm.data import char_tokenizer
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -115,8 +116,16 @@ def build_policy(cfg, mesh):
         model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
         model_config = with_compute_dtype(model_config, cfg.model)
         return models.load_tokenizer(cfg.model.path), model_config, params
-    tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
+    tokenizer = data.build_char_tokenizer(tiny_alphabet(cfg))
     return tokenizer, tiny_model_config(cfg.model, tokenizer, mesh), None
+
+
+def tiny_alphabet(cfg) -> str:
+    """The built-in model's characters: arithmetic, and those of tool calls when the run has
+    an environment (``env.name``)."""
+    env = getattr(cfg, "env", None)
+    has_env = env is not None and env.name is not None
+    return char_tokenizer.TOOL_ALPHABET if has_env else char_tokenizer.ARITHMETIC_ALPHABET
 
 
 def sft_warmup_steps(cfg, builtin_default: int) -> int:

@@ -20,18 +20,21 @@ from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import Totals, jit_step, make_step
-from jaxrl_llm.types import Sequences
+from jaxrl_llm.types import MaskedSequences, Sequences, sequences_of
 
 log = logging.getLogger("jaxrl_llm")
 PyTree = Any
 
 
 def make_sft_loss_fn(model_config, *, chunk_size: int | None = None, remat: str = "none"):
-    """``(params, seqs, totals) -> (nll, metrics)``: ``−Σ m·log π(y_t) / N_tok`` of the batch."""
+    """``(params, seqs, totals) -> (nll, metrics)``: ``−Σ m·log π(y_t) / N_tok`` of the batch.
 
-    def loss_fn(params, seqs: Sequences, totals: Totals | None):
+    ``seqs``: ``Sequences``, or ``MaskedSequences`` whose ``completion_mask`` (``m``, the
+    trained tokens) is narrower than the attended ``attention_mask`` (multi-turn episodes)."""
+
+    def loss_fn(params, seqs: Sequences | MaskedSequences, totals: Totals | None):
         token_logprobs = sequence_logprobs(
-            params, model_config, seqs, chunk_size=chunk_size, remat=remat
+            params, model_config, sequences_of(seqs), chunk_size=chunk_size, remat=remat
         )
         nll = aggregation.aggregate(
             -token_logprobs,

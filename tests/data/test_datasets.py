@@ -10,6 +10,7 @@ from jaxrl_llm.data import (
     Example,
     PromptSampler,
     build_char_tokenizer,
+    format_example,
     format_prompt,
     load_jsonl,
     split_eval,
@@ -263,3 +264,59 @@ def test_format_prompt_errors(char_tokenizer):
     plain.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         format_prompt("ab", plain, chat_template=True)
+
+
+# --------------------------------------------------------------------------------------
+# Chat messages
+# --------------------------------------------------------------------------------------
+
+CONVERSATION = (
+    {"role": "system", "content": "0"},
+    {"role": "user", "content": "1+1="},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "2+2="},
+)
+
+
+def test_example_messages_render_through_the_chat_template(char_tokenizer):
+    ex = Example(prompt="2+2=", answer="4", messages=[dict(m) for m in CONVERSATION])
+    assert ex.messages == CONVERSATION  # stored as a tuple of dicts
+    text = format_example(ex, char_tokenizer, chat_template=True, system_prompt="9")
+    # The conversation's own system message is kept; data.system_prompt is not added.
+    assert text == "<|system|>0<|user|>1+1=<|assistant|>2<eos><|user|>2+2=<|assistant|>"
+    no_system = Example(prompt="2+2=", answer="4", messages=CONVERSATION[1:])
+    text = format_example(no_system, char_tokenizer, chat_template=True, system_prompt="9")
+    assert text.startswith("<|system|>9<|user|>1+1=")
+    # Without messages, format_example is format_prompt of the prompt.
+    plain = Example(prompt="2+2=", answer="4")
+    assert format_example(plain, char_tokenizer, chat_template=True) == "<|user|>2+2=<|assistant|>"
+    assert format_example(plain, char_tokenizer, chat_template=False) == "2+2="
+    assert ex.to_dict()["messages"] == [dict(m) for m in CONVERSATION]
+    assert "messages" not in plain.to_dict()
+
+
+def test_messages_change_the_sampler_fingerprint():
+    a = [Example(prompt="q", answer="1", messages=[{"role": "user", "content": "q"}])]
+    b = [Example(prompt="q", answer="1", messages=[{"role": "user", "content": "q"}] * 2)]
+    with pytest.raises(ValueError, match="fingerprint"):
+        PromptSampler(b, seed=0).restore(PromptSampler(a, seed=0).state())
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "non-empty list of chat messages"),
+        ("hi", "non-empty list of chat messages"),
+        (["hi"], r"messages\[0\]: a message must be a mapping"),
+        ([{"role": "user"}], r"messages\[0\]: a message needs a string 'content'"),
+        ([{"role": "system", "content": "s"}], "no user message"),
+    ],
+)
+def test_bad_messages(messages, message):
+    with pytest.raises(ValueError, match=message):
+        Example(prompt="p", answer="a", messages=messages)
+
+
+def test_messages_need_the_chat_template(char_tokenizer):
+    with pytest.raises(ValueError, match="chat messages need chat_template=True"):
+        format_prompt("p", char_tokenizer, chat_template=False, messages=CONVERSATION)

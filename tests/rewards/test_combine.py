@@ -9,6 +9,7 @@ import pytest
 from jaxrl_llm.data import Example
 from jaxrl_llm.rewards import (
     REWARDS,
+    CodeExec,
     CombinedReward,
     FormatReward,
     MathMatch,
@@ -181,10 +182,11 @@ def test_summarize_rewards():
 
 
 def test_registry_builds_each_reward():
-    assert set(REWARDS) == {"math_match", "format", "overlong"}
+    assert set(REWARDS) == {"math_match", "format", "overlong", "code_exec"}
     assert make_reward("math_match") == MathMatch()
     assert make_reward("format", tags=["answer"], reward=2.0) == FormatReward(("answer",), 2.0)
     assert make_reward("overlong", max_tokens=10, buffer_tokens=2) == OverlongPenalty(10, 2)
+    assert make_reward("code_exec", partial=True) == CodeExec(partial=True)
     for name in REWARDS:
         kwargs = {"max_tokens": 4, "buffer_tokens": 1} if name == "overlong" else {}
         assert make_reward(name, **kwargs).name == name

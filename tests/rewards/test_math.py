@@ -1,5 +1,9 @@
-"""Math answer extraction, normalisation and exact comparison, on hand-checked cases."""
+"""Math answer extraction, normalisation and comparison (builtin and math-verify backends), on
+hand-checked cases."""
 
+import signal
+import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -10,8 +14,11 @@ from jaxrl_llm.rewards import (
     RewardInput,
     answer_value,
     answers_match,
+    equivalence,
     extract_answer,
+    has_boxed_answer,
     is_correct,
+    make_reward,
     parse_number,
 )
 
@@ -152,3 +159,177 @@ def test_math_match_reward_values():
     assert scaled(RewardInput("12+7=", "19", example)) == 2.0
     assert scaled(RewardInput("12+7=", "", example)) == -0.5
     assert isinstance(reward(RewardInput("p", "19", example)), float)
+
+
+# --------------------------------------------------------------------------------------
+# math-verify backend, strict mode
+# --------------------------------------------------------------------------------------
+
+# A tower SymPy cannot finish: only the time limit ends its comparison.
+HOPELESS = "\\boxed{2^{10^{10}}}"
+
+# math-verify is in the test extra; without it only the builtin tests run.
+needs_math_verify = pytest.mark.skipif(not equivalence.installed(), reason="needs math-verify")
+
+
+@needs_math_verify
+@pytest.mark.parametrize(
+    "completion, reference, expected",
+    [
+        ("\\boxed{2^{10}}", "1024", True),  # powers
+        ("\\boxed{2^{9}}", "1024", False),
+        ("\\boxed{\\sqrt{4}}", "2", True),  # roots
+        ("$\\boxed{2\\sqrt{3}}$", "\\sqrt{12}", True),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", True),
+        ("\\boxed{x+1}", "1+x", True),  # commutativity
+        ("\\boxed{x+2}", "x+1", False),
+        ("\\boxed{\\dfrac{x^{2}}{2}}", "x^2/2", True),  # LaTeX expression vs plain
+        ("\\boxed{\\{3,1,2\\}}", "\\{1,2,3\\}", True),  # sets
+        ("\\boxed{\\{1,2\\}}", "\\{1,3\\}", False),
+        ("\\boxed{[0,1)}", "[0, \\frac{2}{2})", True),  # intervals
+        ("\\boxed{(1,2)}", "(1,2]", False),
+        ("\\boxed{1024}", "so the answer is $\\boxed{2^{10}}$.", True),  # MATH solution
+        ("\\fbox{2^3}", "8", True),
+        ("the answer is 2^{10}, i.e. \\boxed{\\pi}", "3.14159", False),  # pi is not 3.14159
+        # Two plain numbers keep the exact verdict: no float tolerance.
+        ("\\boxed{0.3333333}", "\\frac{1}{3}", False),
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),
+        ("no answer here", "x+1", False),
+    ],
+)
+def test_math_verify_equivalence(completion, reference, expected):
+    assert answers_match(completion, reference, backend="math_verify") is expected
+    reward = MathMatch(backend="math_verify", correct=1.0, incorrect=-1.0)
+    assert reward(RewardInput("q", completion, {"answer": reference})) == (
+        1.0 if expected else -1.0
+    )
+
+
+def test_builtin_backend_has_no_algebra():
+    assert not answers_match("\\boxed{2^{10}}", "1024", backend="builtin")
+    assert MathMatch(backend="builtin")(RewardInput("q", "\\boxed{x+1}", {"answer": "1+x"})) == 0.0
+
+
+@needs_math_verify
+def test_is_correct_stays_builtin_unless_asked():
+    # The accuracy metric keeps its exact meaning; a math-verify reward may exceed it.
+    example = {"answer": "1024"}
+    assert not is_correct("\\boxed{2^{10}}", example)
+    assert is_correct("\\boxed{2^{10}}", example, backend="math_verify")
+    assert MathMatch()(RewardInput("q", "\\boxed{2^{10}}", example)) == 1.0  # auto
+
+
+def test_without_math_verify_auto_is_builtin(monkeypatch):
+    monkeypatch.setattr(equivalence, "installed", lambda: False)
+    reward = MathMatch()
+    assert reward(RewardInput("q", "\\boxed{2^{10}}", {"answer": "1024"})) == 0.0
+    assert reward(RewardInput("q", "\\boxed{0.5}", {"answer": "\\frac12"})) == 1.0
+    with pytest.raises(ValueError, match="needs the math-verify package"):
+        MathMatch(backend="math_verify")
+    with pytest.raises(ValueError, match="needs the math-verify package"):
+        answers_match("1", "1", backend="math_verify")
+
+
+@needs_math_verify
+def test_math_verify_that_fails_to_import_falls_back(monkeypatch):
+    monkeypatch.setattr(equivalence, "_load", lambda: None)
+    reward = MathMatch(backend="math_verify")
+    assert reward(RewardInput("q", "\\boxed{2^{10}}", {"answer": "1024"})) == 0.0
+    assert reward(RewardInput("q", "\\boxed{x + 1}", {"answer": "x+1"})) == 1.0
+
+
+@needs_math_verify
+def test_math_verify_errors_fall_back_to_builtin(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("parser bug")
+
+    import math_verify
+
+    monkeypatch.setattr(math_verify, "parse", broken)
+    reward = MathMatch(backend="math_verify")
+    assert reward(RewardInput("q", "\\boxed{2^{10}}", {"answer": "1024"})) == 0.0
+    assert reward(RewardInput("q", "\\boxed{\\text{yes}}", {"answer": "yes"})) == 1.0
+
+
+@needs_math_verify
+def test_math_verify_time_is_bounded_and_outer_timers_survive():
+    fired = []
+
+    def mine(signum, frame):
+        fired.append(signum)
+
+    previous = signal.signal(signal.SIGALRM, mine)
+    signal.setitimer(signal.ITIMER_REAL, 30.0)
+    try:
+        start = time.monotonic()
+        assert not answers_match(HOPELESS, "1", backend="math_verify", timeout_s=0.3)
+        elapsed = time.monotonic() - start
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert signal.getsignal(signal.SIGALRM) is mine  # the handler is restored
+        assert 0.25 < elapsed < 2.0
+        assert 27.0 < remaining <= 30.0 - elapsed + 0.1
+        assert not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@needs_math_verify
+def test_math_verify_from_another_thread():
+    # signal.alarm only works in the main thread: other threads go through a helper process.
+    results = {}
+
+    def work():
+        results["power"] = answers_match("\\boxed{2^{10}}", "1024", backend="math_verify")
+        start = time.monotonic()
+        results["hopeless"] = answers_match(HOPELESS, "1", backend="math_verify", timeout_s=0.3)
+        results["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert results["power"] is True and results["hopeless"] is False
+    assert results["elapsed"] < 0.3 + equivalence._HELPER_GRACE_S + 0.5
+
+
+@needs_math_verify
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("so the answer is 19", 0.0),  # the right number, but not boxed
+        ("#### 19", 0.0),
+        ("\\boxed{19}", 1.0),
+        ("\\fbox{19}", 1.0),
+        ("\\boxed 19", 1.0),
+        ("\\boxed{20}, I mean 19", 0.0),
+        ("\\boxed{19", 0.0),  # unbalanced: no box
+    ],
+)
+def test_strict_mode_needs_a_box(completion, reward):
+    for backend in ("builtin", "math_verify"):
+        strict = MathMatch(strict=True, backend=backend)
+        assert strict(RewardInput("12+7=", completion, Example("12+7=", "19"))) == reward
+    assert MathMatch()(RewardInput("q", "so the answer is 19", {"answer": "19"})) == 1.0
+
+
+@needs_math_verify
+def test_strict_math_verify_needs_the_box_too():
+    strict = MathMatch(strict=True, backend="math_verify")
+    assert strict(RewardInput("q", "2^{10} = 1024", {"answer": "2^{10}"})) == 0.0
+    assert strict(RewardInput("q", "so \\boxed{1024}", {"answer": "2^{10}"})) == 1.0
+    assert has_boxed_answer("a \\boxed{1}") and not has_boxed_answer("a 1")
+
+
+def test_backend_and_timeout_validation():
+    with pytest.raises(ValueError, match=r"\['auto', 'math_verify', 'builtin'\], got 'sympy'"):
+        MathMatch(backend="sympy")
+    with pytest.raises(ValueError, match="must be one of"):
+        make_reward("math_match", backend="latex")
+    with pytest.raises(ValueError, match="must be one of"):
+        answers_match("1", "1", backend="Builtin")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        MathMatch(timeout_s=0)
+    assert make_reward("math_match", strict=True, backend="builtin") == MathMatch(
+        backend="builtin", strict=True
+    )

@@ -20,6 +20,7 @@ from jaxrl_llm.train.config import (
     ModelSection,
     SFTWarmupSection,
 )
+from jaxrl_llm.train.rl.tasks import DATA_TASKS, OVERLONG_PROMPTS, check_data  # noqa: F401
 from jaxrl_llm.train.step import TokenBudget
 
 
@@ -28,18 +29,23 @@ class DataSection:
     """Prompts and answers.
 
     Attributes:
-      task: ``arithmetic`` (built-in) or ``jsonl``.
+      task: ``arithmetic`` (built-in), ``jsonl`` or ``hf`` (docs/datasets.md).
       train_path: JSONL file with ``prompt`` / ``answer`` fields (``task: jsonl``).
       eval_path: held-out JSONL; null = split ``eval_size`` examples off the training file.
+      path, split, eval_split: ``task: hf``'s dataset on disk, its training split and its
+        held-out split (null = split ``eval_size`` examples off the training split).
       eval_size: number of held-out prompts evaluated before / after RL and every
         ``trainer.eval_every`` steps.
-      prompt_field, answer_field: JSONL field names.
+      prompt_field, answer_field: field names; ``prompt_key`` / ``answer_key`` override them.
+      messages_key: ``hf`` column of chat messages used as the prompt (needs chat_template).
+      shuffle: ``hf``: rows in the seeded order ``default_rng(seed).permutation(N)``.
       chat_template: wrap prompts with the tokenizer's chat template.
       system_prompt: optional system message for the chat template.
-      max_prompt_tokens: the longest prompt (formatted, in tokens); never silently truncated.
+      max_prompt_tokens: the longest prompt (formatted, in tokens).
       overlong_prompts: what a longer prompt does, checked once when the task loads:
-        ``filter`` (dropped, and the count of each split logged) or ``error`` (the run stops
-        before training, naming the first such prompt).
+        ``filter`` (dropped, and the count of each split logged), ``error`` (the run stops
+        before training, naming the first such prompt) or ``truncate`` (its text is cut to fit,
+        keeping the end with ``truncation_side: left`` as verl's, the start with ``right``).
       num_train: built-in task size (training prompts).
       digits: built-in task operand digit counts.
       ops: built-in task operators.
@@ -48,13 +54,21 @@ class DataSection:
     task: str = "arithmetic"
     train_path: str | None = None
     eval_path: str | None = None
+    path: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
     eval_size: int = 128
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    prompt_key: str | None = None
+    answer_key: str | None = None
+    messages_key: str | None = None
+    shuffle: bool = True
     chat_template: bool = False
     system_prompt: str | None = None
     max_prompt_tokens: int = 512
     overlong_prompts: str = "filter"
+    truncation_side: str = "left"
     num_train: int = 4000
     digits: tuple[int, ...] = (1, 2)
     ops: tuple[str, ...] = ("+", "-")
@@ -114,6 +128,10 @@ class RolloutSection:
         no forward: verl's "bypass" mode). Either way every step reports how far the
         sampler's log-probs are from the trainer's (``rollout/logprob_diff_mean``,
         ``rollout/logprob_diff_max``, ``rollout/k3``).
+      tensor_parallel: the sampler's tensor-parallel size (``auto``, ``trainer`` or an int;
+        ``sampling.serving``).
+      reward_workers: processes that score completions (``rewards.ScoringPool``: verifiers
+        such as ``code_exec`` run in parallel, off the trainer's process); 0 = in-process.
     """
 
     prompts_per_step: int = 32
@@ -129,10 +147,10 @@ class RolloutSection:
     burst: int = 8
     logprobs: str = "recompute"
     tensor_parallel: int | str = "auto"
+    reward_workers: int = 0
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
-OVERLONG_PROMPTS = ("filter", "error")
 ROLLOUT_LOGPROBS = ("recompute", "sampler")
 
 
@@ -254,6 +272,30 @@ class RewardModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """A multi-turn environment (``jaxrl_llm.envs``); null ``name`` = single-turn prompts.
+
+    Each episode starts from ``reset(example)``'s messages; the policy and the environment
+    take turns (tool calls answered by tool results) until the environment says done. The
+    whole episode after the prompt is one completion of at most ``rollout.max_new_tokens``
+    tokens, the environment's tokens in it with loss mask 0; its reward is the sum of the
+    turns' rewards (``ToolEnv`` scores the final answer with the configured ``rewards``).
+
+    Attributes:
+      name: a key of ``envs.ENVIRONMENTS`` (``calculator``) or ``"package.module:factory"``
+        for your own ``factory(reward_fn=..., **kwargs) -> Environment``.
+      kwargs: the environment's settings (e.g. ``{timeout_s: 2.0, system_prompt: ...}``).
+      max_turns: assistant turns an episode.
+      max_turn_tokens: tokens one assistant turn may sample (null: what the episode has left).
+    """
+
+    name: str | None = None
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_turns: int = 4
+    max_turn_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole RL run (``job: rl``; ``preference`` / ``reward_model`` jobs have their own
     config in ``train.preference``). Keys other code relies on: ``run_dir``, ``seed``, ``resume``,
@@ -275,6 +317,7 @@ class TrainConfig:
     critic: CriticSection = CriticSection()
     prime: PrimeSection = PrimeSection()
     reward_model: RewardModelSection = RewardModelSection()
+    env: EnvSection = EnvSection()
     checkpoint: CheckpointSection = CheckpointSection()
     mesh: MeshSection = MeshSection()
     logging: LoggingSection = LoggingSection()
@@ -283,7 +326,6 @@ class TrainConfig:
 REFERENCE_MODES = ("frozen", "refresh", "ema")
 # trainer.micro_batch_tokens=auto on CPU (positions per micro-batch).
 CPU_MICRO_BATCH_TOKENS = 4096
-DATA_TASKS = ("arithmetic", "jsonl")
 CRITIC_INITS = ("policy", "reward_model", "random")
 CRITIC_OPTIMIZERS = ("separate", "joint")
 PRM_UPDATES = ("before", "after")
@@ -361,17 +403,13 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         _at_least(key, value, 1)
     _at_least("rollout.temperature", r.temperature, 0.0)
     _at_least("rollout.burst", r.burst, 1)
+    _at_least("rollout.reward_workers", r.reward_workers, 0)
     if r.slots is not None:
         _at_least("rollout.slots", r.slots, 1)
     if r.logprobs not in ROLLOUT_LOGPROBS:
         raise ValueError(f"rollout.logprobs must be one of {ROLLOUT_LOGPROBS}, got {r.logprobs!r}")
     if r.engine not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
-    if cfg.data.overlong_prompts not in OVERLONG_PROMPTS:
-        raise ValueError(
-            f"data.overlong_prompts must be one of {OVERLONG_PROMPTS}, got "
-            f"{cfg.data.overlong_prompts!r}"
-        )
     tp = r.tensor_parallel
     if isinstance(tp, bool) or not (tp in TENSOR_CHOICES or (isinstance(tp, int) and tp >= 1)):
         raise ValueError(
@@ -399,9 +437,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
             f"trainer.micro_batches={t.micro_batches} does not divide the minibatch of "
             f"{rows // t.minibatches} rows"
         )
-    _choice("data.task", cfg.data.task, DATA_TASKS)
-    if cfg.data.task == "jsonl" and cfg.data.train_path is None:
-        raise ValueError("data.task=jsonl needs data.train_path")
+    check_data(cfg.data)
     ref = cfg.reference
     _choice("reference.mode", ref.mode, REFERENCE_MODES)
     if ref.mode == "refresh" and ref.refresh_every < 1:
@@ -426,4 +462,32 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         _at_least("critic.warmup_steps", critic.warmup_steps, 0)
     if objective.needs_process_rewards:
         _choice("prime.update", cfg.prime.update, PRM_UPDATES)
+    _check_env(cfg, objective)
     return objective
+
+
+def _check_env(cfg: TrainConfig, objective: objectives.Objective) -> None:
+    env = cfg.env
+    if env.name is None:
+        return
+    from jaxrl_llm.envs import ENVIRONMENTS  # noqa: PLC0415  (envs imports the trainer's setup)
+
+    if ":" not in env.name and env.name not in ENVIRONMENTS:
+        raise ValueError(
+            f"env.name must be one of {sorted(ENVIRONMENTS)} or 'package.module:factory', got "
+            f"{env.name!r}"
+        )
+    _at_least("env.max_turns", env.max_turns, 1)
+    if env.max_turn_tokens is not None:
+        _at_least("env.max_turn_tokens", env.max_turn_tokens, 1)
+    if objective.needs_critic or objective.needs_process_rewards:
+        raise ValueError(
+            f"env.name={env.name!r}: multi-turn episodes train with critic-free objectives "
+            f"for now; objective {objective.name!r} needs a "
+            f"{'critic' if objective.needs_critic else 'process reward model'}"
+        )
+    if cfg.rollout.engine != "static":
+        raise ValueError(
+            "env.name: multi-turn episodes sample each turn as one batch (rollout.engine="
+            f"static); got rollout.engine={cfg.rollout.engine!r}"
+        )

@@ -7,6 +7,7 @@ and evaluates greedily on the held-out prompts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -18,6 +19,7 @@ from jaxrl_llm import data, objectives, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl import episodes, tasks
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import RM_NORMALIZE, TrainConfig
 from jaxrl_llm.types import Sequences
@@ -45,42 +47,61 @@ def task_reward(cfg: TrainConfig):
 
 
 def screen_prompts(cfg: TrainConfig, tokenizer: Any, examples: list, split: str) -> list:
-    """``examples`` whose formatted prompt (chat template, system prompt) fits
-    ``data.max_prompt_tokens``; the others are dropped and counted in a log line
-    (``data.overlong_prompts=filter``) or refused (``error``).
+    """``examples`` whose formatted prompt (chat template, system prompt, as the rollout
+    tokenises it) fits ``data.max_prompt_tokens``; the others are dropped
+    (``data.overlong_prompts=filter``), refused (``error``) or cut to fit
+    (``truncate``: ``tasks.truncate_example``, keeping the ``data.truncation_side``), and
+    counted in a log line.
 
     Raises:
       ValueError: ``error`` mode and an overlong prompt (naming it, its length and the key),
-        or ``filter`` mode leaving no example at all.
+        or no example left at all.
     """
     section, limit = cfg.data, cfg.data.max_prompt_tokens
-    kept, dropped, longest = [], 0, 0
+    kept, dropped, truncated, longest = [], 0, 0, 0
     for ex in examples:
-        text = data.format_prompt(
-            ex.prompt,
-            tokenizer,
-            chat_template=section.chat_template,
-            system_prompt=section.system_prompt,
-        )
-        length = len(tokenizer(text, add_special_tokens=not section.chat_template)["input_ids"])
+        text, length = tasks.formatted_length(section, tokenizer, ex)
         if length <= limit:
             kept.append(ex)
             continue
         if section.overlong_prompts == "error":
             raise ValueError(
                 f"a {split} prompt of {length} tokens exceeds data.max_prompt_tokens={limit} "
-                f"({text[:80]!r}...): raise the limit or set data.overlong_prompts=filter"
+                f"({text[:80]!r}...): raise the limit or set data.overlong_prompts=filter or "
+                "truncate"
             )
-        dropped, longest = dropped + 1, max(longest, length)
+        longest = max(longest, length)
+        fitted = None
+        if section.overlong_prompts == "truncate":
+            fitted = tasks.truncate_example(section, tokenizer, ex, limit)
+        if fitted is None:
+            dropped += 1
+        else:
+            kept.append(fitted[0])
+            truncated += 1
+    if truncated:
+        log.warning(
+            "data: truncated %d of %d %s prompts longer than data.max_prompt_tokens=%d (longest "
+            "%d tokens) to their %s",
+            truncated,
+            len(examples),
+            split,
+            limit,
+            longest,
+            "end" if section.truncation_side == "left" else "beginning",
+        )
     if dropped:
         log.warning(
             "data: dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d (longest "
-            "%d tokens)",
+            "%d tokens)%s",
             dropped,
             len(examples),
             split,
             limit,
             longest,
+            ": the chat template, system prompt or earlier turns alone exceed it"
+            if section.overlong_prompts == "truncate"
+            else "",
         )
     if examples and not kept:
         raise ValueError(
@@ -91,20 +112,7 @@ def screen_prompts(cfg: TrainConfig, tokenizer: Any, examples: list, split: str)
 
 
 def _load_examples(cfg: TrainConfig) -> tuple[list, list]:
-    section = cfg.data
-    if section.task == "arithmetic":
-        examples = data.arithmetic_examples(
-            section.num_train + section.eval_size,
-            seed=cfg.seed,
-            digits=section.digits,
-            ops=section.ops,
-        )
-        return examples[section.eval_size :], examples[: section.eval_size]
-    fields = {"prompt_field": section.prompt_field, "answer_field": section.answer_field}
-    train = data.load_jsonl(section.train_path, **fields)
-    if section.eval_path is not None:
-        return train, data.load_jsonl(section.eval_path, **fields)[: section.eval_size]
-    return data.split_eval(train, eval_size=section.eval_size, seed=cfg.seed)
+    return tasks.load_task(cfg.data, cfg.seed)
 
 
 def load_reward_model(cfg: TrainConfig, policy_config, mesh):
@@ -155,11 +163,13 @@ class RunContext:
     eval_examples: list
     stop_ids: tuple[int, ...]
     reward_model: Any = None  # (score_fn, params) of a learned reward model, or None
+    env: Any = None  # the multi-turn environment of env.name (``envs.Environment``), or None
+    scorer: Any = None  # a ``rewards.ScoringPool`` (rollout.reward_workers > 0), or None
 
     def prompts(self, examples) -> list[str]:
         return [
-            data.format_prompt(
-                ex.prompt,
+            data.format_example(
+                ex,
                 self.tokenizer,
                 chat_template=self.cfg.data.chat_template,
                 system_prompt=self.cfg.data.system_prompt,
@@ -179,6 +189,17 @@ class RunContext:
         ``mesh``: the mesh ``params`` live on (default: the run's; the trainer passes its
         serving layout's, ``sampling.serving``)."""
         r = self.cfg.rollout
+        if self.env is not None:
+            with timer.phase("rollout") if timer else contextlib.nullcontext():
+                return episodes.sample_episodes(
+                    self,
+                    params,
+                    examples,
+                    key,
+                    temperature=temperature,
+                    group_size=group_size,
+                    mesh=self.mesh if mesh is None else mesh,
+                )
         samples = rollout_lib.sample_and_score(
             params,
             self.model_config,
@@ -201,6 +222,7 @@ class RunContext:
             engine=r.engine,
             slots=r.slots,
             burst=r.burst,
+            scorer=None if self.scorer is None else self.scorer.score,
         )
         if timer is None:
             return self.add_learned_reward(samples)

@@ -10,6 +10,8 @@ rewards are all equal are replaced by fresh draws).
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,6 +23,8 @@ from jaxrl_llm.data.encoding import decode_completions, encode_prompts, pad_id
 from jaxrl_llm.rewards import RewardInput, compute_rewards, is_correct
 from jaxrl_llm.sampling.engine import Engine, Request
 from jaxrl_llm.train.setup import fetch
+
+log = logging.getLogger("jaxrl_llm")
 
 
 class Samples(NamedTuple):
@@ -37,6 +41,10 @@ class Samples(NamedTuple):
     components: dict[str, np.ndarray]  # reward name -> [N*G]
     finished: np.ndarray  # [N*G] bool, ended with EOS within the length limit
     logprobs: np.ndarray | None = None  # [N*G, T] f32, the sampler's log-probs (0 on padding)
+    # Multi-turn episodes (``envs``): [N*G, T] bool, the sampled tokens (trained), a subset of
+    # completion_mask (attended: the environment's tokens too); None = completion_mask.
+    loss_mask: np.ndarray | None = None
+    info: dict[str, np.ndarray] | None = None  # per-row episode statistics (turns, tool calls)
 
 
 def sample_and_score(
@@ -62,6 +70,7 @@ def sample_and_score(
     engine: str = "static",
     slots: int | None = None,
     burst: int = 8,
+    scorer: Callable[[list[RewardInput]], tuple[np.ndarray, dict]] | None = None,
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
@@ -70,7 +79,8 @@ def sample_and_score(
     a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip, in
     one process. ``timer`` (a
     ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
-    ``scoring``.
+    ``scoring``. ``scorer``: what scores the rows instead of ``compute_rewards(reward_fn,
+    .)`` in this process (``rewards.ScoringPool.score``: worker processes).
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -125,7 +135,10 @@ def sample_and_score(
             RewardInput(prompt=p, completion=c, example=ex, completion_tokens=int(n))
             for p, c, ex, n in zip(row_prompts, texts, row_examples, lengths)
         ]
-        rewards, components = compute_rewards(reward_fn, inputs)
+        if scorer is None:
+            rewards, components = compute_rewards(reward_fn, inputs)
+        else:
+            rewards, components = scorer(inputs)
         correct = np.array([is_correct(c, ex) for c, ex in zip(texts, row_examples)], bool)
     return Samples(
         prompt_tokens=np.repeat(prompt_tokens, group_size, axis=0),
@@ -195,29 +208,38 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
     def left_pad(x: np.ndarray, fill) -> np.ndarray:
         return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=fill)
 
+    def rows(field: str):
+        values = [getattr(p, field) for p in parts]
+        return None if any(v is None for v in values) else np.concatenate(values)
+
+    info = (
+        None
+        if any(p.info is None for p in parts)
+        else {k: np.concatenate([p.info[k] for p in parts]) for k in parts[0].info}
+    )
     return Samples(
         prompt_tokens=np.concatenate([left_pad(p.prompt_tokens, 0) for p in parts]),
         prompt_mask=np.concatenate([left_pad(p.prompt_mask, False) for p in parts]),
-        completion_tokens=np.concatenate([p.completion_tokens for p in parts]),
-        completion_mask=np.concatenate([p.completion_mask for p in parts]),
+        completion_tokens=rows("completion_tokens"),
+        completion_mask=rows("completion_mask"),
         completions=[c for p in parts for c in p.completions],
         prompts=[c for p in parts for c in p.prompts],
-        rewards=np.concatenate([p.rewards for p in parts]),
-        correct=np.concatenate([p.correct for p in parts]),
+        rewards=rows("rewards"),
+        correct=rows("correct"),
         components={
             k: np.concatenate([p.components[k] for p in parts]) for k in parts[0].components
         },
-        finished=np.concatenate([p.finished for p in parts]),
-        logprobs=None
-        if any(p.logprobs is None for p in parts)
-        else np.concatenate([p.logprobs for p in parts]),
+        finished=rows("finished"),
+        logprobs=rows("logprobs"),
+        loss_mask=rows("loss_mask"),
+        info=info,
     )
 
 
 def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samples:
     """The rows of the given group indices, in that order."""
     rows = (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
-    take = lambda x: x[rows]  # noqa: E731
+    take = lambda x: None if x is None else x[rows]  # noqa: E731
     return Samples(
         prompt_tokens=take(samples.prompt_tokens),
         prompt_mask=take(samples.prompt_mask),
@@ -229,7 +251,9 @@ def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samp
         correct=take(samples.correct),
         components={k: take(v) for k, v in samples.components.items()},
         finished=take(samples.finished),
-        logprobs=None if samples.logprobs is None else take(samples.logprobs),
+        logprobs=take(samples.logprobs),
+        loss_mask=take(samples.loss_mask),
+        info=None if samples.info is None else {k: take(v) for k, v in samples.info.items()},
     )
 
 
@@ -281,7 +305,12 @@ def collect(
     filled = max(need, 0)
     if filled:
         filler = select_groups(concat_samples(dropped_pool), np.arange(filled), group_size)
-        kept.append(filler._replace(completion_mask=np.zeros_like(filler.completion_mask)))
+        kept.append(
+            filler._replace(
+                completion_mask=np.zeros_like(filler.completion_mask),
+                loss_mask=None if filler.loss_mask is None else np.zeros_like(filler.loss_mask),
+            )
+        )
     info.update(
         {
             "dynamic/dropped_groups": dropped,
@@ -290,3 +319,26 @@ def collect(
         }
     )
     return (concat_samples(kept) if len(kept) > 1 else kept[0]), info
+
+
+def write_samples(path, step: int, samples: Samples, *, show: int = 0) -> None:
+    """Appends ``samples``' completions to the JSONL file ``path`` (``step``, ``prompt``,
+    ``completion``, ``reward``, ``correct``) and logs the first ``show``."""
+    with open(path, "a", encoding="utf-8") as f:
+        for i, (prompt, completion) in enumerate(zip(samples.prompts, samples.completions)):
+            row = {
+                "step": step,
+                "prompt": prompt,
+                "completion": completion,
+                "reward": float(samples.rewards[i]),
+                "correct": bool(samples.correct[i]),
+            }
+            f.write(json.dumps(row) + "\n")
+    for i in range(min(show, len(samples.completions))):
+        log.info(
+            "sample %d: %r -> %r (reward %.3f)",
+            i,
+            samples.prompts[i][-60:],
+            samples.completions[i][:120],
+            float(samples.rewards[i]),
+        )

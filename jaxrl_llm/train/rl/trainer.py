@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -21,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import data, objectives, parallel
+from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
+from jaxrl_llm.train.rl import episodes
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
@@ -132,6 +132,8 @@ class RLTrainer(Trainer):
             eval_examples,
             stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
             reward_model=load_reward_model(cfg, model_config, mesh),
+            env=episodes.make_run_env(cfg, reward_fn),
+            scorer=rewards.ScoringPool(reward_fn, w) if (w := cfg.rollout.reward_workers) else None,
         )
         rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         sizes = {
@@ -142,7 +144,7 @@ class RLTrainer(Trainer):
         if self.sft_steps:
             sizes["sft_warmup.batch_size"] = cfg.sft_warmup.batch_size
         setup.check_batch_sizes(sizes, mesh)
-        self.sampler = data.PromptSampler(train_examples, seed=cfg.seed)
+        self.sampler = data.PromptSampler(train_examples, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.key = jax.random.key(cfg.seed)
         t = cfg.trainer
         self.optimizer = make_trainer_optimizer(
@@ -202,6 +204,9 @@ class RLTrainer(Trainer):
         while True:
             idx = rng.integers(0, len(run.train_examples), cfg.sft_warmup.batch_size)
             examples = [run.train_examples[j] for j in idx]
+            if run.env is not None:  # multi-turn: the environment's own demonstrations
+                yield episodes.demonstrations(run, examples)
+                continue
             prompt_tokens, prompt_mask = data.encode_prompts(
                 run.tokenizer,
                 run.prompts(examples),
@@ -369,8 +374,9 @@ class RLTrainer(Trainer):
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         run, cfg = self.run, self.cfg
         samples, info = self.rollout(step, timer)
-        mask = samples.completion_mask
-        tokens = float(mask.sum())
+        mask = samples.completion_mask  # attended; trained: samples.loss_mask (multi-turn)
+        trained = mask if samples.loss_mask is None else samples.loss_mask
+        tokens = float(trained.sum())
         timer.count("rollout", tokens)
         with timer.phase("logprobs"):
             seqs = run.to_device(
@@ -392,8 +398,11 @@ class RLTrainer(Trainer):
         timer.count("logprobs", tokens * (recomputed + (ref is not None)))
         with timer.phase("advantages"):
             device_rewards = setup.to_device(samples.rewards, run.mesh)
+            attention = None if samples.loss_mask is None else seqs.completion_mask
+            if attention is not None:  # the loss and advantages see the sampled tokens only
+                seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
-            batch = batch._replace(rollout_logprobs=sampled)
+            batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
             adv = setup.fetch(batch.advantages)
         with timer.phase("update"):
             updates = []
@@ -408,7 +417,7 @@ class RLTrainer(Trainer):
         self._update_reference(step + 1)
 
         lengths = mask.sum(axis=1)
-        valid_adv = adv if adv.ndim == 1 else adv[mask]
+        valid_adv = adv if adv.ndim == 1 else adv[trained]
         return {
             "reward_mean": float(samples.rewards.mean()),
             "reward_std": float(samples.rewards.std()),
@@ -421,6 +430,7 @@ class RLTrainer(Trainer):
             "completion_length_max": float(lengths.max()),
             "completion_clipped_frac": float((~samples.finished).mean()),
             **{f"reward/{k}": float(np.mean(v)) for k, v in samples.components.items()},
+            **{f"env/{k}": float(np.mean(v)) for k, v in (samples.info or {}).items()},
             **{k: float(v) for k, v in info.items()},
             **score_metrics,
             **update_metrics,
@@ -461,28 +471,12 @@ class RLTrainer(Trainer):
         return metrics
 
     def _write_samples(self, samples: rollout_lib.Samples) -> None:
-        """Appends the evaluation's completions to ``samples.jsonl`` and logs a few."""
-        if not self.is_main:
-            return
-        step = self.completed_steps
-        path = self.run_dir / SAMPLES_FILE
-        with open(path, "a", encoding="utf-8") as f:
-            for i, (prompt, completion) in enumerate(zip(samples.prompts, samples.completions)):
-                row = {
-                    "step": step,
-                    "prompt": prompt,
-                    "completion": completion,
-                    "reward": float(samples.rewards[i]),
-                    "correct": bool(samples.correct[i]),
-                }
-                f.write(json.dumps(row) + "\n")
-        for i in range(min(self.cfg.logging.show_samples, len(samples.completions))):
-            log.info(
-                "sample %d: %r -> %r (reward %.3f)",
-                i,
-                samples.prompts[i][-60:],
-                samples.completions[i][:120],
-                float(samples.rewards[i]),
+        if self.is_main:
+            rollout_lib.write_samples(
+                self.run_dir / SAMPLES_FILE,
+                self.completed_steps,
+                samples,
+                show=self.cfg.logging.show_samples,
             )
 
     def export(self, directory) -> None:

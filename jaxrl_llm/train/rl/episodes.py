@@ -1,0 +1,134 @@
+"""The RL run's side of multi-turn environments (``env.name``): episodes as ``Samples`` and
+demonstrations for the SFT warm-up.
+
+``sample_episodes`` runs ``envs.run_episodes`` with the run's sampler settings and packs the
+result as the trainer's ``Samples``: the completion is the episode after its opening prompt,
+``loss_mask`` its sampled tokens, ``rewards`` the summed turn rewards, ``correct`` the task's
+check on the final assistant message, ``info`` the per-episode turn count and the
+environment's numeric info (tool calls, tool errors) for the ``env/*`` metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_llm import envs
+from jaxrl_llm.data.encoding import pad_id
+from jaxrl_llm.rewards import is_correct
+from jaxrl_llm.train.rl.rollout import Samples
+from jaxrl_llm.types import MaskedSequences
+
+
+def renderer(context) -> envs.Renderer:
+    """The run's ``envs.Renderer`` (chat template as ``data.chat_template``; EOS = first stop)."""
+    return envs.Renderer(
+        context.tokenizer, chat_template=context.cfg.data.chat_template, eos_id=context.stop_ids[0]
+    )
+
+
+def make_run_env(cfg, reward_fn) -> envs.Environment | None:
+    """The environment of ``env.name`` with the run's reward, or None (single-turn)."""
+    if cfg.env.name is None:
+        return None
+    return envs.make_env(cfg.env.name, reward_fn, **dict(cfg.env.kwargs))
+
+
+def _correct(episode: envs.Episode) -> bool:
+    try:
+        return is_correct(episode.final_text, episode.example)
+    except ValueError:  # an environment whose examples carry no reference answer
+        return False
+
+
+def sample_episodes(
+    context,
+    params,
+    examples: Sequence[Any],
+    key: jax.Array,
+    *,
+    temperature: float,
+    group_size: int,
+    mesh: Any = None,
+) -> Samples:
+    """``group_size`` episodes of the run's environment for each example, as ``Samples``."""
+    cfg, r = context.cfg, context.cfg.rollout
+    out = envs.run_episodes(
+        params,
+        context.model_config,
+        renderer(context),
+        context.env,
+        examples,
+        key=key,
+        group_size=group_size,
+        max_turns=cfg.env.max_turns,
+        max_tokens=r.max_new_tokens,
+        max_turn_tokens=cfg.env.max_turn_tokens,
+        stop_ids=context.stop_ids,
+        pad_id=pad_id(context.tokenizer),
+        mesh=mesh,
+        temperature=temperature,
+        top_k=r.top_k if temperature > 0 else 0,
+        top_p=r.top_p,
+        min_p=r.min_p,
+    )
+    prompt_tokens, prompt_mask = envs.left_pad(out["prompt_ids"], pad_id(context.tokenizer))
+    tokens, mask = out["tokens"], out["mask"]
+    texts = [
+        context.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+        for row, m in zip(tokens, mask)
+    ]
+    info = {"turns": out["turns"].astype(np.float64), **out["info"]}
+    return Samples(
+        prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask,
+        completion_tokens=tokens,
+        completion_mask=mask,
+        completions=texts,
+        prompts=out["prompts"],
+        rewards=out["rewards"],
+        correct=np.array([_correct(e) for e in out["episodes"]], bool),
+        components={"env": out["rewards"]},
+        finished=out["finished"],
+        logprobs=out["logprobs"],
+        loss_mask=out["loss_mask"],
+        info=info,
+    )
+
+
+def demonstrations(context, examples: Sequence[Any]) -> MaskedSequences:
+    """The environment's demonstrations of ``examples`` (``Environment.demonstration``) as
+    token sequences: assistant messages trained, the environment's messages attended only;
+    cut at ``rollout.max_new_tokens`` like an episode.
+
+    Raises:
+      ValueError: the environment has no demonstrations (set ``sft_warmup.steps=0``).
+    """
+    render = renderer(context)
+    limit = context.cfg.rollout.max_new_tokens
+    prompts, completions, trained = [], [], []
+    for example in examples:
+        opening = envs.check_messages(context.env.reset(example), "Environment.reset")
+        try:
+            demo = envs.check_messages(
+                context.env.demonstration(example), "Environment.demonstration"
+            )
+        except NotImplementedError as err:
+            raise ValueError(
+                f"env.name={context.cfg.env.name!r} has no demonstrations for the SFT "
+                f"warm-up ({err}): set sft_warmup.steps=0"
+            ) from err
+        prompts.append(render.opening(opening)[1])
+        ids, mask = render.episode(demo)
+        completions.append(ids[:limit])
+        trained.append(mask[:limit])
+    prompt_tokens, prompt_mask = envs.left_pad(prompts, pad_id(context.tokenizer))
+    tokens = np.full((len(examples), limit), pad_id(context.tokenizer), np.int32)
+    attention = np.zeros((len(examples), limit), bool)
+    loss = np.zeros((len(examples), limit), bool)
+    for i, (ids, mask) in enumerate(zip(completions, trained)):
+        tokens[i, : len(ids)], attention[i, : len(ids)], loss[i, : len(ids)] = ids, True, mask
+    return MaskedSequences(prompt_tokens, prompt_mask, tokens, loss, attention)
