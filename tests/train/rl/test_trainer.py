@@ -536,7 +536,9 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             id="ema_decay",
         ),
         pytest.param(
-            ["data.task=gsm8k"], r"data.task must be one of \('arithmetic', 'jsonl'\)", id="task"
+            ["data.task=gsm8k"],
+            r"data.task must be one of \('arithmetic', 'jsonl', 'hf'\)",
+            id="task",
         ),
         pytest.param(["data.task=jsonl"], r"data.task=jsonl needs data.train_path", id="jsonl"),
         pytest.param(["objective.name=grpoo"], r"unknown objective 'grpoo'", id="objective"),
