@@ -32,6 +32,54 @@ _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
+# LoRA targets by projection name (as PEFT's ``target_modules`` for these architectures).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the decoder layers' projections (Hu et al. 2021, LoRA).
+
+    Each targeted weight ``W`` computes ``x W + (alpha / rank) · (dropout(x) A) B`` with
+    ``A: [in, rank]`` (PEFT's default init: uniform ``±1/sqrt(in)``) and ``B: [rank, out]``
+    (zeros, so a fresh adapter leaves the model unchanged).
+
+    Attributes:
+      rank: r, the adapters' inner width.
+      alpha: the scale numerator (scale = alpha / rank, PEFT's ``lora_alpha``).
+      targets: projection names from ``LORA_TARGETS`` (q, k, v, o, gate, up, down).
+      dropout: dropout probability on the adapter path's input while training.
+    """
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not (self.alpha > 0)
+        ):
+            raise ValueError(f"lora alpha must be a number > 0, got {self.alpha!r}")
+        if not isinstance(self.targets, tuple) or not self.targets:
+            raise ValueError(f"lora targets must be a non-empty tuple, got {self.targets!r}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or len(set(self.targets)) != len(self.targets):
+            raise ValueError(
+                f"lora targets must be distinct names from {LORA_TARGETS}, got {self.targets!r}"
+            )
+        if isinstance(self.dropout, bool) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Static description of a dense decoder-only transformer (hashable: usable as a jit static).
@@ -67,6 +115,9 @@ class ModelConfig:
         floating parameters to it at the start of each forward, so f32 master weights train
         through bf16 compute (the gradient of the cast is the cast back to f32); log-softmax,
         log-probs, norms' statistics and losses stay f32. Not part of the HF ``config.json``.
+      lora: low-rank adapters on the layers' projections (``LoraSpec``), or None. The params
+        then hold ``layers/<weight>_lora_a`` / ``_lora_b`` beside the base weights
+        (``models.lora``). Not part of the HF ``config.json``.
     """
 
     architecture: str
@@ -93,8 +144,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     compute_dtype: str | None = None
+    lora: LoraSpec | None = None
 
     def __post_init__(self):
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ValueError(f"lora must be a LoraSpec or None, got {self.lora!r}")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"compute_dtype must be None or one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"

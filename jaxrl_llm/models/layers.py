@@ -9,6 +9,7 @@ F MLP width, L layers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -79,10 +80,37 @@ LAYER_AXES = {
     "w_down": ("mlp", "embed"),
 }
 
+# LoRA: target name -> (weight, input axes it contracts); ``A`` takes the weight's input axes
+# and an unsharded rank axis, ``B`` the rank axis and the weight's output axes.
+LORA_WEIGHTS = {
+    "q": ("wq", 1),
+    "k": ("wk", 1),
+    "v": ("wv", 1),
+    "o": ("wo", 2),
+    "gate": ("w_gate", 1),
+    "up": ("w_up", 1),
+    "down": ("w_down", 1),
+}
+_LORA_ORDER = tuple(weight for weight, _ in LORA_WEIGHTS.values())
+for _weight, _contract in LORA_WEIGHTS.values():
+    LAYER_AXES[f"{_weight}_lora_a"] = (*LAYER_AXES[_weight][:_contract], None)
+    LAYER_AXES[f"{_weight}_lora_b"] = (None, *LAYER_AXES[_weight][_contract:])
+
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
     """Initial weights ``w ~ N(0, 0.02^2)`` of ``shape``, drawn in f32 and cast to ``dtype``."""
     return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def lora_init(
+    key: Array, shape: tuple[int, ...], contract: int, rank: int, dtype: Any
+) -> tuple[Array, Array]:
+    """``(A, B)`` for a weight of ``shape`` contracting its first ``contract`` axes: ``A``
+    uniform in ``±1/sqrt(fan_in)`` (PEFT's ``kaiming_uniform_(a=sqrt(5))``), ``B`` zeros."""
+    fan_in = math.prod(shape[:contract])
+    bound = 1.0 / math.sqrt(fan_in)
+    a = jax.random.uniform(key, (*shape[:contract], rank), jnp.float32, -bound, bound)
+    return a.astype(dtype), jnp.zeros((rank, *shape[contract:]), dtype)
 
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
@@ -126,10 +154,46 @@ class DecoderLayer(nnx.Module):
         self.w_gate = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_gate"])
         self.w_up = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_up"])
         self.w_down = param(normal(rngs, (f, d), dtype), LAYER_AXES["w_down"])
+        lora = config.lora
+        self.lora_scale = None if lora is None else lora.scale
+        self.lora_dropout = 0.0 if lora is None else lora.dropout
+        for target, (weight, contract) in LORA_WEIGHTS.items():
+            a = b = None
+            if lora is not None and target in lora.targets:
+                shape = getattr(self, weight).shape
+                a_init, b_init = lora_init(rngs.params(), shape, contract, lora.rank, dtype)
+                a = param(a_init, LAYER_AXES[f"{weight}_lora_a"])
+                b = param(b_init, LAYER_AXES[f"{weight}_lora_b"])
+            setattr(self, f"{weight}_lora_a", a)
+            setattr(self, f"{weight}_lora_b", b)
 
     def _use(self, name: str) -> Array:
         """Parameter ``name`` as used by the matmuls: gathered over fsdp (see ``gathered``)."""
         return gathered(getattr(self, name)[...], *LAYER_AXES[name])
+
+    def _project(
+        self, name: str, x: Array, contract: int = 1, *, flat: bool = False, key=None
+    ) -> Array:
+        """``x W`` for weight ``name``, plus its LoRA path ``scale · (dropout(x) A) B`` when
+        adapted (dropout only with a ``key``: training).
+
+        ``flat``: one ``[B, S, N*H] x [N*H, D]`` product (the decode path's output projection:
+        with the 4-D einsum XLA:CPU transposes the weight on every decode step).
+        """
+        w = self._use(name)
+        if flat:
+            out = x.reshape(*x.shape[:2], -1) @ w.reshape(-1, w.shape[-1])
+        else:
+            out = dense(x, w, contract)
+        if getattr(self, f"{name}_lora_a") is None:
+            return out
+        a, b = self._use(f"{name}_lora_a"), self._use(f"{name}_lora_b")
+        if self.lora_dropout and key is not None:
+            key = jax.random.fold_in(key, _LORA_ORDER.index(name))
+            keep = jax.random.bernoulli(key, 1.0 - self.lora_dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+        low = constrain(dense(x, a, contract), "batch", None, None)
+        return out + (self.lora_scale * dense(low, b)).astype(out.dtype)
 
     def __call__(
         self,
@@ -142,6 +206,7 @@ class DecoderLayer(nnx.Module):
         kv: tuple[Array, Array] | None = None,
         layer_index: Array | None = None,
         cache_index: Array | None = None,
+        dropout_key: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """One block on ``x: [B, S, D]``.
 
@@ -154,13 +219,14 @@ class DecoderLayer(nnx.Module):
             this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
           layer_index: this layer's index into stacked caches (int32, may be traced).
           cache_index: first cache slot written by this call (traced int32, ``[]`` or ``[B]``).
+          dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
 
         Returns:
           ``(x [B, S, D], kv)`` with this call's keys/values written into ``kv``.
         """
         x = constrain(x, "batch", None, "embed")
         h = rms_norm(x, self._use("attn_norm"), self.eps)
-        q, k, v = (dense(h, self._use(name)) for name in ("wq", "wk", "wv"))
+        q, k, v = (self._project(name, h, key=dropout_key) for name in ("wq", "wk", "wv"))
         if self.bq is not None:
             q, k, v = q + self._use("bq"), k + self._use("bk"), v + self._use("bv")
         q = constrain(q, "batch", None, "heads", "head_dim")
@@ -184,18 +250,13 @@ class DecoderLayer(nnx.Module):
             layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
             attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
         attn = constrain(attn, "batch", None, "heads", "head_dim")
-        if kv is None:
-            out = dense(attn, self._use("wo"), 2)
-        else:
-            # One [B, S, N*H] x [N*H, D] product: with the 4-D einsum XLA:CPU transposes the
-            # weight to match the attention output's layout on every decode step.
-            wo = self._use("wo")
-            out = attn.reshape(*attn.shape[:2], -1) @ wo.reshape(-1, wo.shape[-1])
+        out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
         if self.bo is not None:
             out = out + self._use("bo")
         x = constrain(x + out, "batch", None, "embed")
         h = rms_norm(x, self._use("mlp_norm"), self.eps)
-        gate = jax.nn.silu(constrain(dense(h, self._use("w_gate")), "batch", None, "mlp"))
-        up = constrain(dense(h, self._use("w_up")), "batch", None, "mlp")
-        x = x + dense(gate * up, self._use("w_down"))
+        gate = self._project("w_gate", h, key=dropout_key)
+        gate = jax.nn.silu(constrain(gate, "batch", None, "mlp"))
+        up = constrain(self._project("w_up", h, key=dropout_key), "batch", None, "mlp")
+        x = x + self._project("w_down", gate * up, key=dropout_key)
         return constrain(x, "batch", None, "embed"), kv

@@ -78,6 +78,7 @@ class Transformer(nnx.Module):
         cache_index: Array | int | None = None,
         remat: str = "none",
         unstacked_layers: tuple[Params, ...] | None = None,
+        dropout_key: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
         """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
@@ -134,6 +135,9 @@ class Transformer(nnx.Module):
                 kv=kv,
                 layer_index=layer_index,
                 cache_index=cache_index,
+                dropout_key=None
+                if dropout_key is None
+                else jax.random.fold_in(dropout_key, layer_index),
             )
             return (x, kv), None
 
@@ -231,6 +235,7 @@ def forward(
     cache: KVCache | None = None,
     cache_index: Array | int | None = None,
     remat: str = "none",
+    dropout_key: Array | None = None,
 ) -> tuple[Array, KVCache | None]:
     """Hidden states after the final norm, optionally reading and writing a KV cache.
 
@@ -258,6 +263,8 @@ def forward(
         with split params), ``mask: [B, S_max]``, or None.
       cache_index: scalar or ``[B]`` int32 (may be traced); required with a cache.
       remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
+      dropout_key: a PRNG key for LoRA dropout (``config.lora.dropout``, training only), or
+        None: no dropout.
 
     Returns:
       ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
@@ -268,6 +275,8 @@ def forward(
     if isinstance(params.get("layers"), tuple):
         unstacked = _check_unstacked(params["layers"], config)
         params = {**params, "layers": param_shapes(config)["layers"]}  # structure only
+    if unstacked is not None and dropout_key is not None:
+        raise ValueError("dropout_key is for training: params with split layers are for sampling")
     if cache is not None and isinstance(cache.k, tuple) != (unstacked is not None):
         raise ValueError(
             "a cache split into per-layer arrays goes with params whose layers are split, and "
@@ -281,6 +290,7 @@ def forward(
         cache_index=cache_index,
         remat=remat,
         unstacked_layers=unstacked,
+        dropout_key=dropout_key,
     )
 
 

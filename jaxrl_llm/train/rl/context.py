@@ -182,12 +182,14 @@ class RunContext:
         return setup.to_device(setup.bucket_prompts(host), self.mesh)
 
     def sample(
-        self, params, examples, key, *, temperature, group_size, timer=None, mesh=None
+        self, params, examples, key, *, temperature, group_size, timer=None, mesh=None, defer=False
     ) -> rollout_lib.Samples:
         """``group_size`` completions of each example's prompt, scored (learned reward added).
 
         ``mesh``: the mesh ``params`` live on (default: the run's; the trainer passes its
-        serving layout's, ``sampling.serving``)."""
+        serving layout's, ``sampling.serving``). ``defer``: with scoring workers
+        (``rollout.reward_workers``) return while they score (``Samples.scoring``);
+        :meth:`finish_scoring` completes the draw."""
         r = self.cfg.rollout
         if self.env is not None:
             with timer.phase("rollout") if timer else contextlib.nullcontext():
@@ -222,12 +224,19 @@ class RunContext:
             engine=r.engine,
             slots=r.slots,
             burst=r.burst,
-            scorer=None if self.scorer is None else self.scorer.score,
+            scorer=self.scorer,
+            defer=defer,
         )
-        if timer is None:
-            return self.add_learned_reward(samples)
-        with timer.phase("scoring"):
-            return self.add_learned_reward(samples)
+        return samples if samples.scoring else self._scored(samples, timer)
+
+    def finish_scoring(self, samples: rollout_lib.Samples, timer=None) -> rollout_lib.Samples:
+        """A deferred draw (``sample(defer=True)``) completed: waits for the scoring workers
+        (the ``scoring`` phase) and adds the learned reward; a scored draw comes back as is."""
+        return self._scored(samples, timer) if samples.scoring else samples
+
+    def _scored(self, samples: rollout_lib.Samples, timer) -> rollout_lib.Samples:
+        with timer.phase("scoring") if timer else contextlib.nullcontext():
+            return self.add_learned_reward(rollout_lib.finish_scoring(samples))
 
     def add_learned_reward(self, samples: rollout_lib.Samples) -> rollout_lib.Samples:
         """Adds ``weight * normalise(RM score)`` of the learned reward model, scored on device."""

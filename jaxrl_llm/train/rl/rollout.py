@@ -9,6 +9,7 @@ rewards are all equal are replaced by fresh draws).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -36,15 +37,32 @@ class Samples(NamedTuple):
     completion_mask: np.ndarray  # [N*G, T] bool, includes EOS
     completions: list[str]  # N*G decoded texts
     prompts: list[str]  # N*G prompt texts
-    rewards: np.ndarray  # [N*G] f32
+    rewards: np.ndarray | None  # [N*G] f32 (None while ``scoring`` is pending)
     correct: np.ndarray  # [N*G] bool
-    components: dict[str, np.ndarray]  # reward name -> [N*G]
+    components: dict[str, np.ndarray] | None  # reward name -> [N*G] (None while pending)
     finished: np.ndarray  # [N*G] bool, ended with EOS within the length limit
     logprobs: np.ndarray | None = None  # [N*G, T] f32, the sampler's log-probs (0 on padding)
     # Multi-turn episodes (``envs``): [N*G, T] bool, the sampled tokens (trained), a subset of
     # completion_mask (attended: the environment's tokens too); None = completion_mask.
     loss_mask: np.ndarray | None = None
     info: dict[str, np.ndarray] | None = None  # per-row episode statistics (turns, tool calls)
+    # Deferred scoring (``sample_and_score(defer=True)``): the future of ``(rewards,
+    # components)`` from the scoring workers; ``finish_scoring`` waits and fills them in.
+    scoring: concurrent.futures.Future | None = None
+
+
+def finish_scoring(samples: Samples) -> Samples:
+    """``samples`` with the rewards of a deferred scoring filled in (waits for the workers).
+
+    Raises:
+      RewardError: if a reward function failed or a scoring worker died.
+    """
+    if samples.scoring is None:
+        return samples
+    rewards, components = samples.scoring.result()
+    return samples._replace(
+        rewards=np.asarray(rewards, np.float32), components=components, scoring=None
+    )
 
 
 def sample_and_score(
@@ -70,7 +88,8 @@ def sample_and_score(
     engine: str = "static",
     slots: int | None = None,
     burst: int = 8,
-    scorer: Callable[[list[RewardInput]], tuple[np.ndarray, dict]] | None = None,
+    scorer: Any = None,
+    defer: bool = False,
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
@@ -79,8 +98,11 @@ def sample_and_score(
     a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip, in
     one process. ``timer`` (a
     ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
-    ``scoring``. ``scorer``: what scores the rows instead of ``compute_rewards(reward_fn,
-    .)`` in this process (``rewards.ScoringPool.score``: worker processes).
+    ``scoring``. ``scorer``: a ``rewards.ScoringPool`` that scores the rows in worker
+    processes instead of ``compute_rewards(reward_fn, .)`` in this one. ``defer`` (with a
+    ``scorer``): return as soon as the rows are sent to the workers, with ``rewards`` and
+    ``components`` None and ``scoring`` their future (``finish_scoring`` fills them in), so the
+    caller can dispatch device work (the log-prob forwards) while the verifiers run.
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -135,10 +157,13 @@ def sample_and_score(
             RewardInput(prompt=p, completion=c, example=ex, completion_tokens=int(n))
             for p, c, ex, n in zip(row_prompts, texts, row_examples, lengths)
         ]
+        pending = None
         if scorer is None:
             rewards, components = compute_rewards(reward_fn, inputs)
+        elif defer:
+            pending, rewards, components = scorer.submit_score(inputs), None, None
         else:
-            rewards, components = scorer(inputs)
+            rewards, components = scorer.score(inputs)
         correct = np.array([is_correct(c, ex) for c, ex in zip(texts, row_examples)], bool)
     return Samples(
         prompt_tokens=np.repeat(prompt_tokens, group_size, axis=0),
@@ -147,11 +172,12 @@ def sample_and_score(
         completion_mask=mask,
         completions=texts,
         prompts=row_prompts,
-        rewards=np.asarray(rewards, np.float32),
+        rewards=None if pending else np.asarray(rewards, np.float32),
         correct=correct,
         components=components,
         finished=finished,
         logprobs=np.asarray(logprobs, np.float32),
+        scoring=pending,
     )
 
 
@@ -263,6 +289,11 @@ def constant_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
     return grouped.max(axis=1) == grouped.min(axis=1)
 
 
+def zero_variance_info(samples: Samples, group_size: int) -> dict[str, float]:
+    """``{"zero_variance_frac": .}``: the fraction of groups of a scored draw with equal rewards."""
+    return {"zero_variance_frac": float(constant_groups(samples.rewards, group_size).mean())}
+
+
 def collect(
     draw: Callable[[int], Samples],
     *,
@@ -279,16 +310,21 @@ def collect(
     refilled from further draws, at most ``max_attempts`` extra; groups still missing are
     filled with dropped groups under a zero completion mask (same batch shape: no re-trace).
 
+    Without dynamic sampling the draw is returned as it comes, so it may still be scoring
+    (``Samples.scoring``, a deferred draw): its ``info`` is then empty and the caller adds
+    ``zero_variance_info`` after ``finish_scoring``. With it, every draw is scored first.
+
     Returns:
       ``(samples, info)``; ``info`` has ``zero_variance_frac`` of the first draw and, with
       dynamic sampling, ``dynamic/dropped_groups``, ``dynamic/filled_groups``,
       ``dynamic/attempts``.
     """
     first = draw(0)
+    if not dynamic_sampling:  # a deferred draw's zero_variance_frac comes once it is scored
+        return first, ({} if first.scoring else zero_variance_info(first, group_size))
+    first = finish_scoring(first)
     constant = constant_groups(first.rewards, group_size)
-    info: dict[str, float] = {"zero_variance_frac": float(constant.mean())}
-    if not dynamic_sampling:
-        return first, info
+    info: dict[str, float] = zero_variance_info(first, group_size)
     kept, dropped_pool = [], []
     need, dropped, attempts, samples = prompts_per_step, 0, 0, first
     while True:
@@ -300,7 +336,7 @@ def collect(
         attempts += 1
         if need <= 0 or attempts > max_attempts:
             break
-        samples = draw(attempts)
+        samples = finish_scoring(draw(attempts))
         constant = constant_groups(samples.rewards, group_size)
     filled = max(need, 0)
     if filled:

@@ -11,7 +11,6 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +36,7 @@ from jaxrl_llm.train.rl.config import (
 from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model, task_reward
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
+from jaxrl_llm.train.rl.updates import ema, mean_metrics, on_policy_update, take_rows
 from jaxrl_llm.train.sft import sft_warmup
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
@@ -52,58 +52,11 @@ SFT_WARMUP_STEPS_BUILTIN = 2000
 SAMPLES_FILE = "samples.jsonl"
 
 
-def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Means over minibatch updates (``*_max`` / ``*_min`` keys: max / min)."""
-    out = {}
-    for key in rows[0]:
-        values = np.array([float(r[key]) for r in rows])
-        if key.endswith("_max"):
-            out[key] = float(values.max())
-        elif key.endswith("_min"):
-            out[key] = float(values.min())
-        else:
-            out[key] = float(values.mean())
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _ema(reference, params, decay: float):
-    return jax.tree.map(
-        lambda r, p: decay * r + (1.0 - decay) * p.astype(r.dtype), reference, params
-    )
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _take_rows(tree, rows, row_sharding):
-    """The rows of every leaf, kept sharded over the batch axes (a minibatch on device)."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x[rows], row_sharding), tree)
-
-
 def _param_count(model_config) -> int:
     from jaxrl_llm import models  # noqa: PLC0415
 
     shapes = models.param_shapes(model_config)
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
-
-
-def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
-    """Whether the update can take its own forward's log-probs as the behaviour log-probs.
-
-    True with one epoch and one minibatch per rollout batch (the parameters have not moved
-    since the rollout when the single update runs) unless the advantages need the behaviour
-    log-probs first (an estimator requiring them, or KL in the reward). Then the separate
-    old-log-prob forward is skipped and the update uses ``stop_gradient(logprobs)`` (ratio 1),
-    as TRL's ``GRPOTrainer`` does with one update per generation batch.
-    """
-    kl_in_reward = (
-        objective.kl_placement == "reward" and objective.kl_kind is not None and objective.kl_coef
-    )
-    return (
-        cfg.trainer.epochs == 1
-        and cfg.trainer.minibatches == 1
-        and "old_logprobs" not in objective.estimator_requires
-        and not kl_in_reward
-    )
 
 
 class RLTrainer(Trainer):
@@ -334,7 +287,7 @@ class RLTrainer(Trainer):
             self.reference = self.copy_params(self.policy_params)
             self.reference_dirty = True
         elif ref.mode == "ema":
-            self.reference = _ema(self.reference, self.policy_params, ref.ema_decay)
+            self.reference = ema(self.reference, self.policy_params, ref.ema_decay)
             self.reference_dirty = True
 
     def sampler_params(self, timer: PhaseTimer | None = None):
@@ -347,10 +300,15 @@ class RLTrainer(Trainer):
     # -- one step ----------------------------------------------------------------------------
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
-        """The step's groups (DAPO dynamic sampling replaces zero-variance groups)."""
+        """The step's groups (DAPO dynamic sampling replaces zero-variance groups); without
+        dynamic sampling the draw may still be scoring (``RunContext.finish_scoring``)."""
         r = self.cfg.rollout
         step_key = jax.random.fold_in(self.key, step)
         params = self.sampler_params(timer)
+
+        # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
+        # the scoring workers run while those are dispatched (``train_step``).
+        defer = not self.run.objective.dynamic_sampling
 
         def draw(attempt: int) -> rollout_lib.Samples:
             return self.run.sample(
@@ -361,6 +319,7 @@ class RLTrainer(Trainer):
                 group_size=r.group_size,
                 timer=timer,
                 mesh=self.serving.mesh,
+                defer=defer,
             )
 
         return rollout_lib.collect(
@@ -393,6 +352,9 @@ class RLTrainer(Trainer):
             else:
                 old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
             ref = None if self.reference is None else self.logprob_fn(self.reference, seqs)
+        samples = run.finish_scoring(samples, timer)  # while the forwards run on device
+        info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
+        with timer.phase("logprobs"):
             jax.block_until_ready((old, ref))
         recomputed = old is not None and not self.sampler_logprobs
         timer.count("logprobs", tokens * (recomputed + (ref is not None)))
@@ -410,7 +372,7 @@ class RLTrainer(Trainer):
             for epoch in range(cfg.trainer.epochs):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for part in np.split(order, cfg.trainer.minibatches):
-                    minibatch = _take_rows(batch, jnp.asarray(part), self.row_sharding)
+                    minibatch = take_rows(batch, jnp.asarray(part), self.row_sharding)
                     updates.append(self.update(step, minibatch))
             update_metrics = mean_metrics(jax.device_get(updates))
         timer.count("update", tokens * cfg.trainer.epochs)
