@@ -47,7 +47,8 @@ class LoraSpec:
     Attributes:
       rank: r, the adapters' inner width.
       alpha: the scale numerator (scale = alpha / rank, PEFT's ``lora_alpha``).
-      targets: projection names from ``LORA_TARGETS`` (q, k, v, o, gate, up, down).
+      targets: projection names from ``LORA_TARGETS`` (q, k, v, o, gate, up, down), kept in
+        that order.
       dropout: dropout probability on the adapter path's input while training.
     """
 
@@ -74,6 +75,8 @@ class LoraSpec:
             )
         if isinstance(self.dropout, bool) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        # One canonical order, so equal adapters compare (and hash, as a jit static) equal.
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))
 
     @property
     def scale(self) -> float:
