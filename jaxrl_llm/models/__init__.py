@@ -1,5 +1,6 @@
 """Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3) and HF checkpoints."""
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.architectures import (
     ARCHITECTURE_DIR,
     architecture_config,
@@ -7,7 +8,7 @@ from jaxrl_llm.models.architectures import (
     param_count,
 )
 from jaxrl_llm.models.checkpoint import load_config, load_pretrained, save_pretrained
-from jaxrl_llm.models.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
+from jaxrl_llm.models.config import ARCHITECTURES, LORA_TARGETS, ROPE_TYPES, LoraSpec, ModelConfig
 from jaxrl_llm.models.heads import (
     ScalarParams,
     init_scalar_params,
@@ -42,6 +43,8 @@ __all__ = [
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "KVCache",
+    "LORA_TARGETS",
+    "LoraSpec",
     "ModelConfig",
     "ScalarParams",
     "Transformer",
@@ -56,6 +59,7 @@ __all__ = [
     "load_pretrained",
     "load_scalar_model",
     "load_tokenizer",
+    "lora",
     "logical_axes",
     "logits",
     "param_count",

@@ -261,6 +261,41 @@ def load_peft_adapter(
     return spec, {"layers": layers}
 
 
+def is_adapter_dir(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a PEFT adapter directory (holds ``adapter_config.json``)."""
+    return path is not None and os.path.isfile(os.path.join(os.fspath(path), ADAPTER_CONFIG))
+
+
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base checkpoint a PEFT adapter directory names (``base_model_name_or_path``).
+
+    Raises:
+      ValueError: it names none, or a directory that does not exist here (nothing is
+        downloaded: point it at a local checkpoint).
+    """
+    with open(os.path.join(os.fspath(path), ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path")
+    if not os.path.isdir(base):
+        raise ValueError(
+            f"{path}: its base model {base!r} is not a local directory (nothing is downloaded: "
+            "edit base_model_name_or_path to a local checkpoint)"
+        )
+    return base
+
+
+def load_adapted(
+    path: str | os.PathLike, *, dtype: Any = jnp.float32, mesh: Any = None
+) -> tuple[ModelConfig, Params]:
+    """``(config with lora, base + adapters)`` of a PEFT adapter directory and its base."""
+    from jaxrl_llm.models.checkpoint import load_pretrained  # noqa: PLC0415
+
+    config, base = load_pretrained(adapter_base(path), dtype=dtype, mesh=mesh)
+    spec, adapters = load_peft_adapter(path, config, dtype=dtype)
+    return dataclasses.replace(config, lora=spec), combine(base, adapters)
+
+
 def _to_hf(x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(x).astype(dtype)
 

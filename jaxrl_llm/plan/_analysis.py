@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.models import lora
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
@@ -31,6 +34,13 @@ from jaxrl_llm.plan._job import (
     plannable_objective,
     shard_bytes,
     state_bytes,
+)
+from jaxrl_llm.plan._lora import (
+    Frozen,
+    abstract_lora_state,
+    policy,
+    policy_shardings,
+    serving_trees,
 )
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
@@ -80,15 +90,20 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         raise PlanError(str(err)) from None
     t = cfg.trainer
     optimizer = make_trainer_optimizer(t, total_steps=t.max_steps * t.epochs * t.minibatches)
+    param_dtype = setup.param_dtype(cfg.model)
+    frozen = None
     try:
-        state, shardings = abstract_train_state(
-            model_config, optimizer, mesh, setup.param_dtype(cfg.model)
-        )
+        if model_config.lora is None:
+            state, shardings = abstract_train_state(model_config, optimizer, mesh, param_dtype)
+        else:  # LoRA: the adapters' state; the base frozen beside it
+            state, shardings, frozen = abstract_lora_state(
+                model_config, optimizer, mesh, param_dtype
+            )
     except ValueError as err:  # a weight dimension the mesh does not divide
         raise PlanError(f"parameter layout on mesh {dict(mesh.shape)}: {err}") from None
     params = state.params
     reference = None
-    if shape.needs_reference:
+    if shape.needs_reference and frozen is None:  # a LoRA run's reference is its base
         ref_dtype = jnp.float32 if cfg.reference.mode == "ema" else None
         reference = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape, ref_dtype or p.dtype, sharding=p.sharding),
@@ -104,11 +119,16 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         params,
     )
     critic = aux_state(cfg, objective, model_config, mesh)
-    sizes = state_bytes(state, reference, params_compute, critic[1] if critic else None)
+    sizes = state_bytes(
+        state, reference, params_compute, critic[1] if critic else None, frozen and frozen.base
+    )
     try:
         layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
     except ValueError as err:
         raise PlanError(f"the sampler's layout: {err}") from None
+    if frozen is not None and not layout.is_trainer_layout:  # kept all run (serving_base)
+        served_base = shard_bytes(serving_trees(model_config, layout)[0])
+        sizes = dataclasses.replace(sizes, serving_base=served_base)
     programs = _lower_programs(
         cfg,
         mesh,
@@ -119,10 +139,10 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         state,
         shardings,
         reference,
-        params_compute,
         sizes,
         critic,
         layout,
+        frozen,
     )
     return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout)
 
@@ -137,62 +157,87 @@ def _lower_programs(
     state,
     shardings,
     reference,
-    params_compute,
     sizes,
     critic=None,
     layout=None,
+    frozen: Frozen | None = None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
     # What stays on device all step beside a program's own arguments: the reference and, for
-    # PPO, the critic's state.
+    # PPO, the critic's state; for LoRA the serving copy of the base (the base itself is an
+    # argument of the log-prob forwards and the update).
     ref_bytes = {"reference": sizes.reference, "aux_model": sizes.aux}
+    if frozen is not None:
+        ref_bytes["sampler_weights"] = sizes.serving_base
+    weights = {"parameters": sizes.params}
+    if frozen is not None:
+        weights["frozen_base"] = sizes.base
     programs: dict[str, Program] = {}
 
     # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
     # update per rollout batch the trainer skips the behaviour forward (the update uses its own).
     on_policy = on_policy_update(cfg, objective)
-    logprob_fn = make_logprob_fn(
-        model_config,
+    forward_fn = functools.partial(
+        make_logprob_fn,
         temperature=r.temperature,
         chunk_size=cfg.model.chunk_size,
-        param_shardings=shardings.params,
         micro_batches=forward_micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
     )
+    logprob_fn = forward_fn(
+        model_config, param_shardings=policy_shardings(shardings.params, frozen)
+    )
+    policy_params = policy(state.params, frozen)
     seqs = abstract_sequences(mesh, rows, p_len, t_len)
-    logprob_out = jax.eval_shape(logprob_fn, state.params, seqs)
+    logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs)
     forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
     programs["logprobs"] = Program(
         name="logprobs",
-        lowered=logprob_fn.lower(state.params, seqs),
+        lowered=logprob_fn.lower(policy_params, seqs),
         calls_per_step=0 if on_policy else 1,
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,
-        argument_parts={"parameters": sizes.params},
+        argument_parts=dict(weights),
         resident={"optimizer_state": sizes.optimizer, **ref_bytes},
     )
-    if reference is not None:
-        same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
-        programs["ref_logprobs"] = Program(
-            name="ref_logprobs",
-            lowered=None if same else logprob_fn.lower(reference, seqs),
-            calls_per_step=1,
-            flops=forward,
-            model_flops=forward,
-            tokens=rows * t_len,
-            argument_parts={"reference": sizes.reference},
-            # The old log-probs computed just before stay on device.
-            resident={
-                "parameters": sizes.params,
-                "optimizer_state": sizes.optimizer,
-                "aux_model": sizes.aux,
-                "inputs": shard_bytes(logprob_out),
-            },
-            same_as="logprobs" if same else None,
-        )
+    if shape.needs_reference:
+        # The old log-probs computed just before stay on device.
+        around = {
+            "parameters": sizes.params,
+            "optimizer_state": sizes.optimizer,
+            "aux_model": sizes.aux,
+            "inputs": shard_bytes(logprob_out),
+        }
+        if frozen is not None:  # the base itself, adapters off (lora.base_config)
+            base_config = lora.base_config(model_config)
+            ref_fn = forward_fn(base_config, param_shardings=frozen.shardings)
+            ref_forward = flops_lib.forward_flops(base_config, rows, seq, logits_positions=t_len)
+            programs["ref_logprobs"] = Program(
+                name="ref_logprobs",
+                lowered=ref_fn.lower(frozen.base, seqs),
+                calls_per_step=1,
+                flops=ref_forward,
+                model_flops=ref_forward,
+                tokens=rows * t_len,
+                argument_parts={"frozen_base": sizes.base},
+                resident={**around, "sampler_weights": sizes.serving_base},
+            )
+        else:
+            same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
+            programs["ref_logprobs"] = Program(
+                name="ref_logprobs",
+                lowered=None if same else logprob_fn.lower(reference, seqs),
+                calls_per_step=1,
+                flops=forward,
+                model_flops=forward,
+                tokens=rows * t_len,
+                argument_parts={"reference": sizes.reference},
+                resident=around,
+                same_as="logprobs" if same else None,
+            )
 
-    # (a) the policy update on one minibatch.
+    # (a) the policy update on one minibatch (a LoRA run's base passed as frozen parameters).
     update_fn = jit_step(
         make_policy_step(
             model_config,
@@ -205,6 +250,8 @@ def _lower_programs(
             param_shardings=shardings.params,
         ),
         shardings,
+        frozen=frozen and frozen.base,
+        frozen_shardings=frozen and frozen.shardings,
     )
     minibatch = abstract_rollout_batch(
         mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, on_policy=on_policy
@@ -222,7 +269,7 @@ def _lower_programs(
         ),
         model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=t_len),
         tokens=m_rows * t_len,
-        argument_parts={"parameters": sizes.params, "optimizer_state": sizes.optimizer},
+        argument_parts={**weights, "optimizer_state": sizes.optimizer},
         # The whole rollout batch stays on device while its minibatches are drawn.
         resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
     )
@@ -251,9 +298,10 @@ def _lower_programs(
         shape,
         state,
         sizes,
-        ref_bytes,
+        {"reference": sizes.reference, "aux_model": sizes.aux},
         layout,
         lambda m: decode_hbm_bytes_per_chip(model_config, m, rows, seq),
+        frozen,
     )
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
@@ -300,7 +348,8 @@ def decode_hbm_bytes_per_chip(
 ) -> float:
     """HBM bytes one chip moves in one decode step on the trainer's (FSDP) layout.
 
-    With ``c`` bytes of the compute dtype, ``W = matmul_params x c`` (``flops.matmul_params``),
+    With ``c`` bytes of the compute dtype, ``W = (matmul_params + adapter_params) x c``
+    (``flops.matmul_params``, and a LoRA model's adapters, ``flops.adapter_params``),
     ``E = V D c`` (the embedding table), ``f`` / ``t`` the fsdp / tensor axes, ``s`` the batch
     shards (``data x fsdp``):
 
@@ -318,7 +367,7 @@ def decode_hbm_bytes_per_chip(
     sizes = dict(mesh.shape)
     fsdp, tensor = sizes["fsdp"], sizes["tensor"]
     shards = parallel.batch_shards(mesh)
-    weights = flops_lib.matmul_params(config) * c / tensor
+    weights = (flops_lib.matmul_params(config) + flops_lib.adapter_params(config)) * c / tensor
     table = config.vocab_size * config.hidden_size * c / tensor
     if fsdp > 1:
         weights *= 2 + 1 / fsdp

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jaxrl_llm import parallel
+from jaxrl_llm import models, parallel
+from jaxrl_llm.models import heads
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._job import (
     Program,
+    _abstract_state,
     _rows,
-    abstract_critic_state,
     abstract_train_state,
     shard_bytes,
 )
@@ -25,8 +27,23 @@ from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.ppo import make_value_fn, make_value_step
 from jaxrl_llm.train.rl.prime import make_prm_loss_fn
+from jaxrl_llm.train.state import TrainState
 from jaxrl_llm.train.step import jit_step, make_step
 from jaxrl_llm.types import RolloutBatch
+
+
+def abstract_critic_state(
+    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
+) -> tuple[TrainState, TrainState]:
+    """PPO's critic state (``PPOTrainer``: the policy's architecture with a scalar head, its
+    own optimizer), shapes only, with its shardings."""
+    return _abstract_state(
+        lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
+        optimizer,
+        model_config,
+        mesh,
+        params_axes=heads.scalar_logical_axes(model_config),
+    )
 
 
 def aux_state(cfg, objective, model_config, mesh) -> tuple[Any, Any, Any] | None:

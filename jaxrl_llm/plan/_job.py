@@ -13,14 +13,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import models, objectives, parallel
-from jaxrl_llm.models import heads
+from jaxrl_llm.models import lora
 from jaxrl_llm.plan.topology import TopologySpec
-
-# The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
-# function ``sampling.generate``, hence the direct import).
 from jaxrl_llm.sampling.prompts import bucket_length
-from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
-from jaxrl_llm.train import setup
+from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.rl.config import TrainConfig, check_config, micro_batching
 from jaxrl_llm.train.state import TrainState, state_shardings
 from jaxrl_llm.train.step import TokenBudget
@@ -36,6 +32,7 @@ PROGRAMS = (
     "ref_logprobs",
     "values",
     "prm_logprobs",
+    "reshard_base",
     "reshard",
     "prefill",
     "decode_step",
@@ -44,14 +41,13 @@ MEMORY_PARTS = (
     "parameters",
     "optimizer_state",
     "reference",
+    "frozen_base",
     "aux_model",
     "sampler_weights",
     "kv_cache",
     "inputs",
     "temporaries",
 )
-# Slots of SamplingParams.eos_ids the sampler pads to (sampling.state pads to >= 4).
-_EOS_SLOTS = 4
 
 ASSUMPTIONS = (
     "overlap: a program takes max(compute, HBM, ICI) (est_step_s, XLA hides collectives behind "
@@ -157,10 +153,12 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
 
     Raises:
       PlanError: a config ``check_config`` refuses, a critic (PPO) on the joint optimizer or
-        initialised from a reward model, or a learned reward model (``reward_model.path``).
+        initialised from a reward model, a learned reward model (``reward_model.path``), or
+        ``model.lora`` where the trainer refuses it (``train.adapters.check_lora_job``).
     """
     try:
         objective = check_config(cfg)
+        adapters.check_lora_job(cfg, "rl", objective)
     except ValueError as err:
         raise PlanError(str(err)) from None
     if objective.needs_critic and cfg.critic.optimizer != "separate":
@@ -187,16 +185,24 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
 
 def plan_model_config(section) -> models.ModelConfig:
     """The policy's ``ModelConfig`` from ``model.architecture`` or ``model.path``'s config.json
-    (no weights read), computing in ``model.compute_dtype`` as on TPU (``auto``: bfloat16).
+    (no weights read), computing in ``model.compute_dtype`` as on TPU (``auto``: bfloat16),
+    with ``model.lora``'s adapters (``setup.lora_spec``) as ``train`` builds it.
 
     Raises:
-      PlanError: neither or both keys set, an unknown architecture, a bad dtype.
+      PlanError: neither or both keys set, an unknown architecture, a bad dtype or LoRA
+        setting, a PEFT adapter directory as ``model.path``.
       FileNotFoundError: ``model.path`` has no config.json.
     """
     if section.architecture is not None and section.path is not None:
         raise PlanError(
             "set one of model.architecture and model.path, not both (plan reads model.path's "
             "config.json; model.architecture names a config without weights)"
+        )
+    if lora.is_adapter_dir(section.path):
+        raise PlanError(
+            f"model.path={section.path!r} is a PEFT adapter directory: plan it as its base "
+            "(model.path=<the base checkpoint> or model.architecture) with model.lora.rank, "
+            "model.lora.alpha and model.lora.targets set as in its adapter_config.json"
         )
     if section.path is not None:
         config = models.load_config(section.path)
@@ -214,9 +220,10 @@ def plan_model_config(section) -> models.ModelConfig:
     try:
         setup.param_dtype(section)
         compute = setup.compute_dtype(section, backend="tpu")
+        spec = setup.lora_spec(section)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    return dataclasses.replace(config, compute_dtype=compute)
+    return dataclasses.replace(config, compute_dtype=compute, lora=spec)
 
 
 def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
@@ -291,20 +298,6 @@ def abstract_train_state(
     )
 
 
-def abstract_critic_state(
-    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
-) -> tuple[TrainState, TrainState]:
-    """PPO's critic state (``PPOTrainer``: the policy's architecture with a scalar head, its
-    own optimizer), shapes only, with its shardings."""
-    return _abstract_state(
-        lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
-        optimizer,
-        model_config,
-        mesh,
-        params_axes=heads.scalar_logical_axes(model_config),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
     """Per-chip bytes of what stays resident all RL step.
@@ -315,6 +308,9 @@ class StateBytes:
       reference: the reference policy's parameters (0 without one; f32 with ``ema``).
       params_compute: the parameters cast to the compute dtype (what the decode loop reads;
         0 when the parameters are stored in it already, so no copy is made).
+      base, serving_base: a LoRA run's frozen base (``params`` are its adapters) in the
+        compute dtype on the trainer's layout, and its copy on the sampler's serving layout
+        (made once a run, kept all run); 0 without LoRA.
     """
 
     params: int
@@ -323,6 +319,8 @@ class StateBytes:
     params_compute: int
     aux_params: int = 0
     aux_optimizer: int = 0
+    base: int = 0
+    serving_base: int = 0
 
     @property
     def aux(self) -> int:
@@ -332,8 +330,10 @@ class StateBytes:
 
     @property
     def resident(self) -> int:
-        """Alive all step: the train state, the reference and the auxiliary model."""
-        return self.params + self.optimizer + self.reference + self.aux
+        """Alive all step: the train state, the reference, the auxiliary model and a LoRA
+        run's frozen base (and its serving copy)."""
+        frozen = self.base + self.serving_base
+        return self.params + self.optimizer + self.reference + self.aux + frozen
 
 
 def state_bytes(
@@ -341,9 +341,10 @@ def state_bytes(
     reference: PyTree | None,
     params_compute: PyTree,
     aux: TrainState | None = None,
+    base: PyTree | None = None,
 ) -> StateBytes:
-    """``StateBytes`` of an abstract sharded state, reference, compute-dtype weights and the
-    auxiliary model's state (PPO's critic, PRIME's PRM)."""
+    """``StateBytes`` of an abstract sharded state, reference, compute-dtype weights, the
+    auxiliary model's state (PPO's critic, PRIME's PRM) and a LoRA run's frozen base."""
     params = shard_bytes(state.params)
     same = jax.tree.leaves(params_compute)[0].dtype == jax.tree.leaves(state.params)[0].dtype
     return StateBytes(
@@ -353,6 +354,7 @@ def state_bytes(
         params_compute=0 if same else shard_bytes(params_compute),
         aux_params=0 if aux is None else shard_bytes(aux.params),
         aux_optimizer=0 if aux is None else _optimizer_bytes(aux),
+        base=0 if base is None else shard_bytes(base),
     )
 
 
@@ -478,21 +480,4 @@ def abstract_rollout_batch(
         completion_tokens=seqs.completion_tokens,
         rewards=rewards,
         **value_fields,
-    )
-
-
-def _sampling_params(mesh: Mesh) -> SamplingParams:
-    scalar = lambda dtype: _replicated(mesh, (), dtype)  # noqa: E731
-    return SamplingParams(
-        temperature=scalar(jnp.float32),
-        top_p=scalar(jnp.float32),
-        min_p=scalar(jnp.float32),
-        eos_ids=_replicated(mesh, (_EOS_SLOTS,), jnp.int32),
-        pad_id=scalar(jnp.int32),
-    )
-
-
-def _sampling_state_shardings(state: PyTree, mesh: Mesh) -> PyTree:
-    return parallel.logical_to_sharding(
-        state_logical_axes(state), mesh, parallel.SAMPLING_RULES, shapes=state
     )

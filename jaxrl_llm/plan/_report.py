@@ -22,6 +22,8 @@ from jaxrl_llm.plan._job import (
     Job,
     Program,
 )
+from jaxrl_llm.plan._lora import ASSUMPTIONS as LORA_ASSUMPTIONS
+from jaxrl_llm.plan._lora import lora_report
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
 
@@ -193,6 +195,11 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             "reshard_collective_bytes": (
                 programs["reshard"]["collective_bytes"] if "reshard" in programs else None
             ),
+            # What the per-step reshard moves: a LoRA run's adapters (the base once a run).
+            "reshard_moves": "adapters" if config.lora is not None else "parameters",
+            "base_reshard_once_s": (
+                programs["reshard_base"]["times"]["step_s"] if "reshard_base" in programs else None
+            ),
         },
         "step_breakdown_s": contribution,
         "dominant_program": max(contribution, key=contribution.get),
@@ -208,12 +215,13 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             "param_dtype": job.cfg.model.param_dtype,
             "compute_dtype": config.compute_dtype,
             "optimizer_state_dtype": job.cfg.trainer.optimizer_state_dtype,
+            "lora": lora_report(config),
         },
         "objective": job.objective.name,
         "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
         "resident_bytes": dataclasses.asdict(state),
         "programs": dict(programs),
-        "assumptions": list(ASSUMPTIONS),
+        "assumptions": [*ASSUMPTIONS, *(LORA_ASSUMPTIONS if config.lora is not None else ())],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
     return report
@@ -262,18 +270,26 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
     if skipped_compile or resident > 0.8 * usable:
         need = _chips_for(resident * chips, usable)
         example = bigger_topology(spec, _pow2_at_least(need / chips)) if need > chips else None
+        base = f", frozen base {_fmt(state.base + state.serving_base)}" if state.base else ""
         out.append(
             f"the resident state alone (parameters {_fmt(state.params)}, optimizer state "
-            f"{_fmt(state.optimizer)}, reference {_fmt(state.reference)}) takes "
+            f"{_fmt(state.optimizer)}, reference {_fmt(state.reference)}{base}) takes "
             f"{_fmt(resident)} of {_fmt(usable)} a chip: a bigger topology (about {need} "
             f"chips or more" + (f", e.g. {example}" if example else "") + ")"
         )
-    if cfg.trainer.optimizer_state_dtype == "float32":
+    lora = job.model_config.lora is not None  # the adapters' state is small: no halving
+    if state.serving_base:
+        out.append(
+            "rollout.tensor_parallel=trainer: the sampler decodes on the trainer's layout, so "
+            "no serving copy of the frozen base is kept all run (the decode step then gathers "
+            f"the base every token); {saves(state.serving_base)}"
+        )
+    if cfg.trainer.optimizer_state_dtype == "float32" and not lora:
         out.append(
             "trainer.optimizer_state_dtype=bfloat16: AdamW's moments in bf16 (the update is "
             f"still computed in f32); {saves(state.optimizer / 2)}"
         )
-    if cfg.model.param_dtype == "float32":
+    if cfg.model.param_dtype == "float32" and not lora:
         halved = state.params / 2 + (state.reference / 2 if cfg.reference.mode != "ema" else 0)
         out.append(
             "model.param_dtype=bfloat16: master weights (and the reference) in bf16, but small "

@@ -8,22 +8,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from jaxrl_llm import parallel
+from jaxrl_llm.models import lora
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._job import (
     Program,
     _replicated,
-    _sampling_params,
-    _sampling_state_shardings,
     abstract_sequences,
     shard_bytes,
     with_shardings,
 )
+from jaxrl_llm.plan._lora import Frozen, policy, reshard_programs, serving_trees
 from jaxrl_llm.sampling import serving, strategies
 from jaxrl_llm.sampling.generate import _decode, _prefill
+from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
 from jaxrl_llm.train.rl.serving import rollout_layout
 
 PyTree = Any
+# Slots of SamplingParams.eos_ids the sampler pads to (sampling.state pads to >= 4).
+_EOS_SLOTS = 4
 
 
 def choose_layout(cfg, model_config, mesh, shape, spec, sizes) -> serving.ServingLayout:
@@ -54,9 +59,12 @@ def lower_sampler_programs(
     ref_bytes: dict[str, int],
     layout: serving.ServingLayout,
     decode_hbm_bytes: Any,
+    frozen: Frozen | None = None,
 ) -> None:
     """Adds ``reshard`` (unless the sampler runs on the trainer's layout), ``prefill`` and
-    ``decode_step`` to ``programs``.
+    ``decode_step`` to ``programs``; for a LoRA job (``frozen``: its base) the sampler decodes
+    the base with the adapters applied on the fly, ``reshard`` moves the adapters only and
+    ``reshard_base`` (once a run) the base.
 
     ``decode_hbm_bytes(mesh)``: the analytic HBM bytes of one decode step on the trainer's
     layout (its weight gathers are not in the loop body XLA:TPU emits for small meshes); on
@@ -66,37 +74,55 @@ def lower_sampler_programs(
     p_len, t_len, rows = shape.prompt_len, shape.completion_len, shape.rows
     resident = {"optimizer_state": sizes.optimizer, **ref_bytes}
     if layout.is_trainer_layout:
-        smesh, params = mesh, state.params
+        smesh, params = mesh, policy(state.params, frozen)
         weights_arg = {"parameters": sizes.params}
+        if frozen is not None:
+            weights_arg["frozen_base"] = sizes.base
         inner = {"sampler_weights": sizes.params_compute}
         hbm = decode_hbm_bytes(mesh)
     else:
         smesh = layout.mesh
-        compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
-        params = jax.tree.map(
-            lambda p, s: jax.ShapeDtypeStruct(
-                p.shape, compute if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype, sharding=s
-            ),
-            state.params,
-            layout.shardings,
-        )
-        served = shard_bytes(params)
-        # The trainer's parameters stay where they are while the sampler holds its copy.
-        resident = {"parameters": sizes.params, **resident}
-        weights_arg = {"sampler_weights": served}
+        # The trainer's parameters (and a LoRA run's base) stay where they are while the
+        # sampler holds its copy.
+        resident = {"parameters": sizes.params, "frozen_base": sizes.base, **resident}
         inner = {}
         hbm = None
-        programs["reshard"] = Program(
-            name="reshard",
-            lowered=serving.make_reshard(model_config, layout).lower(state.params),
-            calls_per_step=1,
-            flops=0.0,
-            model_flops=0.0,
-            tokens=0,
-            argument_parts={"parameters": sizes.params},
-            resident={"optimizer_state": sizes.optimizer, **ref_bytes},
-            inner_parts={"sampler_weights": served},
-        )
+        if frozen is None:
+            compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
+            params = jax.tree.map(
+                lambda p, s: jax.ShapeDtypeStruct(
+                    p.shape,
+                    compute if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype,
+                    sharding=s,
+                ),
+                state.params,
+                layout.shardings,
+            )
+            served = shard_bytes(params)
+            programs["reshard"] = Program(
+                name="reshard",
+                lowered=serving.make_reshard(model_config, layout).lower(state.params),
+                calls_per_step=1,
+                flops=0.0,
+                model_flops=0.0,
+                tokens=0,
+                argument_parts={"parameters": sizes.params},
+                resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+                inner_parts={"sampler_weights": served},
+            )
+        else:  # LoRA: the base's copy made once a run, the adapters' each step
+            base_served, adapters_served = serving_trees(model_config, layout)
+            params = lora.combine(base_served, adapters_served)
+            programs["reshard"], programs["reshard_base"], adapter_bytes = reshard_programs(
+                model_config,
+                layout,
+                state,
+                frozen,
+                sizes,
+                {"optimizer_state": sizes.optimizer, **ref_bytes},
+            )
+            served = sizes.serving_base + adapter_bytes
+        weights_arg = {"sampler_weights": served}
 
     cache_dtype = jnp.dtype(model_config.compute_dtype)
     top_k = strategies.check_sampling_args(
@@ -155,3 +181,20 @@ def lower_sampler_programs(
             hbm_bytes=hbm,
             per_step_loop=True,
         )
+
+
+def _sampling_params(mesh: Mesh) -> SamplingParams:
+    scalar = lambda dtype: _replicated(mesh, (), dtype)  # noqa: E731
+    return SamplingParams(
+        temperature=scalar(jnp.float32),
+        top_p=scalar(jnp.float32),
+        min_p=scalar(jnp.float32),
+        eos_ids=_replicated(mesh, (_EOS_SLOTS,), jnp.int32),
+        pad_id=scalar(jnp.int32),
+    )
+
+
+def _sampling_state_shardings(state: PyTree, mesh: Mesh) -> PyTree:
+    return parallel.logical_to_sharding(
+        state_logical_axes(state), mesh, parallel.SAMPLING_RULES, shapes=state
+    )

@@ -26,6 +26,7 @@ _PARTS = (
     ("parameters", "params"),
     ("optimizer_state", "optim"),
     ("reference", "ref"),
+    ("frozen_base", "base"),
     ("aux_model", "critic/PRM"),
     ("sampler_weights", "bf16 w"),
     ("kv_cache", "KV"),
@@ -163,11 +164,29 @@ def _sampler_line(layout: Mapping[str, Any]) -> str:
     if layout["is_trainer_layout"]:
         return f"sampler: on the trainer's layout (mesh {mesh}), no reshard"
     moved = sum((layout["reshard_collective_bytes"] or {}).values())
+    what = "the LoRA adapters" if layout.get("reshard_moves") == "adapters" else "the weights"
+    base = (
+        f" (the frozen base once per run, {_ms(layout['base_reshard_once_s'])} ms, its copy kept)"
+        if layout.get("base_reshard_once_s") is not None
+        else ""
+    )
     return (
         f"sampler: serving layout, mesh {mesh} (tensor-parallel {layout['tensor']}, weights "
-        f"in the compute dtype); reshard from the trainer's layout once per step: "
-        f"{moved / 2**30:.2f} GiB of collectives a chip, {_ms(layout['reshard_s'])} ms"
+        f"in the compute dtype); reshard of {what} from the trainer's layout once per step: "
+        f"{moved / 2**30:.2f} GiB of collectives a chip, {_ms(layout['reshard_s'])} ms{base}"
     )
+
+
+def _lora_line(model: Mapping[str, Any]) -> list[str]:
+    lora = model.get("lora")
+    if not lora:
+        return []
+    return [
+        f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])}: "
+        f"{lora['adapter_params'] / 1e6:.1f} M adapter parameters trained (the params and "
+        f"optim columns); the base frozen in {model['compute_dtype']} (base), also the "
+        "reference"
+    ]
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -185,6 +204,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{job['minibatch_rows']} rows, {job['micro_batches']} micro-batch(es), remat "
         f"{job['remat']}; weights {model['param_dtype']}, compute {model['compute_dtype']}, "
         f"AdamW moments {model['optimizer_state_dtype']}",
+        *_lora_line(model),
         "",
         f"HBM per chip (GiB; the compiler lets a program use {report['hbm_usable_gib']:.2f}, "
         f"Google lists {report['hbm_capacity_gib']:.2f}): everything alive during each program",

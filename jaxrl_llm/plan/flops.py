@@ -10,7 +10,10 @@ token and layer, with D hidden, N query heads, K key/value heads, H head dim, F 
   ``S x kv_len`` (what the cache attention computes: every slot, masked);
 * SwiGLU MLP: gate, up and down, ``2 D F`` each;
 * unembedding: ``2 D V`` per scored position (once per sequence when decoding, ``S`` or
-  ``S - 1`` for log-probs).
+  ``S - 1`` for log-probs);
+* LoRA adapters (``config.lora``: ``x W + (alpha / r) (x A) B`` on each targeted projection
+  ``W: [in, out]``): ``2 r (in + out)`` per token and adapted weight, ``2 N_A`` a token in all
+  (``N_A = adapter_params(config)``, the adapters' parameter count).
 
 Norms, RoPE, softmax, SiLU and residual adds (``O(D)`` a token, not ``O(D^2)``) are left out,
 as in the usual ``6N`` accounting (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, App. B).
@@ -44,6 +47,27 @@ def matmul_params(config: ModelConfig) -> int:
     )
 
 
+def adapter_params(config: ModelConfig) -> int:
+    """``N_A = L sum_w r (in_w + out_w)``: the LoRA adapters' parameters (``A: [in, r]``,
+    ``B: [r, out]`` per targeted weight and layer), also the adapter weights a token multiplies
+    through; 0 without ``config.lora``."""
+    if config.lora is None:
+        return 0
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    dims = {  # target -> (in, out) of the weight it adapts, flattened
+        "q": (d, n * h),
+        "k": (d, k * h),
+        "v": (d, k * h),
+        "o": (n * h, d),
+        "gate": (d, f),
+        "up": (d, f),
+        "down": (f, d),
+    }
+    per_layer = sum(config.lora.rank * sum(dims[t]) for t in config.lora.targets)
+    return config.num_hidden_layers * per_layer
+
+
 def attention_pairs(seq: int, *, kv_len: int | None = None, causal: bool = True) -> int:
     """(query, key) pairs of one sequence.
 
@@ -67,7 +91,8 @@ def forward_flops_breakdown(
     causal: bool = True,
     logits_positions: int | None = None,
 ) -> dict[str, int]:
-    """Matmul FLOPs of one forward pass, by part: ``projections, attention, mlp, unembed``.
+    """Matmul FLOPs of one forward pass, by part: ``projections, attention, mlp, unembed``
+    and, for a LoRA model (``config.lora``), ``adapters`` (``2 N_A`` a token).
 
     Args:
       config: the model.
@@ -99,12 +124,15 @@ def forward_flops_breakdown(
     layers = config.num_hidden_layers
     tokens = batch * seq
     pairs = batch * attention_pairs(seq, kv_len=kv_len, causal=causal)
-    return {
+    parts = {
         "projections": layers * tokens * 2 * (d * n * h + 2 * d * k * h + n * h * d),
         "attention": layers * pairs * 4 * n * h,
         "mlp": layers * tokens * 6 * d * f,
         "unembed": batch * logits_positions * 2 * d * v,
     }
+    if config.lora is not None:
+        parts["adapters"] = tokens * 2 * adapter_params(config)
+    return parts
 
 
 def forward_flops(
@@ -138,13 +166,27 @@ def train_flops(
     causal: bool = True,
     logits_positions: int | None = None,
 ) -> int:
-    """FLOPs of one training step: forward + backward (``2 x`` forward) + remat recompute.
+    """FLOPs of one training step: forward + backward + remat recompute.
 
-    Backward costs two forwards (gradients with respect to activations and to weights, each a
-    matmul of the forward's size). ``remat="layer"`` (``jax.checkpoint`` around each scanned
-    layer) runs the layers' forward once more in the backward pass, less the MLP down
-    projection (``2 D F`` a token and layer: its output only feeds the residual add, whose
-    backward needs none of it, so JAX's remat drops it); the unembedding is not recomputed.
+    Full training (``config.lora`` None): ``3 F`` with ``F`` the forward. The backward costs
+    two forwards (gradients with respect to activations and to weights, each a matmul of the
+    forward's size).
+
+    LoRA (``config.lora`` set: the adapters trained, the base frozen, as ``train`` runs it):
+    ``2 F_base + F_attn + 6 N_A B S``. With ``F_base`` the base model's forward (all parts
+    but ``adapters``), ``F_attn`` its attention part and ``W = F_base - F_attn`` its weight
+    matmuls (projections, MLP, unembedding): forward ``F_base + 2 N_A B S``; backward
+    ``2 F_base - W + 4 N_A B S`` -- the activation gradients through every frozen matmul (``W``,
+    attention ``2 F_attn``) but no gradient of a frozen weight (the ``W`` of full training's
+    ``dW = x^T dy``), and through each adapter ``dX`` and ``dA`` (``2 r in``), ``du`` and
+    ``dB`` (``2 r out``): twice its forward. The activation gradients are counted for every
+    layer (layer 0's input gradient is not needed, but the scanned layers' carry computes it).
+
+    ``remat="layer"`` (``jax.checkpoint`` around each scanned layer) runs the layers' forward
+    once more in the backward pass, less the MLP down projection (``2 D F`` a token and layer:
+    its output only feeds the residual add, whose backward needs none of it, so JAX's remat
+    drops it; likewise the down adapter's ``(x A) B``, ``2 r D``); the unembedding is not
+    recomputed.
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")
@@ -152,11 +194,17 @@ def train_flops(
         config, batch, seq, causal=causal, logits_positions=logits_positions
     )
     forward = sum(parts.values())
-    down = (
-        config.num_hidden_layers * batch * seq * 2 * config.hidden_size * config.intermediate_size
-    )
+    tokens_layers = config.num_hidden_layers * batch * seq
+    down = tokens_layers * 2 * config.hidden_size * config.intermediate_size
+    adapters = parts.get("adapters", 0)
+    if adapters and "down" in config.lora.targets:
+        down += tokens_layers * 2 * config.lora.rank * config.hidden_size
     recompute = forward - parts["unembed"] - down if remat == "layer" else 0
-    return 3 * forward + recompute
+    if config.lora is None:
+        return 3 * forward + recompute
+    base = forward - adapters
+    frozen_weights = base - parts["attention"]
+    return (base + adapters) + (2 * base - frozen_weights + 2 * adapters) + recompute
 
 
 def decode_flops(config: ModelConfig, batch: int, kv_len: int) -> int:
@@ -185,6 +233,7 @@ def model_flops_per_token(
 
 __all__ = [
     "REMAT_POLICIES",
+    "adapter_params",
     "attention_pairs",
     "decode_flops",
     "forward_flops",

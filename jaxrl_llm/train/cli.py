@@ -151,6 +151,11 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: last)")
     parser.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="weights' dtype")
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/hf-STEP)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run (model.lora): write the merged full weights instead of the PEFT adapter",
+    )
     return parser
 
 
@@ -162,14 +167,20 @@ def _policy_params(job: str, state: dict) -> Any:
     return state["policy"]["params"]  # PPO with a separate critic, PRIME
 
 
-def export_run(run_dir, *, step: int | None = None, dtype: str | None = None, out=None) -> str:
-    """Writes a Hugging Face checkpoint of ``run_dir``'s policy at ``step`` (default: latest).
+def export_run(
+    run_dir, *, step: int | None = None, dtype: str | None = None, out=None, merge: bool = False
+) -> str:
+    """Writes a Hugging Face checkpoint of ``run_dir``'s policy at ``step`` (default: latest);
+    a LoRA run's is a PEFT adapter (``merge``: the merged full weights).
 
     Raises:
       FileNotFoundError: not a run directory, or no such checkpoint.
+      ValueError: ``merge`` for a run without adapters.
     """
+    import jax.numpy as jnp  # noqa: PLC0415
+
     from jaxrl_llm import data, models  # noqa: PLC0415
-    from jaxrl_llm.train import export, setup  # noqa: PLC0415
+    from jaxrl_llm.train import adapters, export, setup  # noqa: PLC0415
     from jaxrl_llm.train.checkpoint import Checkpointer  # noqa: PLC0415
 
     run_dir = pathlib.Path(run_dir)
@@ -186,14 +197,33 @@ def export_run(run_dir, *, step: int | None = None, dtype: str | None = None, ou
     params = _policy_params(job, state)
     if cfg.model.path is not None:
         tokenizer = models.load_tokenizer(cfg.model.path)
+    else:
+        tokenizer = data.build_char_tokenizer(setup.tiny_alphabet(cfg))
+    out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
+    if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is on disk
+        base_path = adapters.base_model_path(cfg, run_dir)
+        config, base = models.load_pretrained(base_path, dtype=jnp.float32)
+        config = dataclasses.replace(config, lora=setup.lora_spec(cfg.model))
+        stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
+        return adapters.export_adapter(
+            out,
+            config,
+            models.lora.combine(base, params),
+            tokenizer,
+            base_model=base_path,
+            stop_ids=stop,
+            merge=merge,
+            dtype=dtype,
+        )
+    if merge:
+        raise ValueError(f"--merge: {run_dir} is not a LoRA run (its config has no model.lora)")
+    if cfg.model.path is not None:
         config = models.load_config(cfg.model.path)
     else:
-        tokenizer = data.build_char_tokenizer(data.ARITHMETIC_ALPHABET)
         config = setup.tiny_model_config(cfg.model, tokenizer, None)
     # The built-in model's vocabulary was padded to the run's mesh: read it off the weights.
     embed = params["backbone"]["embed"] if "backbone" in params else params["embed"]
     config = dataclasses.replace(config, vocab_size=int(embed.shape[0]))
-    out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
     if job == "reward_model":
         return export.export_scalar_model(out, config, params, tokenizer, dtype=dtype)
     stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
@@ -205,7 +235,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     args = _export_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     quiet_start()
     try:
-        out = export_run(args.run_dir, step=args.step, dtype=args.dtype, out=args.out)
+        out = export_run(
+            args.run_dir, step=args.step, dtype=args.dtype, out=args.out, merge=args.merge
+        )
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -30,6 +30,23 @@ class TinyModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters (``model.lora``): only they are trained; the base is frozen.
+
+    Attributes:
+      rank: the adapters' rank r.
+      alpha: scale numerator (scale = alpha / rank), PEFT's ``lora_alpha``.
+      dropout: dropout on the adapters' input while training.
+      targets: projections to adapt, from q, k, v, o, gate, up, down (default: all seven).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Which policy to train.
 
@@ -50,6 +67,9 @@ class ModelSection:
       chunk_size: sequence chunk of the log-prob computation (null: automatic).
       remat: ``none`` or ``layer``: recompute each transformer layer in the backward pass
         instead of storing its activations (less memory, about one more forward of compute).
+      lora: train low-rank adapters on a frozen base instead of every weight (``LoraSection``);
+        null = full fine-tuning. The base is kept in ``compute_dtype``, the adapters' master
+        weights and moments in ``param_dtype``; the reference policy is the base itself.
     """
 
     path: str | None = None
@@ -59,6 +79,7 @@ class ModelSection:
     tiny: TinyModelConfig = TinyModelConfig()
     chunk_size: int | None = None
     remat: str = "none"
+    lora: LoraSection | None = None
 
 
 @dataclasses.dataclass(frozen=True)

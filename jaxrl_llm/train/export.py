@@ -23,12 +23,19 @@ from jaxrl_llm import models
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def np_dtype(dtype: str):
+    """The NumPy dtype of an export dtype name (``bfloat16`` through ml_dtypes)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    import ml_dtypes  # noqa: PLC0415  (a JAX dependency)
+
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
 def _cast(params, dtype: str | None):
     if dtype is None:
         return params
-    import ml_dtypes  # noqa: PLC0415  (a JAX dependency)
-
-    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    target = np_dtype(dtype)
     return jax.tree.map(lambda x: np.asarray(x).astype(target), params)
 
 
@@ -71,7 +78,7 @@ def export_policy(
     directory = os.fspath(directory)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
-    host = jax.tree.map(_gather, params)
+    host = jax.tree.map(gather_host, params)
     if jax.process_index() == 0:
         models.save_pretrained(directory, model_config, _cast(host, dtype))
         if tokenizer is not None:
@@ -85,13 +92,14 @@ def export_policy(
 def export_scalar_model(directory, model_config, params, tokenizer, *, dtype=None) -> str:
     """Writes a reward model / critic as a ``*ForSequenceClassification`` checkpoint."""
     directory = os.fspath(directory)
-    host = jax.tree.map(_gather, params)
+    host = jax.tree.map(gather_host, params)
     if jax.process_index() == 0:
         models.save_scalar_model(directory, model_config, _cast(host, dtype), tokenizer=tokenizer)
     return directory
 
 
-def _gather(x):
+def gather_host(x):
+    """A (possibly multi-host sharded) array as a host NumPy array on every process."""
     if isinstance(x, jax.Array) and jax.process_count() > 1 and not x.is_fully_addressable:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxrl_llm import data, models, parallel, sampling
 from jaxrl_llm.data import char_tokenizer
+from jaxrl_llm.models import lora
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -112,12 +113,42 @@ def build_policy(cfg, mesh):
             "weights or a tokenizer: `jaxrl-llm plan` compiles it; to train, set model.path to "
             "a Hugging Face checkpoint directory"
         )
-    if cfg.model.path is not None:
-        model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
+    spec = lora_spec(cfg.model)
+    if cfg.model.path is not None and lora.is_adapter_dir(cfg.model.path):
+        model_config, params = lora.load_adapted(cfg.model.path, dtype=dtype, mesh=mesh)
+        if spec is not None and spec != model_config.lora:
+            raise ValueError(
+                f"model.lora {spec} differs from the adapter at model.path ({model_config.lora})"
+            )
         model_config = with_compute_dtype(model_config, cfg.model)
         return models.load_tokenizer(cfg.model.path), model_config, params
+    if cfg.model.path is not None:
+        model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
+        model_config = dataclasses.replace(with_compute_dtype(model_config, cfg.model), lora=spec)
+        return models.load_tokenizer(cfg.model.path), model_config, params
     tokenizer = data.build_char_tokenizer(tiny_alphabet(cfg))
-    return tokenizer, tiny_model_config(cfg.model, tokenizer, mesh), None
+    model_config = dataclasses.replace(tiny_model_config(cfg.model, tokenizer, mesh), lora=spec)
+    return tokenizer, model_config, None
+
+
+def lora_spec(section) -> models.LoraSpec | None:
+    """The ``LoraSpec`` of ``model.lora`` (None: full fine-tuning).
+
+    Raises:
+      ValueError: a bad rank, alpha, dropout or target, naming the ``model.lora`` key.
+    """
+    if section.lora is None:
+        return None
+    section = section.lora
+    try:
+        return models.LoraSpec(
+            rank=section.rank,
+            alpha=section.alpha,
+            targets=tuple(section.targets),
+            dropout=section.dropout,
+        )
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from None
 
 
 def tiny_alphabet(cfg) -> str:

@@ -173,7 +173,10 @@ def make_step(
         returned in these shardings.
 
     Returns:
-      The step; its metrics add ``grad_norm`` (and ``num_tokens`` with ``accumulate="sum"``).
+      The step ``(state, batch, frozen=None) -> (state, metrics)``; its metrics add
+      ``grad_norm`` (and ``num_tokens`` with ``accumulate="sum"``). ``frozen``: parameters the
+      loss reads but nothing updates (a LoRA run's base): the loss sees
+      ``merge_trees(frozen, state.params)``, the gradient covers ``state.params`` only.
     """
     budget = micro_batches if isinstance(micro_batches, TokenBudget) else None
     if budget is None and not isinstance(micro_batches, int):
@@ -182,7 +185,6 @@ def make_step(
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
-    grad_fn = jax.grad(loss_fn, has_aux=True)
     batch_devices = (
         1 if param_shardings is None else parallel.batch_shards(_mesh_of(param_shardings))
     )
@@ -190,7 +192,11 @@ def make_step(
     def count(batch) -> int:
         return micro_batch_count(micro_batches, batch, batch_devices)
 
-    def gradients(params, batch, totals):
+    def gradients(params, batch, totals, frozen):
+        if frozen is None:
+            grad_fn = jax.grad(loss_fn, has_aux=True)
+        else:  # the loss reads the frozen parameters too; only ``params`` are differentiated
+            grad_fn = jax.grad(lambda p, b, t: loss_fn(merge_trees(frozen, p), b, t), has_aux=True)
         micro_batches = count(batch)
         if micro_batches == 1:
             return grad_fn(params, batch, totals)
@@ -206,7 +212,7 @@ def make_step(
             return grads, {k: jnp.mean(v, axis=0) for k, v in stacked.items()}
         return grads, {k: _reduce_summed_metric(k, v) for k, v in stacked.items()}
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, frozen: PyTree | None = None):
         totals = totals_of(batch.completion_mask) if accumulate == "sum" else None
         params = state.params
         if param_shardings is not None and _is_explicit(_mesh_of(param_shardings)):
@@ -214,9 +220,9 @@ def make_step(
             # Inside, sharding propagates automatically (FSDP gathers need no annotations); the
             # gradient comes back typed like the parameters, the metrics replicated.
             auto = jax.sharding.auto_axes(gradients, out_sharding=(specs, PartitionSpec()))
-            grads, metrics = auto(params, batch, totals)
+            grads, metrics = auto(params, batch, totals, frozen)
         else:
-            grads, metrics = gradients(params, batch, totals)
+            grads, metrics = gradients(params, batch, totals, frozen)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         metrics = dict(metrics)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -236,7 +242,14 @@ def make_step(
     return step
 
 
-def jit_step(step: Step, state_shardings: TrainState, batch_shardings: PyTree | None = None):
+def jit_step(
+    step: Step,
+    state_shardings: TrainState,
+    batch_shardings: PyTree | None = None,
+    *,
+    frozen: PyTree | None = None,
+    frozen_shardings: PyTree | None = None,
+):
     """Compiles a step with explicit shardings, donating the incoming state.
 
     Args:
@@ -244,21 +257,48 @@ def jit_step(step: Step, state_shardings: TrainState, batch_shardings: PyTree | 
       state_shardings: ``TrainState`` of ``NamedSharding`` (from ``create_train_state``).
       batch_shardings: the batch's ``NamedSharding``s, or ``None`` to take the shardings of
         the (already sharded) batch arrays.
+      frozen: the step's frozen parameters (a LoRA run's base), passed to every call (never
+        donated); with ``frozen_shardings``, their ``NamedSharding``s.
 
     Returns:
-      The jitted step; metrics come back replicated.
+      The jitted ``(state, batch) -> (state, metrics)``; metrics come back replicated.
     """
     mesh = _mesh_of(state_shardings)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def step_on_mesh(state, batch):
+    def step_on_mesh(state, batch, *frozen):
         # The model's activation constraints resolve against the state's mesh.
         with parallel.mesh_context(mesh):
-            return step(state, batch)
+            return step(state, batch, *frozen)
 
-    return jax.jit(
+    has_frozen = frozen is not None or frozen_shardings is not None
+    jitted = jax.jit(
         step_on_mesh,
-        in_shardings=(state_shardings, batch_shardings),
+        in_shardings=(state_shardings, batch_shardings, *([frozen_shardings] * has_frozen)),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+    return _WithFrozen(jitted, frozen) if has_frozen else jitted
+
+
+class _WithFrozen:
+    """A jitted ``(state, batch, frozen)`` step called (and lowered) as ``(state, batch)``."""
+
+    def __init__(self, jitted, frozen):
+        self.jitted, self.frozen = jitted, frozen
+
+    def __call__(self, state, batch):
+        return self.jitted(state, batch, self.frozen)
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, batch, self.frozen)
+
+
+def merge_trees(frozen: PyTree, params: PyTree) -> PyTree:
+    """The nested dict holding both trees' leaves (``params`` wins where both have a key)."""
+    if not isinstance(frozen, dict) or not isinstance(params, dict):
+        return params
+    out = dict(frozen)
+    for key, value in params.items():
+        out[key] = merge_trees(frozen[key], value) if key in frozen else value
+    return out

@@ -205,6 +205,7 @@ def test_memory_parts_by_hand():
         "parameters": 1000,
         "optimizer_state": 2000,
         "reference": 500,
+        "frozen_base": 0,
         "aux_model": 0,
         "sampler_weights": 0,
         "kv_cache": 300,

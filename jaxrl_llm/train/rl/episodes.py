@@ -10,17 +10,17 @@ environment's numeric info (tool calls, tool errors) for the ``env/*`` metrics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_llm import envs
+from jaxrl_llm import data, envs
 from jaxrl_llm.data.encoding import pad_id
 from jaxrl_llm.rewards import is_correct
 from jaxrl_llm.train.rl.rollout import Samples
-from jaxrl_llm.types import MaskedSequences
+from jaxrl_llm.types import MaskedSequences, Sequences
 
 
 def renderer(context) -> envs.Renderer:
@@ -132,3 +132,30 @@ def demonstrations(context, examples: Sequence[Any]) -> MaskedSequences:
     for i, (ids, mask) in enumerate(zip(completions, trained)):
         tokens[i, : len(ids)], attention[i, : len(ids)], loss[i, : len(ids)] = ids, True, mask
     return MaskedSequences(prompt_tokens, prompt_mask, tokens, loss, attention)
+
+
+def demonstration_batches(run, batch_size: int, seed: int, key: int = 1) -> Iterator[Any]:
+    """The SFT warm-up's host batches: ``batch_size`` training examples drawn with replacement
+    (seeded by ``(seed, key)``), as ``Sequences`` of prompt and gold completion, or the
+    environment's own multi-turn demonstrations (``MaskedSequences``)."""
+    cfg = run.cfg
+    rng = np.random.default_rng([seed, key])
+    while True:
+        idx = rng.integers(0, len(run.train_examples), batch_size)
+        examples = [run.train_examples[j] for j in idx]
+        if run.env is not None:  # multi-turn: the environment's own demonstrations
+            yield demonstrations(run, examples)
+            continue
+        prompt_tokens, prompt_mask = data.encode_prompts(
+            run.tokenizer,
+            run.prompts(examples),
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            add_special_tokens=not cfg.data.chat_template,
+        )
+        completion_tokens, completion_mask = data.encode_completions(
+            run.tokenizer,
+            [data.demonstration(ex) for ex in examples],
+            max_tokens=cfg.rollout.max_new_tokens,
+            eos_id=run.stop_ids[0],
+        )
+        yield Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)

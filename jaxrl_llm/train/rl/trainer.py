@@ -11,8 +11,8 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import data, objectives, parallel, rewards
-from jaxrl_llm.train import export, setup
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
@@ -64,10 +65,17 @@ class RLTrainer(Trainer):
 
     plot_keys = RL_PLOT_KEYS
     eval_key = "eval_before_rl"
+    #: A LoRA run's frozen base (``model.lora``; None: every weight is trained) and shardings.
+    base: Any = None
+    base_shardings: Any = None
+    serving_base: Any = None  # the base in the sampler's layout (moved once)
+    #: Score in the workers while the log-prob forwards run (False: wait first; benchmarks).
+    defer_scoring = True
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
         objective = check_config(cfg)
+        adapters.check_lora_job(cfg, "rl", objective)
         self.check_objective(objective)
         mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh)
@@ -119,6 +127,7 @@ class RLTrainer(Trainer):
                 "sft warm-up": f"{self.sft_steps} steps on demonstrations"
                 if self.sft_steps
                 else "off",
+                **adapters.start_line(model_config),
                 "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
                 if self.sampler_logprobs
                 else "the update's own forward (one epoch, one minibatch: on-policy)"
@@ -148,31 +157,11 @@ class RLTrainer(Trainer):
 
     @property
     def policy_params(self):
-        """The policy's parameters (subclasses may keep them inside a larger state)."""
-        return self.state.params
-
-    def _demonstrations(self, key: int = 1) -> Iterator[Sequences]:
-        run, cfg = self.run, self.cfg
-        rng = np.random.default_rng([cfg.seed, key])
-        while True:
-            idx = rng.integers(0, len(run.train_examples), cfg.sft_warmup.batch_size)
-            examples = [run.train_examples[j] for j in idx]
-            if run.env is not None:  # multi-turn: the environment's own demonstrations
-                yield episodes.demonstrations(run, examples)
-                continue
-            prompt_tokens, prompt_mask = data.encode_prompts(
-                run.tokenizer,
-                run.prompts(examples),
-                max_prompt_tokens=cfg.data.max_prompt_tokens,
-                add_special_tokens=not cfg.data.chat_template,
-            )
-            completion_tokens, completion_mask = data.encode_completions(
-                run.tokenizer,
-                [data.demonstration(ex) for ex in examples],
-                max_tokens=cfg.rollout.max_new_tokens,
-                eos_id=run.stop_ids[0],
-            )
-            yield Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+        """The policy's parameters (subclasses may keep them inside a larger state); a LoRA
+        run's are the frozen base with the trained adapters (no copy)."""
+        if self.base is None:
+            return self.state.params
+        return lora.combine(self.base, self.state.params)
 
     def setup(self) -> None:
         run, cfg = self.run, self.cfg
@@ -185,9 +174,9 @@ class RLTrainer(Trainer):
                 self.sft_steps,
             )
             params, _ = sft_warmup(
-                run.model_config,
+                lora.base_config(run.model_config),  # a LoRA run's warm-up makes its base
                 params,
-                self._demonstrations(),
+                episodes.demonstration_batches(run, cfg.sft_warmup.batch_size, cfg.seed),
                 steps=self.sft_steps,
                 learning_rate=cfg.sft_warmup.learning_rate,
                 key=sft_key,
@@ -197,25 +186,33 @@ class RLTrainer(Trainer):
                 remat=cfg.model.remat,
                 param_dtype=setup.param_dtype(cfg.model),
             )
-        self.state, self.shardings = create_train_state(
-            run.model_config,
-            self.optimizer,
-            key=init_key,
-            mesh=run.mesh,
-            params=params,
-            param_dtype=setup.param_dtype(cfg.model),
-        )
+        if run.model_config.lora is None:
+            self.state, self.shardings = create_train_state(
+                run.model_config,
+                self.optimizer,
+                key=init_key,
+                mesh=run.mesh,
+                params=params,
+                param_dtype=setup.param_dtype(cfg.model),
+            )
+        else:
+            self.state, self.shardings, self.base, self.base_shardings = adapters.setup_run(
+                self, params, init_key
+            )
         self.copy_params = setup.copy_fn(self.shardings.params)
         self.row_sharding = setup.row_sharding(run.mesh)
         if self.latest is None and self.is_main:
             (self.run_dir / SAMPLES_FILE).unlink(missing_ok=True)
         self.setup_extra_networks()
         needs_ref = run.objective.needs_reference
-        self.reference = self.copy_params(self.policy_params) if needs_ref else None
-        if needs_ref and cfg.reference.mode == "ema":
+        if self.base is not None:  # the base, adapters off: nothing to copy
+            self.reference = self.base if needs_ref else None
+        else:
+            self.reference = self.copy_params(self.policy_params) if needs_ref else None
+        if needs_ref and self.base is None and cfg.reference.mode == "ema":
             # An f32 average: in bf16 the (1 - decay)-sized steps towards the policy round away.
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
-        self.reference_dirty = needs_ref
+        self.reference_dirty = needs_ref and self.base is None
         self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
         self.compile()
 
@@ -246,25 +243,39 @@ class RLTrainer(Trainer):
                 param_shardings=self.shardings.params,
             ),
             self.shardings,
+            frozen=self.base,
+            frozen_shardings=self.base_shardings,
         )
-        self.logprob_fn = make_logprob_fn(
-            run.model_config,
+        forward = functools.partial(
+            make_logprob_fn,
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.chunk_size,
-            param_shardings=self.shardings.params,
             micro_batches=forward_micro_batching(cfg.trainer, self.platform),
         )
+        self.logprob_fn = forward(run.model_config, param_shardings=self.policy_shardings)
+        self.ref_logprob_fn = self.logprob_fn
+        if self.base is not None:  # the reference is the base: the model without adapters
+            self.ref_logprob_fn = forward(
+                lora.base_config(run.model_config), param_shardings=self.base_shardings
+            )
         self.advantage_fn = objectives.advantage_fn(
             run.objective, group_size=cfg.rollout.group_size
         )
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    @property
+    def policy_shardings(self):
+        """The ``NamedSharding`` tree of :attr:`policy_params`."""
+        if self.base is None:
+            return self.shardings.params
+        return lora.combine(self.base_shardings, self.shardings.params)
+
     def reference_tree(self):
-        return self.reference
+        return None if self.base is not None else self.reference  # LoRA: the base, reloaded
 
     def abstract_reference(self):
-        if self.reference is None:
+        if self.reference is None or self.base is not None:
             return None
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.reference
@@ -295,7 +306,16 @@ class RLTrainer(Trainer):
         if self.serving.is_trainer_layout:  # else resharded on device
             return self.policy_params
         with timer.phase("reshard") if timer else contextlib.nullcontext():
-            return jax.block_until_ready(self.reshard(self.policy_params))
+            if self.base is None:
+                return jax.block_until_ready(self.reshard(self.policy_params))
+            # LoRA: the base moves once per run, each update only the adapters.
+            if self.serving_base is None:
+                reshard_base, self.reshard_adapters = adapters.serving_reshards(
+                    self.run.model_config, self.serving
+                )
+                self.serving_base = reshard_base(self.base)
+            served = self.reshard_adapters(self.state.params)
+            return jax.block_until_ready(lora.combine(self.serving_base, served))
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -308,7 +328,7 @@ class RLTrainer(Trainer):
 
         # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
         # the scoring workers run while those are dispatched (``train_step``).
-        defer = not self.run.objective.dynamic_sampling
+        defer = self.defer_scoring and not self.run.objective.dynamic_sampling
 
         def draw(attempt: int) -> rollout_lib.Samples:
             return self.run.sample(
@@ -351,7 +371,7 @@ class RLTrainer(Trainer):
                 old = sampled
             else:
                 old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
-            ref = None if self.reference is None else self.logprob_fn(self.reference, seqs)
+            ref = None if self.reference is None else self.ref_logprob_fn(self.reference, seqs)
         samples = run.finish_scoring(samples, timer)  # while the forwards run on device
         info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
         with timer.phase("logprobs"):
@@ -442,6 +462,9 @@ class RLTrainer(Trainer):
             )
 
     def export(self, directory) -> None:
+        if self.base is not None:
+            adapters.export_run_adapter(self, directory)
+            return
         export.export_policy(
             directory,
             self.run.model_config,

@@ -67,13 +67,14 @@ def trainer(tmp_path_factory):
 def test_scores_are_waited_for_after_the_forwards_are_dispatched(trainer, monkeypatch):
     events: list[str] = []
     monkeypatch.setattr(trainer.run, "scorer", LazyPool(trainer.run.reward_fn, events))
-    forward = trainer.logprob_fn
+    for name in ("logprob_fn", "ref_logprob_fn"):  # the old policy's and the reference's
+        forward = getattr(trainer, name)
 
-    def logged_forward(params, seqs):
-        events.append("forward")
-        return forward(params, seqs)
+        def logged_forward(params, seqs, forward=forward):
+            events.append("forward")
+            return forward(params, seqs)
 
-    monkeypatch.setattr(trainer, "logprob_fn", logged_forward)
+        monkeypatch.setattr(trainer, name, logged_forward)
     seen = {}
     score = trainer.score
 

@@ -1,0 +1,268 @@
+"""LoRA training state: adapters trained (``TrainState.params``), the base frozen beside it.
+
+A run with ``model.lora`` keeps two parameter trees on the mesh: the **base** (every weight of
+the model, in the compute dtype, never updated, no gradient and no optimizer moments) and the
+**adapters** (``layers/<w>_lora_a`` / ``_lora_b``, master weights in ``param_dtype``, with the
+optimizer state). Both follow the model's logical-axis rules (an adapter factor is sharded like
+its base weight on the axes they share; the rank axis is unsharded). The step reads
+``merge_trees(base, adapters)`` (``train.step.make_step``'s ``frozen``), checkpoints hold the
+adapters only, and the reference policy is the base itself (adapters switched off: no copy).
+
+A base that is not a checkpoint on disk (the built-in tiny model, possibly after its SFT
+warm-up) is written once to ``run_dir/base/`` so a resumed run and the exported PEFT adapter
+find it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import models, parallel
+from jaxrl_llm.models import lora
+from jaxrl_llm.train.state import TrainState, create_train_state
+
+PyTree = Any
+BASE_DIR = "base"
+
+
+class LoraState(NamedTuple):
+    """What ``create_lora_state`` returns."""
+
+    state: TrainState  # params: the adapters
+    shardings: TrainState
+    base: PyTree  # the frozen base, in the compute dtype
+    base_shardings: PyTree
+
+
+def start_line(config: models.ModelConfig) -> dict[str, str]:
+    """The run's ``lora`` first line (nothing without adapters)."""
+    if config.lora is None:
+        return {}
+    spec = config.lora
+    trained = sum(math.prod(x.shape) for x in jax.tree.leaves(lora.adapter_shapes(config)))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(config)))
+    return {
+        "lora": f"rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
+        f"{trained / 1e6:.3f}M trained of {total / 1e6:.2f}M parameters (the base frozen)"
+    }
+
+
+def shardings_of(config: models.ModelConfig, mesh, rules=None) -> tuple[PyTree, PyTree]:
+    """``(base, adapters)`` ``NamedSharding`` trees of a LoRA model on ``mesh``."""
+    rules = parallel.PARAM_RULES if rules is None else rules
+    base_axes, adapter_axes = lora.split(models.logical_axes(config))
+    base_shapes, adapter_shapes = lora.split(models.param_shapes(config))
+    return (
+        parallel.logical_to_sharding(base_axes, mesh, rules, shapes=base_shapes),
+        parallel.logical_to_sharding(adapter_axes, mesh, rules, shapes=adapter_shapes),
+    )
+
+
+def base_dtype(config: models.ModelConfig, param_dtype) -> Any:
+    """The frozen base's dtype: the compute dtype (its master copy is never updated)."""
+    return jnp.dtype(config.compute_dtype or param_dtype)
+
+
+def create_lora_state(
+    config: models.ModelConfig,
+    optimizer,
+    *,
+    key: jax.Array,
+    mesh,
+    params: PyTree | None,
+    param_dtype=jnp.float32,
+) -> LoraState:
+    """The adapters' train state and the frozen base, born sharded on ``mesh``.
+
+    Args:
+      config: the policy's ``ModelConfig`` with ``lora`` set.
+      optimizer: the optax transformation (its state covers the adapters only).
+      key: initialisation key (adapters; a random base when ``params`` is None).
+      mesh: the run's mesh.
+      params: the base (``load_pretrained``, or after a warm-up), optionally with adapters
+        already (``lora.load_adapted``: training continues from them); None: a random base.
+      param_dtype: the adapters' master weights' dtype (and a random base's before its cast).
+    """
+    if config.lora is None:
+        raise ValueError("create_lora_state needs a ModelConfig with lora set")
+    base_key, adapter_key, state_key = jax.random.split(key, 3)
+    base_shardings, adapter_shardings = shardings_of(config, mesh)
+    dtype = base_dtype(config, param_dtype)
+    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
+    if params is None:
+        base_config = lora.base_config(config)
+        base = jax.jit(
+            lambda k: cast(models.init_params(base_config, k, dtype=param_dtype)),
+            out_shardings=base_shardings,
+        )(base_key)
+        adapters = None
+    else:
+        base, adapters = lora.split(params)
+        adapters = adapters if adapters["layers"] else None
+        base = jax.jit(cast, out_shardings=base_shardings)(base)
+    if adapters is None:
+        adapters = jax.jit(
+            lambda k: lora.init_adapters(config, k, dtype=param_dtype),
+            out_shardings=adapter_shardings,
+        )(adapter_key)
+    else:
+        adapters = jax.jit(
+            lambda a: jax.tree.map(lambda x: x.astype(param_dtype), a),
+            out_shardings=adapter_shardings,
+        )(adapters)
+    adapter_axes = lora.split(models.logical_axes(config))[1]
+    state, shardings = create_train_state(
+        config,
+        optimizer,
+        key=state_key,
+        mesh=mesh,
+        params=adapters,
+        params_axes=adapter_axes,
+    )
+    return LoraState(state, shardings, base, base_shardings)
+
+
+def save_base(run_dir, config: models.ModelConfig, base: PyTree) -> str:
+    """Writes the frozen base as a Hugging Face checkpoint under ``run_dir/base``."""
+    path = os.path.join(os.fspath(run_dir), BASE_DIR)
+    if jax.process_index() == 0:
+        from jaxrl_llm.train.export import gather_host  # noqa: PLC0415
+
+        host = jax.tree.map(gather_host, base)
+        models.save_pretrained(path, lora.base_config(config), host)
+    return path
+
+
+def load_base(run_dir, *, mesh, dtype=jnp.float32) -> PyTree:
+    """The base a run wrote with :func:`save_base`.
+
+    Raises:
+      FileNotFoundError: the run has no ``base/`` (it was not a LoRA run of a built-in model).
+    """
+    path = os.path.join(os.fspath(run_dir), BASE_DIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} not found: a LoRA run's frozen base is kept there")
+    return models.load_pretrained(path, dtype=dtype, mesh=mesh)[1]
+
+
+def base_model_path(cfg, run_dir) -> str:
+    """Where a LoRA run's base lives on disk: ``model.path`` (the base an adapter at
+    ``model.path`` names), else the run's own ``base/``; an absolute path."""
+    path = cfg.model.path
+    if path is None:
+        return os.path.abspath(os.path.join(os.fspath(run_dir), BASE_DIR))
+    return os.path.abspath(lora.adapter_base(path) if lora.is_adapter_dir(path) else path)
+
+
+def check_lora_job(cfg, job: str, objective=None) -> None:
+    """Raises ValueError naming what a LoRA run (``model.lora``) of ``job`` does not support."""
+    if cfg.model.lora is None:
+        return
+    if objective is not None and (objective.needs_critic or objective.needs_process_rewards):
+        raise ValueError(
+            f"model.lora is not supported with objective {objective.name!r} yet (a critic or "
+            "an implicit PRM beside the adapters): use a critic-free objective (grpo, rloo, "
+            "dapo, ...)"
+        )
+    if cfg.model.lora.dropout:
+        raise ValueError(
+            "model.lora.dropout > 0 is not supported by the trainers yet (they pass no dropout "
+            "key to the forward); set model.lora.dropout=0"
+        )
+    reference = getattr(cfg, "reference", None)
+    if reference is not None and reference.mode != "frozen":
+        raise ValueError(
+            f"reference.mode={reference.mode!r} with model.lora: a LoRA run's reference is the "
+            "frozen base (adapters off), so only reference.mode=frozen applies"
+        )
+    if job != "rl":
+        raise ValueError(f"model.lora is not supported for {job} jobs yet (RL jobs only)")
+
+
+def setup_run(trainer, params: PyTree | None, key: jax.Array) -> LoraState:
+    """A LoRA run's state and base: the base from ``params`` (a loaded checkpoint, or the
+    built-in model after its warm-up) on a fresh run, from ``run_dir/base`` when a built-in
+    model's run resumes; ``run_dir/base`` written on a fresh built-in run."""
+    from jaxrl_llm.train import setup  # noqa: PLC0415
+
+    cfg, run = trainer.cfg, trainer.run
+    dtype = setup.param_dtype(cfg.model)
+    builtin = cfg.model.path is None
+    if builtin and trainer.latest is not None:
+        params = load_base(trainer.run_dir, mesh=run.mesh, dtype=dtype)
+    created = create_lora_state(
+        run.model_config,
+        trainer.optimizer,
+        key=key,
+        mesh=run.mesh,
+        params=params,
+        param_dtype=dtype,
+    )
+    if builtin and trainer.latest is None:
+        save_base(trainer.run_dir, run.model_config, created.base)
+    return created
+
+
+def export_adapter(
+    directory,
+    config: models.ModelConfig,
+    params: PyTree,
+    tokenizer,
+    *,
+    base_model: str,
+    stop_ids=(),
+    merge: bool = False,
+    dtype: str | None = None,
+) -> str:
+    """Writes a LoRA policy: a PEFT adapter directory (adapter files, the tokenizer and the
+    generation config; ``peft.PeftModel.from_pretrained(base, directory)`` loads it), or with
+    ``merge`` the merged full weights as a plain Hugging Face checkpoint."""
+    from jaxrl_llm.train import export  # noqa: PLC0415
+
+    if merge:
+        merged = jax.jit(lambda p: lora.merge_weights(p, config))(params)
+        return export.export_policy(
+            directory, lora.base_config(config), merged, tokenizer, stop_ids=stop_ids, dtype=dtype
+        )
+    directory = os.fspath(directory)
+    host = jax.tree.map(export.gather_host, lora.split(params)[1])
+    if jax.process_index() == 0:
+        np_dtype = export.np_dtype(dtype or "float32")
+        lora.save_peft_adapter(directory, config, host, base_model=base_model, dtype=np_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        export.write_generation_config(
+            directory, config, tokenizer, stop_ids or (config.eos_token_ids or ())
+        )
+    return directory
+
+
+def export_run_adapter(trainer, directory) -> str:
+    """The trainer's final policy as a PEFT adapter in ``directory`` (``run_dir/hf``)."""
+    run = trainer.run
+    return export_adapter(
+        directory,
+        run.model_config,
+        trainer.policy_params,
+        run.tokenizer,
+        base_model=base_model_path(trainer.cfg, trainer.run_dir),
+        stop_ids=run.stop_ids,
+    )
+
+
+def serving_reshards(config: models.ModelConfig, layout) -> tuple[Any, Any]:
+    """``(base, adapters)`` reshard programs into the sampler's layout (compute dtype), so the
+    base moves once per run and each policy update moves only the adapters."""
+    from jaxrl_llm.models.transformer import cast_params  # noqa: PLC0415
+
+    base_shardings, adapter_shardings = lora.split(layout.shardings)
+
+    def program(shardings):
+        return jax.jit(lambda tree: cast_params(tree, config), out_shardings=shardings)
+
+    return program(base_shardings), program(adapter_shardings)

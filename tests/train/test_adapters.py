@@ -1,0 +1,213 @@
+"""LoRA RL runs (``model.lora``): adapter-only state and checkpoints, the base as reference,
+exact resume, PEFT export (transformers + peft load it with the policy's logits), ``--merge``,
+evaluation of the adapter directory, and the errors for what is not supported.
+
+The built-in tiny model is the base (after a short SFT warm-up, so it is not random); its run
+writes it to ``run_dir/base`` as a Hugging Face checkpoint, which is what the exported PEFT
+adapter names as its base and what a resumed run reloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import chex
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl_llm import models
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import cli
+from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.run import run
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from jaxrl_llm.train.setup import build_policy
+from tests.train.rl import rl_helpers
+
+peft = pytest.importorskip("peft")
+
+LORA = (
+    rl_helpers.SHAPED_REWARDS,
+    "model.lora={rank: 4, alpha: 8.0, targets: [q, v, o, up, down]}",
+    "objective.overrides={kl_coef: 0.05}",  # a reference: the base
+    "sft_warmup.steps=30",
+    "trainer.learning_rate=3e-3",
+    "trainer.max_steps=4",
+    "trainer.warmup_steps=2",
+    "checkpoint.every_steps=2",
+    "trainer.eval_every=2",
+)
+
+
+def _config(run_dir, *extra):
+    return rl_helpers.tiny_config(rl_helpers.CONFIGS / "grpo.yaml", run_dir, *LORA, *extra)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    cfg = _config(tmp_path_factory.mktemp("lora"))
+    trainer = RLTrainer(cfg)
+    summary = trainer.fit()
+    return cfg, summary, trainer
+
+
+def test_only_the_adapters_train_and_checkpoint(lora_run):
+    cfg, _, trainer = lora_run
+    names = set(trainer.state.params["layers"])
+    assert names == {f"{w}_lora_{f}" for w in ("wq", "wv", "wo", "w_up", "w_down") for f in "ab"}
+    # Optimizer moments mirror the adapters only: no base-sized leaf anywhere in the state.
+    adapter_size = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+    state_size = sum(x.size for x in jax.tree.leaves(trainer.state.opt_state))
+    assert adapter_size < state_size <= 2 * adapter_size + 16
+    base_size = sum(x.size for x in jax.tree.leaves(trainer.base))
+    assert base_size > 10 * adapter_size
+    run_dir = pathlib.Path(cfg.run_dir)
+    with Checkpointer(run_dir / "checkpoints") as ckpt:
+        raw, _ = ckpt.restore_raw(4)
+    assert set(raw["params"]["layers"]) == names
+    assert "embed" not in raw["params"]
+    # The base never moved: it is still what the run wrote to base/ after the warm-up.
+    _, saved = models.load_pretrained(run_dir / "base", dtype=np.float32)
+    chex.assert_trees_all_equal(jax.device_get(trainer.base), saved)
+    # The adapters did: B left zero.
+    assert np.abs(np.asarray(trainer.state.params["layers"]["wq_lora_b"])).max() > 0
+
+
+def test_the_reference_is_the_base(lora_run):
+    cfg, _, trainer = lora_run
+    assert trainer.reference is trainer.base
+    rows = read_metrics(cfg.run_dir)
+    # The first update's policy is the base exactly (B = 0): no KL; then the adapters move.
+    assert rows[0]["kl"] == 0.0
+    assert rows[-1]["kl"] > 0.0
+
+
+def test_the_sampler_applies_the_current_adapters(lora_run):
+    """The sampler's log-probs equal the update's own forward's (f32) at every step, also once
+    the adapters have moved: the rollouts sample from base + adapters, not the base."""
+    cfg, _, _ = lora_run
+    rows = read_metrics(cfg.run_dir)
+    assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in rows), [
+        row["rollout/logprob_diff_max"] for row in rows
+    ]
+
+
+def test_the_exported_adapter_loads_in_peft_with_the_policys_logits(lora_run, rng):
+    cfg, summary, trainer = lora_run
+    hf = pathlib.Path(summary["hf"])
+    meta = json.loads((hf / lora.ADAPTER_CONFIG).read_text())
+    assert meta["base_model_name_or_path"] == str(pathlib.Path(cfg.run_dir, "base").resolve())
+    base = transformers.AutoModelForCausalLM.from_pretrained(meta["base_model_name_or_path"])
+    model = peft.PeftModel.from_pretrained(base.to(torch.float32), str(hf)).eval()
+    tokens = rng.integers(3, 20, size=(2, 7)).astype(np.int32)
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    config = trainer.run.model_config
+    got = np.asarray(models.logits(trainer.policy_params, config, tokens))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+    # --merge writes the merged weights: plain transformers, same logits.
+    out = pathlib.Path(cfg.run_dir) / "merged"
+    assert cli.export_main([cfg.run_dir, "--merge", "--out", str(out)]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        logits = merged(input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4)
+    # Without --merge, export from the checkpoint gives the same adapter as the run's hf/.
+    again = pathlib.Path(cfg.run_dir) / "again"
+    assert cli.export_main([cfg.run_dir, "--out", str(again)]) == 0
+    _, a = lora.load_peft_adapter(again, lora.base_config(config))
+    _, b = lora.load_peft_adapter(hf, lora.base_config(config))
+    chex.assert_trees_all_equal(a, b)
+
+
+def test_the_adapter_dir_is_a_model_path(lora_run):
+    """``model.path`` = the run's ``hf/`` (what ``jaxrl-llm eval RUN_DIR`` loads) gives the
+    base with the trained adapters."""
+    cfg, summary, trainer = lora_run
+    loaded = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=summary["hf"], lora=None)
+    )
+    _, config, params = build_policy(loaded, trainer.run.mesh)
+    assert config.lora == trainer.run.model_config.lora
+    chex.assert_trees_all_close(
+        jax.device_get(params), jax.device_get(trainer.policy_params), atol=0, rtol=0
+    )
+
+
+@pytest.mark.slow
+def test_resume_equals_the_uninterrupted_run(lora_run, tmp_path):
+    cfg, summary, _ = lora_run
+    first = _config(tmp_path, "trainer.max_steps=2")
+    run(first)
+    resumed = dataclasses.replace(cfg, run_dir=str(tmp_path), resume=True)
+    resumed_summary = run(resumed)
+    assert {k: v for k, v in resumed_summary.items() if k != "hf"} == {
+        k: v for k, v in summary.items() if k != "hf"
+    }
+    assert rl_helpers.without_timing(read_metrics(tmp_path)) == rl_helpers.without_timing(
+        read_metrics(cfg.run_dir)
+    )
+    _, a = lora.load_peft_adapter(tmp_path / "hf", lora.base_config(_model_config(tmp_path)))
+    _, b = lora.load_peft_adapter(
+        pathlib.Path(cfg.run_dir) / "hf", lora.base_config(_model_config(cfg.run_dir))
+    )
+    chex.assert_trees_all_equal(a, b)
+
+
+def _model_config(run_dir) -> models.ModelConfig:
+    return models.load_config(pathlib.Path(run_dir) / "base")
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("objective.name=ppo", "critic-free"),
+        ("model.lora.dropout=0.1", "dropout"),
+        ("reference.mode=ema", "reference.mode"),
+        ("model.lora.rank=0", "model.lora rank"),
+        ("model.lora.targets=[q, qkv]", "model.lora targets"),
+    ],
+)
+def test_unsupported_lora_settings_are_named(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        RLTrainer(_config(tmp_path, override))
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_a_2x2x2_mesh_matches_one_device(tmp_path):
+    """Adapters follow their base weight's sharding; the sampler's layout (data 4 x tensor 2)
+    gets the base once and the adapters every step; the first step equals one device's."""
+    common = ("trainer.max_steps=2", "model.tiny.vocab_multiple=2", "sft_warmup.steps=10")
+    mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    trainer = RLTrainer(_config(tmp_path / "mesh", *common, *mesh))
+    moved = []
+    original = trainer.__class__.sampler_params
+
+    def counting(self, timer=None):
+        out = original(self, timer)
+        moved.append(self.serving_base)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RLTrainer, "sampler_params", counting)
+        summary = trainer.fit()
+    assert dict(trainer.serving.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert len(moved) >= 3 and all(base is moved[0] for base in moved)  # resharded once
+    wq_a = trainer.state.params["layers"]["wq_lora_a"].sharding.spec
+    wq_b = trainer.state.params["layers"]["wq_lora_b"].sharding.spec
+    assert wq_a[1] == "fsdp" and wq_b[2] == "tensor", (wq_a, wq_b)
+    single = RLTrainer(_config(tmp_path / "single", *common)).fit()
+    assert summary["eval_before_rl"] == single["eval_before_rl"]
+    first = read_metrics(tmp_path / "mesh")[0]
+    single_first = read_metrics(tmp_path / "single")[0]
+    for key in ("reward_mean", "accuracy", "completion_length_mean"):
+        assert first[key] == single_first[key], key
+    for key in ("loss", "grad_norm", "kl"):
+        assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), key
