@@ -180,31 +180,37 @@ def check_lora_job(cfg, job: str, objective=None) -> None:
             f"reference.mode={reference.mode!r} with model.lora: a LoRA run's reference is the "
             "frozen base (adapters off), so only reference.mode=frozen applies"
         )
-    if job != "rl":
-        raise ValueError(f"model.lora is not supported for {job} jobs yet (RL jobs only)")
+    if job not in ("rl", "preference"):
+        raise ValueError(
+            f"model.lora is not supported for {job} jobs yet (RL and preference jobs only)"
+        )
 
 
-def setup_run(trainer, params: PyTree | None, key: jax.Array) -> LoraState:
+def setup_run(
+    cfg,
+    config: models.ModelConfig,
+    optimizer,
+    mesh,
+    *,
+    run_dir,
+    resuming: bool,
+    params: PyTree | None,
+    key: jax.Array,
+) -> LoraState:
     """A LoRA run's state and base: the base from ``params`` (a loaded checkpoint, or the
     built-in model after its warm-up) on a fresh run, from ``run_dir/base`` when a built-in
     model's run resumes; ``run_dir/base`` written on a fresh built-in run."""
     from jaxrl_llm.train import setup  # noqa: PLC0415
 
-    cfg, run = trainer.cfg, trainer.run
     dtype = setup.param_dtype(cfg.model)
     builtin = cfg.model.path is None
-    if builtin and trainer.latest is not None:
-        params = load_base(trainer.run_dir, mesh=run.mesh, dtype=dtype)
+    if builtin and resuming:
+        params = load_base(run_dir, mesh=mesh, dtype=dtype)
     created = create_lora_state(
-        run.model_config,
-        trainer.optimizer,
-        key=key,
-        mesh=run.mesh,
-        params=params,
-        param_dtype=dtype,
+        config, optimizer, key=key, mesh=mesh, params=params, param_dtype=dtype
     )
-    if builtin and trainer.latest is None:
-        save_base(trainer.run_dir, run.model_config, created.base)
+    if builtin and not resuming:
+        save_base(run_dir, config, created.base)
     return created
 
 
@@ -240,19 +246,6 @@ def export_adapter(
             directory, config, tokenizer, stop_ids or (config.eos_token_ids or ())
         )
     return directory
-
-
-def export_run_adapter(trainer, directory) -> str:
-    """The trainer's final policy as a PEFT adapter in ``directory`` (``run_dir/hf``)."""
-    run = trainer.run
-    return export_adapter(
-        directory,
-        run.model_config,
-        trainer.policy_params,
-        run.tokenizer,
-        base_model=base_model_path(trainer.cfg, trainer.run_dir),
-        stop_ids=run.stop_ids,
-    )
 
 
 def serving_reshards(config: models.ModelConfig, layout) -> tuple[Any, Any]:

@@ -211,3 +211,60 @@ def test_a_lora_run_on_a_2x2x2_mesh_matches_one_device(tmp_path):
         assert first[key] == single_first[key], key
     for key in ("loss", "grad_norm", "kl"):
         assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), key
+
+
+# -- preference (DPO family) -------------------------------------------------------------------
+
+
+def _dpo(run_dir, *extra):
+    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
+    from jaxrl_llm.train.preference.config import PreferenceConfig  # noqa: PLC0415
+
+    return load_config(
+        PreferenceConfig,
+        rl_helpers.CONFIGS / "dpo.yaml",
+        [
+            "sft_warmup.steps=20",
+            "data.num_train=16",
+            "data.eval_size=16",
+            "trainer.batch_size=8",
+            "trainer.learning_rate=5e-3",
+            "trainer.max_steps=4",
+            "logging.progress=false",
+            "logging.plots=false",
+            "logging.tensorboard=false",
+            "mesh.fsdp=1",
+            "model.lora={rank: 4, alpha: 8.0}",
+            f"run_dir={run_dir}",
+            *extra,
+        ],
+    )
+
+
+@pytest.mark.parametrize("reference", ["precompute", "on_the_fly"])
+def test_dpo_with_lora_trains_adapters_against_the_base(tmp_path, reference):
+    """The first step's policy is the base (B = 0) and so is the reference: DPO's loss is
+    exactly log 2 with zero margins; the adapters then move and the base does not."""
+    from jaxrl_llm.train.preference.trainer import PreferenceTrainer  # noqa: PLC0415
+
+    trainer = PreferenceTrainer(_dpo(tmp_path, f"loss.reference={reference}"))
+    summary = trainer.fit()
+    rows = read_metrics(tmp_path)
+    assert rows[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-6)
+    assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-4)
+    assert set(trainer.state.params) == {"layers"}
+    if reference == "on_the_fly":
+        assert trainer.reference is trainer.base
+    _, saved = models.load_pretrained(tmp_path / "base", dtype=np.float32)
+    chex.assert_trees_all_equal(jax.device_get(trainer.base), saved)
+    spec, adapters = lora.load_peft_adapter(summary["hf"], models.load_config(tmp_path / "base"))
+    assert spec == models.LoraSpec(rank=4, alpha=8.0)
+    chex.assert_trees_all_close(adapters, jax.device_get(trainer.state.params), atol=0, rtol=0)
+
+
+def test_a_reward_model_job_with_lora_is_refused(tmp_path):
+    from jaxrl_llm.train.preference.trainer import PreferenceTrainer  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="model.lora is not supported for reward_model"):
+        PreferenceTrainer(_dpo(tmp_path, "job=reward_model", "loss.name=bradley_terry"))

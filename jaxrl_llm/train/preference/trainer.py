@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import data, models
-from jaxrl_llm.models import heads
-from jaxrl_llm.train import export, setup
+from jaxrl_llm.models import heads, lora
+from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import PREFERENCE_PLOT_KEYS
@@ -54,10 +54,14 @@ class PreferenceTrainer(Trainer):
     """One offline preference or reward-model run: state, reference, data position, writers."""
 
     plot_keys = PREFERENCE_PLOT_KEYS
+    #: A LoRA run's frozen base (``model.lora``; None: every weight is trained) and shardings.
+    base: Any = None
+    base_shardings: Any = None
 
     def __init__(self, cfg: PreferenceConfig):
         super().__init__(cfg)
         check_config(cfg)
+        adapters.check_lora_job(cfg, cfg.job)
         self.reward_model = cfg.job == "reward_model"
         self.unpaired = cfg.loss.name == "kto"
         self.needs_reference = cfg.loss.name not in REFERENCE_FREE
@@ -100,6 +104,7 @@ class PreferenceTrainer(Trainer):
                 "sft warm-up": f"{self.sft_steps} steps on the chosen completions"
                 if self.sft_steps
                 else "off",
+                **adapters.start_line(self.model_config),
             }
         )
 
@@ -155,8 +160,28 @@ class PreferenceTrainer(Trainer):
 
     # -- state and reference -----------------------------------------------------------------
 
+    @property
+    def policy_params(self):
+        """The policy's parameters: a LoRA run's base with its adapters (no copy)."""
+        if self.base is None:
+            return self.state.params
+        return lora.combine(self.base, self.state.params)
+
     def _create_state(self, params, key):
         mc = self.model_config
+        if mc.lora is not None:
+            made = adapters.setup_run(
+                self.cfg,
+                mc,
+                self.optimizer,
+                self.mesh,
+                run_dir=self.run_dir,
+                resuming=self.latest is not None,
+                params=params,
+                key=key,
+            )
+            self.base, self.base_shardings = made.base, made.base_shardings
+            return made.state, made.shardings
         if not self.reward_model:
             return create_train_state(
                 mc, self.optimizer, key=key, mesh=self.mesh, params=params, param_dtype=self.dtype
@@ -199,7 +224,7 @@ class PreferenceTrainer(Trainer):
                 cfg.loss.name,
             )
             params, _ = sft_warmup(
-                self.model_config,
+                lora.base_config(self.model_config),  # a LoRA run's warm-up makes its base
                 params,
                 self._chosen_completions(),
                 steps=self.sft_steps,
@@ -213,24 +238,30 @@ class PreferenceTrainer(Trainer):
             )
         self.state, self.shardings = self._create_state(params, init_key)
         self.reference, self.ref_logps = None, None
+        # A LoRA run's reference is its base (adapters off, no copy).
+        ref_config = lora.base_config(self.model_config)
+        ref_shardings = self.shardings.params if self.base is None else self.base_shardings
         if self.needs_reference:
             self.reference_fn = make_reference_fn(
-                self.model_config,
+                ref_config,
                 unpaired=self.unpaired,
                 chunk_size=cfg.model.chunk_size,
-                param_shardings=self.shardings.params,
+                param_shardings=ref_shardings,
                 row_sharding=setup.row_sharding(self.mesh),
             )
-            if cfg.loss.reference == "on_the_fly":
+            if cfg.loss.reference == "on_the_fly" and self.base is not None:
+                self.reference = self.base
+            elif cfg.loss.reference == "on_the_fly":
                 self.reference = setup.copy_fn(self.shardings.params)(self.state.params)
             elif self.latest is None:
                 log.info("precomputing reference log-probs")
-                params = self.state.params
+                params = self.state.params if self.base is None else self.base
                 self.ref_logps = {
                     "train": self._precompute(params, self.train_split, cfg.trainer.batch_size),
                     "eval": self._precompute(params, self.eval_split, self.eval_batch),
                 }
-        self.reference_dirty = self.needs_reference
+        lora_reference = self.base is not None and self.reference is self.base  # not saved
+        self.reference_dirty = self.needs_reference and not lora_reference
         loss_fn = make_loss_fn(cfg, self.model_config)
         self.step_fn = jit_step(
             make_step(
@@ -241,13 +272,19 @@ class PreferenceTrainer(Trainer):
                 param_shardings=self.shardings.params,
             ),
             self.shardings,
+            frozen=self.base,
+            frozen_shardings=self.base_shardings,
         )
-        self.eval_fn = jax.jit(
-            lambda p, b: loss_fn(p, b)[1], in_shardings=(self.shardings.params, None)
-        )
+        policy_shardings = self.shardings.params
+        if self.base is not None:
+            policy_shardings = lora.combine(self.base_shardings, self.shardings.params)
+        self.eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[1], in_shardings=(policy_shardings, None))
 
     def reference_tree(self):
-        """The reference's parameters (on the fly) or its precomputed log-probs."""
+        """The reference's parameters (on the fly) or its precomputed log-probs (a LoRA
+        run's base is not saved: it is reloaded)."""
+        if self.reference is not None and self.base is not None:
+            return None
         if self.reference is not None:
             return self.reference
         if self.ref_logps is None:
@@ -259,7 +296,7 @@ class PreferenceTrainer(Trainer):
         )
 
     def abstract_reference(self):
-        if not self.needs_reference:
+        if not self.needs_reference or (self.reference is not None and self.base is not None):
             return None
         if self.reference is not None:
             return jax.tree.map(
@@ -301,7 +338,7 @@ class PreferenceTrainer(Trainer):
         ref = None if self.ref_logps is None else self.ref_logps["eval"]
         rows = [
             self.eval_fn(
-                self.state.params,
+                self.policy_params,
                 self._device_batch(self.eval_split, np.arange(s, s + size), ref),
             )
             for s in range(0, n - n % size, size)
@@ -332,10 +369,17 @@ class PreferenceTrainer(Trainer):
                 directory, self.model_config, self.state.params, self.tokenizer
             )
             return
+        stop_ids = data.stop_token_ids(self.tokenizer, self.model_config, self.cfg.model.path)
+        if self.base is not None:
+            adapters.export_adapter(
+                directory,
+                self.model_config,
+                self.policy_params,
+                self.tokenizer,
+                base_model=adapters.base_model_path(self.cfg, self.run_dir),
+                stop_ids=stop_ids,
+            )
+            return
         export.export_policy(
-            directory,
-            self.model_config,
-            self.state.params,
-            self.tokenizer,
-            stop_ids=data.stop_token_ids(self.tokenizer, self.model_config, self.cfg.model.path),
+            directory, self.model_config, self.state.params, self.tokenizer, stop_ids=stop_ids
         )

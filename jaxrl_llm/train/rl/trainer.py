@@ -197,7 +197,14 @@ class RLTrainer(Trainer):
             )
         else:
             self.state, self.shardings, self.base, self.base_shardings = adapters.setup_run(
-                self, params, init_key
+                cfg,
+                run.model_config,
+                self.optimizer,
+                run.mesh,
+                run_dir=self.run_dir,
+                resuming=self.latest is not None,
+                params=params,
+                key=init_key,
             )
         self.copy_params = setup.copy_fn(self.shardings.params)
         self.row_sharding = setup.row_sharding(run.mesh)
@@ -463,7 +470,14 @@ class RLTrainer(Trainer):
 
     def export(self, directory) -> None:
         if self.base is not None:
-            adapters.export_run_adapter(self, directory)
+            adapters.export_adapter(
+                directory,
+                self.run.model_config,
+                self.policy_params,
+                self.run.tokenizer,
+                base_model=adapters.base_model_path(self.cfg, self.run_dir),
+                stop_ids=self.run.stop_ids,
+            )
             return
         export.export_policy(
             directory,
