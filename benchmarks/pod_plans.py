@@ -9,14 +9,17 @@ Every row is ``configs/grpo.yaml`` plus overrides: 256 sequences a step (``promp
 x group_size``), prompts padded to 512 tokens, ``model.remat=layer``, f32 master weights, bf16
 compute, AdamW's moments in f32 (``-bf16-moments`` rows: bf16), the frozen reference of GRPO's
 KL term, one epoch of one minibatch. The prompt count is the smallest the prefill's rows split
-over the batch shards (32 on 16 chips, 64 on 64); the group size makes up 256 rows.
+over the batch shards (32 on 16 chips, 64 on 64); the group size makes up 256 rows. ``/lora16``
+rows train rank-16 LoRA adapters on all seven projections instead (``model.lora.rank=16``: the
+base frozen in bf16, also the reference); ``-128rows``: 16 prompts a step (the rollout's KV
+cache halved).
 
 ``trainer.micro_batches`` leaves a multiple of the batch shards per micro-batch: 4 rows a chip
-on v5litepod-16 (4 micro-batches on fsdp 16, 8 on fsdp 8 x tensor 2; more do not lower the
-update's peak there, see benchmarks/RESULTS.md), 2 rows a chip on v5p-128 (2), 1 row a chip
-for the 8k-token completions on v5p-8 (64). Each plan runs in its own process (``jaxrl-llm
-plan ... --json``), so a large compile's memory is returned between rows. Deviceless: needs
-libtpu, no TPU.
+on v5litepod-16 and v5litepod-8 (4 micro-batches on fsdp 16, 8 on fsdp 8 or fsdp 8 x tensor 2;
+more do not lower the update's peak there, see benchmarks/RESULTS.md), 2 rows a chip on
+v5p-128 (2), 1 row a chip for the 8k-token completions on v5p-8 (64). Each plan runs in its
+own process (``jaxrl-llm plan ... --json``), so a large compile's memory is returned between
+rows. Deviceless: needs libtpu, no TPU.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ _V5P128 = ("mesh.fsdp=64", "rollout.prompts_per_step=64", "rollout.group_size=4"
 _BF16_MOMENTS = ("trainer.optimizer_state_dtype=bfloat16",)
 _TENSOR2 = ("mesh.fsdp=8", "mesh.tensor=2", "trainer.micro_batches=8")
 _TARGET_7B = ">= 1.5 GiB headroom, update ICI <= compute, est. MFU >= 55%"
+# LoRA (issue 16): rank-16 adapters on all seven projections, the base frozen in bf16.
+_LORA16 = ("model.lora.rank=16",)
+_V5E8 = ("mesh.fsdp=8", "rollout.group_size=8", *_1K)
+_TARGET_LORA = "LoRA fits (full training with f32 masters does not), est. MFU reported"
 
 ROWS = (
     Row(
@@ -99,6 +106,34 @@ ROWS = (
         "llama-3.1-8b",
         "v5litepod-16",
         (*_TENSOR2, *_V5E16, *_BF16_MOMENTS),
+        "",
+    ),
+    Row(
+        "llama-3.1-8b/v5litepod-8",
+        "llama-3.1-8b",
+        "v5litepod-8",
+        (*_V5E8, "rollout.prompts_per_step=32", "trainer.micro_batches=8"),
+        "",
+    ),
+    Row(
+        "llama-3.1-8b/v5litepod-8/lora16",
+        "llama-3.1-8b",
+        "v5litepod-8",
+        (*_V5E8, "rollout.prompts_per_step=32", "trainer.micro_batches=8", *_LORA16),
+        _TARGET_LORA,
+    ),
+    Row(
+        "llama-3.1-8b/v5litepod-8/lora16-128rows",
+        "llama-3.1-8b",
+        "v5litepod-8",
+        (*_V5E8, "rollout.prompts_per_step=16", "trainer.micro_batches=4", *_LORA16),
+        _TARGET_LORA,
+    ),
+    Row(
+        "qwen2.5-7b/v5litepod-16/lora16",
+        "qwen2.5-7b",
+        "v5litepod-16",
+        ("mesh.fsdp=16", *_V5E16, "trainer.micro_batches=4", *_LORA16),
         "",
     ),
     Row(
@@ -214,6 +249,8 @@ def table(results: list[dict]) -> str:
         share = report["step_breakdown_s"][dominant] / report["est_step_s"]
         tokens = report["job"]["completion_len"]
         model = row.model if tokens == 1024 else f"{row.model}, {tokens // 1024}k completions"
+        if report["model"].get("lora"):
+            model += f", LoRA r{report['model']['lora']['rank']}, {report['job']['rows']} rows"
         lines.append(
             f"| {model} | {report['topology']} ({report['chips']}) | {mesh} | "
             f"{report['job']['micro_batches']} | "

@@ -8,7 +8,8 @@ estimated step time, MFU and decode tokens/s. This package holds the reusable pi
 * ``topology``: ``resolve_topology(name) -> TopologySpec``, ``get_devices(spec)`` and
   ``try_compile(lowered)`` (a compile that reports running out of HBM instead of raising);
 * ``hlo``: optimized-HLO parsing (collectives with trip-count multipliers, loop trip counts);
-* ``flops``: analytic matmul FLOPs of the decoder (forward, train step, decode, ``6N``);
+* ``flops``: analytic matmul FLOPs of the decoder (forward, train step, decode, ``6N``; LoRA's
+  adapters and its frozen-base update);
 * ``estimate``: ``memory_breakdown``, ICI ring times, HLO HBM traffic, ``roofline``,
   ``estimate_program`` and ``estimate.estimate`` (its JSON-ready dict; not re-exported here, so
   that ``jaxrl_llm.plan.estimate`` stays the module);
@@ -30,6 +31,7 @@ from jaxrl_llm.plan.estimate import (
     roofline,
 )
 from jaxrl_llm.plan.flops import (
+    adapter_params,
     attention_pairs,
     decode_flops,
     forward_flops,
@@ -78,6 +80,7 @@ __all__ = [
     "ProgramEstimate",
     "TopologySpec",
     "WhileLoop",
+    "adapter_params",
     "attention_pairs",
     "build_job",
     "collective_bytes",

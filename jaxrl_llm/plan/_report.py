@@ -281,8 +281,9 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
     if state.serving_base:
         out.append(
             "rollout.tensor_parallel=trainer: the sampler decodes on the trainer's layout, so "
-            "no serving copy of the frozen base is kept all run (the decode step then gathers "
-            f"the base every token); {saves(state.serving_base)}"
+            f"no serving copy of the frozen base ({_fmt(state.serving_base)} a chip) is kept "
+            "all run; the decode step then gathers the base every token, with temporaries of "
+            "its own (plan it to see)"
         )
     if cfg.trainer.optimizer_state_dtype == "float32" and not lora:
         out.append(

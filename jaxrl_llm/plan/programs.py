@@ -20,14 +20,20 @@ data.max_prompt_tokens)`` (the trainer pads to that bucket), completions
 ``T = rollout.max_new_tokens``. The sampler runs on the trainer's parameter layout (there is no
 serving layout yet), as ``train`` does.
 
+A LoRA job (``model.lora``) is planned as ``train`` runs it (``plan._lora``): the train state
+holds the adapters, the frozen base (compute dtype, also the reference) is the update's third
+argument and an argument of the log-prob forwards, ``ref_logprobs`` runs the base alone, and
+on a serving layout ``reshard`` moves the adapters each step and ``reshard_base`` the base
+once a run (its copy kept).
+
 Memory per chip counts what is alive during each program, not only its arguments: the train
 state (parameters, optimizer state), the frozen reference and the rollout batch stay resident
 all step, so each program's peak (``compiled.memory_analysis()``, see ``estimate``) is added to
 whatever of those it does not take as an argument. Each total is split into parts:
-``parameters, optimizer_state, reference, sampler_weights`` (the compute-dtype copy the decode
-loop reads), ``kv_cache, inputs`` (the program's batch and the rollout batch) and
-``temporaries`` (the rest: gradients and activations of the update, activations of the
-forwards, the step's intermediates).
+``parameters, optimizer_state, reference, frozen_base`` (LoRA), ``aux_model``,
+``sampler_weights`` (the compute-dtype copy the decode loop reads), ``kv_cache, inputs`` (the
+program's batch and the rollout batch) and ``temporaries`` (the rest: gradients and
+activations of the update, activations of the forwards, the step's intermediates).
 
 Time per program is a roofline (``estimate.roofline``): analytic matmul FLOPs with causal
 attention (``plan.flops``), HBM bytes from the optimized HLO (the decode step's from
