@@ -17,8 +17,9 @@ the trainer's mesh (``mesh.data/fsdp/tensor`` over the slice's compile-only devi
 
 Widths: ``B = prompts_per_step x group_size`` rows, prompts ``P = bucket_length(
 data.max_prompt_tokens)`` (the trainer pads to that bucket), completions
-``T = rollout.max_new_tokens``. The sampler runs on the trainer's parameter layout (there is no
-serving layout yet), as ``train`` does.
+``T = rollout.max_new_tokens``. The sampler runs on the layout ``train`` chooses for it
+(``rollout.tensor_parallel``: its own serving layout, resharded into by the ``reshard``
+program, or the trainer's).
 
 A LoRA job (``model.lora``) is planned as ``train`` runs it (``plan._lora``): the train state
 holds the adapters, the frozen base (compute dtype, also the reference) is the update's third
