@@ -28,7 +28,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -38,128 +37,12 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_train_step as bts  # noqa: E402
 
-from jaxrl_llm import bench, models, objectives, parallel  # noqa: E402
-from jaxrl_llm.models import LoraSpec  # noqa: E402
-from jaxrl_llm.train import adapters  # noqa: E402
-from jaxrl_llm.train.optim import make_optimizer  # noqa: E402
-from jaxrl_llm.train.rl.policy import make_policy_step  # noqa: E402
-from jaxrl_llm.train.state import create_train_state  # noqa: E402
-from jaxrl_llm.train.step import jit_step  # noqa: E402
-
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def tree_bytes(tree) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
-def jax_step(checkpoint: str, data, rank: int | None):
-    """``(call, state_bytes, temp_bytes)`` of one jitted GRPO update (LoRA when ``rank``)."""
-    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    config, params = models.load_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh)
-    optimizer = make_optimizer(bts.LEARNING_RATE)
-    frozen = frozen_shardings = None
-    if rank is None:
-        state, shardings = create_train_state(
-            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
-        )
-    else:
-        config = dataclasses.replace(config, lora=LoraSpec(rank, 2.0 * rank, TARGETS))
-        state, shardings, frozen, frozen_shardings = adapters.create_lora_state(
-            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
-        )
-    step = jit_step(
-        make_policy_step(
-            config,
-            objectives.make("grpo"),
-            optimizer,
-            compute_entropy=False,
-            param_shardings=shardings.params,
-        ),
-        shardings,
-        frozen=frozen,
-        frozen_shardings=frozen_shardings,
-    )
-    batch = parallel.shard_batch(data, mesh)
-    temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-    state_bytes = tree_bytes((state.params, state.opt_state)) + (
-        tree_bytes(frozen) if frozen is not None else 0
-    )
-    # A full step's gradients are as large as its weights; they live among the temporaries.
-    holder = {"state": state}
-
-    def call() -> float:
-        holder["state"], metrics = step(holder["state"], batch)
-        jax.block_until_ready((holder["state"], metrics))
-        return float(metrics["loss"])
-
-    return call, state_bytes, int(temp)
-
-
-def torch_step(checkpoint: str, data, rank: int | None, torch_losses):
-    """``(call, state_bytes_fn)`` of one eager PyTorch update (peft LoRA when ``rank``)."""
-    import torch
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    if rank is not None:
-        import peft
-
-        model = peft.get_peft_model(
-            model,
-            peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PEFT_MODULES),
-        )
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=bts.LEARNING_RATE, weight_decay=0.0)
-    objective = objectives.make("grpo")
-    mask = np.concatenate([data.prompt_mask, data.completion_mask], axis=1)
-    tokens = torch.tensor(np.concatenate([data.prompt_tokens, data.completion_tokens], 1)).long()
-    attention_mask = torch.tensor(mask).long()
-    positions = torch.clamp(torch.cumsum(attention_mask, 1) - 1, min=0)
-    completion = torch.tensor(data.completion_tokens).long()
-    batch = data._replace(
-        **{
-            field: torch.tensor(np.asarray(value), dtype=torch.float32)
-            for field, value in data._asdict().items()
-            if field in ("completion_mask", "old_logprobs", "advantages", "ref_logprobs")
-        }
-    )
-    start, length = data.prompt_tokens.shape[1] - 1, data.completion_tokens.shape[1]
-
-    def call() -> float:
-        optimizer.zero_grad(set_to_none=False)
-        logits = model(input_ids=tokens, attention_mask=attention_mask, position_ids=positions)
-        logits = logits.logits[:, start : start + length].float()
-        logprobs = torch.gather(torch.log_softmax(logits, -1), -1, completion[..., None])[..., 0]
-        loss = torch_losses.policy_loss(objective, logprobs, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        return float(loss.detach())
-
-    def state_bytes() -> int:
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None)
-        moments = sum(
-            v.numel() * v.element_size()
-            for s in optimizer.state.values()
-            for v in s.values()
-            if torch.is_tensor(v)
-        )
-        return int(weights + grads + moments)
-
-    return call, state_bytes
+from jaxrl_llm import bench  # noqa: E402
 
 
 def timed(call, warmup: int, repeats: int) -> tuple[float, float, float]:
@@ -196,31 +79,21 @@ def main(argv=None) -> int:
         checkpoint = os.path.join(tmp, args.model)
         bts.hf_llama(args.model).save_pretrained(checkpoint)
         for name, rank in (("full", None), ("lora", args.rank)):
-            call, state_bytes, temp = jax_step(checkpoint, data, rank)
+            call, _ = bts.jax_step_fn(
+                checkpoint, data, jax.devices()[:1], "float32", lora_rank=rank
+            )
             first, median, loss = timed(call, args.warmup, args.repeats)
             rows.append(
-                dict(
-                    impl=f"jax {name}",
-                    first_s=first,
-                    median_s=median,
-                    loss=loss,
-                    state_bytes=state_bytes,
-                    temp_bytes=temp,
-                )
-            )
+                dict(impl=f"jax {name}", first_s=first, median_s=median, loss=loss,
+                     state_bytes=call.state_bytes, temp_bytes=call.temp_bytes())
+            )  # fmt: skip
             del call
-            call, state_fn = torch_step(checkpoint, data, rank, torch_losses)
+            call = bts.torch_step_fn(checkpoint, data, "float32", torch_losses, lora_rank=rank)
             first, median, loss = timed(call, args.warmup, args.repeats)
             rows.append(
-                dict(
-                    impl=f"torch {name}",
-                    first_s=first,
-                    median_s=median,
-                    loss=loss,
-                    state_bytes=state_fn(),
-                    temp_bytes=None,
-                )
-            )
+                dict(impl=f"torch {name}", first_s=first, median_s=median, loss=loss,
+                     state_bytes=call.state_bytes(), temp_bytes=None)
+            )  # fmt: skip
             del call
     tokens = args.batch * (bts.PROMPT_LEN + args.length)
     by = {r["impl"]: r for r in rows}

@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import advantages, bench, objectives, parallel
-from jaxrl_llm.models import load_pretrained
+from jaxrl_llm.models import LoraSpec, load_pretrained
+from jaxrl_llm.train import adapters
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.state import create_train_state
@@ -178,16 +179,30 @@ def host_batch(batch: int, length: int, vocab: int, *, seed: int = 0) -> Rollout
     )
 
 
-def jax_step_fn(checkpoint: str, data: RolloutBatch, devices: list, dtype: str):
-    """``(step, n_devices)``: a no-argument call running one jitted policy update, blocking."""
+def jax_step_fn(
+    checkpoint: str, data: RolloutBatch, devices: list, dtype: str, *, lora_rank: int | None = None
+):
+    """``(step, n_devices)``: a no-argument call running one jitted policy update, blocking.
+
+    ``lora_rank``: train rank-r adapters (alpha 2r, every projection) on the frozen base
+    instead of every weight. The call carries ``state_bytes`` (parameters, optimizer state and
+    a LoRA run's base) and ``temp_bytes()`` (XLA's temporaries of the compiled step).
+    """
     mesh = parallel.make_mesh(1, len(devices), 1, devices=devices)
     # f32 master weights; ``dtype`` is the compute dtype (matmuls and activations).
     config, params = load_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh)
     config = dataclasses.replace(config, compute_dtype=dtype)
     optimizer = make_optimizer(LEARNING_RATE)
-    state, shardings = create_train_state(
-        config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
-    )
+    frozen = frozen_shardings = None
+    if lora_rank is None:
+        state, shardings = create_train_state(
+            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
+        )
+    else:
+        config = dataclasses.replace(config, lora=LoraSpec(lora_rank, 2.0 * lora_rank))
+        state, shardings, frozen, frozen_shardings = adapters.create_lora_state(
+            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
+        )
     # No entropy: the PyTorch step does not compute it either.
     step = jit_step(
         make_policy_step(
@@ -198,6 +213,8 @@ def jax_step_fn(checkpoint: str, data: RolloutBatch, devices: list, dtype: str):
             param_shardings=shardings.params,
         ),
         shardings,
+        frozen=frozen,
+        frozen_shardings=frozen_shardings,
     )
     batch = parallel.shard_batch(data, mesh)
     holder = {"state": state}
@@ -207,11 +224,23 @@ def jax_step_fn(checkpoint: str, data: RolloutBatch, devices: list, dtype: str):
         jax.block_until_ready((holder["state"], metrics))
         return float(metrics["loss"])
 
+    leaves = jax.tree.leaves((state.params, state.opt_state, frozen))
+    call.state_bytes = int(sum(x.size * x.dtype.itemsize for x in leaves))
+    call.temp_bytes = lambda: int(  # an extra compile: only when asked
+        step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    )
     return call, len(devices)
 
 
-def torch_step_fn(checkpoint: str, data: RolloutBatch, dtype: str, torch_losses):
-    """A no-argument call running one eager PyTorch policy update (the TRL / verl recipe)."""
+def torch_step_fn(
+    checkpoint: str, data: RolloutBatch, dtype: str, torch_losses, *, lora_rank: int | None = None
+):
+    """A no-argument call running one eager PyTorch policy update (the TRL / verl recipe).
+
+    ``lora_rank``: the model wrapped by ``peft.get_peft_model`` with rank-r adapters (alpha 2r,
+    every projection; TRL's ``peft_config`` path), AdamW over the trainable parameters. The
+    call carries ``state_bytes()``: weights + gradients + optimizer moments after a step.
+    """
     import torch
     import transformers
 
@@ -220,10 +249,17 @@ def torch_step_fn(checkpoint: str, data: RolloutBatch, dtype: str, torch_losses)
     model = transformers.LlamaForCausalLM.from_pretrained(
         checkpoint, dtype=torch.float32, attn_implementation="sdpa"
     ).to(device)
+    if lora_rank is not None:
+        import peft
+
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=modules)
+        model = peft.get_peft_model(model, config)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        trainable, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
     )
     objective = objectives.make("grpo")
     mask = np.concatenate([data.prompt_mask, data.completion_mask], axis=1)
@@ -251,12 +287,18 @@ def torch_step_fn(checkpoint: str, data: RolloutBatch, dtype: str, torch_losses)
         logprobs = torch.gather(torch.log_softmax(logits, -1), -1, completion[..., None])[..., 0]
         loss = torch_losses.policy_loss(objective, logprobs, batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
         return float(loss.detach())
 
+    def state_bytes() -> int:
+        tensors = [*model.parameters(), *(p.grad for p in trainable if p.grad is not None)]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
+
+    call.state_bytes = state_bytes
     return call
 
 

@@ -23,6 +23,8 @@ from jaxrl_llm.plan.cli import format_report
 from jaxrl_llm.plan.topology import libtpu_available, resolve_topology
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.rl.config import TrainConfig
+from tests.plan.test_flops import ONE_LAYER  # XLA counts a while body once: one layer
+from tests.plan.test_programs import TINY, TINY_PARAMS  # every dimension divides 4
 
 V5E_4 = resolve_topology("v5litepod-4")
 needs_libtpu = pytest.mark.skipif(
@@ -30,21 +32,6 @@ needs_libtpu = pytest.mark.skipif(
     reason="libtpu not importable (pip install 'jax[tpu]'): no deviceless TPU compiles",
 )
 
-# tests/plan/test_programs.py's tiny Llama: every dimension divides 4.
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
-TINY_PARAMS = 106816  # test_programs.TINY_PARAMS
 # Rank-4 adapters a layer, elements a chip on fsdp 4 (PARAM_RULES: embed -> fsdp; heads and
 # mlp -> tensor, of size 1 here; the rank axis whole):
 #   A of q, k, v, gate, up [D=64, r] and B of o, down [r, D=64]: split by 4, 7 x 64 = 448;
@@ -355,20 +342,6 @@ def test_lora_flops_by_hand():
     )
     # The base model (lora.base_config) is full training again.
     assert flops.train_flops(lora.base_config(SMALL), 1, 3) == 3 * 7776
-
-
-# One layer, as test_flops' XLA comparisons (XLA's count of a while body is once).
-ONE_LAYER = ModelConfig(
-    architecture="Qwen3ForCausalLM",
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    qk_norm=True,
-)
 
 
 @pytest.mark.parametrize(

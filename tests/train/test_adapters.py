@@ -268,3 +268,21 @@ def test_a_reward_model_job_with_lora_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="model.lora is not supported for reward_model"):
         PreferenceTrainer(_dpo(tmp_path, "job=reward_model", "loss.name=bradley_terry"))
+
+
+def test_bf16_compute_keeps_the_base_in_bf16_and_the_adapters_in_f32(tmp_path):
+    """``model.compute_dtype=bfloat16`` (the TPU / GPU default): the frozen base is stored in
+    bf16 (half the memory), the adapters' masters and moments in f32, and the updates move
+    the f32 adapters (nothing rounds away)."""
+    trainer = RLTrainer(_config(tmp_path, "model.compute_dtype=bfloat16", "sft_warmup.steps=0"))
+    trainer.setup()
+    before = jax.device_get(trainer.state.params)
+    assert {x.dtype for x in jax.tree.leaves(trainer.base)} == {np.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(trainer.state.params)} == {np.dtype("float32")}
+    moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if x.ndim]
+    assert moments and {x.dtype for x in moments} == {np.dtype("float32")}
+    trainer.fit()
+    after = jax.device_get(trainer.state.params)
+    moved = [np.mean(a != b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
+    # B leaves zero first; A's gradient is zero until B has (LoRA), so after 4 steps both move.
+    assert min(moved) > 0.9, moved
