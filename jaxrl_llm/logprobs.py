@@ -162,6 +162,7 @@ def completion_logprobs(
     return_entropy: bool = False,
     remat: str = "none",
     return_prompt_logprobs: bool = False,
+    dropout_key: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """``log pi(y_t | x, y_<t)`` of each completion token under the temperature-scaled policy.
 
@@ -190,6 +191,7 @@ def completion_logprobs(
         predicts (``log pi(x_j | x_<j)``; 0 on padding and on each row's first real token,
         which nothing predicts), from the same forward pass: what an NLL over the whole
         sequence (TRL ORPOTrainer's) needs. Not combined with ``return_entropy``.
+      dropout_key: a PRNG key for the model's LoRA dropout (training), or None.
 
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
@@ -206,7 +208,9 @@ def completion_logprobs(
         )
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
-    hidden, _ = forward(params, config, tokens, attention_mask=mask, remat=remat)
+    hidden, _ = forward(
+        params, config, tokens, attention_mask=mask, remat=remat, dropout_key=dropout_key
+    )
     length = completion_tokens.shape[1]
     # Gathered (and cast) once here, outside the loop over chunks.
     unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))

@@ -63,6 +63,11 @@ def shardings_of(config: models.ModelConfig, mesh, rules=None) -> tuple[PyTree, 
     )
 
 
+def has_dropout(config: models.ModelConfig) -> bool:
+    """Whether the update's loss needs a dropout key (LoRA dropout > 0)."""
+    return config.lora is not None and config.lora.dropout > 0
+
+
 def base_dtype(config: models.ModelConfig, param_dtype) -> Any:
     """The frozen base's dtype: the compute dtype (its master copy is never updated)."""
     return jnp.dtype(config.compute_dtype or param_dtype)
@@ -168,11 +173,6 @@ def check_lora_job(cfg, job: str, objective=None) -> None:
             f"model.lora is not supported with objective {objective.name!r} yet (a critic or "
             "an implicit PRM beside the adapters): use a critic-free objective (grpo, rloo, "
             "dapo, ...)"
-        )
-    if cfg.model.lora.dropout:
-        raise ValueError(
-            "model.lora.dropout > 0 is not supported by the trainers yet (they pass no dropout "
-            "key to the forward); set model.lora.dropout=0"
         )
     reference = getattr(cfg, "reference", None)
     if reference is not None and reference.mode != "frozen":

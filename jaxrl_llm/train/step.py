@@ -156,6 +156,7 @@ def make_step(
     micro_batches: int | TokenBudget = 1,
     accumulate: str = "sum",
     param_shardings: PyTree | None = None,
+    loss_takes_key: bool = False,
 ) -> Step:
     """A pure optimizer step ``(state, batch) -> (state, metrics)`` around any loss.
 
@@ -171,6 +172,8 @@ def make_step(
       param_shardings: the parameters' ``NamedSharding``s. On a mesh with explicit axes the
         gradient computation runs with automatic sharding propagation and its gradient is
         returned in these shardings.
+      loss_takes_key: call ``loss_fn(params, batch, totals, key)`` with a PRNG key for this
+        step and micro-batch (from ``state.rng``; e.g. LoRA dropout), reproducible on resume.
 
     Returns:
       The step ``(state, batch, frozen=None) -> (state, metrics)``; its metrics add
@@ -192,21 +195,25 @@ def make_step(
     def count(batch) -> int:
         return micro_batch_count(micro_batches, batch, batch_devices)
 
-    def gradients(params, batch, totals, frozen):
-        if frozen is None:
-            grad_fn = jax.grad(loss_fn, has_aux=True)
-        else:  # the loss reads the frozen parameters too; only ``params`` are differentiated
-            grad_fn = jax.grad(lambda p, b, t: loss_fn(merge_trees(frozen, p), b, t), has_aux=True)
+    def gradients(params, batch, totals, frozen, key):
+        def loss(p, b, t, k):
+            # A frozen tree is read too; only ``params`` are differentiated.
+            p = p if frozen is None else merge_trees(frozen, p)
+            return loss_fn(p, b, t, k) if loss_takes_key else loss_fn(p, b, t)
+
+        grad_fn = jax.grad(loss, has_aux=True)
         micro_batches = count(batch)
         if micro_batches == 1:
-            return grad_fn(params, batch, totals)
+            return grad_fn(params, batch, totals, key)
 
-        def body(acc, micro):
-            grads, metrics = grad_fn(params, micro, totals)
+        def body(acc, xs):
+            micro, index = xs
+            grads, metrics = grad_fn(params, micro, totals, jax.random.fold_in(key, index))
             return jax.tree.map(jnp.add, acc, grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, stacked = jax.lax.scan(body, zeros, split_micro_batches(batch, micro_batches))
+        parts = (split_micro_batches(batch, micro_batches), jnp.arange(micro_batches))
+        grads, stacked = jax.lax.scan(body, zeros, parts)
         if accumulate == "mean":
             grads = jax.tree.map(lambda g: g / micro_batches, grads)
             return grads, {k: jnp.mean(v, axis=0) for k, v in stacked.items()}
@@ -215,14 +222,15 @@ def make_step(
     def step(state: TrainState, batch, frozen: PyTree | None = None):
         totals = totals_of(batch.completion_mask) if accumulate == "sum" else None
         params = state.params
+        rng, key = jax.random.split(state.rng)
         if param_shardings is not None and _is_explicit(_mesh_of(param_shardings)):
             specs = jax.tree.map(lambda s: s.spec, param_shardings)
             # Inside, sharding propagates automatically (FSDP gathers need no annotations); the
             # gradient comes back typed like the parameters, the metrics replicated.
             auto = jax.sharding.auto_axes(gradients, out_sharding=(specs, PartitionSpec()))
-            grads, metrics = auto(params, batch, totals, frozen)
+            grads, metrics = auto(params, batch, totals, frozen, key)
         else:
-            grads, metrics = gradients(params, batch, totals, frozen)
+            grads, metrics = gradients(params, batch, totals, frozen, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         metrics = dict(metrics)
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -230,7 +238,6 @@ def make_step(
             metrics["micro_batches"] = jnp.asarray(count(batch), jnp.int32)
         if totals is not None:
             metrics["num_tokens"] = totals.num_tokens
-        rng, _ = jax.random.split(state.rng)
         new_state = TrainState(
             step=state.step + 1,
             params=optax.apply_updates(params, updates),

@@ -245,7 +245,6 @@ def test_lora_update_reduces_adapter_gradients_only(tiny_path, compiled):
     [
         (("objective.name=ppo", "critic.optimizer=separate"), "model.lora is not supported"),
         (("objective.name=prime",), "model.lora is not supported"),
-        (("model.lora.dropout=0.1",), "model.lora.dropout"),
         (("reference.mode=ema",), "reference.mode='ema' with model.lora"),
         (("model.lora.rank=0",), "model.lora rank"),
         (("model.lora.targets=[q,x]",), "model.lora targets"),

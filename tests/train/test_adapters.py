@@ -169,7 +169,6 @@ def _model_config(run_dir) -> models.ModelConfig:
     "override, match",
     [
         ("objective.name=ppo", "critic-free"),
-        ("model.lora.dropout=0.1", "dropout"),
         ("reference.mode=ema", "reference.mode"),
         ("model.lora.rank=0", "model.lora rank"),
         ("model.lora.targets=[q, qkv]", "model.lora targets"),
@@ -211,6 +210,25 @@ def test_a_lora_run_on_a_2x2x2_mesh_matches_one_device(tmp_path):
         assert first[key] == single_first[key], key
     for key in ("loss", "grad_norm", "kl"):
         assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_dropout_is_in_the_update_only_and_reproducible(tmp_path):
+    """``model.lora.dropout=0.3``: the update's forward drops adapter inputs (its log-probs
+    differ from the sampler's, which never drops), with a key drawn from the train state, so
+    the same config trains the same adapters twice."""
+    runs = []
+    for name in ("a", "b"):
+        cfg = _config(tmp_path / name, "model.lora.dropout=0.3", "sft_warmup.steps=10")
+        trainer = RLTrainer(cfg)
+        trainer.fit()
+        runs.append((read_metrics(tmp_path / name), jax.device_get(trainer.state.params)))
+    (rows, params), (rows_b, params_b) = runs
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-5  # B = 0: dropped inputs change nothing
+    assert rows[-1]["rollout/logprob_diff_max"] > 1e-3, [
+        r["rollout/logprob_diff_max"] for r in rows
+    ]
+    assert rl_helpers.without_timing(rows) == rl_helpers.without_timing(rows_b)
+    chex.assert_trees_all_equal(params, params_b)
 
 
 # -- preference (DPO family) -------------------------------------------------------------------

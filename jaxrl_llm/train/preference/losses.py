@@ -116,6 +116,7 @@ def pair_token_logps(
     chunk_size=None,
     remat="none",
     return_prompt_logprobs=False,
+    dropout_key=None,
 ):
     """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions.
 
@@ -131,6 +132,7 @@ def pair_token_logps(
             chunk_size=chunk_size,
             remat=remat,
             return_prompt_logprobs=True,
+            dropout_key=dropout_key,
         )
         return completion[:n], completion[n:], prompt[:n]
     return _logps_of_both(
@@ -144,11 +146,12 @@ def pair_token_logps(
         batch.rejected_mask,
         chunk_size=chunk_size,
         remat=remat,
+        dropout_key=dropout_key,
     )
 
 
 def unpaired_token_logps(
-    params, model_config, batch: UnpairedBatch, *, chunk_size=None, remat="none"
+    params, model_config, batch: UnpairedBatch, *, chunk_size=None, remat="none", dropout_key=None
 ):
     """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones."""
     return _logps_of_both(
@@ -162,6 +165,7 @@ def unpaired_token_logps(
         batch.kl_completion_mask,
         chunk_size=chunk_size,
         remat=remat,
+        dropout_key=dropout_key,
     )
 
 
@@ -181,7 +185,7 @@ def make_pair_loss_fn(
     """
     with_prompt = loss_kwargs.get("nll") == "prompt_and_completion"
 
-    def loss_fn(params, batch: PreferenceBatch, totals=None):
+    def loss_fn(params, batch: PreferenceBatch, totals=None, key=None):
         out = pair_token_logps(
             params,
             model_config,
@@ -189,6 +193,7 @@ def make_pair_loss_fn(
             chunk_size=chunk_size,
             remat=remat,
             return_prompt_logprobs=with_prompt,
+            dropout_key=key,
         )
         chosen, rejected = out[:2]
         extra = {}
@@ -232,9 +237,9 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, remat="none", **kto
     completions).
     """
 
-    def loss_fn(params, batch: UnpairedBatch, totals=None):
+    def loss_fn(params, batch: UnpairedBatch, totals=None, key=None):
         token_logps, kl_token_logps = unpaired_token_logps(
-            params, model_config, batch, chunk_size=chunk_size, remat=remat
+            params, model_config, batch, chunk_size=chunk_size, remat=remat, dropout_key=key
         )
         policy = sequence_logps(token_logps, batch.completion_mask)
         kl_policy = sequence_logps(kl_token_logps, batch.kl_completion_mask)

@@ -270,6 +270,7 @@ class PreferenceTrainer(Trainer):
                 micro_batches=cfg.trainer.micro_batches,
                 accumulate="mean",
                 param_shardings=self.shardings.params,
+                loss_takes_key=adapters.has_dropout(self.model_config),
             ),
             self.shardings,
             frozen=self.base,

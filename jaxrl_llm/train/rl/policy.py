@@ -16,6 +16,7 @@ import optax
 
 from jaxrl_llm import objectives
 from jaxrl_llm.objectives import _metrics
+from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.step import LossFn, Step, Totals, make_step
 from jaxrl_llm.types import RolloutBatch, sequences_of
@@ -73,7 +74,7 @@ def make_policy_loss_fn(
     """
     need_entropy = compute_entropy or objective.entropy_coef > 0
 
-    def loss_fn(params, batch: RolloutBatch, totals: Totals | None):
+    def loss_fn(params, batch: RolloutBatch, totals: Totals | None, key=None):
         out = sequence_logprobs(
             params,
             model_config,
@@ -82,6 +83,7 @@ def make_policy_loss_fn(
             chunk_size=chunk_size,
             remat=remat,
             return_entropy=need_entropy,
+            dropout_key=key,
         )
         token_logprobs, entropy = out if need_entropy else (out, None)
         if batch.old_logprobs is None:  # on-policy: this forward's own log-probs, held fixed
@@ -149,5 +151,9 @@ def make_policy_step(
         compute_entropy=compute_entropy,
     )
     return make_step(
-        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+        loss_fn,
+        optimizer,
+        micro_batches=micro_batches,
+        param_shardings=param_shardings,
+        loss_takes_key=has_dropout(model_config),  # LoRA dropout in the update
     )
