@@ -227,7 +227,8 @@ def export_adapter(
 ) -> str:
     """Writes a LoRA policy: a PEFT adapter directory (adapter files, the tokenizer and the
     generation config; ``peft.PeftModel.from_pretrained(base, directory)`` loads it), or with
-    ``merge`` the merged full weights as a plain Hugging Face checkpoint."""
+    ``merge`` the merged full weights as a plain Hugging Face checkpoint. ``params``: the
+    base with the adapters (without ``merge`` the adapters alone will do)."""
     from jaxrl_llm.train import export  # noqa: PLC0415
 
     if merge:

@@ -202,13 +202,17 @@ def export_run(
     out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
     if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is on disk
         base_path = adapters.base_model_path(cfg, run_dir)
-        config, base = models.load_pretrained(base_path, dtype=jnp.float32)
+        if merge:
+            config, base = models.load_pretrained(base_path, dtype=jnp.float32)
+            params = models.lora.combine(base, params)
+        else:  # the adapter alone: the base's config is all it needs
+            config = models.load_config(base_path)
         config = dataclasses.replace(config, lora=setup.lora_spec(cfg.model))
         stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
         return adapters.export_adapter(
             out,
             config,
-            models.lora.combine(base, params),
+            params,
             tokenizer,
             base_model=base_path,
             stop_ids=stop,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_llm.models import LoraSpec, ModelConfig, forward, lora, param_shapes, unembed
+from jaxrl_llm.models import LoraSpec, forward, lora, param_shapes, unembed
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops, hlo
 from jaxrl_llm.plan import programs as pr
@@ -24,6 +24,7 @@ from jaxrl_llm.plan.topology import libtpu_available, resolve_topology
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.rl.config import TrainConfig
 from tests.plan.test_flops import ONE_LAYER  # XLA counts a while body once: one layer
+from tests.plan.test_flops import TINY as FLOPS_TINY
 from tests.plan.test_programs import TINY, TINY_PARAMS  # every dimension divides 4
 
 V5E_4 = resolve_topology("v5litepod-4")
@@ -299,17 +300,7 @@ def test_a_peft_adapter_directory_is_refused_with_what_to_set(tmp_path):
 # -- FLOPs ---------------------------------------------------------------------------------------
 
 # plan/test_flops.py's TINY: V=10, D=8, F=16, L=2, N=2, K=1, H=4; rank-2 adapters on all seven.
-SMALL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=10,
-    hidden_size=8,
-    intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=4,
-    lora=LoraSpec(rank=2, alpha=4.0),
-)
+SMALL = dataclasses.replace(FLOPS_TINY, lora=LoraSpec(rank=2, alpha=4.0))
 
 
 def test_lora_flops_by_hand():
