@@ -55,6 +55,9 @@ class RolloutBatch(NamedTuple):
       attention_mask: ``[B, T]`` the completion tokens the model attends to, when more than
         the trained ones (multi-turn: environment tokens are context with loss mask 0, in
         ``completion_mask``); None = ``completion_mask``.
+      is_weights: ``[B, T]`` rollout-correction importance weights multiplying the per-token
+        surrogate loss (``jaxrl_llm.correction``; no gradient), when computed for the whole
+        batch before the update.
     """
 
     completion_mask: Array
@@ -71,6 +74,7 @@ class RolloutBatch(NamedTuple):
     num_seqs: Array | None = None
     rollout_logprobs: Array | None = None
     attention_mask: Array | None = None
+    is_weights: Array | None = None
 
 
 class MaskedSequences(NamedTuple):

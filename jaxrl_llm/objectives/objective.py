@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_llm import _checks, aggregation, kl
+from jaxrl_llm import _checks, aggregation, correction, kl
 from jaxrl_llm.objectives import estimator_registry, surrogate_registry
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
@@ -85,6 +85,9 @@ class Objective:
       prime_beta: beta of PRIME's implicit process reward ``beta*(lp_prm - lp_ref)``.
       extra: hyper-parameters of user surrogates / estimators as sorted ``(name, value)``
         pairs; a dict is accepted and converted (read them with :attr:`extra_dict`).
+      rollout_correction: ``jaxrl_llm.correction.Correction`` (a mapping of its fields is
+        accepted and converted) or None: IS weights / rejection of the sampler-trainer
+        mismatch, from ``batch.rollout_logprobs``.
     """
 
     name: str = "custom"
@@ -114,10 +117,14 @@ class Objective:
     value_coef: float = 0.5
     prime_beta: float = 0.05
     extra: tuple[tuple[str, Any], ...] = ()
+    rollout_correction: correction.Correction | None = None
 
     def __post_init__(self):
-        # Frozen: the one normalisation goes through object.__setattr__.
+        # Frozen: the normalisations go through object.__setattr__.
         object.__setattr__(self, "extra", freeze_extra(self.extra))
+        object.__setattr__(
+            self, "rollout_correction", correction.Correction.of(self.rollout_correction)
+        )
         _checks.check_choice("advantage estimator", self.advantage, estimator_registry.ESTIMATORS)
         _checks.check_choice("advantage_scale", self.advantage_scale, ADVANTAGE_SCALES)
         _checks.check_choice("ratio", self.ratio, surrogate_registry.RATIOS)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, aggregation, kl
+from jaxrl_llm import _checks, aggregation, correction, kl
 from jaxrl_llm.objectives import _metrics, surrogate_registry
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
@@ -32,9 +32,10 @@ RESERVED_METRICS = frozenset(
 
 
 def _surrogate_term(
-    objective: Objective, inputs: surrogate_registry.SurrogateInputs
+    objective: Objective, inputs: surrogate_registry.SurrogateInputs, weights: Array | None
 ) -> tuple[Array, dict[str, Array]]:
-    """``(pg_loss, metrics)`` of the registered surrogate, its output checked and reduced."""
+    """``(pg_loss, metrics)`` of the registered surrogate, its output checked, weighted by the
+    rollout-correction ``weights`` (when given) and reduced."""
     out = surrogate_registry.surrogate_spec(objective.surrogate).fn(objective, inputs)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(
@@ -53,7 +54,13 @@ def _surrogate_term(
         )
     shape = jnp.shape(loss)
     if shape == jnp.shape(inputs.mask):
-        return inputs.aggregate(loss), dict(metrics)
+        return inputs.aggregate(loss if weights is None else loss * weights), dict(metrics)
+    if shape == () and weights is not None:
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} returns one loss for the batch, so per-token "
+            "rollout-correction IS weights cannot multiply it; use rejection only "
+            "(rollout_correction.is_level=None)"
+        )
     if shape == ():
         return _checks.f32(loss), dict(metrics)
     raise ValueError(
@@ -77,6 +84,12 @@ def policy_loss(
     normalisers (so K micro-batches sum to the full-batch loss and gradient). ``ratio`` and
     ``surr`` are the registered functions named by ``objective.ratio`` / ``.surrogate``; a
     surrogate that returns a scalar (GMPO) is not aggregated again.
+
+    Rollout correction (``jaxrl_llm.correction``): ``batch.is_weights`` multiply the per-token
+    surrogate loss; ``objective.rollout_correction`` computes IS weights and a rejection mask
+    from ``batch.rollout_logprobs`` — against ``old_logprobs`` (``mode="decoupled"``) or, with
+    the rollout as the old policy, against ``stop_gradient(logprobs)`` (``"bypass"``, weights
+    only for ratio-free surrogates); rejected tokens leave every term.
 
     Args:
       objective: which pieces to use.
@@ -108,6 +121,12 @@ def policy_loss(
     if objective.entropy_coef > 0 and entropy is None:
         raise ValueError("entropy_coef > 0 needs the per-token entropy")
 
+    all_tokens = aggregation.normalisers(mask)[0] if batch.num_tokens is None else batch.num_tokens
+    weights, mask, old_logprobs, corrected = _rollout_correction(
+        objective, logprobs, old_logprobs, batch, mask
+    )
+    # Without the batch's totals, the kept tokens normalise (verl's decoupled mode); with
+    # them, rejected tokens count in the normaliser and add 0 (verl's bypass mode).
     default_tokens, default_seqs = aggregation.normalisers(mask)
     num_tokens = default_tokens if batch.num_tokens is None else batch.num_tokens
     num_seqs = default_seqs if batch.num_seqs is None else batch.num_seqs
@@ -126,9 +145,14 @@ def policy_loss(
         norm_constant=objective.norm_constant,
     )
 
-    pg_loss, metrics = _surrogate_term(objective, inputs)
+    pg_loss, metrics = _surrogate_term(objective, inputs, weights)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
+    if weights is not None:
+        metrics["rollout_corr/is_weight_mean"] = inputs.token_mean(weights)
+    if "rollout_corr/rejected" in corrected:
+        rejected = _metrics.masked_sum(corrected["rollout_corr/rejected"], 1.0)
+        metrics["rollout_corr/rejected_frac"] = rejected / jnp.maximum(all_tokens, 1)
 
     ratio = jnp.exp(jnp.clip(log_ratio, -objective.ratio_clamp, objective.ratio_clamp))
     metrics["approx_kl"] = inputs.token_mean(-(logprobs - old_logprobs))
@@ -162,3 +186,45 @@ def policy_loss(
 
     metrics["loss"] = loss
     return LossOutput(loss=loss, metrics=metrics)
+
+
+def _rollout_correction(
+    objective: Objective, logprobs: Array, old_logprobs: Array, batch: RolloutBatch, mask: Array
+) -> tuple[Array | None, Array, Array, dict[str, Array]]:
+    """``(IS weights or None, loss mask, old log-probs, metrics)`` after ``batch.is_weights``
+    and the objective's rollout correction (``jaxrl_llm.correction``)."""
+    weights = None
+    if batch.is_weights is not None:
+        _checks.check_batch_time("is_weights", batch.is_weights, mask)
+        weights = jax.lax.stop_gradient(_checks.f32(batch.is_weights))
+    spec = objective.rollout_correction
+    if spec is None:
+        return weights, mask, old_logprobs, {}
+    if batch.rollout_logprobs is None:
+        raise ValueError(
+            f"objective {objective.name!r} has a rollout_correction: batch.rollout_logprobs "
+            "(the sampler's log-probs) is None"
+        )
+    _checks.check_batch_time("rollout_logprobs", batch.rollout_logprobs, mask)
+    rollout = jax.lax.stop_gradient(_checks.f32(batch.rollout_logprobs))
+    if spec.mode == "bypass":  # the rollout is the old policy; measure the current one
+        old_logprobs, train = rollout, jax.lax.stop_gradient(logprobs)
+        # A ratio already carries pi/pi_rollout: weights would count it twice (verl).
+        use_weights = not surrogate_registry.surrogate_spec(objective.surrogate).needs_old_logprobs
+    else:
+        train, use_weights = old_logprobs, True
+    log_ratio = train - rollout
+    if spec.is_level is not None and use_weights:
+        is_w, _ = correction.is_weights(
+            log_ratio,
+            mask,
+            level=spec.is_level,
+            upper=spec.is_upper,
+            lower=spec.is_lower,
+            batch_normalize=spec.batch_normalize,
+        )
+        weights = is_w if weights is None else weights * is_w
+    kept = mask
+    if spec.rejection:
+        kept, _ = correction.rejection_mask(log_ratio, mask, criteria=spec.criteria)
+    return weights, kept, old_logprobs, {"rollout_corr/rejected": mask - kept}

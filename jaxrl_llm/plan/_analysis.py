@@ -17,7 +17,13 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
-from jaxrl_llm.plan._aux import aux_state, lower_aux_programs
+from jaxrl_llm.plan._aux import (
+    aux_state,
+    joint_update_program,
+    lower_aux_programs,
+    policy_view,
+    with_aux_bytes,
+)
 from jaxrl_llm.plan._collectives import _optimal_seconds, loop_body_module, unique_collectives
 from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
@@ -42,6 +48,7 @@ from jaxrl_llm.plan._lora import (
     policy_shardings,
     serving_trees,
 )
+from jaxrl_llm.plan._reward import lower_reward_program, reward_model_state
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
 
@@ -53,6 +60,7 @@ from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.trainer import on_policy_update
+from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.step import jit_step
 
 PyTree = Any
@@ -101,6 +109,9 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
             )
     except ValueError as err:  # a weight dimension the mesh does not divide
         raise PlanError(f"parameter layout on mesh {dict(mesh.shape)}: {err}") from None
+    critic = aux_state(cfg, objective, model_config, mesh, optimizer)
+    if critic is not None and critic.joint:  # one state over policy and critic (PPOTrainer)
+        state, shardings = policy_view(critic.state), policy_view(critic.shardings)
     params = state.params
     reference = None
     if shape.needs_reference and frozen is None:  # a LoRA run's reference is its base
@@ -118,10 +129,12 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         ),
         params,
     )
-    critic = aux_state(cfg, objective, model_config, mesh)
-    sizes = state_bytes(
-        state, reference, params_compute, critic[1] if critic else None, frozen and frozen.base
+    rm = reward_model_state(cfg, model_config, mesh)
+    sizes = with_aux_bytes(
+        state_bytes(state, reference, params_compute, None, frozen and frozen.base), critic
     )
+    if rm is not None:
+        sizes = dataclasses.replace(sizes, reward_model=shard_bytes(rm.params))
     try:
         layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
     except ValueError as err:
@@ -143,8 +156,9 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         critic,
         layout,
         frozen,
+        rm,
     )
-    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout)
+    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout, critic, rm)
 
 
 def _lower_programs(
@@ -161,6 +175,7 @@ def _lower_programs(
     critic=None,
     layout=None,
     frozen: Frozen | None = None,
+    rm=None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
@@ -237,22 +252,8 @@ def _lower_programs(
                 same_as="logprobs" if same else None,
             )
 
-    # (a) the policy update on one minibatch (a LoRA run's base passed as frozen parameters).
-    update_fn = jit_step(
-        make_policy_step(
-            model_config,
-            objective,
-            optimizer,
-            micro_batches=shape.micro_batches,
-            temperature=r.temperature,
-            chunk_size=cfg.model.chunk_size,
-            remat=shape.remat,
-            param_shardings=shardings.params,
-        ),
-        shardings,
-        frozen=frozen and frozen.base,
-        frozen_shardings=frozen and frozen.shardings,
-    )
+    # (a) the policy update on one minibatch (a LoRA run's base passed as frozen parameters;
+    # PPO's joint optimizer: the joint step on the whole state).
     minibatch = abstract_rollout_batch(
         mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, on_policy=on_policy
     )
@@ -260,19 +261,39 @@ def _lower_programs(
         mesh, objective, shape, rows, logprob_out.dtype, on_policy=on_policy
     )
     m_rows = shape.minibatch_rows
-    programs["update"] = Program(
-        name="update",
-        lowered=update_fn.lower(state, minibatch),
-        calls_per_step=shape.updates_per_step,
-        flops=flops_lib.train_flops(
-            model_config, m_rows, seq, remat=shape.remat, logits_positions=t_len
-        ),
-        model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=t_len),
-        tokens=m_rows * t_len,
-        argument_parts={**weights, "optimizer_state": sizes.optimizer},
-        # The whole rollout batch stays on device while its minibatches are drawn.
-        resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
-    )
+    if critic is not None and critic.joint:
+        programs["update"] = joint_update_program(
+            critic, cfg, model_config, objective, shape, sizes, minibatch, full_batch
+        )
+    else:
+        update_fn = jit_step(
+            make_policy_step(
+                model_config,
+                update_objective(objective),
+                optimizer,
+                micro_batches=shape.micro_batches,
+                temperature=r.temperature,
+                chunk_size=cfg.model.chunk_size,
+                remat=shape.remat,
+                param_shardings=shardings.params,
+            ),
+            shardings,
+            frozen=frozen and frozen.base,
+            frozen_shardings=frozen and frozen.shardings,
+        )
+        programs["update"] = Program(
+            name="update",
+            lowered=update_fn.lower(state, minibatch),
+            calls_per_step=shape.updates_per_step,
+            flops=flops_lib.train_flops(
+                model_config, m_rows, seq, remat=shape.remat, logits_positions=t_len
+            ),
+            model_flops=flops_lib.train_flops(model_config, m_rows, seq, logits_positions=t_len),
+            tokens=m_rows * t_len,
+            argument_parts={**weights, "optimizer_state": sizes.optimizer},
+            # The whole rollout batch stays on device while its minibatches are drawn.
+            resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
+        )
     if critic is not None:
         lower_aux_programs(
             programs,
@@ -303,6 +324,8 @@ def _lower_programs(
         lambda m: decode_hbm_bytes_per_chip(model_config, m, rows, seq),
         frozen,
     )
+    if rm is not None:  # (e) a learned reward model: resident all run, scoring each rollout
+        lower_reward_program(programs, rm, cfg, mesh, objective, shape, sizes, seqs)
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
 

@@ -18,6 +18,7 @@ from jaxrl_llm.plan.topology import TopologySpec
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.rl.config import TrainConfig, check_config, micro_batching
+from jaxrl_llm.train.rl.updates import batch_corrected
 from jaxrl_llm.train.state import TrainState, state_shardings
 from jaxrl_llm.train.step import TokenBudget
 from jaxrl_llm.types import RolloutBatch, Sequences
@@ -32,6 +33,7 @@ PROGRAMS = (
     "ref_logprobs",
     "values",
     "prm_logprobs",
+    "rm_scores",
     "reshard_base",
     "reshard",
     "prefill",
@@ -43,6 +45,7 @@ MEMORY_PARTS = (
     "reference",
     "frozen_base",
     "aux_model",
+    "reward_model",
     "sampler_weights",
     "kv_cache",
     "inputs",
@@ -152,30 +155,17 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
     """``check_config(cfg)``, refusing what ``plan`` does not model yet.
 
     Raises:
-      PlanError: a config ``check_config`` refuses, a critic (PPO) on the joint optimizer or
-        initialised from a reward model, a learned reward model (``reward_model.path``), or
-        ``model.lora`` where the trainer refuses it (``train.adapters.check_lora_job``).
+      PlanError: a config ``check_config`` refuses, or ``model.lora`` where the trainer
+        refuses it (``train.adapters.check_lora_job``), an unknown ``model.remat``, or
+        ``mesh.rollout_devices`` (separate sampler devices are not planned yet).
     """
     try:
         objective = check_config(cfg)
         adapters.check_lora_job(cfg, "rl", objective)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    if objective.needs_critic and cfg.critic.optimizer != "separate":
-        raise PlanError(
-            f"critic.optimizer={cfg.critic.optimizer!r}: plan models PPO's critic with its own "
-            "optimizer (critic.optimizer=separate), not one optimizer over both"
-        )
-    if objective.needs_critic and cfg.critic.init == "reward_model":
-        raise PlanError(
-            "critic.init=reward_model: plan models a critic of the policy's architecture "
-            "(critic.init=policy or random)"
-        )
-    if cfg.reward_model.path is not None:
-        raise PlanError(
-            "reward_model.path: a learned reward model's weights and scoring forward are not "
-            "planned yet; set reward_model.path=null to plan the rest"
-        )
+    if cfg.mesh.rollout_devices:
+        raise PlanError("mesh.rollout_devices: separate sampler devices are not planned yet")
     if cfg.model.remat not in models.REMAT_POLICIES:
         raise PlanError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
@@ -308,9 +298,15 @@ class StateBytes:
       reference: the reference policy's parameters (0 without one; f32 with ``ema``).
       params_compute: the parameters cast to the compute dtype (what the decode loop reads;
         0 when the parameters are stored in it already, so no copy is made).
+      aux_params, aux_optimizer: the trained auxiliary model (PPO's critic, PRIME's PRM): its
+        parameters and optimizer state (with ``critic.optimizer=joint``, the critic's share
+        of the one state: its parameters and their moments; the rest is in ``params`` and
+        ``optimizer``).
       base, serving_base: a LoRA run's frozen base (``params`` are its adapters) in the
         compute dtype on the trainer's layout, and its copy on the sampler's serving layout
         (made once a run, kept all run); 0 without LoRA.
+      reward_model: a learned reward model's weights (``reward_model.path``, frozen, in the
+        compute dtype, kept all run); 0 without one.
     """
 
     params: int
@@ -321,6 +317,7 @@ class StateBytes:
     aux_optimizer: int = 0
     base: int = 0
     serving_base: int = 0
+    reward_model: int = 0
 
     @property
     def aux(self) -> int:
@@ -330,9 +327,9 @@ class StateBytes:
 
     @property
     def resident(self) -> int:
-        """Alive all step: the train state, the reference, the auxiliary model and a LoRA
-        run's frozen base (and its serving copy)."""
-        frozen = self.base + self.serving_base
+        """Alive all step: the train state, the reference, the auxiliary model, a LoRA run's
+        frozen base (and its serving copy) and a learned reward model."""
+        frozen = self.base + self.serving_base + self.reward_model
         return self.params + self.optimizer + self.reference + self.aux + frozen
 
 
@@ -416,6 +413,8 @@ class Job:
     state: StateBytes
     programs: dict[str, Program]
     serving: Any = None  # sampling.serving.ServingLayout of the rollout
+    aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
+    reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -479,5 +478,11 @@ def abstract_rollout_batch(
         prompt_mask=seqs.prompt_mask,
         completion_tokens=seqs.completion_tokens,
         rewards=rewards,
+        # The sampler's log-probs (``RLTrainer.train_step`` always passes them) and, with a
+        # decoupled rollout correction, its IS weights (``updates.correct_batch``).
+        rollout_logprobs=_rows(mesh, (rows, shape.completion_len), jnp.float32),
+        is_weights=_rows(mesh, (rows, shape.completion_len), jnp.float32)
+        if batch_corrected(objective)
+        else None,
         **value_fields,
     )

@@ -17,6 +17,8 @@ from jaxrl_llm.plan._analysis import (
     decode_hbm_bytes_per_chip,
     memory_parts,
 )
+from jaxrl_llm.plan._aux import ASSUMPTIONS as JOINT_ASSUMPTIONS
+from jaxrl_llm.plan._aux import critic_report
 from jaxrl_llm.plan._job import (
     ASSUMPTIONS,
     Job,
@@ -24,6 +26,8 @@ from jaxrl_llm.plan._job import (
 )
 from jaxrl_llm.plan._lora import ASSUMPTIONS as LORA_ASSUMPTIONS
 from jaxrl_llm.plan._lora import lora_report
+from jaxrl_llm.plan._reward import ASSUMPTIONS as RM_ASSUMPTIONS
+from jaxrl_llm.plan._reward import reward_model_report
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
 
@@ -218,10 +222,17 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             "lora": lora_report(config),
         },
         "objective": job.objective.name,
+        "critic": critic_report(job),
+        "reward_model": reward_model_report(job),
         "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
         "resident_bytes": dataclasses.asdict(state),
         "programs": dict(programs),
-        "assumptions": [*ASSUMPTIONS, *(LORA_ASSUMPTIONS if config.lora is not None else ())],
+        "assumptions": [
+            *ASSUMPTIONS,
+            *(LORA_ASSUMPTIONS if config.lora is not None else ()),
+            *(JOINT_ASSUMPTIONS if job.aux is not None and job.aux.joint else ()),
+            *(RM_ASSUMPTIONS if job.reward_model is not None else ()),
+        ],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
     return report
@@ -271,6 +282,8 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         need = _chips_for(resident * chips, usable)
         example = bigger_topology(spec, _pow2_at_least(need / chips)) if need > chips else None
         base = f", frozen base {_fmt(state.base + state.serving_base)}" if state.base else ""
+        base += f", critic/PRM {_fmt(state.aux)}" if state.aux else ""
+        base += f", reward model {_fmt(state.reward_model)}" if state.reward_model else ""
         out.append(
             f"the resident state alone (parameters {_fmt(state.params)}, optimizer state "
             f"{_fmt(state.optimizer)}, reference {_fmt(state.reference)}{base}) takes "
@@ -285,15 +298,21 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
             "all run; the decode step then gathers the base every token, with temporaries of "
             "its own (plan it to see)"
         )
+    joint = job.aux is not None and job.aux.joint  # the trainer's AdamW has the critic's too
     if cfg.trainer.optimizer_state_dtype == "float32" and not lora:
+        moments = state.optimizer + (state.aux_optimizer if joint else 0)
         out.append(
             "trainer.optimizer_state_dtype=bfloat16: AdamW's moments in bf16 (the update is "
-            f"still computed in f32); {saves(state.optimizer / 2)}"
+            f"still computed in f32{'; the critic on the joint optimizer too' * joint}); "
+            f"{saves(moments / 2)}"
         )
     if cfg.model.param_dtype == "float32" and not lora:
-        halved = state.params / 2 + (state.reference / 2 if cfg.reference.mode != "ema" else 0)
+        # The critic's or PRM's masters are in model.param_dtype too.
+        halved = (state.params + state.aux_params) / 2
+        halved += state.reference / 2 if cfg.reference.mode != "ema" else 0
         out.append(
-            "model.param_dtype=bfloat16: master weights (and the reference) in bf16, but small "
+            "model.param_dtype=bfloat16: master weights (and the reference"
+            f"{', the critic/PRM' if state.aux_params else ''}) in bf16, but small "
             "updates round away (benchmarks/RESULTS.md, mixed precision); at least "
             f"{saves(halved)}"
         )
@@ -326,6 +345,12 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         out.append(
             "the log-prob forwards run over the whole rollout batch at once: fewer rollout "
             "rows (rollout.prompts_per_step) or a smaller model.chunk_size"
+        )
+    if not skipped_compile and "rm_scores" in over:
+        out.append(
+            "the reward model scores the whole rollout batch at once (rm_scores): fewer "
+            "rollout rows (rollout.prompts_per_step), a shorter rollout.max_new_tokens or a "
+            "smaller reward model (reward_model.path)"
         )
     if not skipped_compile and over & {"prefill", "decode_step"}:
         kv = programs["decode_step"]["memory_bytes"]["kv_cache"]

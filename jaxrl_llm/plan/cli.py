@@ -28,6 +28,7 @@ _PARTS = (
     ("reference", "ref"),
     ("frozen_base", "base"),
     ("aux_model", "critic/PRM"),
+    ("reward_model", "RM"),
     ("sampler_weights", "bf16 w"),
     ("kv_cache", "KV"),
     ("inputs", "inputs"),
@@ -189,6 +190,41 @@ def _lora_line(model: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _aux_lines(report: Mapping[str, Any]) -> list[str]:
+    lines = []
+    critic = report.get("critic")
+    if critic:
+        start = {
+            "policy": "from the policy's backbone",
+            "random": "at random",
+            "reward_model": f"from the reward model {critic['path']}",
+        }.get(critic["init"], critic["init"])
+        optimizer = (
+            "one optimizer with the policy (trainer.*; the update trains both)"
+            if critic["optimizer"] == "joint"
+            else "its own optimizer (critic.*)"
+        )
+        lines.append(
+            f"critic: {critic['architecture']}, {critic['params'] / 1e6:.2f} M parameters with "
+            f"a scalar head, initialised {start}; {optimizer} (critic/PRM)"
+        )
+    rm = report.get("reward_model")
+    if rm:
+        when = (
+            "never scores (multi-turn episodes add no learned reward)"
+            if not rm["scores_rollouts"]
+            else "scores each rollout batch inside the rollout (rm_scores)"
+            if rm["scores_in_rollout"]
+            else "scores each rollout batch once the log-prob forwards are dispatched (rm_scores)"
+        )
+        lines.append(
+            f"reward model: {rm['path']} ({rm['architecture']}, {rm['params'] / 1e6:.2f} M "
+            f"parameters in {rm['dtype']}, {_gib(rm['bytes_per_chip'])} GiB a chip: RM), "
+            f"kept all run; {when}"
+        )
+    return lines
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The readable per-chip report of ``plan_job``'s dict."""
     model, job, mesh = report["model"], report["job"], report["mesh"]
@@ -205,6 +241,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{job['remat']}; weights {model['param_dtype']}, compute {model['compute_dtype']}, "
         f"AdamW moments {model['optimizer_state_dtype']}",
         *_lora_line(model),
+        *_aux_lines(report),
         "",
         f"HBM per chip (GiB; the compiler lets a program use {report['hbm_usable_gib']:.2f}, "
         f"Google lists {report['hbm_capacity_gib']:.2f}): everything alive during each program",

@@ -27,11 +27,18 @@ argument and an argument of the log-prob forwards, ``ref_logprobs`` runs the bas
 on a serving layout ``reshard`` moves the adapters each step and ``reshard_base`` the base
 once a run (its copy kept).
 
+PPO's critic and PRIME's implicit PRM are planned as their trainers build them
+(``plan._aux``): a separate critic adds ``values`` and ``critic_update``; with
+``critic.optimizer=joint`` one state holds policy and critic and the ``update`` is the joint
+step; ``critic.init=reward_model`` takes the critic's architecture from ``critic.path``'s
+config.json. A learned reward model (``reward_model.path``, ``plan._reward``) is resident all
+run in the compute dtype and scores each rollout batch (``rm_scores``).
+
 Memory per chip counts what is alive during each program, not only its arguments: the train
 state (parameters, optimizer state), the frozen reference and the rollout batch stay resident
 all step, so each program's peak (``compiled.memory_analysis()``, see ``estimate``) is added to
 whatever of those it does not take as an argument. Each total is split into parts:
-``parameters, optimizer_state, reference, frozen_base`` (LoRA), ``aux_model``,
+``parameters, optimizer_state, reference, frozen_base`` (LoRA), ``aux_model``, ``reward_model``,
 ``sampler_weights`` (the compute-dtype copy the decode loop reads), ``kv_cache, inputs`` (the
 program's batch and the rollout batch) and ``temporaries`` (the rest: gradients and
 activations of the update, activations of the forwards, the step's intermediates).

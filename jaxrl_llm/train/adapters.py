@@ -184,6 +184,8 @@ def check_lora_job(cfg, job: str, objective=None) -> None:
         raise ValueError(
             f"model.lora is not supported for {job} jobs yet (RL and preference jobs only)"
         )
+    if getattr(cfg.mesh, "rollout_devices", 0):
+        raise ValueError("model.lora with mesh.rollout_devices is not supported yet")
 
 
 def setup_run(

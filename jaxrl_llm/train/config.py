@@ -110,11 +110,16 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """Device mesh sizes (``-1`` fills with the remaining devices)."""
+    """Device mesh sizes (``-1`` fills with the remaining devices).
+
+    ``rollout_devices``: an RL job's first N devices only sample (their own serving mesh,
+    weights copied over after each update); the trainer's mesh takes the rest. 0 = shared.
+    """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    rollout_devices: int = 0
 
 
 WANDB_MODES = ("online", "offline", "disabled")

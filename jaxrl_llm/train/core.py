@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm import parallel
-from jaxrl_llm.train import plots
+from jaxrl_llm.train import plots, timeline
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config, save_config, to_dict
 from jaxrl_llm.train.metrics import MetricsWriter, ProgressBar
@@ -67,11 +67,15 @@ def _resume_safe(key: str) -> bool:
 
 
 class PhaseTimer:
-    """Seconds (and tokens) per phase of one step: ``with timer.phase("rollout", tokens=n):``."""
+    """Seconds (and tokens) per phase of one step: ``with timer.phase("rollout"):``; each phase
+    is also a span ``(lane, phase, start, end)`` (``time.perf_counter``) of the run's
+    timeline (``lane``: the thread of work, ``trainer`` or ``rollout``)."""
 
-    def __init__(self):
+    def __init__(self, lane: str = "trainer"):
+        self.lane = lane
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, float] = {}
+        self.spans: list[tuple[str, str, float, float]] = []
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -79,10 +83,20 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            end = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + end - start
+            self.spans.append((self.lane, name, start, end))
 
     def count(self, name: str, tokens: float) -> None:
         self.tokens[name] = self.tokens.get(name, 0.0) + float(tokens)
+
+    def merge(self, other: PhaseTimer) -> None:
+        """Adds another timer's phases, tokens and spans (a rollout run on another thread)."""
+        for name, seconds in other.seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        for name, tokens in other.tokens.items():
+            self.count(name, tokens)
+        self.spans.extend(other.spans)
 
     def metrics(self) -> dict[str, float]:
         """``time/<phase>`` seconds and ``tokens_per_s/<phase>`` where tokens were counted."""
@@ -145,6 +159,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
+        self.timeline = timeline.Timeline(self.run_dir)
         self.metrics_writer = MetricsWriter(
             self.run_dir,
             tensorboard=cfg.logging.tensorboard,
@@ -189,6 +204,9 @@ class Trainer:
 
     def setup(self) -> None:
         raise NotImplementedError
+
+    def end_steps(self) -> None:
+        """Hook: the last step has run (background work is finished here)."""
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         raise NotImplementedError
@@ -252,6 +270,8 @@ class Trainer:
             self.reference_dirty = False
         self.restore_extra(self.extra)
         self.metrics_writer.truncate(step)
+        if self.is_main:
+            self.timeline.truncate(step)
         log.info("resumed from step %d", step)
 
     def save(self, step: int) -> None:
@@ -269,7 +289,9 @@ class Trainer:
     def _plot(self, step: int) -> None:
         """Draws ``plots/*.png`` (and logs them to W&B at ``step``)."""
         if self.is_main and self.cfg.logging.plots:
-            self.metrics_writer.log_plots(step, plots.plot(self.run_dir, self.plot_keys))
+            paths = plots.plot(self.run_dir, self.plot_keys)
+            drawn = timeline.plot(self.run_dir)
+            self.metrics_writer.log_plots(step, paths + ([drawn] if drawn else []))
 
     def fit(self) -> dict[str, Any]:
         """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``."""
@@ -282,6 +304,8 @@ class Trainer:
         self.setup()
         if self.latest is None:
             self.metrics_writer.truncate(0)
+            if self.is_main:
+                self.timeline.truncate(0)
         else:
             self.restore(self.latest)
         self.completed_steps = self.start_step
@@ -312,6 +336,7 @@ class Trainer:
             metrics["time/step"] = time.perf_counter() - start
             if self.is_main:
                 self.metrics_writer.write(step + 1, metrics)
+                self.timeline.write(step + 1, timer.spans)
             checkpoint_s = None
             if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == max_steps:
                 saved = time.perf_counter()
@@ -321,6 +346,7 @@ class Trainer:
             if any(k.startswith("eval/") for k in metrics):
                 self._plot(step + 1)
         bar.close()
+        self.end_steps()
         after = self.evaluate()
         summary = {
             "job": cfg.job,

@@ -29,15 +29,32 @@ COMPUTE_DTYPES = ("auto", *DTYPES)
 
 
 def make_run_mesh(section) -> jax.sharding.Mesh:
-    """The mesh of ``mesh.*``; without a ``-1`` the first ``data·fsdp·tensor`` devices are used."""
+    """The mesh of ``mesh.*`` over the devices after the ``mesh.rollout_devices`` sampling
+    ones; without a ``-1`` the first ``data·fsdp·tensor`` of them are used."""
     sizes = (section.data, section.fsdp, section.tensor)
-    devices = None
+    devices = jax.devices()[rollout_devices(section) :]
     if -1 not in sizes:
         count = int(np.prod(sizes))
-        if count > jax.device_count():
-            raise ValueError(f"mesh {sizes} needs {count} devices; {jax.device_count()} available")
-        devices = jax.devices()[:count]
+        if count > len(devices):
+            raise ValueError(f"mesh {sizes} needs {count} devices; {len(devices)} available")
+        devices = devices[:count]
     return parallel.make_mesh(*sizes, devices=devices)
+
+
+def rollout_devices(section) -> int:
+    """``mesh.rollout_devices``, checked: fewer than the devices, one process for now."""
+    n = getattr(section, "rollout_devices", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < jax.device_count():
+        raise ValueError(
+            f"mesh.rollout_devices must be an int in [0, {jax.device_count()}) (devices that "
+            f"only sample; the trainer keeps the rest), got {n!r}"
+        )
+    if n and jax.process_count() > 1:
+        raise ValueError(
+            "mesh.rollout_devices: separate sampler devices run in one process for now "
+            f"({jax.process_count()} processes); set mesh.rollout_devices=0"
+        )
+    return n
 
 
 def param_dtype(section) -> Any:

@@ -192,7 +192,7 @@ def test_lora_compile_matches_the_accounting(compiled):
     the reference forward the base alone, the reshards the adapters or the base."""
     job, outcomes = compiled
     inputs = {
-        "update": 320 - 8,  # test_programs: the minibatch less its unread rewards
+        "update": 320 - 8 + 64,  # test_programs: the minibatch less its unread rewards
         "logprobs": 240,
         "ref_logprobs": 240,
         "reshard_base": 0,

@@ -139,15 +139,20 @@ def test_rollout_batch_bytes_by_hand(tiny_path):
     job = _job(tiny_path)
     # 8 rows over 4 shards = 2 a chip; P = bucket(12) = 16, T = 8: prompt tokens 2x16x4, mask
     # 2x16, completion tokens 2x8x4, mask 2x8, ref log-probs 2x8x4, GRPO's per-sequence
-    # advantages 2x4, rewards 2x4. One epoch, one minibatch: on-policy, so no old log-probs
-    # (the update takes its own) and no behaviour forward in the step.
-    expected = 128 + 32 + 64 + 16 + 64 + 8 + 8
+    # advantages 2x4, rewards 2x4, the sampler's log-probs 2x8x4. One epoch, one minibatch:
+    # on-policy, so no old log-probs (the update takes its own) and no behaviour forward.
+    expected = 128 + 32 + 64 + 16 + 64 + 8 + 8 + 64
     assert job.programs["update"].resident["inputs"] == expected
     assert job.programs["logprobs"].calls_per_step == 0
     # Two minibatches: the behaviour log-probs (2x8x4 more) are computed once and carried.
     several = _job(tiny_path, "trainer.minibatches=2")
     assert several.programs["update"].resident["inputs"] == expected + 64
     assert several.programs["logprobs"].calls_per_step == 1
+    # A decoupled rollout correction: old log-probs recomputed (never on-policy) and the
+    # batch's IS weights (2x8x4 each).
+    corrected = _job(tiny_path, "objective.overrides={rollout_correction: {is_level: token}}")
+    assert corrected.programs["update"].resident["inputs"] == expected + 64 + 64
+    assert corrected.programs["logprobs"].calls_per_step == 1
     # The decode step's KV cache: L x 2 (k, v) x rows x K x (P + T) x H x 2 bytes (bf16) on the
     # sampler's serving layout (data 2 x tensor 2: rows over 2 shards, kv-heads over 2):
     # 2 x 2 x 4 x 1 x 24 x 16 x 2, plus the [rows, P + T] bool mask 4 x 24.
@@ -207,6 +212,7 @@ def test_memory_parts_by_hand():
         "reference": 500,
         "frozen_base": 0,
         "aux_model": 0,
+        "reward_model": 0,
         "sampler_weights": 0,
         "kv_cache": 300,
         "inputs": 40,
@@ -298,14 +304,14 @@ def test_unique_collectives_counts_an_async_fusion_copy_once():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("objective.name=ppo", "critic.optimizer=joint"), "critic.optimizer=separate"),
-        (("objective.name=ppo", "critic.init=reward_model", "critic.path=/x"), "critic.init"),
+        (("objective.name=ppo", "critic.init=reward_model", "critic.path=/x"), "critic.path"),
         (("reward_model.path=/x",), "reward_model.path"),
         (("rollout.prompts_per_step=2",), "rollout.prompts_per_step"),
         (("trainer.micro_batches=4",), "micro-batch"),
         (("model.path=/nowhere",), "not both"),
         (("mesh.fsdp=8",), "mesh"),
         (("model.remat=full",), "model.remat"),
+        (("mesh.rollout_devices=2",), "mesh.rollout_devices"),
     ],
 )
 def test_refusals_name_the_key(tiny_path, overrides, message):
@@ -349,8 +355,9 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
     # Per chip, the arguments besides the state, weights and cache the accounting names:
     inputs = {
         # The minibatch (the whole batch here, on-policy: no old log-probs) less its rewards
-        # (2 rows x 4 bytes), which GRPO's loss does not read, so jit drops that argument.
-        "update": 320 - 8,
+        # (2 rows x 4 bytes), which GRPO's loss does not read, so jit drops that argument;
+        # with the sampler's log-probs 2x8x4 (the rollout/* metrics read them).
+        "update": 320 - 8 + 64,
         # Sequences of 2 rows: prompt tokens 2x16x4, mask 2x16, completion 2x8x4, mask 2x8.
         "logprobs": 240,
         "ref_logprobs": 240,

@@ -153,10 +153,11 @@ def test_fit_writes_rows_checkpoints_summary_export_and_plots(tmp_path):
         assert ckpt.all_steps() == [2, 4]
         _, extra = ckpt.restore_raw(4)
     assert extra == {"eval_before": {"w": 0.0}, "saved_at": 4}
-    # One PNG per plotted key present in the rows.
+    # One PNG per plotted key present in the rows, and the timeline of the steps' phases.
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == [
         "eval_w.png",
         "time_step.png",
+        "timeline.png",
         "w.png",
     ]
 

@@ -346,8 +346,10 @@ def test_training_loop_logs_to_wandb_and_a_resume_continues_the_run(
             images = {k for k in history[step] if k.startswith("plots/")}
             scalars = {k: v for k, v in history[step].items() if k not in images}
             assert scalars == rows[step]
-            # Plots at each evaluation (steps 2 and 4) and at the end (3 and 5).
-            expected = {"plots/w", "plots/eval_w", "plots/time_step"} if step > 1 else set()
+            # Plots at each evaluation (steps 2 and 4) and at the end (3 and 5), with the
+            # timeline of the steps' phases.
+            drawn = {"plots/w", "plots/eval_w", "plots/time_step", "plots/timeline"}
+            expected = drawn if step > 1 else set()
             assert images == expected, step
         assert run["finished"]
     assert second["summary"]["eval_after"] == summary["eval_after"] == {"w": 2.5}

@@ -219,6 +219,8 @@ def check_config(cfg: PreferenceConfig) -> None:
     if cfg.job == "preference" and loss.name == "bradley_terry":
         raise ValueError("loss.name=bradley_terry trains a reward model: set job=reward_model")
     _choice("loss.reference", loss.reference, REFERENCE_MODES)
+    if cfg.mesh.rollout_devices:
+        raise ValueError("mesh.rollout_devices: sampler devices are for RL jobs; set it to 0")
     _choice("data.task", data.task, DATA_TASKS)
     if data.task == "jsonl" and data.train_path is None:
         raise ValueError("data.task=jsonl needs data.train_path")

@@ -132,6 +132,8 @@ class RolloutSection:
         ``sampling.serving``).
       reward_workers: processes that score completions (``rewards.ScoringPool``: verifiers
         such as ``code_exec`` run in parallel, off the trainer's process); 0 = in-process.
+      max_staleness: rollouts generated ahead, beside the update (``train.rl.pipeline``): a
+        step trains on samples of parameters up to this many updates old; 0 = synchronous.
     """
 
     prompts_per_step: int = 32
@@ -148,6 +150,7 @@ class RolloutSection:
     logprobs: str = "recompute"
     tensor_parallel: int | str = "auto"
     reward_workers: int = 0
+    max_staleness: int = 0
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -404,12 +407,15 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _at_least("rollout.temperature", r.temperature, 0.0)
     _at_least("rollout.burst", r.burst, 1)
     _at_least("rollout.reward_workers", r.reward_workers, 0)
+    _at_least("rollout.max_staleness", r.max_staleness, 0)
     if r.slots is not None:
         _at_least("rollout.slots", r.slots, 1)
-    if r.logprobs not in ROLLOUT_LOGPROBS:
-        raise ValueError(f"rollout.logprobs must be one of {ROLLOUT_LOGPROBS}, got {r.logprobs!r}")
-    if r.engine not in ROLLOUT_ENGINES:
-        raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+    _choice("rollout.logprobs", r.logprobs, ROLLOUT_LOGPROBS)
+    _choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
+    fix = objective.rollout_correction
+    if fix is not None and (fix.mode == "bypass") != (r.logprobs == "sampler"):
+        need = "sampler" if fix.mode == "bypass" else "recompute"  # the old policy's
+        raise ValueError(f"rollout_correction mode={fix.mode} needs rollout.logprobs={need}")
     tp = r.tensor_parallel
     if isinstance(tp, bool) or not (tp in TENSOR_CHOICES or (isinstance(tp, int) and tp >= 1)):
         raise ValueError(

@@ -23,6 +23,7 @@ from jaxrl_llm.train import export, setup
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
 from jaxrl_llm.train.rl.trainer import RLTrainer
+from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step
 from jaxrl_llm.types import RolloutBatch, Sequences, sequences_of
@@ -219,7 +220,7 @@ class PPOTrainer(RLTrainer):
             joint_step = functools.partial(
                 make_joint_step,
                 run.model_config,
-                run.objective,
+                update_objective(run.objective),
                 self.optimizer,
                 temperature=cfg.rollout.temperature,
                 chunk_size=cfg.model.chunk_size,

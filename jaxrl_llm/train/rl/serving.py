@@ -3,10 +3,14 @@ both choose it (``jaxrl_llm.sampling.serving``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
+from jaxrl_llm import parallel
 from jaxrl_llm.sampling import serving
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,10 @@ def trainer_sampler(
 ) -> tuple[serving.ServingLayout, Callable]:
     """``(layout, reshard)`` of a run's sampler, chosen once every resident state is on device
     (``auto`` budgets the free device memory; the cache of ``data.max_prompt_tokens +
-    rollout.max_new_tokens`` positions a row)."""
+    rollout.max_new_tokens`` positions a row). With ``mesh.rollout_devices`` the sampler has
+    devices of its own: ``reshard`` casts on the trainer's devices and copies across."""
+    if cfg.mesh.rollout_devices:
+        return _separate_sampler(cfg, model_config)
     layout = rollout_layout(
         cfg,
         model_config,
@@ -58,3 +65,35 @@ def trainer_sampler(
             layout.tensor,
         )
     return layout, serving.make_reshard(model_config, layout)
+
+
+def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayout, Callable]:
+    """The sampler on the first ``mesh.rollout_devices`` devices: ``rollout.tensor_parallel``
+    (``auto``: as on a trainer mesh of those devices; replicated weights when nothing fits)."""
+    if cfg.rollout.tensor_parallel == "trainer":
+        raise ValueError(
+            "rollout.tensor_parallel=trainer: with mesh.rollout_devices the sampler has devices "
+            "of its own; use auto or a tensor size"
+        )
+    devices = jax.devices()[: cfg.mesh.rollout_devices]
+    rollout_mesh = parallel.make_mesh(1, -1, 1, devices=devices)
+    layout = rollout_layout(
+        cfg,
+        model_config,
+        rollout_mesh,
+        kv_slots=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        budget_bytes=serving.free_device_bytes(rollout_mesh),
+    )
+    if layout.is_trainer_layout:  # an fsdp layout: decode with whole weights per device
+        one = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel=1))
+        layout = rollout_layout(one, model_config, rollout_mesh, kv_slots=0, budget_bytes=None)
+    log.info(
+        "sampler on devices %s: mesh %s (tensor-parallel %d); weights copied from the "
+        "trainer's devices after every update",
+        [d.id for d in devices],
+        dict(layout.mesh.shape),
+        layout.tensor,
+    )
+    layout = layout._replace(is_trainer_layout=False)
+    cast = jax.jit(lambda params: serving.cast_params(params, model_config))
+    return layout, lambda params: jax.device_put(cast(params), layout.shardings)

@@ -10,7 +10,6 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from typing import Any
@@ -35,9 +34,17 @@ from jaxrl_llm.train.rl.config import (
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model, task_reward
+from jaxrl_llm.train.rl.pipeline import RolloutSide
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
-from jaxrl_llm.train.rl.updates import ema, mean_metrics, on_policy_update, take_rows
+from jaxrl_llm.train.rl.updates import (
+    correct_batch,
+    ema,
+    mean_metrics,
+    on_policy_update,
+    take_rows,
+    update_objective,
+)
 from jaxrl_llm.train.sft import sft_warmup
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
@@ -60,7 +67,7 @@ def _param_count(model_config) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
 
 
-class RLTrainer(Trainer):
+class RLTrainer(RolloutSide, Trainer):
     """One RL run: owns the state, the reference, the data position and the writers."""
 
     plot_keys = RL_PLOT_KEYS
@@ -221,6 +228,7 @@ class RLTrainer(Trainer):
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref and self.base is None
         self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
+        self.pipeline = self.make_pipeline()
         self.compile()
 
     def setup_extra_networks(self) -> None:
@@ -241,7 +249,7 @@ class RLTrainer(Trainer):
         self.update_fn = jit_step(
             make_policy_step(
                 run.model_config,
-                run.objective,
+                update_objective(run.objective),
                 self.optimizer,
                 micro_batches=self.micro_batches,
                 temperature=cfg.rollout.temperature,
@@ -292,10 +300,15 @@ class RLTrainer(Trainer):
         self.reference = tree
 
     def save_extra(self) -> dict[str, Any]:
+        self.save_in_flight(self.completed_steps)  # first: the prompts they drew are counted
         return {"sampler": self.sampler.state()}
+
+    def end_steps(self) -> None:
+        self.pipeline.close()
 
     def restore_extra(self, extra: dict[str, Any]) -> None:
         self.sampler.restore(extra["sampler"])
+        self.restore_in_flight(self.latest)
 
     def _update_reference(self, step: int) -> None:
         ref = self.cfg.reference
@@ -308,54 +321,7 @@ class RLTrainer(Trainer):
             self.reference = ema(self.reference, self.policy_params, ref.ema_decay)
             self.reference_dirty = True
 
-    def sampler_params(self, timer: PhaseTimer | None = None):
-        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``)."""
-        if self.serving.is_trainer_layout:  # else resharded on device
-            return self.policy_params
-        with timer.phase("reshard") if timer else contextlib.nullcontext():
-            if self.base is None:
-                return jax.block_until_ready(self.reshard(self.policy_params))
-            # LoRA: the base moves once per run, each update only the adapters.
-            if self.serving_base is None:
-                reshard_base, self.reshard_adapters = adapters.serving_reshards(
-                    self.run.model_config, self.serving
-                )
-                self.serving_base = reshard_base(self.base)
-            served = self.reshard_adapters(self.state.params)
-            return jax.block_until_ready(lora.combine(self.serving_base, served))
-
     # -- one step ----------------------------------------------------------------------------
-
-    def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
-        """The step's groups (DAPO dynamic sampling replaces zero-variance groups); without
-        dynamic sampling the draw may still be scoring (``RunContext.finish_scoring``)."""
-        r = self.cfg.rollout
-        step_key = jax.random.fold_in(self.key, step)
-        params = self.sampler_params(timer)
-
-        # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
-        # the scoring workers run while those are dispatched (``train_step``).
-        defer = self.defer_scoring and not self.run.objective.dynamic_sampling
-
-        def draw(attempt: int) -> rollout_lib.Samples:
-            return self.run.sample(
-                params,
-                self.sampler.next_batch(r.prompts_per_step),
-                jax.random.fold_in(step_key, attempt),
-                temperature=r.temperature,
-                group_size=r.group_size,
-                timer=timer,
-                mesh=self.serving.mesh,
-                defer=defer,
-            )
-
-        return rollout_lib.collect(
-            draw,
-            prompts_per_step=r.prompts_per_step,
-            group_size=r.group_size,
-            dynamic_sampling=self.run.objective.dynamic_sampling,
-            max_attempts=r.max_resample_attempts,
-        )
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         run, cfg = self.run, self.cfg
@@ -392,6 +358,7 @@ class RLTrainer(Trainer):
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
+            batch, corrected = correct_batch(run.objective, batch)
             adv = setup.fetch(batch.advantages)
         with timer.phase("update"):
             updates = []
@@ -422,6 +389,7 @@ class RLTrainer(Trainer):
             **{f"env/{k}": float(np.mean(v)) for k, v in (samples.info or {}).items()},
             **{k: float(v) for k, v in info.items()},
             **score_metrics,
+            **corrected,
             **update_metrics,
             "tokens_per_s": tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
         }

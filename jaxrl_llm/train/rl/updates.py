@@ -1,16 +1,19 @@
-"""How the RL update consumes a rollout batch: on- or off-policy log-probs, minibatch rows
-taken on device, the EMA reference, and the metrics averaged over the minibatch updates."""
+"""How the RL update consumes a rollout batch: on- or off-policy log-probs, the rollout
+correction of the whole batch, minibatch rows taken on device, the EMA reference, and the
+metrics averaged over the minibatch updates."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_llm import objectives
+from jaxrl_llm import correction, objectives
 from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.types import RolloutBatch
 
 
 def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
@@ -28,9 +31,55 @@ def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
     return (
         cfg.trainer.epochs == 1
         and cfg.trainer.minibatches == 1
+        and not cfg.rollout.max_staleness  # else sampled by older parameters
         and "old_logprobs" not in objective.estimator_requires
         and not kl_in_reward
+        and not batch_corrected(objective)
     )
+
+
+def batch_corrected(objective: objectives.Objective) -> bool:
+    """Whether the trainer corrects the whole batch before the update (``decoupled`` mode:
+    the IS weights and rejection of the old log-probs against the sampler's, verl's
+    normalisers: rejected tokens leave the batch's token count). ``bypass`` mode corrects
+    inside the loss, against the current policy."""
+    spec = objective.rollout_correction
+    return spec is not None and spec.mode == "decoupled"
+
+
+def update_objective(objective: objectives.Objective) -> objectives.Objective:
+    """The objective the update's loss runs: without a correction the batch already carries."""
+    if batch_corrected(objective):
+        return dataclasses.replace(objective, rollout_correction=None)
+    return objective
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _correct(spec, old, rollout, mask):
+    return correction.apply(spec, old, rollout, mask)
+
+
+def correct_batch(
+    objective: objectives.Objective, batch: RolloutBatch
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch with the objective's decoupled rollout correction applied (IS weights in
+    ``is_weights``, rejected tokens out of ``completion_mask`` but still attended), and the
+    correction's metrics (``rollout_corr/*``); unchanged without one."""
+    if not batch_corrected(objective):
+        return batch, {}
+    weights, kept, metrics = _correct(
+        objective.rollout_correction,
+        batch.old_logprobs,
+        batch.rollout_logprobs,
+        batch.completion_mask,
+    )
+    attention = batch.completion_mask if batch.attention_mask is None else batch.attention_mask
+    batch = batch._replace(
+        completion_mask=(kept > 0).astype(batch.completion_mask.dtype),
+        attention_mask=attention,
+        is_weights=weights,
+    )
+    return batch, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
 def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -64,9 +64,10 @@ def test_train_main_runs_a_dpo_config(tmp_path, capsys):
     assert saved == load_config(PreferenceConfig, CONFIGS / "dpo.yaml", argv[1:])
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         assert ckpt.latest_step() == 2
-    # The preference job's curves (no evaluation row: no eval/ curve).
+    # The preference job's curves (no evaluation row: no eval/ curve) and its timeline.
     pngs = {p.name for p in (run_dir / "plots").glob("*.png")}
-    assert pngs == {"loss.png", "rewards_accuracies.png", "rewards_margins.png", "time_step.png"}
+    curves = {"loss.png", "rewards_accuracies.png", "rewards_margins.png", "time_step.png"}
+    assert pngs == curves | {"timeline.png"}
     for name in pngs:
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -247,6 +247,7 @@ def test_trainer_replaces_constant_groups_from_the_next_draw(trainer, monkeypatc
         "dynamic/dropped_groups": 4,
         "dynamic/filled_groups": 0,
         "dynamic/attempts": 2,
+        "rollout/staleness": 0.0,  # the synchronous loop
     }
     # Both draws were sampled and scored under the step's timer.
     assert set(timer.seconds) == {"rollout", "scoring"}

@@ -1,0 +1,212 @@
+"""The RL trainer's rollout side: the sampler's parameters, one step's rollout, and the
+asynchronous loop of ``rollout.max_staleness``.
+
+With ``max_staleness = k >= 1`` the rollouts of the next ``k`` steps are generated on a
+background thread while the trainer updates on the current one (one-step-off for k = 1, as
+verl's ``one_step_off_policy`` and AReaL's bounded staleness): the rollout of step ``s + j``
+starts at step ``s`` from a snapshot of the parameters then (version ``s``), so the batch a
+step trains on is at most ``k`` updates old. The behaviour log-probs then differ from the
+trainer's by the staleness as well as the numerics; the objective's ``rollout_correction``
+(``jaxrl_llm.correction``) corrects both. ``k = 0`` is the synchronous loop, unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import pathlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import adapters
+from jaxrl_llm.train.core import PhaseTimer
+from jaxrl_llm.train.rl import rollout as rollout_lib
+
+# In the run directory: the rollouts in flight at each checkpoint, ``<step>-process<i>.pkl``.
+IN_FLIGHT_DIR = "rollouts_in_flight"
+
+Produce = Callable[[int, Any, PhaseTimer], tuple[rollout_lib.Samples, dict]]
+
+
+class RolloutPipeline:
+    """Rollouts up to ``max_staleness`` steps ahead of the update, on one background thread.
+
+    The rollout of step ``s + j`` starts during step ``s`` whatever ``trainer.max_steps`` is,
+    so a run stopped and resumed with more steps samples what the longer run samples; a
+    checkpoint saves the rollouts in flight (:meth:`drain`, :meth:`preload`), which makes the
+    resume exact.
+
+    Args:
+      produce: ``(step, params, timer) -> (samples, info)``, the step's rollout from ``params``.
+      max_staleness: ``k``; 0 runs each rollout inline.
+    """
+
+    def __init__(self, produce: Produce, max_staleness: int):
+        self.produce = produce
+        self.max_staleness = max_staleness
+        self.pending: collections.deque = collections.deque()
+        self.executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
+            if max_staleness
+            else None
+        )
+
+    def _run(self, step: int, params: Any, version: int):
+        timer = PhaseTimer(lane="rollout")
+        samples, info = self.produce(step, params, timer)
+        return samples, info, timer, version
+
+    def next(
+        self, step: int, snapshot: Callable[[], Any], timer: PhaseTimer
+    ) -> tuple[rollout_lib.Samples, dict]:
+        """The samples step ``step`` trains on, and their info (``rollout/staleness``).
+
+        ``snapshot()`` returns the current parameters in the sampler's layout, in buffers the
+        update does not donate.
+        """
+        if not self.max_staleness:
+            samples, info = self.produce(step, snapshot(), timer)
+            return samples, {**info, "rollout/staleness": 0.0}
+        if not self.pending:  # the first step of a run
+            self.pending.append((step, self.executor.submit(self._run, step, snapshot(), step)))
+        first, future = self.pending.popleft()
+        if first != step:
+            raise RuntimeError(f"rollout pipeline out of order: step {step}, queued {first}")
+        params = None
+        while len(self.pending) < self.max_staleness:
+            nxt = step + 1 + len(self.pending)
+            params = snapshot() if params is None else params  # the weights before step's update
+            self.pending.append((nxt, self.executor.submit(self._run, nxt, params, step)))
+        with timer.phase("wait_rollout"):  # the trainer's idle time
+            samples, info, produced, version = future.result()
+        timer.merge(produced)
+        return samples, {**info, "rollout/staleness": float(step - version)}
+
+    def drain(self, finish: Callable[[Any], Any]) -> list[tuple[int, Any, dict, int]]:
+        """Waits for the rollouts in flight and returns ``(step, samples, info, version)`` for
+        each, their scoring finished by ``finish``; they stay queued, done."""
+        items = []
+        for step, future in self.pending:
+            samples, info, _, version = future.result()
+            items.append((step, finish(samples), info, version))
+        self.preload(items)
+        return items
+
+    def preload(self, items) -> None:
+        """Queues finished rollouts (a checkpoint's, on resume) in place of those in flight."""
+        self.pending.clear()
+        for step, samples, info, version in items:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result((samples, info, PhaseTimer(lane="rollout"), version))
+            self.pending.append((step, done))
+
+    def close(self) -> None:
+        """Drops the rollouts queued or in flight and stops the thread."""
+        if self.executor is not None:
+            for _, future in self.pending:
+                future.cancel()
+            self.executor.shutdown(wait=True)
+            self.pending.clear()
+
+
+class RolloutSide:
+    """``RLTrainer``'s rollout methods (a mixin over its ``cfg``, ``run``, ``serving`` ...)."""
+
+    def sampler_params(self, timer: PhaseTimer | None = None):
+        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``)."""
+        if self.serving.is_trainer_layout:  # else resharded on device
+            return self.policy_params
+        with timer.phase("reshard") if timer else contextlib.nullcontext():
+            if self.base is None:
+                return jax.block_until_ready(self.reshard(self.policy_params))
+            # LoRA: the base moves once per run, each update only the adapters.
+            if self.serving_base is None:
+                reshard_base, self.reshard_adapters = adapters.serving_reshards(
+                    self.run.model_config, self.serving
+                )
+                self.serving_base = reshard_base(self.base)
+            served = self.reshard_adapters(self.state.params)
+            return jax.block_until_ready(lora.combine(self.serving_base, served))
+
+    def sampler_snapshot(self, timer: PhaseTimer | None = None):
+        """:meth:`sampler_params` in buffers of their own when they would be the train
+        state's (which the update donates): what a rollout running beside it decodes."""
+        params = self.sampler_params(timer)
+        if not self.serving.is_trainer_layout or not self.cfg.rollout.max_staleness:
+            return params
+        with timer.phase("reshard") if timer else contextlib.nullcontext():
+            if self.base is None:
+                return self.copy_params(params)
+            return lora.combine(self.base, self.copy_params(self.state.params))
+
+    def make_pipeline(self) -> RolloutPipeline:
+        return RolloutPipeline(self.rollout_from, self.cfg.rollout.max_staleness)
+
+    def _in_flight_file(self, step: int) -> pathlib.Path:
+        name = f"{step}-process{jax.process_index()}.pkl"
+        return self.run_dir / IN_FLIGHT_DIR / name
+
+    def save_in_flight(self, step: int) -> None:
+        """Writes the rollouts in flight beside checkpoint ``step`` (waiting for them), and
+        drops those of checkpoints no longer kept."""
+        if not self.cfg.rollout.max_staleness:
+            return
+        items = self.pipeline.drain(self.run.finish_scoring)
+        path = self._in_flight_file(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(items))
+        tmp.replace(path)
+        kept = set(self.checkpointer.all_steps()) | {step}
+        for old in path.parent.glob("*.pkl"):
+            if int(old.name.split("-")[0]) < min(kept):
+                old.unlink(missing_ok=True)
+
+    def restore_in_flight(self, step: int) -> None:
+        """Queues the rollouts checkpoint ``step`` had in flight (none: they start afresh)."""
+        path = self._in_flight_file(step)
+        if self.cfg.rollout.max_staleness and path.exists():
+            self.pipeline.preload(pickle.loads(path.read_bytes()))
+
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
+        """The step's samples: this step's rollout or, with ``rollout.max_staleness``, one
+        generated while earlier updates ran."""
+        return self.pipeline.next(step, lambda: self.sampler_snapshot(timer), timer)
+
+    def rollout_from(
+        self, step: int, params: Any, timer: PhaseTimer
+    ) -> tuple[rollout_lib.Samples, dict]:
+        """The step's groups from ``params`` (DAPO dynamic sampling replaces zero-variance
+        groups); without dynamic sampling the draw may still be scoring
+        (``RunContext.finish_scoring``)."""
+        r = self.cfg.rollout
+        step_key = jax.random.fold_in(self.key, step)
+
+        # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
+        # the scoring workers run while those are dispatched (``train_step``).
+        defer = self.defer_scoring and not self.run.objective.dynamic_sampling
+
+        def draw(attempt: int) -> rollout_lib.Samples:
+            return self.run.sample(
+                params,
+                self.sampler.next_batch(r.prompts_per_step),
+                jax.random.fold_in(step_key, attempt),
+                temperature=r.temperature,
+                group_size=r.group_size,
+                timer=timer,
+                mesh=self.serving.mesh,
+                defer=defer,
+            )
+
+        return rollout_lib.collect(
+            draw,
+            prompts_per_step=r.prompts_per_step,
+            group_size=r.group_size,
+            dynamic_sampling=self.run.objective.dynamic_sampling,
+            max_attempts=r.max_resample_attempts,
+        )

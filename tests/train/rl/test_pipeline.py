@@ -1,0 +1,293 @@
+"""The asynchronous RL loop (``rollout.max_staleness``, issue 14) and its timeline.
+
+Unit tests drive ``RolloutPipeline`` with a fake rollout that records which parameter version
+it was given and when it ran; the trainer tests run the RL job on the test session's 8 fake
+CPU devices with the sampler on 4 of them (``mesh.rollout_devices``) and the trainer on the
+other 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.train import timeline
+from jaxrl_llm.train.core import PhaseTimer
+from jaxrl_llm.train.rl.config import check_config
+from jaxrl_llm.train.rl.pipeline import RolloutPipeline
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from tests.train.rl import rl_helpers
+
+# -- the pipeline alone --------------------------------------------------------------------------
+
+
+class FakeRollouts:
+    """``produce`` for the pipeline: records ``(step, params, thread)``; ``params`` is the
+    trainer's version counter as the snapshot saw it."""
+
+    def __init__(self, delay: float = 0.0):
+        self.calls: list[tuple[int, int, str]] = []
+        self.delay = delay
+        self.position = 0  # the prompt sampler's position: one per rollout
+
+    def produce(self, step, params, timer):
+        with timer.phase("rollout"):
+            time.sleep(self.delay)
+            self.position += 1
+        self.calls.append((step, params, threading.current_thread().name))
+        return {"step": step, "version": params}, {}
+
+
+def _drive(pipeline, rollouts, steps, version):
+    """The trainer loop: take step s's samples, then 'update' (version += 1)."""
+    trained_on = []
+    for step in range(steps):
+        samples, info = pipeline.next(step, lambda: version[0], PhaseTimer())
+        assert samples["step"] == step
+        trained_on.append((samples["version"], info["rollout/staleness"]))
+        version[0] += 1  # the update
+    pipeline.close()
+    return trained_on
+
+
+def test_synchronous_pipeline_samples_each_step_from_the_current_parameters():
+    rollouts = FakeRollouts()
+    pipeline = RolloutPipeline(rollouts.produce, 0)
+    trained_on = _drive(pipeline, rollouts, 5, [0])
+    assert trained_on == [(s, 0.0) for s in range(5)]
+    assert {thread for *_, thread in rollouts.calls} == {threading.main_thread().name}
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_pipeline_runs_ahead_by_at_most_max_staleness(staleness):
+    rollouts = FakeRollouts()
+    pipeline = RolloutPipeline(rollouts.produce, staleness)
+    trained_on = _drive(pipeline, rollouts, 6, [0])
+    # Step s trains on samples of version max(0, s - j) where the rollout was started at step
+    # s - j (j <= staleness): the first step's own rollout, then the pipeline fills.
+    versions = [v for v, _ in trained_on]
+    assert versions[0] == 0
+    for step, (version, stale) in enumerate(trained_on):
+        assert 0 <= step - version <= staleness
+        assert stale == step - version
+    assert max(step - v for step, v in enumerate(versions)) == staleness
+    # Each step's rollout exactly once, off the main thread; the last step starts the next
+    # ``staleness`` ones (a resumed longer run trains on them), dropped at close.
+    launched = sorted(step for step, *_ in rollouts.calls)
+    assert launched[:6] == list(range(6)) and set(launched[6:]) <= set(range(6, 6 + staleness))
+    assert all(thread.startswith("rollout") for *_, thread in rollouts.calls)
+
+
+def test_next_rollout_runs_while_the_update_runs():
+    """Rollout s+1 is under way before step s+1 asks for it: the main thread, 'updating' on
+    step 0, sees the rollout of step 1 start; a synchronous (or lazy) loop would start it
+    only in step 1's call."""
+    started = threading.Event()
+
+    def produce(step, params, timer):
+        if step == 1:
+            started.set()
+        return {"step": step}, {}
+
+    pipeline = RolloutPipeline(produce, 1)
+    pipeline.next(0, lambda: 0, PhaseTimer())
+    assert started.wait(timeout=10), "rollout 1 did not run during update 0"
+    pipeline.next(1, lambda: 1, PhaseTimer())
+    pipeline.close()
+
+
+def test_drain_and_preload_keep_the_rollouts_in_flight():
+    """A checkpoint waits for the rollouts in flight and keeps them queued; a resumed
+    pipeline preloaded with them trains on them, then continues as the uninterrupted one."""
+    rollouts = FakeRollouts(delay=0.05)
+    pipeline = RolloutPipeline(rollouts.produce, 2)
+    version = [0]
+    for step in range(2):
+        pipeline.next(step, lambda: version[0], PhaseTimer())
+        version[0] += 1
+    finished = []
+    items = pipeline.drain(lambda samples: finished.append(samples["step"]) or samples)
+    assert [(step, v) for step, _, _, v in items] == [(2, 0), (3, 1)]  # started at steps 0, 1
+    assert finished == [2, 3]
+    continued = [pipeline.next(s, lambda: version[0], PhaseTimer())[0]["step"] for s in (2, 3)]
+    pipeline.close()
+
+    resumed = RolloutPipeline(FakeRollouts().produce, 2)
+    resumed.preload(items)
+    samples, info = resumed.next(2, lambda: 2, PhaseTimer())
+    assert samples == {"step": 2, "version": 0} and info["rollout/staleness"] == 2.0
+    assert [step for step, _ in resumed.pending] == [3, 4]  # 4 launched from version 2
+    resumed.close()
+    assert continued == [2, 3]
+
+
+def test_timer_merges_the_rollout_threads_spans():
+    timer, other = PhaseTimer(), PhaseTimer(lane="rollout")
+    with timer.phase("update"):
+        pass
+    with other.phase("rollout"):
+        pass
+    other.count("rollout", 10)
+    timer.merge(other)
+    assert set(timer.seconds) == {"update", "rollout"}
+    assert [lane for lane, *_ in timer.spans] == ["trainer", "rollout"]
+    assert timer.tokens == {"rollout": 10.0}
+
+
+def test_overlap_seconds_by_hand():
+    rows = [
+        {"lane": "trainer", "phase": "update", "start": 1.0, "end": 3.0},
+        {"lane": "rollout", "phase": "rollout", "start": 2.5, "end": 5.0},
+        {"lane": "rollout", "phase": "rollout", "start": 0.0, "end": 0.5},
+    ]
+    assert timeline.overlap_seconds(rows, "trainer", {"update"}, "rollout", {"rollout"}) == 0.5
+
+
+# -- the RL job ----------------------------------------------------------------------------------
+
+ASYNC = (
+    "rollout.max_staleness=1",
+    "mesh.rollout_devices=4",
+    "mesh.fsdp=-1",
+    "objective.overrides={rollout_correction: {is_level: token}}",
+    "logging.plots=true",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
+
+
+def _config(run_dir, *extra):
+    return rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "grpo.yaml",
+        run_dir,
+        rl_helpers.SHAPED_REWARDS,
+        "trainer.max_steps=3",
+        *extra,
+    )
+
+
+@pytest.mark.slow
+def test_async_job_on_separate_sampler_devices(tmp_path):
+    if jax.device_count() < 8:
+        pytest.skip("needs the test session's 8 fake CPU devices")
+    cfg = _config(tmp_path / "async", *ASYNC)
+    trainer = RLTrainer(cfg)
+    trainer.fit()
+
+    devices = jax.devices()
+    train_devices = {d for leaf in jax.tree.leaves(trainer.state.params) for d in leaf.devices()}
+    assert train_devices == set(devices[4:])
+    sampler_devices = {
+        d for leaf in jax.tree.leaves(trainer.sampler_params()) for d in leaf.devices()
+    }
+    assert sampler_devices == set(devices[:4])
+
+    rows = rl_helpers.read_jsonl(tmp_path / "async" / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    # The correction ran on every step: old log-probs (recomputed by the updated trainer)
+    # against the stale sampler's.
+    assert all("rollout_corr/rollout_is_mean" in r and "rollout_corr/kl" in r for r in rows)
+    assert rows[0]["time/wait_rollout"] > 0  # the first step waits for its own rollout
+
+    spans = timeline.read(tmp_path / "async" / timeline.FILE)
+    later = [s for s in spans if s["step"] >= 2]
+    overlap = timeline.overlap_seconds(
+        later, "trainer", {"logprobs", "update"}, "rollout", {"rollout"}
+    )
+    assert overlap > 0, "no rollout ran while the trainer updated"
+    assert (tmp_path / "async" / "plots" / "timeline.png").is_file()
+
+
+@pytest.mark.slow
+def test_synchronous_job_never_overlaps(tmp_path):
+    cfg = _config(tmp_path / "sync", "logging.plots=false")
+    RLTrainer(cfg).fit()
+    rows = rl_helpers.read_jsonl(tmp_path / "sync" / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 0.0, 0.0]
+    spans = timeline.read(tmp_path / "sync" / timeline.FILE)
+    assert {s["lane"] for s in spans} == {"trainer"}
+    update = [(s["start"], s["end"]) for s in spans if s["phase"] == "update"]
+    rollout = [(s["start"], s["end"]) for s in spans if s["phase"] == "rollout"]
+    assert update and rollout
+    assert all(e1 <= s2 or e2 <= s1 for s1, e1 in update for s2, e2 in rollout)
+
+
+def test_config_refuses_inconsistent_correction_and_staleness(tmp_path):
+    bypass = "objective.overrides={rollout_correction: {mode: bypass}}"
+    with pytest.raises(ValueError, match="mode=bypass needs rollout.logprobs=sampler"):
+        check_config(_config(tmp_path, bypass))
+    decoupled = "objective.overrides={rollout_correction: {is_level: token}}"
+    with pytest.raises(ValueError, match="mode=decoupled needs rollout.logprobs=recompute"):
+        check_config(_config(tmp_path, decoupled, "rollout.logprobs=sampler"))
+    with pytest.raises(ValueError, match="rollout.max_staleness must be >= 0"):
+        check_config(_config(tmp_path, "rollout.max_staleness=-1"))
+    with pytest.raises(ValueError, match="unknown rollout_correction key"):
+        check_config(_config(tmp_path, "objective.overrides={rollout_correction: {level: 1}}"))
+    check_config(_config(tmp_path, bypass, "rollout.logprobs=sampler"))
+
+
+def test_stale_rollouts_are_never_trained_as_on_policy(tmp_path):
+    """With one update per batch the old-log-prob forward is skipped (ratio 1) only when the
+    sampler's parameters are the trainer's; a stale batch needs it."""
+    cfg = _config(tmp_path, "trainer.epochs=1", "trainer.minibatches=1")
+    objective = check_config(cfg)
+    assert rl_helpers.on_policy_update(cfg, objective)
+    stale = _config(tmp_path, "rollout.max_staleness=1")
+    assert not rl_helpers.on_policy_update(stale, check_config(stale))
+    corrected = _config(tmp_path, "objective.overrides={rollout_correction: {is_level: token}}")
+    assert not rl_helpers.on_policy_update(corrected, check_config(corrected))
+
+
+def test_bad_rollout_devices_are_refused(tmp_path):
+    from jaxrl_llm.train import setup
+
+    cfg = _config(tmp_path, f"mesh.rollout_devices={jax.device_count()}")
+    with pytest.raises(ValueError, match="mesh.rollout_devices must be an int in"):
+        setup.make_run_mesh(cfg.mesh)
+    assert np.asarray(setup.make_run_mesh(_config(tmp_path).mesh).devices).size == 1
+
+
+@pytest.mark.slow
+def test_async_stop_and_resume_equals_uninterrupted(tmp_path):
+    """A one-step-off run stopped at step 3 and resumed to 6 samples, trains and exports
+    exactly what the uninterrupted 6-step run does: the rollout of step 3 (in flight at the
+    checkpoint, from step 2's weights) is saved with it and trained on after the resume."""
+    from jaxrl_llm import models
+    from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR
+    from jaxrl_llm.train.rl.run import run
+
+    extra = ("rollout.max_staleness=1", "trainer.max_steps=6", "checkpoint.every_steps=3")
+    extra += ("objective.overrides={rollout_correction: {is_level: token}}",)
+    whole = _config(tmp_path / "whole", *extra)
+    expected = run(whole)
+
+    cfg = _config(tmp_path / "resumed", *extra)
+    first = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=3))
+    run(first)
+    assert sorted(p.name for p in (tmp_path / "resumed" / IN_FLIGHT_DIR).iterdir()) == [
+        "3-process0.pkl"
+    ]
+    summary = run(dataclasses.replace(cfg, resume=True))
+
+    rows = rl_helpers.without_timing(rl_helpers.read_jsonl(tmp_path / "resumed" / "metrics.jsonl"))
+    whole_rows = rl_helpers.without_timing(
+        rl_helpers.read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    )
+    assert rows == whole_rows
+    assert [r["rollout/staleness"] for r in rows] == [0.0] + [1.0] * 5
+    assert {k: v for k, v in summary.items() if k != "hf"} == {
+        k: v for k, v in expected.items() if k != "hf"
+    }
+    _, params = models.load_pretrained(tmp_path / "resumed" / "hf", dtype=np.float32)
+    _, whole_params = models.load_pretrained(tmp_path / "whole" / "hf", dtype=np.float32)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole_params), strict=True):
+        np.testing.assert_array_equal(a, b)
