@@ -108,11 +108,13 @@ def main() -> None:
         f"hidden {args.hidden} x {args.layers} layers, {args.max_new_tokens} new tokens, "
         f"{args.steps} steps each ({wall:.0f} s)"
     )
-    print(
-        "| sync, median s/step | R rollout+scoring | S weight sync | U trainer | O other | step |"
-    )
+    print("| median s/step | R rollout+scoring | S weight sync | U trainer | O other | step |")
     print("|---|---|---|---|---|---|")
-    print(f"| | {r:.3f} | {s:.3f} | {u:.3f} | {other:.3f} | {step:.3f} |")
+    print(f"| sync | {r:.3f} | {s:.3f} | {u:.3f} | {other:.3f} | {step:.3f} |")
+    r1, s1, u1 = median(off, ROLLOUT), median(off, ("time/reshard",)), median(off, TRAINER)
+    wait = median(off, ("time/wait_rollout",))
+    row = f"| {r1:.3f} | {s1:.3f} | {u1:.3f} | wait {wait:.3f} | {measured:.3f} |"
+    print(f"| one-step-off (R on its thread) {row}")
     print()
     print("| loop | step s (median) | speed-up vs sync |")
     print("|---|---|---|")

@@ -11,14 +11,12 @@ With ``log_ratio = log π_train(y_t) − log π_rollout(y_t)`` on the sampled to
 - :func:`rejection_mask` — hard trust-region masks from divergence estimators per token or per
   sequence (Liu, Li et al., 2025, "When Speed Kills Stability: Demystifying RL Collapse from
   the Training-Inference Mismatch").
-- :func:`offpolicy_metrics` — KL (k1, k3), χ², perplexities and their log difference, ESS and
-  the fractions of ratios outside ``[1/threshold, threshold]``.
+- :func:`offpolicy_metrics` — KL (k1, k3), χ², perplexities and their log difference, ESS.
 
-Every function matches verl's ``rollout_corr_helper`` (``compute_rollout_correction_weights``,
-``compute_rollout_rejection_mask``, ``compute_offpolicy_metrics``), names of options and
-metrics included: exponentials take log-ratios clamped to ±20 (:data:`SAFETY_BOUND`), masked
-means divide by ``Σm + 1e-8``, weights carry no gradient. All-masked inputs give zeros (verl
-raises; a jitted function cannot).
+Every function matches verl's ``rollout_corr_helper`` (its current ``compute_*`` functions),
+option and metric names included: exponentials take log-ratios clamped to ±20, masked means
+divide by ``Σm + 1e-8``, weights carry no gradient, padding counts for nothing (even -inf or
+NaN); all-masked inputs give zeros (verl raises; a jitted function cannot).
 
 :class:`Correction` is the objective-level setting (``objectives.make(...,
 rollout_correction={...})``): ``mode="decoupled"`` multiplies the surrogate by the IS weights
@@ -90,20 +88,19 @@ def _clamped_std(values: Array, mask: Array, low: float, high: float) -> Array:
 
 
 def _inputs(log_ratio: Array, mask: Array) -> tuple[Array, Array]:
+    """f32 inputs, padding set to 0 (so -inf or NaN there reaches no value or gradient)."""
     mask = _checks.as_mask(mask)
     _checks.check_rank("mask", mask, 2)
     _checks.check_batch_time("log_ratio", log_ratio, mask)
-    return _checks.f32(log_ratio), mask
+    return jnp.where(mask > 0, _checks.f32(log_ratio), 0.0), mask
 
 
 # -- importance weights --------------------------------------------------------------------------
 
 
 def check_is_bounds(upper: float, lower: float | None) -> None:
-    if not upper > 0:
-        raise ValueError(f"IS upper bound must be > 0, got {upper!r}")
-    if lower is not None and not 0 < lower <= upper:
-        raise ValueError(f"IS lower bound must be in (0, upper={upper}], got {lower!r}")
+    if not upper > 0 or lower is not None and not 0 < lower <= upper:
+        raise ValueError(f"IS bounds need 0 < lower <= upper, got lower={lower!r}, upper={upper!r}")
 
 
 def is_weights(
@@ -365,9 +362,9 @@ def offpolicy_metrics(
     ``ratio_fraction_high`` / ``_low`` (tokens with ``ρ > threshold`` / ``ρ < 1/threshold``).
     ``E`` is the mean over valid tokens; ``d`` is clamped to ±20 inside every exponential.
     """
-    train = _checks.f32(train_logprobs)
     rollout, mask = _inputs(rollout_logprobs, mask)
-    _checks.check_batch_time("train_logprobs", train, mask)
+    _checks.check_batch_time("train_logprobs", train_logprobs, mask)
+    train = jnp.where(mask > 0, _checks.f32(train_logprobs), 0.0)
     _checks.check_positive("threshold", threshold)
     d = train - rollout
     clipped = jnp.clip(d, -SAFETY_BOUND, SAFETY_BOUND)
@@ -429,8 +426,13 @@ class Correction:
         _checks.check_choice("rollout_correction.mode", self.mode, MODES)
         _checks.check_choice("rollout_correction.is_level", self.is_level, (*IS_LEVELS, None))
         check_is_bounds(self.is_upper, self.is_lower)
-        rejection = self.rejection
+        rejection = () if self.rejection is None else self.rejection
         if not isinstance(rejection, Mapping):  # pairs, e.g. parse_criteria's own output
+            if not all(isinstance(p, list | tuple) and len(p) == 2 for p in rejection):
+                raise ValueError(
+                    f"rollout_correction.rejection must be {{criterion: threshold}}, got "
+                    f"{self.rejection!r}"
+                )
             rejection = {name: _unparsed(name, spec) for name, spec in rejection}
         object.__setattr__(self, "rejection", parse_criteria(rejection) if rejection else ())
         if self.is_level is None and not self.rejection and self.mode == "decoupled":

@@ -421,9 +421,9 @@ def test_jit_with_static_kwargs_matches_eager():
     ("kwargs", "match"),
     [
         ({"level": "seq"}, "unknown IS level"),
-        ({"upper": 0.0}, "upper bound must be > 0"),
-        ({"upper": 2.0, "lower": 3.0}, "lower bound"),
-        ({"lower": 0.0}, "lower bound"),
+        ({"upper": 0.0}, "IS bounds need 0 < lower <= upper"),
+        ({"upper": 2.0, "lower": 3.0}, "lower=3.0, upper=2.0"),
+        ({"lower": 0.0}, "lower=0.0"),
     ],
 )
 def test_bad_is_options_raise(kwargs, match):
@@ -473,8 +473,8 @@ def test_bad_shapes_raise():
         ({"is_level": None}, "does nothing"),
         ({"mode": "hybrid"}, "unknown rollout_correction.mode"),
         ({"is_level": "seq"}, "unknown rollout_correction.is_level"),
-        ({"is_upper": -1.0}, "upper bound must be > 0"),
-        ({"is_lower": 3.0}, "lower bound"),
+        ({"is_upper": -1.0}, "IS bounds need 0 < lower <= upper"),
+        ({"is_lower": 3.0}, "lower=3.0"),
         ({"rejection": {"token_k9": 1.0}}, "unknown rejection criterion"),
         ("token", "must be a mapping"),
     ],
@@ -495,3 +495,24 @@ def test_correction_spec_normalises_and_hashes():
     assert correction.Correction.of({"mode": "bypass", "is_level": None}).rejection == ()
     made = objectives.make("grpo", rollout_correction={"is_level": "sequence"})
     assert made.rollout_correction == correction.Correction(is_level="sequence")
+
+
+def test_padding_never_reaches_values_or_gradients():
+    # -inf on both sides of a padded position gives NaN log-ratios there: masked out, they
+    # must leave the weights (0 on padding), the metrics and the gradient finite.
+    lr = jnp.array([[0.1, jnp.nan], [-jnp.inf, 0.2]])
+    mask = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    weights, metrics = correction.is_weights(lr, mask)
+    np.testing.assert_allclose(weights, [[np.exp(0.1), 0.0], [0.0, np.exp(0.2)]], rtol=1e-6)
+    chex.assert_tree_all_finite(metrics)
+    kept, metrics = correction.rejection_mask(lr, mask, criteria={"seq_mean_k3": 1.0})
+    np.testing.assert_array_equal(kept, mask)
+    chex.assert_tree_all_finite(metrics)
+    grad = jax.grad(lambda x: jnp.sum(correction.is_weights(x, mask)[0] * x))(lr)
+    chex.assert_tree_all_finite(grad)
+
+
+def test_rejection_spec_forms():
+    assert correction.Correction(rejection=None).rejection == ()
+    with pytest.raises(ValueError, match="rejection must be"):
+        correction.Correction(rejection=["token_k1"])

@@ -15,6 +15,7 @@ per-prompt counts and answers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -86,7 +87,8 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
             "built-in tiny model would be evaluated at its random initialisation)"
         )
     objective = check_config(cfg)
-    mesh = setup.make_run_mesh(cfg.mesh)
+    # A run's sampler-only devices (mesh.rollout_devices) are the evaluation's too.
+    mesh = setup.make_run_mesh(dataclasses.replace(cfg.mesh, rollout_devices=0))
     tokenizer, model_config, params = setup.build_policy(cfg, mesh)
     _, examples = load_examples(cfg, tokenizer)
     reward_fn = task_reward(cfg)

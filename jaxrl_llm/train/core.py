@@ -206,7 +206,7 @@ class Trainer:
         raise NotImplementedError
 
     def end_steps(self) -> None:
-        """Hook: the last step has run (background work is finished here)."""
+        """Hook: the steps are over (the last one ran, or one raised): background work stops."""
 
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         raise NotImplementedError
@@ -320,33 +320,35 @@ class Trainer:
         max_steps = cfg.trainer.max_steps
         bar = ProgressBar(max_steps, initial=self.start_step, disable=not cfg.logging.progress)
         checkpoint_s = None
-        for step in range(self.start_step, max_steps):
-            timer = PhaseTimer()
-            start = time.perf_counter()
-            metrics = self.train_step(step, timer)
-            self.completed_steps = step + 1
-            if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
-                with timer.phase("evaluation"):
-                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-            metrics.update(timer.metrics())
-            # A checkpoint is written after its step's row (a run killed in between resumes at
-            # the previous checkpoint and rewrites the row), so its time shows in the next row.
-            if checkpoint_s is not None:
-                metrics["time/checkpoint"] = checkpoint_s
-            metrics["time/step"] = time.perf_counter() - start
-            if self.is_main:
-                self.metrics_writer.write(step + 1, metrics)
-                self.timeline.write(step + 1, timer.spans)
-            checkpoint_s = None
-            if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == max_steps:
-                saved = time.perf_counter()
-                self.save(step + 1)
-                checkpoint_s = time.perf_counter() - saved
-            bar.update(self.progress_view(metrics))
-            if any(k.startswith("eval/") for k in metrics):
-                self._plot(step + 1)
+        try:
+            for step in range(self.start_step, max_steps):
+                timer = PhaseTimer()
+                start = time.perf_counter()
+                metrics = self.train_step(step, timer)
+                self.completed_steps = step + 1
+                if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
+                    with timer.phase("evaluation"):
+                        metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                metrics.update(timer.metrics())
+                # A checkpoint is written after its step's row (a run killed in between resumes at
+                # the previous checkpoint and rewrites the row), so its time shows in the next row.
+                if checkpoint_s is not None:
+                    metrics["time/checkpoint"] = checkpoint_s
+                metrics["time/step"] = time.perf_counter() - start
+                if self.is_main:
+                    self.metrics_writer.write(step + 1, metrics)
+                    self.timeline.write(step + 1, timer.spans)
+                checkpoint_s = None
+                if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == max_steps:
+                    saved = time.perf_counter()
+                    self.save(step + 1)
+                    checkpoint_s = time.perf_counter() - saved
+                bar.update(self.progress_view(metrics))
+                if any(k.startswith("eval/") for k in metrics):
+                    self._plot(step + 1)
+        finally:
+            self.end_steps()
         bar.close()
-        self.end_steps()
         after = self.evaluate()
         summary = {
             "job": cfg.job,

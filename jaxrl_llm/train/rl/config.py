@@ -486,11 +486,12 @@ def _check_env(cfg: TrainConfig, objective: objectives.Objective) -> None:
     _at_least("env.max_turns", env.max_turns, 1)
     if env.max_turn_tokens is not None:
         _at_least("env.max_turn_tokens", env.max_turn_tokens, 1)
-    if objective.needs_critic or objective.needs_process_rewards:
+    needs = ["a critic"] * objective.needs_critic + ["a PRM"] * objective.needs_process_rewards
+    needs += ["a learned reward model (reward_model.path)"] * (cfg.reward_model.path is not None)
+    if needs:
         raise ValueError(
-            f"env.name={env.name!r}: multi-turn episodes train with critic-free objectives "
-            f"for now; objective {objective.name!r} needs a "
-            f"{'critic' if objective.needs_critic else 'process reward model'}"
+            f"env.name={env.name!r}: multi-turn episodes train with critic-free objectives and "
+            f"the environment's rewards for now; this config needs {needs[0]}"
         )
     if cfg.rollout.engine != "static":
         raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import logging
 import pathlib
 import pickle
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl import rollout as rollout_lib
+
+log = logging.getLogger("jaxrl_llm")
 
 # In the run directory: the rollouts in flight at each checkpoint, ``<step>-process<i>.pkl``.
 IN_FLIGHT_DIR = "rollouts_in_flight"
@@ -44,11 +47,14 @@ class RolloutPipeline:
     Args:
       produce: ``(step, params, timer) -> (samples, info)``, the step's rollout from ``params``.
       max_staleness: ``k``; 0 runs each rollout inline.
+      mesh: the trainer's mesh, set on the rollout thread too (``jax.set_mesh`` is per thread;
+        a learned reward model scores under it).
     """
 
-    def __init__(self, produce: Produce, max_staleness: int):
+    def __init__(self, produce: Produce, max_staleness: int, mesh: Any = None):
         self.produce = produce
         self.max_staleness = max_staleness
+        self.mesh = mesh
         self.pending: collections.deque = collections.deque()
         self.executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
@@ -58,7 +64,8 @@ class RolloutPipeline:
 
     def _run(self, step: int, params: Any, version: int):
         timer = PhaseTimer(lane="rollout")
-        samples, info = self.produce(step, params, timer)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            samples, info = self.produce(step, params, timer)
         return samples, info, timer, version
 
     def next(
@@ -72,12 +79,13 @@ class RolloutPipeline:
         if not self.max_staleness:
             samples, info = self.produce(step, snapshot(), timer)
             return samples, {**info, "rollout/staleness": 0.0}
+        params = None
         if not self.pending:  # the first step of a run
-            self.pending.append((step, self.executor.submit(self._run, step, snapshot(), step)))
+            params = snapshot()
+            self.pending.append((step, self.executor.submit(self._run, step, params, step)))
         first, future = self.pending.popleft()
         if first != step:
             raise RuntimeError(f"rollout pipeline out of order: step {step}, queued {first}")
-        params = None
         while len(self.pending) < self.max_staleness:
             nxt = step + 1 + len(self.pending)
             params = snapshot() if params is None else params  # the weights before step's update
@@ -87,31 +95,54 @@ class RolloutPipeline:
         timer.merge(produced)
         return samples, {**info, "rollout/staleness": float(step - version)}
 
-    def drain(self, finish: Callable[[Any], Any]) -> list[tuple[int, Any, dict, int]]:
-        """Waits for the rollouts in flight and returns ``(step, samples, info, version)`` for
-        each, their scoring finished by ``finish``; they stay queued, done."""
+    def drain(self, finish: Callable[[Any, PhaseTimer], Any]) -> list[tuple]:
+        """Waits for the rollouts in flight and returns ``(step, samples, info, version,
+        timer)`` for each, their scoring finished by ``finish(samples, timer)``; they stay
+        queued, done."""
         items = []
         for step, future in self.pending:
-            samples, info, _, version = future.result()
-            items.append((step, finish(samples), info, version))
+            samples, info, timer, version = future.result()
+            items.append((step, finish(samples, timer), info, version, timer))
         self.preload(items)
         return items
 
     def preload(self, items) -> None:
         """Queues finished rollouts (a checkpoint's, on resume) in place of those in flight."""
         self.pending.clear()
-        for step, samples, info, version in items:
+        for step, samples, info, version, timer in items:
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((samples, info, PhaseTimer(lane="rollout"), version))
+            done.set_result((samples, info, timer, version))
             self.pending.append((step, done))
 
     def close(self) -> None:
-        """Drops the rollouts queued or in flight and stops the thread."""
+        """Drops the rollouts queued or in flight and stops the thread (after the running
+        one: a device program cannot be interrupted)."""
         if self.executor is not None:
-            for _, future in self.pending:
-                future.cancel()
-            self.executor.shutdown(wait=True)
+            self.executor.shutdown(wait=True, cancel_futures=True)
             self.pending.clear()
+
+
+def check_staleness(cfg: Any, objective: Any) -> None:
+    """Refuses what the asynchronous loop cannot run yet; warns of an uncorrected one.
+
+    Raises:
+      ValueError: ``rollout.max_staleness >= 1`` in a multi-process job (each process would
+        interleave its rollout and update programs in its own order: collectives could hang).
+    """
+    if not cfg.rollout.max_staleness:
+        return
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous loop runs in "
+            f"one process for now ({jax.process_count()} processes); set it to 0"
+        )
+    if objective.rollout_correction is None and cfg.rollout.logprobs == "recompute":
+        log.warning(
+            "rollout.max_staleness=%d without a rollout_correction: the stale batches' old "
+            "log-probs are recomputed by the current weights (ratio 1 at the first update); "
+            "set objective.overrides.rollout_correction or rollout.logprobs=sampler",
+            cfg.rollout.max_staleness,
+        )
 
 
 class RolloutSide:
@@ -145,7 +176,7 @@ class RolloutSide:
             return lora.combine(self.base, self.copy_params(self.state.params))
 
     def make_pipeline(self) -> RolloutPipeline:
-        return RolloutPipeline(self.rollout_from, self.cfg.rollout.max_staleness)
+        return RolloutPipeline(self.rollout_from, self.cfg.rollout.max_staleness, self.run.mesh)
 
     def _in_flight_file(self, step: int) -> pathlib.Path:
         name = f"{step}-process{jax.process_index()}.pkl"
@@ -156,7 +187,14 @@ class RolloutSide:
         drops those of checkpoints no longer kept."""
         if not self.cfg.rollout.max_staleness:
             return
-        items = self.pipeline.drain(self.run.finish_scoring)
+        try:
+            items = self.pipeline.drain(self.run.finish_scoring)
+        except Exception as err:
+            if step < self.cfg.trainer.max_steps:
+                raise
+            # Rollouts past the run's end only serve a longer resumed run, which redraws them.
+            log.warning("rollouts past the last step failed (%s); not saved with it", err)
+            return
         path = self._in_flight_file(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -171,7 +209,10 @@ class RolloutSide:
         """Queues the rollouts checkpoint ``step`` had in flight (none: they start afresh)."""
         path = self._in_flight_file(step)
         if self.cfg.rollout.max_staleness and path.exists():
-            self.pipeline.preload(pickle.loads(path.read_bytes()))
+            items = pickle.loads(path.read_bytes())
+            for *_, timer in items:
+                timer.spans.clear()  # the saving process's clock
+            self.pipeline.preload(items)
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
         """The step's samples: this step's rollout or, with ``rollout.max_staleness``, one

@@ -34,7 +34,7 @@ from jaxrl_llm.train.rl.config import (
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model, task_reward
-from jaxrl_llm.train.rl.pipeline import RolloutSide
+from jaxrl_llm.train.rl.pipeline import RolloutSide, check_staleness
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.rl.updates import (
@@ -82,6 +82,7 @@ class RLTrainer(RolloutSide, Trainer):
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
         objective = check_config(cfg)
+        check_staleness(cfg, objective)
         adapters.check_lora_job(cfg, "rl", objective)
         self.check_objective(objective)
         mesh = setup.make_run_mesh(cfg.mesh)

@@ -95,7 +95,10 @@ def test_calculator_demonstrations_train_the_assistant_turns_only(tmp_path):
     [
         ("env.name=calculater", "env.name must be one of \\['calculator'\\]"),
         ("env.max_turns=0", "env.max_turns must be >= 1"),
-        ("objective.name=ppo", "critic-free objectives"),
+        ("objective.name=ppo", "critic-free objectives.*needs a critic"),
+        # The episode loop scores with the environment's reward only: a learned reward
+        # model would sit loaded and unused.
+        ("reward_model.path=/rm", "needs a learned reward model"),
         ("rollout.engine=continuous", "rollout.engine=static"),
     ],
 )

@@ -111,8 +111,9 @@ def test_drain_and_preload_keep_the_rollouts_in_flight():
         pipeline.next(step, lambda: version[0], PhaseTimer())
         version[0] += 1
     finished = []
-    items = pipeline.drain(lambda samples: finished.append(samples["step"]) or samples)
-    assert [(step, v) for step, _, _, v in items] == [(2, 0), (3, 1)]  # started at steps 0, 1
+    items = pipeline.drain(lambda samples, timer: finished.append(samples["step"]) or samples)
+    assert [(step, v) for step, _, _, v, _ in items] == [(2, 0), (3, 1)]  # started at steps 0, 1
+    assert all(timer.seconds["rollout"] > 0 for *_, timer in items)  # their phase times kept
     assert finished == [2, 3]
     continued = [pipeline.next(s, lambda: version[0], PhaseTimer())[0]["step"] for s in (2, 3)]
     pipeline.close()
@@ -284,6 +285,9 @@ def test_async_stop_and_resume_equals_uninterrupted(tmp_path):
     )
     assert rows == whole_rows
     assert [r["rollout/staleness"] for r in rows] == [0.0] + [1.0] * 5
+    # The saved rollout keeps its phase times: no step without a rollout time.
+    resumed_rows = rl_helpers.read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert all(r["time/rollout"] > 0 for r in resumed_rows)
     assert {k: v for k, v in summary.items() if k != "hf"} == {
         k: v for k, v in expected.items() if k != "hf"
     }
@@ -291,3 +295,19 @@ def test_async_stop_and_resume_equals_uninterrupted(tmp_path):
     _, whole_params = models.load_pretrained(tmp_path / "whole" / "hf", dtype=np.float32)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole_params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_staleness_is_refused_across_processes_and_warned_uncorrected(
+    tmp_path, monkeypatch, caplog
+):
+    from jaxrl_llm.train.rl import pipeline
+
+    cfg = _config(tmp_path, "rollout.max_staleness=1")
+    objective = check_config(cfg)
+    with caplog.at_level("WARNING", logger="jaxrl_llm"):
+        pipeline.check_staleness(cfg, objective)
+    assert "without a rollout_correction" in caplog.text
+    monkeypatch.setattr(pipeline.jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="one process for now"):
+        pipeline.check_staleness(cfg, objective)
+    pipeline.check_staleness(_config(tmp_path), objective)  # synchronous: nothing to refuse
