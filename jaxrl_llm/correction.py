@@ -285,7 +285,8 @@ def rejection_mask(
             elif name.startswith("seq_mean"):
                 seq_stat = _mean(stat, mask, axis=-1)
             else:
-                seq_stat = _extreme_rows(stat, mask)
+                seq_stat = jnp.max(jnp.where(valid, stat, -jnp.inf), axis=-1)
+                seq_stat = jnp.where(valid_rows, seq_stat, 0.0)  # an empty row: 0
             seq_keep = (seq_stat >= low) & (seq_stat <= high) if k1 else seq_stat <= high
             keep = jnp.broadcast_to(seq_keep[:, None], mask.shape)
             stat = jnp.broadcast_to(seq_stat[:, None], mask.shape)
@@ -302,12 +303,6 @@ def rejection_mask(
     dropped = (keep_all <= 0.5) & valid
     metrics["rollout_rs_seq_masked_fraction"] = jnp.mean(jnp.any(dropped, axis=-1))
     return mask * keep_all, metrics
-
-
-def _extreme_rows(stat: Array, mask: Array) -> Array:
-    """Per-row max over valid tokens; 0 for an empty row."""
-    out = jnp.max(jnp.where(mask > 0, stat, -jnp.inf), axis=-1)
-    return jnp.where(jnp.isneginf(out), 0.0, out)
 
 
 def _rs_metrics(name, stat, seq_stat, mask, valid_rows, low, high, k1) -> dict[str, Array]:
@@ -441,6 +436,17 @@ class Correction:
                 "criteria, or mode=bypass"
             )
 
+    def weights(self, log_ratio: Array, mask: Array) -> tuple[Array, dict[str, Array]]:
+        """:func:`is_weights` with this setting's level, bounds and normalisation."""
+        return is_weights(
+            log_ratio,
+            mask,
+            level=self.is_level,
+            upper=self.is_upper,
+            lower=self.is_lower,
+            batch_normalize=self.batch_normalize,
+        )
+
     @property
     def criteria(self) -> dict[str, Any]:
         """:attr:`rejection` as :func:`rejection_mask` takes it."""
@@ -482,14 +488,7 @@ def apply(
     metrics: dict[str, Array] = {}
     weights = None
     if spec.is_level is not None:
-        weights, m = is_weights(
-            log_ratio,
-            mask,
-            level=spec.is_level,
-            upper=spec.is_upper,
-            lower=spec.is_lower,
-            batch_normalize=spec.batch_normalize,
-        )
+        weights, m = spec.weights(log_ratio, mask)
         metrics.update(m)
     kept = mask
     if spec.rejection:

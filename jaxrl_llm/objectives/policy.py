@@ -215,14 +215,7 @@ def _rollout_correction(
         train, use_weights = old_logprobs, True
     log_ratio = train - rollout
     if spec.is_level is not None and use_weights:
-        is_w, _ = correction.is_weights(
-            log_ratio,
-            mask,
-            level=spec.is_level,
-            upper=spec.is_upper,
-            lower=spec.is_lower,
-            batch_normalize=spec.batch_normalize,
-        )
+        is_w = spec.weights(log_ratio, mask)[0]
         weights = is_w if weights is None else weights * is_w
     kept = mask
     if spec.rejection:

@@ -158,7 +158,7 @@ def test_rm_scores_sees_what_the_trainer_keeps_alive_when_it_scores(paths):
     """Without reward workers the learned reward is added inside the rollout, while the
     sampler's serving copy is alive; with them the trainer scores once the log-prob forwards
     are dispatched: their outputs, the sampler's log-probs and the step's sequences are on
-    device instead. Multi-turn episodes never score: the model is resident, no program."""
+    device instead. Multi-turn episodes never score with it: train and plan refuse both."""
     job = _job(paths, *REWARD)
     served = job.programs["reshard"].inner_parts["sampler_weights"]
     assert served > 0
@@ -173,13 +173,8 @@ def test_rm_scores_sees_what_the_trainer_keeps_alive_when_it_scores(paths):
     resident = deferred.programs["rm_scores"].resident
     assert resident["sampler_weights"] == 0
     assert resident["inputs"] == 240 + 3 * 64
-    episodes = _job(paths, *REWARD, "env.name=calculator")
-    assert "rm_scores" not in episodes.programs
-    assert episodes.state.reward_model == RM_PARAMS * 2 // 4
-    assert all(
-        p.resident["reward_model"] == episodes.state.reward_model
-        for p in episodes.programs.values()
-    )
+    with pytest.raises(pr.PlanError, match="needs a learned reward model"):
+        _job(paths, *REWARD, "env.name=calculator")
 
 
 @pytest.mark.parametrize(

@@ -50,13 +50,7 @@ def trainer_sampler(
     devices of its own: ``reshard`` casts on the trainer's devices and copies across."""
     if cfg.mesh.rollout_devices:
         return _separate_sampler(cfg, model_config)
-    layout = rollout_layout(
-        cfg,
-        model_config,
-        mesh,
-        kv_slots=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        budget_bytes=serving.free_device_bytes(mesh),
-    )
+    layout = _budgeted_layout(cfg, model_config, mesh)
     if not layout.is_trainer_layout:
         log.info(
             "sampler layout: mesh %s (tensor-parallel %d, compute-dtype weights), resharded on "
@@ -65,6 +59,18 @@ def trainer_sampler(
             layout.tensor,
         )
     return layout, serving.make_reshard(model_config, layout)
+
+
+def _budgeted_layout(cfg: Any, model_config: Any, mesh: Any) -> serving.ServingLayout:
+    """:func:`rollout_layout` on ``mesh`` within its devices' free memory, a row's cache
+    holding ``data.max_prompt_tokens + rollout.max_new_tokens`` positions."""
+    return rollout_layout(
+        cfg,
+        model_config,
+        mesh,
+        kv_slots=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        budget_bytes=serving.free_device_bytes(mesh),
+    )
 
 
 def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayout, Callable]:
@@ -77,13 +83,7 @@ def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayou
         )
     devices = jax.devices()[: cfg.mesh.rollout_devices]
     rollout_mesh = parallel.make_mesh(1, -1, 1, devices=devices)
-    layout = rollout_layout(
-        cfg,
-        model_config,
-        rollout_mesh,
-        kv_slots=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        budget_bytes=serving.free_device_bytes(rollout_mesh),
-    )
+    layout = _budgeted_layout(cfg, model_config, rollout_mesh)
     if layout.is_trainer_layout:  # an fsdp layout: decode with whole weights per device
         one = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel=1))
         layout = rollout_layout(one, model_config, rollout_mesh, kv_slots=0, budget_bytes=None)
