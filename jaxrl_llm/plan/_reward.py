@@ -14,9 +14,8 @@ loads and runs it (``train.rl.context.load_reward_model``, ``RunContext.add_lear
   the ``rm_scores`` program. Without reward workers (or with DAPO's dynamic sampling, which
   waits for every draw's rewards) it runs inside the rollout, while the sampler's weights are
   still alive; with ``rollout.reward_workers`` the trainer defers it until the log-prob
-  forwards are dispatched, so their outputs and the step's batch are alive instead;
-* multi-turn episodes (``env.name``) never add the learned reward: the model is loaded (and
-  resident) but no ``rm_scores`` program runs.
+  forwards are dispatched, so their outputs and the step's batch are alive instead
+  (multi-turn episodes with a learned reward model are refused by ``check_config``).
 """
 
 from __future__ import annotations
@@ -53,13 +52,11 @@ class RewardModel:
       config: its ``ModelConfig`` (the causal architecture of its backbone), computing in
         ``model.compute_dtype``.
       params: abstract ``ScalarParams`` in the compute dtype with their shardings.
-      scores: the trainer scores rollouts with it (False for multi-turn episodes).
     """
 
     path: str
     config: models.ModelConfig
     params: PyTree
-    scores: bool
 
 
 def scalar_model_config(
@@ -107,7 +104,7 @@ def reward_model_state(cfg, policy_config, mesh) -> RewardModel | None:
     config = scalar_model_config(path, "reward_model.path", policy_config, cfg.model)
     # Frozen: stored in the compute dtype, nothing updates it (``load_reward_model``).
     params = scalar_params(config, jnp.dtype(config.compute_dtype), mesh, "reward_model.path")
-    return RewardModel(path, config, params, scores=cfg.env.name is None)
+    return RewardModel(path, config, params)
 
 
 def scores_in_rollout(cfg, objective) -> bool:
@@ -124,8 +121,6 @@ def lower_reward_program(
     model's weights to every other program's resident bytes."""
     for program in programs.values():  # a fresh dict: programs may share one
         program.resident = {**program.resident, "reward_model": sizes.reward_model}
-    if not rm.scores:
-        return
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
 
     def score_fn(params, seqs):  # ``load_reward_model``'s jitted scoring function
@@ -175,8 +170,7 @@ def reward_model_report(job) -> dict[str, Any] | None:
         "params": models.param_count(heads.backbone_config(rm.config)) + rm.config.hidden_size,
         "dtype": rm.config.compute_dtype,
         "bytes_per_chip": job.state.reward_model,
-        "scores_rollouts": rm.scores,
-        "scores_in_rollout": rm.scores and scores_in_rollout(job.cfg, job.objective),
+        "scores_in_rollout": scores_in_rollout(job.cfg, job.objective),
     }
 
 

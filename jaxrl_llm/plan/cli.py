@@ -211,9 +211,7 @@ def _aux_lines(report: Mapping[str, Any]) -> list[str]:
     rm = report.get("reward_model")
     if rm:
         when = (
-            "never scores (multi-turn episodes add no learned reward)"
-            if not rm["scores_rollouts"]
-            else "scores each rollout batch inside the rollout (rm_scores)"
+            "scores each rollout batch inside the rollout (rm_scores)"
             if rm["scores_in_rollout"]
             else "scores each rollout batch once the log-prob forwards are dispatched (rm_scores)"
         )
