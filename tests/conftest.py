@@ -1,6 +1,10 @@
-"""Test-wide setup: 8 fake CPU devices for sharding tests, set before JAX is imported."""
+"""Test-wide setup: 8 fake CPU devices for sharding tests, set before JAX is imported, and one
+persistent compilation cache for the session."""
 
 import os
+import pathlib
+import shutil
+import tempfile
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -9,6 +13,58 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# The session's compilation cache (``tests.train.helpers.SHARED_CACHE_ENV``): the controller
+# makes it, the xdist workers and subprocess sessions inherit it, so the many tiny jobs that
+# compile the same programs compile them once between both workers.
+CACHE_ENV = "JAXRL_TEST_JAX_CACHE"
+_made_cache: list[str] = []
+
+# Modules whose tests read compiled executables (HLO text, memory or cost analysis): a cached
+# executable's text differs from a fresh compile's, so they always compile.
+_UNCACHED = (
+    "tests/plan/",
+    "tests/parallel/",
+    "tests/models/test_attention.py",
+    "tests/models/test_heads.py",
+    "tests/models/test_transformer.py",
+    "tests/objectives/test_estimation.py",
+    "tests/objectives/test_policy.py",
+    "tests/sampling/test_generate.py",
+    "tests/sampling/test_layout.py",
+    "tests/sampling/test_serving.py",
+    "tests/test_advantages.py",
+    "tests/test_logprobs.py",
+    "tests/train/test_step.py",
+)
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    if CACHE_ENV not in os.environ:
+        os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jaxrl-test-jax-cache-")
+        _made_cache.append(os.environ[CACHE_ENV])
+
+
+def pytest_unconfigure(config):
+    for path in _made_cache:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(request, tmp_path_factory):
+    """Every module's programs go through the session's on-disk cache (compiles of 0.2 s or
+    more), except the modules that inspect compiled executables."""
+    path = pathlib.Path(request.node.path).resolve()
+    name = path.relative_to(_ROOT).as_posix() if path.is_relative_to(_ROOT) else ""
+    if not name or name.startswith(_UNCACHED):
+        yield
+        return
+    from tests.train.helpers import persistent_compilation_cache  # noqa: PLC0415
+
+    fallback = tmp_path_factory.getbasetemp() / "jax_cache"
+    with persistent_compilation_cache(fallback, min_compile_secs=0.2):
+        yield
 
 
 @pytest.fixture

@@ -7,8 +7,11 @@ survivor, so the check cannot pass vacuously.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from tests.conftest import CACHE_ENV
 from tests.mutation import mutants, runner
 
 
@@ -44,7 +47,8 @@ def test_an_unknown_mutant_is_refused_not_run_unmutated():
 def test_every_mutant_is_killed(tmp_path_factory):
     # tests/conftest.py runs this last, so the children find the programs the trainer tests
     # compiled in the session's cache (tests/train/helpers.py) instead of recompiling them.
-    results = runner.run_all(cache_dir=tmp_path_factory.getbasetemp() / "jax_cache")
+    cache_dir = os.environ.get(CACHE_ENV) or tmp_path_factory.getbasetemp() / "jax_cache"
+    results = runner.run_all(cache_dir=cache_dir)
     survived = {
         r.mutant.name: {t: r.outcomes[t] for t in r.survivors} for r in results if not r.killed
     }

@@ -151,6 +151,7 @@ def _sequence_hidden(
     completion_tokens: Array,
     completion_mask: Array,
     remat: str,
+    dropout_key: Array | None = None,
 ) -> tuple[Array, Array]:
     """Hidden states ``[B, P+T, D]`` of ``[prompt ; completion]`` and its mask ``[B, P+T]``."""
     check_scalar_params(params, config)
@@ -166,7 +167,12 @@ def _sequence_hidden(
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
     hidden, _ = forward(
-        params["backbone"], backbone_config(config), tokens, attention_mask=mask, remat=remat
+        params["backbone"],
+        backbone_config(config),
+        tokens,
+        attention_mask=mask,
+        remat=remat,
+        dropout_key=dropout_key,
     )
     return hidden, mask
 
@@ -187,6 +193,7 @@ def token_values(
     completion_mask: Array,
     *,
     remat: str = "none",
+    dropout_key: Array | None = None,
 ) -> Array:
     """``V_t = h_{P-1+t} . w``: the value of the state that predicts completion token ``t``.
 
@@ -208,6 +215,7 @@ def token_values(
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on real completion tokens.
       remat: the backbone's remat policy (``"none"`` or ``"layer"``).
+      dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
 
     Returns:
       ``values [B, T]`` f32.
@@ -216,7 +224,14 @@ def token_values(
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
     hidden, _ = _sequence_hidden(
-        params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask, remat
+        params,
+        config,
+        prompt_tokens,
+        prompt_mask,
+        completion_tokens,
+        completion_mask,
+        remat,
+        dropout_key,
     )
     prompt_len, length = prompt_tokens.shape[1], completion_tokens.shape[1]
     values = _head(hidden[:, prompt_len - 1 : prompt_len - 1 + length], params["score"])
@@ -232,6 +247,7 @@ def sequence_scores(
     completion_mask: Array,
     *,
     remat: str = "none",
+    dropout_key: Array | None = None,
 ) -> Array:
     """``r = h_last . w``, the head at the last real token of ``[prompt ; completion]``.
 
@@ -248,6 +264,7 @@ def sequence_scores(
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on real completion tokens.
       remat: the backbone's remat policy (``"none"`` or ``"layer"``).
+      dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
 
     Returns:
       ``scores [B]`` f32.
@@ -256,7 +273,14 @@ def sequence_scores(
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
     hidden, mask = _sequence_hidden(
-        params, config, prompt_tokens, prompt_mask, completion_tokens, completion_mask, remat
+        params,
+        config,
+        prompt_tokens,
+        prompt_mask,
+        completion_tokens,
+        completion_mask,
+        remat,
+        dropout_key,
     )
     columns = jnp.arange(mask.shape[1], dtype=jnp.int32)
     last = jnp.max(jnp.where(mask, columns, 0), axis=1)

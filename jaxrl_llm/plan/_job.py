@@ -157,7 +157,8 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
     Raises:
       PlanError: a config ``check_config`` refuses, or ``model.lora`` where the trainer
         refuses it (``train.adapters.check_lora_job``), an unknown ``model.remat``, or
-        ``mesh.rollout_devices`` (separate sampler devices are not planned yet).
+        ``mesh.rollout_devices`` (separate sampler devices are not planned yet), or a LoRA
+        critic or PRM (not planned yet).
     """
     try:
         objective = check_config(cfg)
@@ -166,6 +167,11 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
         raise PlanError(str(err)) from None
     if cfg.mesh.rollout_devices:
         raise PlanError("mesh.rollout_devices: separate sampler devices are not planned yet")
+    if cfg.model.lora is not None and (objective.needs_critic or objective.needs_process_rewards):
+        raise PlanError(
+            f"model.lora with objective {objective.name!r}: a LoRA critic or PRM (adapters "
+            "over the policy's base) is not planned yet"
+        )
     if cfg.model.remat not in models.REMAT_POLICIES:
         raise PlanError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"

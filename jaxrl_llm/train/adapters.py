@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import models, parallel
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train.state import TrainState, create_train_state
 
 PyTree = Any
@@ -111,10 +111,7 @@ def create_lora_state(
         adapters = adapters if adapters["layers"] else None
         base = jax.jit(cast, out_shardings=base_shardings)(base)
     if adapters is None:
-        adapters = jax.jit(
-            lambda k: lora.init_adapters(config, k, dtype=param_dtype),
-            out_shardings=adapter_shardings,
-        )(adapter_key)
+        adapters = fresh_adapters(config, key=adapter_key, mesh=mesh, param_dtype=param_dtype)[0]
     else:
         adapters = jax.jit(
             lambda a: jax.tree.map(lambda x: x.astype(param_dtype), a),
@@ -130,6 +127,113 @@ def create_lora_state(
         params_axes=adapter_axes,
     )
     return LoraState(state, shardings, base, base_shardings)
+
+
+# -- scalar-head models (reward model, critic) and extra policies (PRIME's PRM) ----------------
+
+
+def backbone_view(base: PyTree) -> PyTree:
+    """The frozen tree of a LoRA scalar-head model over a policy's ``base``: ``{"backbone":
+    base without lm_head}``, the same arrays (no copy)."""
+    return {"backbone": {k: v for k, v in base.items() if k != "lm_head"}}
+
+
+def _cast_to(tree: PyTree, dtype, shardings: PyTree) -> PyTree:
+    return jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings)(
+        tree
+    )
+
+
+def fresh_adapters(
+    config: models.ModelConfig, *, key: jax.Array, mesh, param_dtype=jnp.float32
+) -> tuple[PyTree, PyTree]:
+    """``(adapters, logical_axes)``: new adapters for ``config.lora`` (PEFT's init: ``B = 0``,
+    so the model starts as its base), born sharded like their base weights on ``mesh``."""
+    adapter_axes = lora.split(models.logical_axes(config))[1]
+    shardings = parallel.logical_to_sharding(
+        adapter_axes, mesh, parallel.PARAM_RULES, shapes=lora.adapter_shapes(config)
+    )
+    made = jax.jit(
+        lambda k: lora.init_adapters(config, k, dtype=param_dtype), out_shardings=shardings
+    )(key)
+    return made, adapter_axes
+
+
+def scalar_lora_params(
+    config: models.ModelConfig, score: jax.Array, *, key: jax.Array, mesh, param_dtype=jnp.float32
+) -> tuple[PyTree, PyTree]:
+    """``(params, logical_axes)`` a LoRA scalar-head model trains: ``{"backbone": fresh
+    adapters, "score": score}`` in ``param_dtype`` (``config``: the scalar model's, ``lora``
+    set); its frozen half is ``{"backbone": base}`` (:func:`backbone_view`,
+    :func:`frozen_scalar_base`)."""
+    if config.lora is None:
+        raise ValueError("a LoRA scalar-head model needs a ModelConfig with lora set")
+    made, axes = fresh_adapters(
+        heads.backbone_config(config), key=key, mesh=mesh, param_dtype=param_dtype
+    )
+    params = {"backbone": made, "score": jnp.asarray(score, param_dtype)}
+    return params, {"backbone": axes, "score": heads.scalar_logical_axes(config)["score"]}
+
+
+def scalar_lora_state(
+    config: models.ModelConfig,
+    optimizer,
+    *,
+    key: jax.Array,
+    mesh,
+    frozen: PyTree,
+    frozen_shardings: PyTree,
+    score: jax.Array,
+    param_dtype=jnp.float32,
+) -> LoraState:
+    """A LoRA scalar-head model (reward model, critic) with its own optimizer: the
+    :func:`scalar_lora_params` trained (masters and moments), over ``frozen`` (e.g.
+    :func:`backbone_view` of the policy's base: one copy of the base serves both)."""
+    adapter_key, state_key = jax.random.split(key)
+    params, axes = scalar_lora_params(
+        config, score, key=adapter_key, mesh=mesh, param_dtype=param_dtype
+    )
+    state, shardings = create_train_state(
+        config, optimizer, key=state_key, mesh=mesh, params=params, params_axes=axes
+    )
+    return LoraState(state, shardings, frozen, frozen_shardings)
+
+
+def frozen_scalar_base(
+    config: models.ModelConfig, params: PyTree, *, key: jax.Array, mesh, param_dtype=jnp.float32
+) -> tuple[PyTree, PyTree, jax.Array]:
+    """``(frozen, frozen_shardings, score)`` of a LoRA scalar-head model from loaded weights:
+    a ``ScalarParams`` (a reward model: its backbone frozen in the compute dtype, its head
+    trained on) or a causal LM's params (its ``lm_head`` dropped; a fresh head
+    ``N(0, 0.02²)``, HF's classifier initialisation). Adapters already in ``params`` are
+    dropped (the job trains new ones)."""
+    if set(params) == {"backbone", "score"}:
+        backbone, score = params["backbone"], params["score"]
+    else:
+        backbone = {k: v for k, v in params.items() if k != "lm_head"}
+        fresh = jax.random.normal(key, (config.hidden_size, 1), jnp.float32)
+        score = heads.DEFAULT_SCORE_STD * fresh
+    base_axes = lora.split(models.logical_axes(heads.backbone_config(config)))[0]
+    base_shapes = lora.split(models.param_shapes(heads.backbone_config(config)))[0]
+    shardings = {
+        "backbone": parallel.logical_to_sharding(
+            base_axes, mesh, parallel.PARAM_RULES, shapes=base_shapes
+        )
+    }
+    dtype = base_dtype(config, param_dtype)
+    frozen = _cast_to({"backbone": lora.split(backbone)[0]}, dtype, shardings)
+    return frozen, shardings, score
+
+
+def merged_scalar(config: models.ModelConfig, params: PyTree) -> PyTree:
+    """A scalar-head model's params for ``base_config(config)``: the adapters merged into its
+    backbone (unchanged without adapters)."""
+    if config.lora is None:
+        return params
+    backbone = jax.jit(lambda p: lora.merge_weights(p, heads.backbone_config(config)))(
+        params["backbone"]
+    )
+    return {"backbone": backbone, "score": params["score"]}
 
 
 def save_base(run_dir, config: models.ModelConfig, base: PyTree) -> str:
@@ -164,15 +268,25 @@ def base_model_path(cfg, run_dir) -> str:
     return os.path.abspath(lora.adapter_base(path) if lora.is_adapter_dir(path) else path)
 
 
+def sft_config(cfg, config: models.ModelConfig) -> models.ModelConfig:
+    """The model config of a run's SFT warm-up: with ``model.lora`` and a pretrained base
+    (``model.path``) the adapters (an adapter-only warm-up, merged into the base after it);
+    the built-in model's warm-up trains every weight (it makes the base from random)."""
+    if config.lora is not None and cfg.model.path is not None:
+        return config
+    return lora.base_config(config)
+
+
 def check_lora_job(cfg, job: str, objective=None) -> None:
     """Raises ValueError naming what a LoRA run (``model.lora``) of ``job`` does not support."""
     if cfg.model.lora is None:
         return
-    if objective is not None and (objective.needs_critic or objective.needs_process_rewards):
+    critic = getattr(cfg, "critic", None)
+    if objective is not None and objective.needs_critic and critic.init == "random":
         raise ValueError(
-            f"model.lora is not supported with objective {objective.name!r} yet (a critic or "
-            "an implicit PRM beside the adapters): use a critic-free objective (grpo, rloo, "
-            "dapo, ...)"
+            "critic.init=random with model.lora: a LoRA critic trains adapters over a frozen "
+            "backbone, which would stay random; use critic.init=policy (the policy's base) or "
+            "critic.init=reward_model"
         )
     reference = getattr(cfg, "reference", None)
     if reference is not None and reference.mode != "frozen":
@@ -180,9 +294,10 @@ def check_lora_job(cfg, job: str, objective=None) -> None:
             f"reference.mode={reference.mode!r} with model.lora: a LoRA run's reference is the "
             "frozen base (adapters off), so only reference.mode=frozen applies"
         )
-    if job not in ("rl", "preference"):
+    if job not in ("rl", "preference", "reward_model"):
         raise ValueError(
-            f"model.lora is not supported for {job} jobs yet (RL and preference jobs only)"
+            f"model.lora is not supported for {job} jobs (RL, preference and reward-model "
+            "jobs only)"
         )
     if getattr(cfg.mesh, "rollout_devices", 0):
         raise ValueError("model.lora with mesh.rollout_devices is not supported yet")

@@ -200,6 +200,8 @@ def export_run(
     else:
         tokenizer = data.build_char_tokenizer(setup.tiny_alphabet(cfg))
     out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
+    if cfg.model.lora is not None and job == "reward_model":
+        return _export_lora_reward_model(cfg, run_dir, params, tokenizer, out, dtype)
     if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is on disk
         base_path = adapters.base_model_path(cfg, run_dir)
         if merge:
@@ -232,6 +234,31 @@ def export_run(
         return export.export_scalar_model(out, config, params, tokenizer, dtype=dtype)
     stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
     return export.export_policy(out, config, params, tokenizer, stop_ids=stop, dtype=dtype)
+
+
+def _export_lora_reward_model(cfg, run_dir, params, tokenizer, out, dtype) -> str:
+    """A LoRA reward model's checkpoint (adapters and head) over its frozen backbone, written
+    merged as a sequence classifier (what the run's ``hf/`` is)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxrl_llm import models  # noqa: PLC0415
+    from jaxrl_llm.models import heads  # noqa: PLC0415
+    from jaxrl_llm.train import adapters, export, setup  # noqa: PLC0415
+    from jaxrl_llm.train.preference.data import is_scalar_model  # noqa: PLC0415
+    from jaxrl_llm.train.step import merge_trees  # noqa: PLC0415
+
+    base_path = adapters.base_model_path(cfg, run_dir)
+    if is_scalar_model(base_path):
+        config, loaded = heads.load_scalar_model(base_path, dtype=jnp.float32)
+        backbone = loaded["backbone"]
+    else:
+        config, backbone = models.load_pretrained(base_path, dtype=jnp.float32)
+    config = dataclasses.replace(config, lora=setup.lora_spec(cfg.model))
+    frozen = adapters.backbone_view(backbone)
+    merged = adapters.merged_scalar(config, merge_trees(frozen, params))
+    return export.export_scalar_model(
+        out, models.lora.base_config(config), merged, tokenizer, dtype=dtype
+    )
 
 
 def export_main(argv: Sequence[str] | None = None) -> int:

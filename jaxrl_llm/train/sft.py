@@ -16,6 +16,8 @@ import jax
 import optax
 
 from jaxrl_llm import aggregation
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import adapters
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import create_train_state
@@ -32,9 +34,14 @@ def make_sft_loss_fn(model_config, *, chunk_size: int | None = None, remat: str 
     ``seqs``: ``Sequences``, or ``MaskedSequences`` whose ``completion_mask`` (``m``, the
     trained tokens) is narrower than the attended ``attention_mask`` (multi-turn episodes)."""
 
-    def loss_fn(params, seqs: Sequences | MaskedSequences, totals: Totals | None):
+    def loss_fn(params, seqs: Sequences | MaskedSequences, totals: Totals | None, key=None):
         token_logprobs = sequence_logprobs(
-            params, model_config, sequences_of(seqs), chunk_size=chunk_size, remat=remat
+            params,
+            model_config,
+            sequences_of(seqs),
+            chunk_size=chunk_size,
+            remat=remat,
+            dropout_key=key,
         )
         nll = aggregation.aggregate(
             -token_logprobs,
@@ -62,6 +69,7 @@ def make_sft_step(
         optimizer,
         micro_batches=micro_batches,
         param_shardings=param_shardings,
+        loss_takes_key=adapters.has_dropout(model_config),
     )
 
 
@@ -82,9 +90,13 @@ def sft_warmup(
 ) -> tuple[PyTree, list[float]]:
     """``steps`` AdamW steps (global-norm clip 1) on the NLL of the given host batches.
 
+    With ``model_config.lora`` set (a LoRA run from a pretrained base) the warm-up trains
+    adapters only over the frozen ``params`` and returns the base with them merged in (the
+    warmed-up base, in its dtype), so a 7B base never gets full-size gradients or moments.
+
     Args:
-      model_config: the policy's ``ModelConfig``.
-      params: starting parameters, or None to initialise randomly.
+      model_config: the policy's ``ModelConfig`` (``lora`` set: an adapter-only warm-up).
+      params: starting parameters, or None to initialise randomly (not with ``lora``).
       batches: yields host ``Sequences`` (one per step).
       steps: optimizer steps.
       learning_rate: constant AdamW learning rate.
@@ -100,9 +112,18 @@ def sft_warmup(
     """
     optimizer = make_optimizer(learning_rate, max_grad_norm=1.0)
     extra = {} if param_dtype is None else {"param_dtype": param_dtype}
-    state, shardings = create_train_state(
-        model_config, optimizer, key=key, mesh=mesh, params=params, **extra
-    )
+    frozen = frozen_shardings = None
+    if model_config.lora is not None:
+        if params is None:
+            raise ValueError("an adapter-only SFT warm-up (model.lora) needs a base to adapt")
+        made = adapters.create_lora_state(
+            model_config, optimizer, key=key, mesh=mesh, params=params, **extra
+        )
+        state, shardings, frozen, frozen_shardings = made
+    else:
+        state, shardings = create_train_state(
+            model_config, optimizer, key=key, mesh=mesh, params=params, **extra
+        )
     step = jit_step(
         make_sft_step(
             model_config,
@@ -112,6 +133,8 @@ def sft_warmup(
             param_shardings=shardings.params,
         ),
         shardings,
+        frozen=frozen,
+        frozen_shardings=frozen_shardings,
     )
     history = []
     for i in range(steps):
@@ -119,4 +142,11 @@ def sft_warmup(
         history.append(metrics["nll"])
         if (i + 1) % log_every == 0 or i + 1 == steps:
             log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
-    return state.params, [float(x) for x in jax.device_get(history)]
+    history = [float(x) for x in jax.device_get(history)]
+    if frozen is None:
+        return state.params, history
+    merged = jax.jit(
+        lambda base, trained: lora.merge_weights(lora.combine(base, trained), model_config),
+        out_shardings=frozen_shardings,
+    )(frozen, state.params)
+    return merged, history

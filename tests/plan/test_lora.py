@@ -244,19 +244,20 @@ def test_lora_update_reduces_adapter_gradients_only(tiny_path, compiled):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("objective.name=ppo", "critic.optimizer=separate"), "model.lora is not supported"),
-        (("objective.name=prime",), "model.lora is not supported"),
+        (("objective.name=ppo", "critic.optimizer=separate"), "LoRA critic or PRM"),
+        (("objective.name=prime",), "LoRA critic or PRM"),
+        (("objective.name=ppo", "critic.init=random"), "critic.init=random with model.lora"),
         (("reference.mode=ema",), "reference.mode='ema' with model.lora"),
         (("model.lora.rank=0",), "model.lora rank"),
         (("model.lora.targets=[q,x]",), "model.lora targets"),
     ],
 )
-def test_lora_refusals_are_the_trainers(tiny_path, overrides, message):
+def test_lora_refusals_are_named(tiny_path, overrides, message):
     with pytest.raises(pr.PlanError, match=message):
         _job(tiny_path, *overrides)
 
 
-def test_the_cli_refuses_a_lora_ppo_job_with_the_trainers_message(capsys):
+def test_the_cli_refuses_a_lora_ppo_job_by_name(capsys):
     from jaxrl_llm import cli
 
     code = cli.main(
@@ -270,7 +271,7 @@ def test_the_cli_refuses_a_lora_ppo_job_with_the_trainers_message(capsys):
         ]
     )
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: model.lora is not supported with objective")
+    assert code == 2 and err.startswith("error: model.lora with objective 'ppo'")
 
 
 def test_lora_suggestions_name_the_serving_copy_not_the_masters(tiny_path):

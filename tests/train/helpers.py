@@ -34,11 +34,15 @@ SHARED_CACHE_ENV = "JAXRL_TEST_JAX_CACHE"
 
 
 @contextlib.contextmanager
-def persistent_compilation_cache(directory: str | os.PathLike) -> Iterator[None]:
-    """Enables JAX's on-disk compilation cache for every program, then restores the settings.
+def persistent_compilation_cache(
+    directory: str | os.PathLike, *, min_compile_secs: float = 0.0
+) -> Iterator[None]:
+    """Enables JAX's on-disk compilation cache for every program (compiled in at least
+    ``min_compile_secs``), then restores the settings.
 
-    ``$JAXRL_TEST_JAX_CACHE`` overrides ``directory``: the mutation check's child pytest runs
-    point it at the parent session's cache (a mutant that changes a program changes its key).
+    ``$JAXRL_TEST_JAX_CACHE`` overrides ``directory``: ``tests/conftest.py`` points it at one
+    directory for the whole session (both xdist workers), and the mutation check's child pytest
+    runs at the parent session's (a mutant that changes a program changes its key).
     """
     directory = os.environ.get(SHARED_CACHE_ENV) or directory
     names = (
@@ -48,7 +52,7 @@ def persistent_compilation_cache(directory: str | os.PathLike) -> Iterator[None]
     )
     previous = {name: getattr(jax.config, name) for name in names}
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()
     try:

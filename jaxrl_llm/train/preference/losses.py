@@ -288,9 +288,11 @@ def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0, remat="
     ``rewards/accuracies`` (pair accuracy, the fraction with ``r_w > r_l``).
     """
 
-    def loss_fn(params, batch: RewardBatch, totals=None):
+    def loss_fn(params, batch: RewardBatch, totals=None, key=None):
         n = batch.pairs.chosen_tokens.shape[0]
-        scores = heads.sequence_scores(params, model_config, *_pair_rows(batch.pairs), remat=remat)
+        scores = heads.sequence_scores(
+            params, model_config, *_pair_rows(batch.pairs), remat=remat, dropout_key=key
+        )
         rw, rl = scores[:n], scores[n:]
         loss = jnp.mean(
             bradley_terry(

@@ -12,6 +12,7 @@ the sequence classifier, which the RL loop loads as ``reward_model.path``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +39,7 @@ from jaxrl_llm.train.preference.data import (
 from jaxrl_llm.train.preference.losses import RewardBatch, make_loss_fn, make_reference_fn
 from jaxrl_llm.train.sft import sft_warmup
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.train.step import jit_step, make_step, merge_trees
 from jaxrl_llm.types import Sequences
 
 log = logging.getLogger("jaxrl_llm")
@@ -77,7 +78,9 @@ class PreferenceTrainer(Trainer):
             model_config, self._initial = heads.load_scalar_model(
                 cfg.model.path, dtype=self.dtype, mesh=self.mesh
             )
-            self.model_config = setup.with_compute_dtype(model_config, cfg.model)
+            self.model_config = dataclasses.replace(
+                setup.with_compute_dtype(model_config, cfg.model), lora=setup.lora_spec(cfg.model)
+            )
             self.tokenizer = models.load_tokenizer(cfg.model.path)
         else:
             # build_policy reads only ``cfg.model``, which this config shares with the RL one.
@@ -165,10 +168,40 @@ class PreferenceTrainer(Trainer):
         """The policy's parameters: a LoRA run's base with its adapters (no copy)."""
         if self.base is None:
             return self.state.params
-        return lora.combine(self.base, self.state.params)
+        return merge_trees(self.base, self.state.params)
+
+    def _create_scalar_lora_state(self, params, key):
+        """A LoRA reward model: adapters and head trained over the frozen backbone (the loaded
+        or warmed-up model's; a built-in model's is kept in ``run_dir/base``)."""
+        cfg, mc = self.cfg, self.model_config
+        builtin, resuming = cfg.model.path is None, self.latest is not None
+        base_key, score_key, state_key = jax.random.split(key, 3)
+        if builtin and resuming:
+            params = adapters.load_base(self.run_dir, mesh=self.mesh, dtype=self.dtype)
+        elif params is None:  # a random built-in model (sft_warmup.steps=0)
+            params = models.init_params(lora.base_config(mc), base_key, dtype=self.dtype)
+        frozen, frozen_shardings, score = adapters.frozen_scalar_base(
+            mc, params, key=score_key, mesh=self.mesh, param_dtype=self.dtype
+        )
+        made = adapters.scalar_lora_state(
+            mc,
+            self.optimizer,
+            key=state_key,
+            mesh=self.mesh,
+            frozen=frozen,
+            frozen_shardings=frozen_shardings,
+            score=score,
+            param_dtype=self.dtype,
+        )
+        if builtin and not resuming:
+            adapters.save_base(self.run_dir, heads.backbone_config(mc), frozen["backbone"])
+        self.base, self.base_shardings = made.base, made.base_shardings
+        return made.state, made.shardings
 
     def _create_state(self, params, key):
         mc = self.model_config
+        if mc.lora is not None and self.reward_model:
+            return self._create_scalar_lora_state(params, key)
         if mc.lora is not None:
             made = adapters.setup_run(
                 self.cfg,
@@ -224,7 +257,7 @@ class PreferenceTrainer(Trainer):
                 cfg.loss.name,
             )
             params, _ = sft_warmup(
-                lora.base_config(self.model_config),  # a LoRA run's warm-up makes its base
+                adapters.sft_config(cfg, self.model_config),  # LoRA: it makes the base
                 params,
                 self._chosen_completions(),
                 steps=self.sft_steps,
@@ -278,7 +311,7 @@ class PreferenceTrainer(Trainer):
         )
         policy_shardings = self.shardings.params
         if self.base is not None:
-            policy_shardings = lora.combine(self.base_shardings, self.shardings.params)
+            policy_shardings = merge_trees(self.base_shardings, self.shardings.params)
         self.eval_fn = jax.jit(lambda p, b: loss_fn(p, b)[1], in_shardings=(policy_shardings, None))
 
     def reference_tree(self):
@@ -367,7 +400,10 @@ class PreferenceTrainer(Trainer):
     def export(self, directory) -> None:
         if self.reward_model:
             export.export_scalar_model(
-                directory, self.model_config, self.state.params, self.tokenizer
+                directory,
+                lora.base_config(self.model_config),
+                adapters.merged_scalar(self.model_config, self.policy_params),
+                self.tokenizer,
             )
             return
         stop_ids = data.stop_token_ids(self.tokenizer, self.model_config, self.cfg.model.path)

@@ -161,7 +161,7 @@ class RolloutSide:
                     self.run.model_config, self.serving
                 )
                 self.serving_base = reshard_base(self.base)
-            served = self.reshard_adapters(self.state.params)
+            served = self.reshard_adapters(self.policy_trained)
             return jax.block_until_ready(lora.combine(self.serving_base, served))
 
     def sampler_snapshot(self, timer: PhaseTimer | None = None):
@@ -173,7 +173,7 @@ class RolloutSide:
         with timer.phase("reshard") if timer else contextlib.nullcontext():
             if self.base is None:
                 return self.copy_params(params)
-            return lora.combine(self.base, self.copy_params(self.state.params))
+            return lora.combine(self.base, self.copy_params(self.policy_trained))
 
     def make_pipeline(self) -> RolloutPipeline:
         return RolloutPipeline(self.rollout_from, self.cfg.rollout.max_staleness, self.run.mesh)

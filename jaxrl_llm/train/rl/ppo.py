@@ -11,21 +11,24 @@ separate optimizers or with one optimizer over both (``pg + value_coef·vf``). D
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models, objectives, parallel
-from jaxrl_llm.models import heads
-from jaxrl_llm.train import export, setup
+from jaxrl_llm.models import heads, lora
+from jaxrl_llm.train import adapters, export, setup
+from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.train.step import jit_step, make_step, merge_trees
 from jaxrl_llm.types import RolloutBatch, Sequences, sequences_of
 
 
@@ -34,11 +37,13 @@ def _values(model_config, params, seqs: Sequences, remat: str = "none") -> jax.A
 
 
 def make_value_loss_fn(model_config, objective: objectives.Objective, *, remat: str = "none"):
-    """``(value_params, batch, totals) -> (vf_loss, metrics)``; ``batch`` needs old values and
-    returns."""
+    """``(value_params, batch, totals, key=None) -> (vf_loss, metrics)``; ``batch`` needs old
+    values and returns; ``key``: LoRA dropout's."""
 
-    def loss_fn(params, batch: RolloutBatch, totals):
-        values = _values(model_config, params, sequences_of(batch), remat)
+    def loss_fn(params, batch: RolloutBatch, totals, key=None):
+        values = heads.token_values(
+            params, model_config, *sequences_of(batch), remat=remat, dropout_key=key
+        )
         out = objectives.value_loss(objective, values, with_totals(batch, totals))
         return out.loss, out.metrics
 
@@ -54,6 +59,7 @@ def make_value_step(
         optimizer,
         micro_batches=micro_batches,
         param_shardings=param_shardings,
+        loss_takes_key=has_dropout(model_config),
     )
 
 
@@ -84,17 +90,22 @@ def make_joint_step(
         model_config if value_config is None else value_config, objective, remat=remat
     )
 
-    def loss_fn(params, batch: RolloutBatch, totals):
-        vf, vf_metrics = value_loss(params["value"], batch, totals)
+    def loss_fn(params, batch: RolloutBatch, totals, key=None):
+        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        vf, vf_metrics = value_loss(params["value"], batch, totals, keys[1])
         if value_only:
             total = objective.value_coef * vf
             return total, {**vf_metrics, "total_loss": total}
-        pg, pg_metrics = policy_loss(params["policy"], batch, totals)
+        pg, pg_metrics = policy_loss(params["policy"], batch, totals, keys[0])
         total = pg + objective.value_coef * vf
         return total, {**pg_metrics, **vf_metrics, "total_loss": total}
 
     return make_step(
-        loss_fn, optimizer, micro_batches=micro_batches, param_shardings=param_shardings
+        loss_fn,
+        optimizer,
+        micro_batches=micro_batches,
+        param_shardings=param_shardings,
+        loss_takes_key=has_dropout(model_config),
     )
 
 
@@ -149,12 +160,24 @@ class PPOTrainer(RLTrainer):
         return self.cfg.critic.optimizer == "joint"
 
     @property
-    def policy_params(self):
+    def policy_trained(self):
         return self.state.params["policy"] if self.joint else self.state.params
+
+    #: A LoRA critic's frozen ``{"backbone": base}`` (the policy's base, or a reward
+    #: model's) and its shardings; None: every critic weight is trained.
+    value_frozen: Any = None
+    value_frozen_shardings: Any = None
 
     @property
     def value_params(self):
-        return self.state.params["value"] if self.joint else self.value_state.params
+        """The critic's parameters (a LoRA critic's frozen backbone with its adapters)."""
+        params = self.state.params["value"] if self.joint else self.value_state.params
+        return params if self.value_frozen is None else merge_trees(self.value_frozen, params)
+
+    def _value_shardings(self, trained):
+        if self.value_frozen is None:
+            return trained
+        return merge_trees(self.value_frozen_shardings, trained)
 
     def checkpoint_state(self):
         return self.state if self.joint else {"policy": self.state, "critic": self.value_state}
@@ -172,23 +195,51 @@ class PPOTrainer(RLTrainer):
             config, params = heads.load_scalar_model(
                 critic.path, dtype=setup.param_dtype(self.cfg.model), mesh=run.mesh
             )
-            config = setup.with_compute_dtype(config, self.cfg.model)
+            config = dataclasses.replace(
+                setup.with_compute_dtype(config, self.cfg.model), lora=run.model_config.lora
+            )
             if config.vocab_size != run.model_config.vocab_size:
                 raise ValueError(
                     f"critic.path {critic.path} has vocab_size {config.vocab_size}, the policy "
                     f"{run.model_config.vocab_size}: they must share the tokenizer"
                 )
             return config, params
+        if self.base is not None:  # LoRA: the policy's frozen base, shared (no copy)
+            return run.model_config, None
         backbone = self.state.params if critic.init == "policy" else None
         params = heads.init_scalar_params(
             run.model_config, key, backbone=backbone, dtype=setup.param_dtype(self.cfg.model)
         )
         return run.model_config, params
 
+    def _lora_value_params(self, loaded):
+        """A LoRA critic (``model.lora``): fresh adapters and a head trained over a frozen
+        backbone — the policy's base itself (``critic.init=policy``: no copy) or the reward
+        model's (``critic.init=reward_model``, in the compute dtype)."""
+        run, dtype = self.run, setup.param_dtype(self.cfg.model)
+        score_key, adapter_key = jax.random.split(jax.random.fold_in(self.key, 10))
+        if loaded is None:
+            self.value_frozen = adapters.backbone_view(self.base)
+            self.value_frozen_shardings = adapters.backbone_view(self.base_shardings)
+            score = heads.DEFAULT_SCORE_STD * jax.random.normal(
+                score_key, (self.value_config.hidden_size, 1), jnp.float32
+            )
+        else:
+            self.value_frozen, self.value_frozen_shardings, score = adapters.frozen_scalar_base(
+                self.value_config, loaded, key=score_key, mesh=run.mesh, param_dtype=dtype
+            )
+        return adapters.scalar_lora_params(
+            self.value_config, score, key=adapter_key, mesh=run.mesh, param_dtype=dtype
+        )
+
     def setup_extra_networks(self) -> None:
         run, critic = self.run, self.cfg.critic
         self.value_config, value_params = self._initial_value_params()
         axes = heads.scalar_logical_axes(self.value_config)
+        policy_axes = models.logical_axes(run.model_config)
+        if self.base is not None:
+            value_params, axes = self._lora_value_params(value_params)
+            policy_axes = lora.split(policy_axes)[1]
         key = jax.random.fold_in(self.key, 8)
         if self.joint:
             params = {"policy": self.state.params, "value": value_params}
@@ -198,7 +249,7 @@ class PPOTrainer(RLTrainer):
                 key=key,
                 mesh=run.mesh,
                 params=params,
-                params_axes={"policy": models.logical_axes(run.model_config), "value": axes},
+                params_axes={"policy": policy_axes, "value": axes},
             )
             return
         optimizer = make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
@@ -228,9 +279,20 @@ class PPOTrainer(RLTrainer):
                 value_config=self.value_config,
                 **common,
             )
-            self.joint_fn = jit_step(joint_step(), self.joint_shardings)
+            frozen = {}
+            if self.base is not None:
+                frozen = {
+                    "frozen": {"policy": self.base, "value": self.value_frozen},
+                    "frozen_shardings": {
+                        "policy": self.base_shardings,
+                        "value": self.value_frozen_shardings,
+                    },
+                }
+            self.joint_fn = jit_step(joint_step(), self.joint_shardings, **frozen)
             if cfg.critic.warmup_steps:
-                self.joint_value_fn = jit_step(joint_step(value_only=True), self.joint_shardings)
+                self.joint_value_fn = jit_step(
+                    joint_step(value_only=True), self.joint_shardings, **frozen
+                )
             value_shardings = self.joint_shardings.params["value"]
         else:
             self.value_fn_step = jit_step(
@@ -242,9 +304,13 @@ class PPOTrainer(RLTrainer):
                     **common,
                 ),
                 self.value_shardings,
+                frozen=self.value_frozen,
+                frozen_shardings=self.value_frozen_shardings,
             )
             value_shardings = self.value_shardings.params
-        self.values_fn = make_value_fn(self.value_config, param_shardings=value_shardings)
+        self.values_fn = make_value_fn(
+            self.value_config, param_shardings=self._value_shardings(value_shardings)
+        )
 
     def score(self, step, samples, seqs, old, ref, rewards):
         values = self.values_fn(self.value_params, seqs)
@@ -279,9 +345,13 @@ class PPOTrainer(RLTrainer):
 
     def export(self, directory) -> None:
         super().export(directory)
-        # The critic is saved in the Hugging Face scalar-head layout, like a reward model.
+        # The critic is saved in the Hugging Face scalar-head layout, like a reward model (a
+        # LoRA critic with its adapters merged).
         export.export_scalar_model(
-            self.run_dir / "critic", self.value_config, self.value_params, self.run.tokenizer
+            self.run_dir / "critic",
+            lora.base_config(self.value_config),
+            adapters.merged_scalar(self.value_config, self.value_params),
+            self.run.tokenizer,
         )
 
 

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jaxrl_llm import implicit_prm, objectives
-from jaxrl_llm.train import setup
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.trainer import RLTrainer
@@ -35,7 +36,7 @@ def make_prm_loss_fn(
     micro-batches accumulate the full-batch gradient.
     """
 
-    def loss_fn(params, batch: RolloutBatch, totals):
+    def loss_fn(params, batch: RolloutBatch, totals, key=None):
         lp = sequence_logprobs(
             params,
             model_config,
@@ -43,6 +44,7 @@ def make_prm_loss_fn(
             temperature=temperature,
             chunk_size=chunk_size,
             remat=remat,
+            dropout_key=key,
         )
         out = implicit_prm.prm_loss(
             lp,
@@ -81,14 +83,33 @@ class PRIMETrainer(RLTrainer):
         self.prm_optimizer = make_optimizer(
             section.learning_rate, max_grad_norm=section.max_grad_norm
         )
-        # The PRM starts as a copy of the (warm-started) policy, as in the paper.
+        key = jax.random.fold_in(self.key, 9)
+        if self.base is not None:
+            # LoRA: its own adapters (B = 0: it starts as the policy) over the policy's base.
+            adapter_key, key = jax.random.split(key)
+            params, axes = adapters.fresh_adapters(
+                self.run.model_config,
+                key=adapter_key,
+                mesh=self.run.mesh,
+                param_dtype=setup.param_dtype(self.cfg.model),
+            )
+        else:  # the PRM starts as a copy of the (warm-started) policy, as in the paper
+            params, axes = self.copy_params(self.state.params), None
         self.prm_state, self.prm_shardings = create_train_state(
             self.run.model_config,
             self.prm_optimizer,
-            key=jax.random.fold_in(self.key, 9),
+            key=key,
             mesh=self.run.mesh,
-            params=self.copy_params(self.state.params),
+            params=params,
+            params_axes=axes,
         )
+
+    @property
+    def prm_params(self):
+        """The PRM's parameters (LoRA: the policy's frozen base with the PRM's adapters)."""
+        if self.base is None:
+            return self.prm_state.params
+        return lora.combine(self.base, self.prm_state.params)
 
     def compile(self) -> None:
         super().compile()
@@ -106,8 +127,11 @@ class PRIMETrainer(RLTrainer):
                 self.prm_optimizer,
                 micro_batches=self.micro_batches,
                 param_shardings=self.prm_shardings.params,
+                loss_takes_key=adapters.has_dropout(run.model_config),
             ),
             self.prm_shardings,
+            frozen=self.base,
+            frozen_shardings=self.base_shardings,
         )
 
     def _update_prm(self, seqs, ref, labels) -> dict[str, float]:
@@ -129,7 +153,7 @@ class PRIMETrainer(RLTrainer):
         labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
         if self.cfg.prime.update == "before":
             metrics.update(self._update_prm(seqs, ref, labels))
-        prm_lp = self.logprob_fn(self.prm_state.params, seqs)
+        prm_lp = self.logprob_fn(self.prm_params, seqs)
         dense = implicit_prm.process_rewards(
             prm_lp, ref, seqs.completion_mask, beta=self.run.objective.prime_beta
         )

@@ -164,12 +164,18 @@ class RLTrainer(RolloutSide, Trainer):
         return self.run.mesh
 
     @property
+    def policy_trained(self):
+        """The policy's trained parameters (every weight, or a LoRA run's adapters);
+        subclasses may keep them inside a larger state."""
+        return self.state.params
+
+    @property
     def policy_params(self):
-        """The policy's parameters (subclasses may keep them inside a larger state); a LoRA
-        run's are the frozen base with the trained adapters (no copy)."""
+        """The policy's parameters: a LoRA run's are the frozen base with the trained
+        adapters (no copy)."""
         if self.base is None:
-            return self.state.params
-        return lora.combine(self.base, self.state.params)
+            return self.policy_trained
+        return lora.combine(self.base, self.policy_trained)
 
     def setup(self) -> None:
         run, cfg = self.run, self.cfg
@@ -182,7 +188,7 @@ class RLTrainer(RolloutSide, Trainer):
                 self.sft_steps,
             )
             params, _ = sft_warmup(
-                lora.base_config(run.model_config),  # a LoRA run's warm-up makes its base
+                adapters.sft_config(cfg, run.model_config),  # LoRA: it makes the base
                 params,
                 episodes.demonstration_batches(run, cfg.sft_warmup.batch_size, cfg.seed),
                 steps=self.sft_steps,
