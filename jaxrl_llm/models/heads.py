@@ -144,16 +144,11 @@ def check_scalar_params(params: ScalarParams, config: ModelConfig) -> None:
 
 
 def _sequence_hidden(
-    params: ScalarParams,
-    config: ModelConfig,
-    prompt_tokens: Array,
-    prompt_mask: Array,
-    completion_tokens: Array,
-    completion_mask: Array,
-    remat: str,
-    dropout_key: Array | None = None,
+    params: ScalarParams, config: ModelConfig, seqs: tuple, remat: str, dropout_key: Array | None
 ) -> tuple[Array, Array]:
-    """Hidden states ``[B, P+T, D]`` of ``[prompt ; completion]`` and its mask ``[B, P+T]``."""
+    """Hidden states ``[B, P+T, D]`` of ``[prompt ; completion]`` (``seqs``: prompt tokens and
+    mask, completion tokens and mask) and its mask ``[B, P+T]``."""
+    prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     check_scalar_params(params, config)
     check_rank("prompt_tokens", prompt_tokens, 2)
     check_rank("completion_tokens", completion_tokens, 2)
@@ -166,14 +161,9 @@ def _sequence_hidden(
         )
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
-    hidden, _ = forward(
-        params["backbone"],
-        backbone_config(config),
-        tokens,
-        attention_mask=mask,
-        remat=remat,
-        dropout_key=dropout_key,
-    )
+    backbone = backbone_config(config)
+    kwargs = {"attention_mask": mask, "remat": remat, "dropout_key": dropout_key}
+    hidden, _ = forward(params["backbone"], backbone, tokens, **kwargs)
     return hidden, mask
 
 
@@ -223,16 +213,8 @@ def token_values(
     Raises:
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
-    hidden, _ = _sequence_hidden(
-        params,
-        config,
-        prompt_tokens,
-        prompt_mask,
-        completion_tokens,
-        completion_mask,
-        remat,
-        dropout_key,
-    )
+    seqs = (prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    hidden, _ = _sequence_hidden(params, config, seqs, remat, dropout_key)
     prompt_len, length = prompt_tokens.shape[1], completion_tokens.shape[1]
     values = _head(hidden[:, prompt_len - 1 : prompt_len - 1 + length], params["score"])
     return jnp.where(completion_mask.astype(bool), values, 0.0)
@@ -272,16 +254,8 @@ def sequence_scores(
     Raises:
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
-    hidden, mask = _sequence_hidden(
-        params,
-        config,
-        prompt_tokens,
-        prompt_mask,
-        completion_tokens,
-        completion_mask,
-        remat,
-        dropout_key,
-    )
+    seqs = (prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    hidden, mask = _sequence_hidden(params, config, seqs, remat, dropout_key)
     columns = jnp.arange(mask.shape[1], dtype=jnp.int32)
     last = jnp.max(jnp.where(mask, columns, 0), axis=1)
     pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]

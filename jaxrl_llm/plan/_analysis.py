@@ -157,6 +157,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         layout,
         frozen,
         rm,
+        sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
     )
     return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout, critic, rm)
 
@@ -176,6 +177,7 @@ def _lower_programs(
     layout=None,
     frozen: Frozen | None = None,
     rm=None,
+    sampler_free: int | None = None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
@@ -323,6 +325,7 @@ def _lower_programs(
         layout,
         lambda m: decode_hbm_bytes_per_chip(model_config, m, rows, seq),
         frozen,
+        sampler_free,
     )
     if rm is not None:  # (e) a learned reward model: resident all run, scoring each rollout
         lower_reward_program(programs, rm, cfg, mesh, objective, shape, sizes, seqs)

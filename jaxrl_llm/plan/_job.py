@@ -36,6 +36,7 @@ PROGRAMS = (
     "rm_scores",
     "reshard_base",
     "reshard",
+    "merge",
     "prefill",
     "decode_step",
 )

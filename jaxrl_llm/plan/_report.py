@@ -204,6 +204,11 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             "base_reshard_once_s": (
                 programs["reshard_base"]["times"]["step_s"] if "reshard_base" in programs else None
             ),
+            # A LoRA run's sampler: adapters applied on the fly, or merged once a step.
+            "lora_weights": None
+            if config.lora is None
+            else ("merged" if "merge" in programs else "adapters"),
+            "merge_s": programs["merge"]["times"]["step_s"] if "merge" in programs else None,
         },
         "step_breakdown_s": contribution,
         "dominant_program": max(contribution, key=contribution.get),

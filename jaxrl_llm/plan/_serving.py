@@ -4,6 +4,7 @@ prefill and one decode step on it (``jaxrl_llm.sampling.serving``), as ``train``
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from jaxrl_llm.plan._lora import Frozen, policy, reshard_programs, serving_trees
 from jaxrl_llm.sampling import serving, strategies
 from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
+from jaxrl_llm.train import adapters
 from jaxrl_llm.train.rl.serving import rollout_layout
 
 PyTree = Any
@@ -60,6 +62,7 @@ def lower_sampler_programs(
     layout: serving.ServingLayout,
     decode_hbm_bytes: Any,
     frozen: Frozen | None = None,
+    free_bytes: int | None = None,
 ) -> None:
     """Adds ``reshard`` (unless the sampler runs on the trainer's layout), ``prefill`` and
     ``decode_step`` to ``programs``; for a LoRA job (``frozen``: its base) the sampler decodes
@@ -68,7 +71,9 @@ def lower_sampler_programs(
 
     ``decode_hbm_bytes(mesh)``: the analytic HBM bytes of one decode step on the trainer's
     layout (its weight gathers are not in the loop body XLA:TPU emits for small meshes); on
-    a serving layout the HBM bytes are read off the HLO of one loop trip.
+    a serving layout the HBM bytes are read off the HLO of one loop trip. ``free_bytes``: the
+    chip's usable HBM less the resident state, where ``model.lora.sampler=auto`` checks that a
+    merged copy fits (as ``train`` checks the devices' free memory).
     """
     r = cfg.rollout
     p_len, t_len, rows = shape.prompt_len, shape.completion_len, shape.rows
@@ -123,6 +128,16 @@ def lower_sampler_programs(
             )
             served = sizes.serving_base + adapter_bytes
         weights_arg = {"sampler_weights": served}
+
+    if frozen is not None and adapters.merged_sampler(cfg, model_config, layout, free_bytes):
+        model_config, params, merged = _merge_program(
+            programs, model_config, params, weights_arg, resident
+        )
+        weights_arg = {
+            **weights_arg,
+            "sampler_weights": weights_arg.get("sampler_weights", 0) + merged,
+        }
+        inner = {}  # the merged copy is in the compute dtype already
 
     cache_dtype = jnp.dtype(model_config.compute_dtype)
     top_k = strategies.check_sampling_args(
@@ -181,6 +196,32 @@ def lower_sampler_programs(
             hbm_bytes=hbm,
             per_step_loop=True,
         )
+
+
+def _merge_program(
+    programs, model_config, params, weights_arg, resident
+) -> tuple[Any, PyTree, int]:
+    """``model.lora.sampler`` merged (``RLTrainer.merge_sampler``): once a step the adapters
+    are merged into a copy of the targeted base weights (``adapters.merge_program``), and the
+    sampler decodes the base model on it. Adds ``merge``; returns the sampler's config, its
+    parameters and the merged copy's bytes a chip."""
+    base, trained = lora.split(params)
+    shardings = jax.tree.map(lambda x: x.sharding, base)
+    targeted = {lora.LORA_WEIGHTS[t][0] for t in model_config.lora.targets}
+    merged = shard_bytes({k: v for k, v in base["layers"].items() if k in targeted})
+    flops = 2.0 * model_config.lora.rank * sum(math.prod(base["layers"][k].shape) for k in targeted)
+    programs["merge"] = Program(
+        name="merge",
+        lowered=adapters.merge_program(model_config, shardings).lower(base, trained),
+        calls_per_step=1,
+        flops=flops,
+        model_flops=0.0,
+        tokens=0,
+        argument_parts=weights_arg,
+        resident=resident,
+        inner_parts={"sampler_weights": merged},
+    )
+    return lora.base_config(model_config), base, merged
 
 
 def _sampling_params(mesh: Mesh) -> SamplingParams:

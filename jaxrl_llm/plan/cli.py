@@ -178,15 +178,19 @@ def _sampler_line(layout: Mapping[str, Any]) -> str:
     )
 
 
-def _lora_line(model: Mapping[str, Any]) -> list[str]:
+def _lora_line(model: Mapping[str, Any], layout: Mapping[str, Any]) -> list[str]:
     lora = model.get("lora")
     if not lora:
         return []
+    if layout.get("lora_weights") == "merged":
+        sampler = f"the sampler decodes merged weights (merge {_ms(layout['merge_s'])} ms a step)"
+    else:
+        sampler = "the sampler applies the adapters on the fly"
     return [
         f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])}: "
         f"{lora['adapter_params'] / 1e6:.1f} M adapter parameters trained (the params and "
         f"optim columns); the base frozen in {model['compute_dtype']} (base), also the "
-        "reference"
+        f"reference; {sampler} (model.lora.sampler)"
     ]
 
 
@@ -238,7 +242,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{job['minibatch_rows']} rows, {job['micro_batches']} micro-batch(es), remat "
         f"{job['remat']}; weights {model['param_dtype']}, compute {model['compute_dtype']}, "
         f"AdamW moments {model['optimizer_state_dtype']}",
-        *_lora_line(model),
+        *_lora_line(model, report["sampler_layout"]),
         *_aux_lines(report),
         "",
         f"HBM per chip (GiB; the compiler lets a program use {report['hbm_usable_gib']:.2f}, "

@@ -366,6 +366,73 @@ def export_adapter(
     return directory
 
 
+def _targeted_shapes(config: models.ModelConfig) -> list[Any]:
+    targeted = {lora.LORA_WEIGHTS[t][0] for t in config.lora.targets}
+    layers = models.param_shapes(lora.base_config(config))["layers"]
+    return [layers[name] for name in sorted(targeted)]
+
+
+_DEVICE_MEMORY = object()
+
+
+def merged_sampler(
+    cfg, config: models.ModelConfig, layout, free_bytes: Any = _DEVICE_MEMORY
+) -> bool:
+    """Whether a LoRA run's sampler decodes merged weights (``model.lora.sampler``).
+
+    ``auto`` compares the bytes each costs per policy update, as a memory-bound decode step
+    reads every weight once: applying adapters on the fly reads them at each of the
+    ``rollout.max_new_tokens`` decode steps (``T · N_A``, plus their small matmuls); merging
+    reads the targeted base weights and writes their merged copy once (``2 · N_W``). It merges
+    when ``T · N_A > 2 · N_W`` (about ``T > d / r``) and the sampler's devices have room for the
+    merged copy beside the base (``N_W`` over its tensor axis); the sampler's log-probs then
+    come from ``W + (alpha / r) A B`` rounded to the compute dtype. ``free_bytes``: the
+    sampler devices' free memory (default: what they report; ``plan`` passes the chip's usable
+    HBM less the resident state; None: unknown, assumed to fit).
+    """
+    mode = cfg.model.lora.sampler
+    if mode != "auto":
+        return mode == "merged"
+    itemsize = jnp.dtype(config.compute_dtype or cfg.model.param_dtype).itemsize
+    adapter = sum(math.prod(x.shape) for x in jax.tree.leaves(lora.adapter_shapes(config)))
+    targeted = sum(math.prod(x.shape) for x in _targeted_shapes(config))
+    if free_bytes is _DEVICE_MEMORY:
+        from jaxrl_llm.sampling import serving  # noqa: PLC0415
+
+        free_bytes = serving.free_device_bytes(layout.mesh)
+    fits = free_bytes is None or free_bytes > 1.25 * targeted * itemsize / layout.tensor
+    return cfg.rollout.max_new_tokens * adapter > 2 * targeted and fits
+
+
+class _Merge:
+    """``(base, adapters) -> merged base``: one jitted program computes the targeted weights
+    only; the others are the base's own arrays (never copied)."""
+
+    def __init__(self, config: models.ModelConfig, shardings: PyTree):
+        targeted = sorted({lora.LORA_WEIGHTS[t][0] for t in config.lora.targets})
+
+        def merged(base, trained):
+            layers = lora.merge_weights(lora.combine(base, trained), config)["layers"]
+            return {name: layers[name] for name in targeted}
+
+        out = {name: shardings["layers"][name] for name in targeted}
+        self.jitted = jax.jit(merged, out_shardings=out)
+
+    def __call__(self, base: PyTree, trained: PyTree) -> PyTree:
+        return {**base, "layers": {**base["layers"], **self.jitted(base, trained)}}
+
+    def lower(self, base: PyTree, trained: PyTree):
+        return self.jitted.lower(base, trained)
+
+
+def merge_program(config: models.ModelConfig, shardings: PyTree) -> _Merge:
+    """A jitted ``(base, adapters) -> merged base`` (``base_config``'s parameters; the targeted
+    weights ``W + (alpha / r) A B`` in the base's dtype on ``shardings``, the rest the base's
+    arrays): the sampler's weights for ``model.lora.sampler=merged``, the SFT warm-up's
+    result."""
+    return _Merge(config, shardings)
+
+
 def serving_reshards(config: models.ModelConfig, layout) -> tuple[Any, Any]:
     """``(base, adapters)`` reshard programs into the sampler's layout (compute dtype), so the
     base moves once per run and each policy update moves only the adapters."""

@@ -38,12 +38,17 @@ class LoraSection:
       alpha: scale numerator (scale = alpha / rank), PEFT's ``lora_alpha``.
       dropout: dropout on the adapters' input while training.
       targets: projections to adapt, from q, k, v, o, gate, up, down (default: all seven).
+      sampler: how the RL sampler applies them: ``adapters`` (on the fly, every decode step),
+        ``merged`` (merged into its copy of the base once per update; decoding runs the base
+        model's program) or ``auto`` (merged where that moves fewer bytes and fits:
+        ``train.adapters.merged_sampler``).
     """
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    sampler: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,6 +148,9 @@ def build_policy(cfg, mesh):
     return tokenizer, model_config, None
 
 
+LORA_SAMPLERS = ("auto", "adapters", "merged")
+
+
 def lora_spec(section) -> models.LoraSpec | None:
     """The ``LoraSpec`` of ``model.lora`` (None: full fine-tuning).
 
@@ -157,6 +160,10 @@ def lora_spec(section) -> models.LoraSpec | None:
     if section.lora is None:
         return None
     section = section.lora
+    if section.sampler not in LORA_SAMPLERS:
+        raise ValueError(
+            f"model.lora.sampler must be one of {LORA_SAMPLERS}, got {section.sampler!r}"
+        )
     try:
         return models.LoraSpec(
             rank=section.rank,

@@ -16,7 +16,6 @@ import jax
 import optax
 
 from jaxrl_llm import aggregation
-from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
@@ -145,8 +144,4 @@ def sft_warmup(
     history = [float(x) for x in jax.device_get(history)]
     if frozen is None:
         return state.params, history
-    merged = jax.jit(
-        lambda base, trained: lora.merge_weights(lora.combine(base, trained), model_config),
-        out_shardings=frozen_shardings,
-    )(frozen, state.params)
-    return merged, history
+    return adapters.merge_program(model_config, frozen_shardings)(frozen, state.params), history

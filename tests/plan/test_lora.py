@@ -222,6 +222,40 @@ def test_lora_compile_matches_the_accounting(compiled):
     json.dumps(report)
 
 
+# The targeted weights (all seven) a layer: q, o [64, 4 x 16], k, v [64, 2 x 16], gate, up,
+# down 64 x 128: 2 x 4096 + 2 x 2048 + 3 x 8192 = 36864; on data 2 x tensor 2 each is split by
+# tensor (heads, MLP), bf16: 2 layers x 36864 / 2 x 2 bytes.
+MERGED_BYTES = 2 * 36864 // 2 * 2
+
+
+def test_the_merged_sampler_is_planned_as_train_runs_it(tiny_path):
+    """``model.lora.sampler=merged``: a ``merge`` program once a step (its output the merged
+    copy of the targeted weights, 2 r N_W FLOPs for the A B products), and the sampler's
+    prefill and decode are the base model's (no adapter FLOPs), with that copy alive beside
+    the base's serving copy. ``auto`` picks it from T > 2 N_W / N_A = 2 x 36864 / 4096 = 18
+    decode steps on (the job decodes 8: adapters on the fly)."""
+    on_the_fly = _job(tiny_path)
+    job = _job(tiny_path, "model.lora.sampler=merged")
+    assert "merge" not in on_the_fly.programs and "merge" in job.programs
+    assert "merge" in _job(tiny_path, "rollout.max_new_tokens=19").programs
+    assert "merge" not in _job(tiny_path, "rollout.max_new_tokens=18").programs
+    merge = job.programs["merge"]
+    served_adapters = 11776  # test_lora_programs_by_hand
+    assert merge.calls_per_step == 1
+    assert merge.inner_parts == {"sampler_weights": MERGED_BYTES}
+    assert merge.argument_parts == {"sampler_weights": SERVING_BASE + served_adapters}
+    assert merge.flops == 2 * 4 * 2 * 36864
+    base = lora.base_config(job.model_config)
+    shape = job.shape
+    decode = job.programs["decode_step"]
+    assert decode.flops == flops.decode_flops(base, shape.rows, shape.seq_len)
+    assert on_the_fly.programs["decode_step"].flops > decode.flops
+    weights = SERVING_BASE + served_adapters + MERGED_BYTES
+    assert decode.argument_parts["sampler_weights"] == weights
+    compiled = merge.lowered.compile()  # the merge program runs on the serving layout
+    assert est.memory_breakdown(compiled).output_bytes >= MERGED_BYTES
+
+
 def _gradient_reductions(program) -> list[hlo.CollectiveOp]:
     module = hlo.parse_hlo_module(program.lowered.compile().as_text())
     return [op for op in hlo.collective_ops(module) if op.kind in ("all-reduce", "reduce-scatter")]

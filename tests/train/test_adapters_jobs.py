@@ -25,6 +25,7 @@ from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.rl.ppo import PPOTrainer
 from jaxrl_llm.train.rl.prime import PRIMETrainer
+from jaxrl_llm.train.rl.serving import trainer_sampler
 from tests.train.rl import rl_helpers
 
 
@@ -297,3 +298,70 @@ def test_the_sft_warm_up_of_a_pretrained_base_trains_adapters_only(tmp_path):
             assert np.linalg.matrix_rank(flat, tol=1e-6 * np.abs(flat).max()) <= 4, name
     trainer.checkpointer.close()
     trainer.metrics_writer.close()
+
+
+# -- the sampler's weights: adapters on the fly or merged ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "max_new_tokens, sampler, merged",
+    [(20, "auto", False), (21, "auto", True), (200, "adapters", False), (1, "merged", True)],
+)
+def test_auto_merges_when_the_decode_reads_more_adapter_bytes_than_a_merge(
+    tmp_path, max_new_tokens, sampler, merged
+):
+    """By hand, per layer of the built-in model (d 64, MLP 192, 4 query and 2 key/value heads
+    of 16) with rank 4 on q, v, o, up, down: the targeted weights hold N_W = 4096 + 2048 + 4096
+    + 12288 + 12288 = 34816 values, the adapters N_A = 4 (128 + 96 + 128 + 256 + 256) = 3456;
+    merging (2 N_W = 69632) moves fewer bytes than decoding T tokens on the fly (T N_A) from
+    T = 21 on."""
+    from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
+
+    cfg = _rl(
+        "grpo.yaml",
+        tmp_path,
+        f"rollout.max_new_tokens={max_new_tokens}",
+        f"model.lora.sampler={sampler}",
+    )
+    trainer = RLTrainer(cfg)
+    layout = trainer_sampler(cfg, trainer.run.model_config, trainer.run.mesh)[0]
+    assert adapters.merged_sampler(cfg, trainer.run.model_config, layout) is merged
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+
+
+def test_an_unknown_lora_sampler_is_named(tmp_path):
+    from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="model.lora.sampler must be one of"):
+        RLTrainer(_rl("grpo.yaml", tmp_path, "model.lora.sampler=fused"))
+
+
+def test_the_merged_sampler_decodes_what_the_adapters_do(tmp_path):
+    """``model.lora.sampler=merged``: the sampler runs the base model's program on
+    ``W + (alpha / r) A B`` (no adapter in its parameters), and in f32 samples the same
+    completions with the same log-probs (to float rounding) as adapters applied on the fly."""
+    from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
+
+    runs = {}
+    for mode in ("adapters", "merged"):
+        trainer = RLTrainer(_rl("grpo.yaml", tmp_path / mode, f"model.lora.sampler={mode}"))
+        trainer.fit()
+        runs[mode] = trainer
+    merged, on_the_fly = runs["merged"], runs["adapters"]
+    assert merged.run.sampler_config == lora.base_config(merged.run.model_config)
+    assert on_the_fly.merge_sampler is None and on_the_fly.run.sampler_config is None
+    served = merged.sampler_params()
+    assert not lora.split(served)[1]["layers"]
+    chex.assert_trees_all_close(
+        jax.device_get(served),
+        jax.device_get(lora.merge_weights(merged.policy_params, merged.run.model_config)),
+        atol=1e-6,
+    )
+    a = read_metrics(tmp_path / "adapters")
+    b = read_metrics(tmp_path / "merged")
+    for row_a, row_b in zip(a, b, strict=True):
+        for key in ("reward_mean", "completion_length_mean", "accuracy"):
+            assert row_a[key] == row_b[key], key
+        assert row_b["rollout/logprob_diff_max"] < 1e-4
+        assert row_a["loss"] == pytest.approx(row_b["loss"], rel=1e-4, abs=1e-6)

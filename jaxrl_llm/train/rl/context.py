@@ -165,6 +165,13 @@ class RunContext:
     reward_model: Any = None  # (score_fn, params) of a learned reward model, or None
     env: Any = None  # the multi-turn environment of env.name (``envs.Environment``), or None
     scorer: Any = None  # a ``rewards.ScoringPool`` (rollout.reward_workers > 0), or None
+    sampler_config: Any = None  # the sampler's model when not ``model_config`` (merged LoRA)
+
+    @property
+    def sampling_config(self):
+        """The ``ModelConfig`` the sampler decodes: a LoRA run's base with merged weights
+        (``model.lora.sampler``), else the policy's."""
+        return self.model_config if self.sampler_config is None else self.sampler_config
 
     def prompts(self, examples) -> list[str]:
         return [
@@ -204,7 +211,7 @@ class RunContext:
                 )
         samples = rollout_lib.sample_and_score(
             params,
-            self.model_config,
+            self.sampling_config,
             self.tokenizer,
             examples,
             self.prompts(examples),

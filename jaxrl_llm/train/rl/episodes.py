@@ -58,7 +58,7 @@ def sample_episodes(
     cfg, r = context.cfg, context.cfg.rollout
     out = envs.run_episodes(
         params,
-        context.model_config,
+        context.sampling_config,
         renderer(context),
         context.env,
         examples,

@@ -149,26 +149,37 @@ class RolloutSide:
     """``RLTrainer``'s rollout methods (a mixin over its ``cfg``, ``run``, ``serving`` ...)."""
 
     def sampler_params(self, timer: PhaseTimer | None = None):
-        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``)."""
+        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``); a
+        LoRA run's merged into one base copy with ``model.lora.sampler=merged``."""
+        phase = timer.phase("reshard") if timer else contextlib.nullcontext()
+        if self.merge_sampler is not None:
+            with phase:
+                return jax.block_until_ready(self.merge_sampler(*self._served_lora()))
         if self.serving.is_trainer_layout:  # else resharded on device
             return self.policy_params
-        with timer.phase("reshard") if timer else contextlib.nullcontext():
+        with phase:
             if self.base is None:
                 return jax.block_until_ready(self.reshard(self.policy_params))
-            # LoRA: the base moves once per run, each update only the adapters.
-            if self.serving_base is None:
-                reshard_base, self.reshard_adapters = adapters.serving_reshards(
-                    self.run.model_config, self.serving
-                )
-                self.serving_base = reshard_base(self.base)
-            served = self.reshard_adapters(self.policy_trained)
-            return jax.block_until_ready(lora.combine(self.serving_base, served))
+            return jax.block_until_ready(lora.combine(*self._served_lora()))
+
+    def _served_lora(self):
+        """A LoRA run's ``(base, adapters)`` on the sampler's layout: on a serving layout the
+        base moves once per run, each update only the adapters."""
+        if self.serving.is_trainer_layout:
+            return self.base, self.policy_trained
+        if self.serving_base is None:
+            reshard_base, self.reshard_adapters = adapters.serving_reshards(
+                self.run.model_config, self.serving
+            )
+            self.serving_base = reshard_base(self.base)
+        return self.serving_base, self.reshard_adapters(self.policy_trained)
 
     def sampler_snapshot(self, timer: PhaseTimer | None = None):
         """:meth:`sampler_params` in buffers of their own when they would be the train
         state's (which the update donates): what a rollout running beside it decodes."""
         params = self.sampler_params(timer)
-        if not self.serving.is_trainer_layout or not self.cfg.rollout.max_staleness:
+        own = self.merge_sampler is not None or not self.serving.is_trainer_layout
+        if own or not self.cfg.rollout.max_staleness:
             return params
         with timer.phase("reshard") if timer else contextlib.nullcontext():
             if self.base is None:

@@ -76,6 +76,8 @@ class RLTrainer(RolloutSide, Trainer):
     base: Any = None
     base_shardings: Any = None
     serving_base: Any = None  # the base in the sampler's layout (moved once)
+    #: LoRA with ``model.lora.sampler`` merged: ``(base, adapters) -> merged base``, else None.
+    merge_sampler: Any = None
     #: Score in the workers while the log-prob forwards run (False: wait first; benchmarks).
     defer_scoring = True
 
@@ -235,6 +237,11 @@ class RLTrainer(RolloutSide, Trainer):
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref and self.base is None
         self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
+        if self.base is not None and adapters.merged_sampler(cfg, run.model_config, self.serving):
+            self.merge_sampler = adapters.merge_program(
+                run.model_config, self.sampler_base_shardings
+            )
+            run.sampler_config = lora.base_config(run.model_config)
         self.pipeline = self.make_pipeline()
         self.compile()
 
@@ -283,6 +290,13 @@ class RLTrainer(RolloutSide, Trainer):
         self.advantage_fn = objectives.advantage_fn(
             run.objective, group_size=cfg.rollout.group_size
         )
+
+    @property
+    def sampler_base_shardings(self):
+        """A LoRA run's base's shardings on the sampler's layout."""
+        if self.serving.is_trainer_layout:
+            return self.base_shardings
+        return lora.split(self.serving.shardings)[0]
 
     # -- checkpoints ---------------------------------------------------------------------------
 
