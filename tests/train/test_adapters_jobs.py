@@ -246,10 +246,11 @@ def test_a_lora_reward_model_trains_adapters_and_head_and_exports_merged(tmp_pat
 def test_a_lora_reward_model_resumes_exactly(tmp_path):
     from jaxrl_llm.train.preference.trainer import PreferenceTrainer  # noqa: PLC0415
 
-    straight = PreferenceTrainer(_reward_model(tmp_path / "straight"))
+    common = ("trainer.max_steps=2", "checkpoint.every_steps=1")
+    straight = PreferenceTrainer(_reward_model(tmp_path / "straight", *common))
     straight.fit()
-    PreferenceTrainer(_reward_model(tmp_path / "resumed", "trainer.max_steps=2")).fit()
-    resumed = PreferenceTrainer(_reward_model(tmp_path / "resumed", "resume=true"))
+    PreferenceTrainer(_reward_model(tmp_path / "resumed", *common, "trainer.max_steps=1")).fit()
+    resumed = PreferenceTrainer(_reward_model(tmp_path / "resumed", *common, "resume=true"))
     resumed.fit()
     assert rl_helpers.without_timing(read_metrics(tmp_path / "resumed")) == (
         rl_helpers.without_timing(read_metrics(tmp_path / "straight"))

@@ -9,10 +9,7 @@ resumes exactly, and PPO on the built-in task improves held-out accuracy.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -297,35 +294,3 @@ def test_ppo_config_errors(tmp_path):
         PPOTrainer(_ppo_config(tmp_path / "c", "critic.optimizer=shared"))
     with pytest.raises(ValueError, match="gae"):
         PPOTrainer(rl_helpers.tiny_config(rl_helpers.CONFIGS / "grpo.yaml", tmp_path / "d"))
-
-
-@pytest.mark.slow
-def test_ppo_on_the_built_in_task_improves_held_out_accuracy(tmp_path):
-    """``jaxrl-llm train configs/ppo.yaml`` as a user runs it (its 60 RL steps, ~1 min).
-
-    Greedy accuracy on the 128 held-out prompts went from 82.0% to 93.8% on a 2-core CPU (JAX
-    0.10.2, 2000 SFT warm-up steps); 5 points is well clear of a tie yet far below that gain.
-    """
-    run_dir = tmp_path / "ppo"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxrl_llm.cli",
-            "train",
-            str(rl_helpers.CONFIGS / "ppo.yaml"),
-            f"run_dir={run_dir}",
-            "logging.progress=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=rl_helpers.single_device_env(),
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    summary = json.loads(result.stdout)
-    before = summary["eval_before_rl"]["accuracy"]
-    after = summary["eval_after_rl"]["accuracy"]
-    assert after >= before + 0.05, summary
-    rows = read_metrics(run_dir)
-    assert all(math.isfinite(r["critic/explained_variance"]) for r in rows)
