@@ -81,9 +81,24 @@ def pytest_runtest_setup(item):
         pytest.skip(f"needs {needs.args[0]} devices, this run has {jax.device_count()}")
 
 
+# The longest test files (minutes of two-process or 8-device work each), run first: with
+# ``--dist loadfile`` the workers then fill in with the short files and finish together
+# (longest-first scheduling) instead of one of them running a long file alone at the end.
+_FIRST = (
+    "tests/train/rl/test_tool_task.py",
+    "tests/train/rl/test_default_learns.py",
+    "tests/plan/test_cli.py",
+    "tests/train/test_adapters.py",
+    "tests/parallel/test_two_process_step.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The mutation check (its two halves, tests/test_mutation.py and
-    tests/test_mutation_second_half.py) runs last: its child sessions reuse the compilation
-    cache the rest of the suite filled."""
+    """The longest files run first (``_FIRST``); the mutation check (its two halves,
+    tests/test_mutation.py and tests/test_mutation_second_half.py) runs last: its child
+    sessions reuse the compilation cache the rest of the suite filled."""
+    first = [item for item in items if item.nodeid.split("::")[0] in _FIRST]
+    first.sort(key=lambda item: _FIRST.index(item.nodeid.split("::")[0]))
     last = [item for item in items if item.nodeid.endswith("test_every_mutant_is_killed")]
-    items[:] = [item for item in items if item not in last] + last
+    middle = [item for item in items if item not in first and item not in last]
+    items[:] = first + middle + last
