@@ -16,12 +16,12 @@ Run::
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import tempfile
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import console_run  # noqa: E402
 
 ASYNC = (
     "rollout.max_staleness=1",
@@ -30,33 +30,17 @@ ASYNC = (
 )
 
 
-def main() -> None:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=8"]),
-    }
-    script = pathlib.Path(sys.executable).parent / "jaxrl-llm"
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = pathlib.Path(tmp) / "async"
-        started = time.perf_counter()
-        result = subprocess.run(
-            [str(script), "train", f"run_dir={run_dir}", "logging.progress=false", *ASYNC],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        wall = time.perf_counter() - started
-        if result.returncode:
-            sys.exit(result.stderr[-5000:])
-        summary = json.loads(result.stdout)
-        from jaxrl_llm.train import timeline
-        from jaxrl_llm.train.metrics import read_metrics
+def _read(run_dir: pathlib.Path):
+    from jaxrl_llm.train import timeline
+    from jaxrl_llm.train.metrics import read_metrics
 
-        rows = read_metrics(run_dir)
-        spans = timeline.read(run_dir / timeline.FILE)
+    return read_metrics(run_dir), timeline.read(run_dir / timeline.FILE)
+
+
+def main() -> None:
+    summary, wall, (rows, spans) = console_run.train(ASYNC, devices=8, read=_read)
+    from jaxrl_llm.train import timeline
+
     overlap = timeline.overlap_seconds(
         spans, "trainer", {"logprobs", "update"}, "rollout", {"rollout"}
     )

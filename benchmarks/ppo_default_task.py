@@ -16,37 +16,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
-import tempfile
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import console_run  # noqa: E402
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "ppo.yaml"
 
 
 def main() -> None:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
-    script = pathlib.Path(sys.executable).parent / "jaxrl-llm"
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = pathlib.Path(tmp) / "ppo"
-        started = time.perf_counter()
-        result = subprocess.run(
-            [str(script), "train", str(CONFIG), f"run_dir={run_dir}", "logging.progress=false"],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        wall = time.perf_counter() - started
-        if result.returncode:
-            sys.exit(result.stderr[-5000:])
-        summary = json.loads(result.stdout)
-        from jaxrl_llm.train.metrics import read_metrics
+    from jaxrl_llm.train.metrics import read_metrics
 
-        rows = read_metrics(run_dir)
+    summary, wall, rows = console_run.train([str(CONFIG)], read=read_metrics)
     variance = [r["critic/explained_variance"] for r in rows]
     before = summary["eval_before_rl"]["accuracy"]
     after = summary["eval_after_rl"]["accuracy"]

@@ -241,13 +241,14 @@ def test_lora_dropout_is_in_the_update_only_and_reproducible(tmp_path):
 # -- preference (DPO family) -------------------------------------------------------------------
 
 
-def _dpo(run_dir, *extra):
+def preference_config(config: str, run_dir, *extra):
+    """A tiny LoRA preference or reward-model job from ``configs/<config>``."""
     from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
     from jaxrl_llm.train.preference.config import PreferenceConfig  # noqa: PLC0415
 
     return load_config(
         PreferenceConfig,
-        rl_helpers.CONFIGS / "dpo.yaml",
+        rl_helpers.CONFIGS / config,
         [
             "sft_warmup.steps=20",
             "data.num_train=16",
@@ -264,6 +265,10 @@ def _dpo(run_dir, *extra):
             *extra,
         ],
     )
+
+
+def _dpo(run_dir, *extra):
+    return preference_config("dpo.yaml", run_dir, *extra)
 
 
 @pytest.mark.parametrize("reference", ["precompute", "on_the_fly"])

@@ -27,6 +27,7 @@ from jaxrl_llm.train.rl.ppo import PPOTrainer
 from jaxrl_llm.train.rl.prime import PRIMETrainer
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from tests.train.rl import rl_helpers
+from tests.train.test_adapters import preference_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,29 +183,7 @@ def test_a_lora_prm_is_adapters_over_the_policys_base(tmp_path):
 
 
 def _reward_model(run_dir, *extra):
-    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
-    from jaxrl_llm.train.preference.config import PreferenceConfig  # noqa: PLC0415
-
-    return load_config(
-        PreferenceConfig,
-        rl_helpers.CONFIGS / "reward_model.yaml",
-        [
-            "sft_warmup.steps=20",
-            "data.num_train=16",
-            "data.eval_size=16",
-            "trainer.batch_size=8",
-            "trainer.learning_rate=5e-3",
-            "trainer.max_steps=4",
-            "checkpoint.every_steps=2",
-            "logging.progress=false",
-            "logging.plots=false",
-            "logging.tensorboard=false",
-            "mesh.fsdp=1",
-            "model.lora={rank: 4, alpha: 8.0}",
-            f"run_dir={run_dir}",
-            *extra,
-        ],
-    )
+    return preference_config("reward_model.yaml", run_dir, "checkpoint.every_steps=2", *extra)
 
 
 def test_a_lora_reward_model_trains_adapters_and_head_and_exports_merged(tmp_path, rng):
