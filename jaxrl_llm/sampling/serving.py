@@ -43,12 +43,14 @@ BUDGET_FRACTION = 0.9
 
 class ServingLayout(NamedTuple):
     """Where the sampler's parameters live: ``mesh`` (axes ``MESH_AXES``), the parameters'
-    ``shardings`` on it, the ``tensor`` size, and whether it is the trainer's own layout."""
+    ``shardings`` on it, the ``tensor`` size, whether it is the trainer's own layout, and
+    whether its devices are others than the trainer's (``mesh.rollout_devices``)."""
 
     mesh: Mesh
     shardings: Any
     tensor: int
     is_trainer_layout: bool
+    separate: bool = False
 
 
 def tensor_sizes(config: Any, devices: int) -> list[int]:
@@ -203,7 +205,7 @@ def serving_layout(
 
 
 def make_reshard(config: Any, layout: ServingLayout):
-    """``params -> params`` in the compute dtype on ``layout`` (one jitted program, on device).
+    """``params -> params`` in the compute dtype on ``layout`` (on device).
 
     The cast runs on each source shard before the collectives, so they move compute-dtype
     bytes. For the trainer's layout the parameters are returned as they are (the sampler casts
@@ -211,9 +213,18 @@ def make_reshard(config: Any, layout: ServingLayout):
     """
     if layout.is_trainer_layout:
         return lambda params: params
-    # The output's sharding is on the serving mesh, the input's on the trainer's: the same
-    # devices in the same order, so one program (and one device assignment) covers both.
-    return jax.jit(lambda params: cast_params(params, config), out_shardings=layout.shardings)
+    return cast_to(config, layout.shardings, separate=layout.separate)
+
+
+def cast_to(config: Any, shardings: Any, *, separate: bool = False):
+    """``tree -> tree`` in the compute dtype on ``shardings``: one jitted program when they
+    are on the tree's devices (the serving mesh orders the trainer's devices, so one device
+    assignment covers both); with ``separate`` (the sampler on devices of its own) the cast
+    runs on the source devices and ``jax.device_put`` copies the result across."""
+    if not separate:
+        return jax.jit(lambda tree: cast_params(tree, config), out_shardings=shardings)
+    cast = jax.jit(lambda tree: cast_params(tree, config))
+    return lambda tree: jax.device_put(cast(tree), shardings)
 
 
 def free_device_bytes(mesh: Mesh) -> float | None:
@@ -234,6 +245,7 @@ __all__ = [
     "TENSOR_CHOICES",
     "ServingLayout",
     "cache_bytes",
+    "cast_to",
     "choose_tensor",
     "free_device_bytes",
     "make_reshard",

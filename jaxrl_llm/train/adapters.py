@@ -299,8 +299,6 @@ def check_lora_job(cfg, job: str, objective=None) -> None:
             f"model.lora is not supported for {job} jobs (RL, preference and reward-model "
             "jobs only)"
         )
-    if getattr(cfg.mesh, "rollout_devices", 0):
-        raise ValueError("model.lora with mesh.rollout_devices is not supported yet")
 
 
 def setup_run(
@@ -417,9 +415,14 @@ class _Merge:
 
         out = {name: shardings["layers"][name] for name in targeted}
         self.jitted = jax.jit(merged, out_shardings=out)
+        self.mesh = out[targeted[0]].mesh
 
     def __call__(self, base: PyTree, trained: PyTree) -> PyTree:
-        return {**base, "layers": {**base["layers"], **self.jitted(base, trained)}}
+        # Under the mesh of its shardings: a sampler on devices of its own
+        # (``mesh.rollout_devices``) merges there, while the trainer's mesh is the context's.
+        with jax.set_mesh(self.mesh):
+            merged = self.jitted(base, trained)
+        return {**base, "layers": {**base["layers"], **merged}}
 
     def lower(self, base: PyTree, trained: PyTree):
         return self.jitted.lower(base, trained)
@@ -435,12 +438,13 @@ def merge_program(config: models.ModelConfig, shardings: PyTree) -> _Merge:
 
 def serving_reshards(config: models.ModelConfig, layout) -> tuple[Any, Any]:
     """``(base, adapters)`` reshard programs into the sampler's layout (compute dtype), so the
-    base moves once per run and each policy update moves only the adapters."""
-    from jaxrl_llm.models.transformer import cast_params  # noqa: PLC0415
+    base moves once per run and each policy update moves only the adapters (copied across to
+    a sampler on devices of its own, ``mesh.rollout_devices``)."""
+    from jaxrl_llm.sampling import serving  # noqa: PLC0415
 
     base_shardings, adapter_shardings = lora.split(layout.shardings)
-
-    def program(shardings):
-        return jax.jit(lambda tree: cast_params(tree, config), out_shardings=shardings)
-
-    return program(base_shardings), program(adapter_shardings)
+    separate = getattr(layout, "separate", False)
+    return (
+        serving.cast_to(config, base_shardings, separate=separate),
+        serving.cast_to(config, adapter_shardings, separate=separate),
+    )

@@ -186,13 +186,9 @@ def test_unsupported_lora_settings_are_named(tmp_path, override, match):
         RLTrainer(_config(tmp_path, *override))
 
 
-@pytest.mark.slow
-def test_a_lora_run_on_a_2x2x2_mesh_matches_one_device(tmp_path):
-    """Adapters follow their base weight's sharding; the sampler's layout (data 4 x tensor 2)
-    gets the base once and the adapters every step; the first step equals one device's."""
-    common = ("trainer.max_steps=2", "model.tiny.vocab_multiple=2", "sft_warmup.steps=10")
-    mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    trainer = RLTrainer(_config(tmp_path / "mesh", *common, *mesh))
+def _run_counting_base_moves(cfg):
+    """``(trainer, summary, the sampler's base at each sampler_params call)``."""
+    trainer = RLTrainer(cfg)
     moved = []
     original = trainer.__class__.sampler_params
 
@@ -204,19 +200,59 @@ def test_a_lora_run_on_a_2x2x2_mesh_matches_one_device(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RLTrainer, "sampler_params", counting)
         summary = trainer.fit()
+    return trainer, summary, moved
+
+
+@pytest.mark.slow
+def test_lora_runs_on_a_2x2x2_mesh_and_on_sampler_devices_match_one_device(tmp_path):
+    """Adapters follow their base weight's sharding; the sampler's layout (data 4 x tensor 2)
+    gets the base once and the adapters every step; the first step equals one device's. With
+    ``mesh.rollout_devices=4`` (and the asynchronous loop) the merged sampler sits on the
+    first four devices: the base crosses once, each update's adapters are copied across and
+    merged there, and the first step is again one device's."""
+    common = ("trainer.max_steps=2", "model.tiny.vocab_multiple=2", "sft_warmup.steps=10")
+    mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    trainer, summary, moved = _run_counting_base_moves(_config(tmp_path / "mesh", *common, *mesh))
     assert dict(trainer.serving.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     assert len(moved) >= 3 and all(base is moved[0] for base in moved)  # resharded once
     wq_a = trainer.state.params["layers"]["wq_lora_a"].sharding.spec
     wq_b = trainer.state.params["layers"]["wq_lora_b"].sharding.spec
     assert wq_a[1] == "fsdp" and wq_b[2] == "tensor", (wq_a, wq_b)
+
+    separate = (
+        "mesh.rollout_devices=4",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "model.lora.sampler=merged",
+        "rollout.max_staleness=1",
+    )
+    apart, apart_summary, moved = _run_counting_base_moves(
+        _config(tmp_path / "apart", *common, *separate)
+    )
+    devices = jax.devices()
+    assert {d for x in jax.tree.leaves(apart.state.params) for d in x.devices()} == set(
+        devices[4:]
+    )
+    served = apart.sampler_params()
+    assert {d for x in jax.tree.leaves(served) for d in x.devices()} == set(devices[:4])
+    assert len(moved) >= 3 and all(base is moved[0] for base in moved)  # crossed once
+    config = apart.run.model_config
+    merged = jax.jit(lambda p: lora.merge_weights(p, config))(apart.policy_params)
+    assert np.abs(np.asarray(apart.state.params["layers"]["wq_lora_b"])).max() > 0
+    for name in ("wq", "wv", "wo", "w_up", "w_down"):
+        np.testing.assert_allclose(
+            np.asarray(served["layers"][name]), np.asarray(merged["layers"][name]), atol=1e-6
+        )
+
     single = RLTrainer(_config(tmp_path / "single", *common)).fit()
-    assert summary["eval_before_rl"] == single["eval_before_rl"]
-    first = read_metrics(tmp_path / "mesh")[0]
-    single_first = read_metrics(tmp_path / "single")[0]
-    for key in ("reward_mean", "accuracy", "completion_length_mean"):
-        assert first[key] == single_first[key], key
-    for key in ("loss", "grad_norm", "kl"):
-        assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), key
+    for run, got in (("mesh", summary), ("apart", apart_summary)):
+        assert got["eval_before_rl"] == single["eval_before_rl"], run
+        first = read_metrics(tmp_path / run)[0]
+        single_first = read_metrics(tmp_path / "single")[0]
+        for key in ("reward_mean", "accuracy", "completion_length_mean"):
+            assert first[key] == single_first[key], (run, key)
+        for key in ("loss", "grad_norm", "kl"):
+            assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), (run, key)
 
 
 def test_lora_dropout_is_in_the_update_only_and_reproducible(tmp_path):

@@ -94,6 +94,5 @@ def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayou
         dict(layout.mesh.shape),
         layout.tensor,
     )
-    layout = layout._replace(is_trainer_layout=False)
-    cast = jax.jit(lambda params: serving.cast_params(params, model_config))
-    return layout, lambda params: jax.device_put(cast(params), layout.shardings)
+    layout = layout._replace(is_trainer_layout=False, separate=True)
+    return layout, serving.make_reshard(model_config, layout)
