@@ -17,13 +17,8 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
-from jaxrl_llm.plan._aux import (
-    aux_state,
-    joint_update_program,
-    lower_aux_programs,
-    policy_view,
-    with_aux_bytes,
-)
+from jaxrl_llm.plan._aux import aux_state, policy_view, with_aux_bytes
+from jaxrl_llm.plan._aux_programs import joint_update_program, lower_aux_programs
 from jaxrl_llm.plan._collectives import _optimal_seconds, loop_body_module, unique_collectives
 from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
@@ -109,7 +104,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
             )
     except ValueError as err:  # a weight dimension the mesh does not divide
         raise PlanError(f"parameter layout on mesh {dict(mesh.shape)}: {err}") from None
-    critic = aux_state(cfg, objective, model_config, mesh, optimizer)
+    critic = aux_state(cfg, objective, model_config, mesh, optimizer, frozen)
     if critic is not None and critic.joint:  # one state over policy and critic (PPOTrainer)
         state, shardings = policy_view(critic.state), policy_view(critic.shardings)
     params = state.params
@@ -351,7 +346,8 @@ def memory_parts(
     parts = dict.fromkeys(MEMORY_PARTS, 0)
     known_args = sum(program.argument_parts.values())
     if memory is not None:
-        program_total, arguments = memory.total_bytes, memory.argument_bytes
+        shared = program.shared_argument_bytes  # the same arrays as another argument
+        program_total, arguments = memory.total_bytes - shared, memory.argument_bytes - shared
     else:
         program_total = max(required_bytes or 0, known_args)
         arguments = known_args

@@ -13,6 +13,14 @@ loss + ``value_coef`` x value loss), no ``critic_update``. The joint state is sp
 memory parts, each byte counted once: the policy's parameters, their moments and the state's
 counters (``parameters``, ``optimizer_state``), the critic's parameters and moments
 (``aux_model``).
+
+With ``model.lora`` (``PPOTrainer._lora_value_params``, ``PRIMETrainer``) the auxiliary model
+trains adapters too: the critic its own adapters and scalar head over a frozen backbone -- the
+policy's base itself with ``critic.init=policy`` (``adapters.backbone_view``: the same arrays,
+counted once, in ``frozen_base``) or ``critic.path``'s backbone in the compute dtype with
+``critic.init=reward_model`` (its own, counted in ``aux_model``); the PRM its own adapters over
+the policy's base. Their programs take the frozen half as the trainer passes it (the update's
+frozen parameters, ``merge_trees`` of the two halves for the values forward).
 """
 
 from __future__ import annotations
@@ -25,28 +33,20 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm import models, parallel
-from jaxrl_llm.models import heads
-from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.models import heads, lora
 from jaxrl_llm.plan._job import (
     PlanError,
-    Program,
     StateBytes,
     _abstract_state,
     _optimizer_bytes,
-    _rows,
     abstract_train_state,
     shard_bytes,
 )
 from jaxrl_llm.plan._reward import scalar_model_config
-from jaxrl_llm.train import setup
+from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.rl.config import micro_batching
-from jaxrl_llm.train.rl.ppo import make_joint_step, make_value_fn, make_value_step
-from jaxrl_llm.train.rl.prime import make_prm_loss_fn
-from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import TrainState
-from jaxrl_llm.train.step import jit_step, make_step
-from jaxrl_llm.types import RolloutBatch
+from jaxrl_llm.train.step import merge_trees
 
 ASSUMPTIONS = (
     "critic.optimizer=joint: one AdamW (trainer.*) over the policy and the critic, the update "
@@ -66,6 +66,11 @@ class Aux:
       config: its ``ModelConfig`` (the critic's: the policy's or ``critic.path``'s).
       joint: ``critic.optimizer=joint``.
       source: ``critic.path`` when the critic starts from a reward model, else None.
+      frozen, frozen_shardings: a LoRA model's frozen half as its update takes it (the
+        critic's ``{"backbone": ...}``, the PRM's base; with ``joint`` ``{"policy": base,
+        "value": ...}``), None without LoRA.
+      own_frozen: the per-chip bytes of a frozen half that is not the policy's base (a
+        reward model's backbone under a LoRA critic), else 0.
     """
 
     optimizer: Any
@@ -74,6 +79,9 @@ class Aux:
     config: models.ModelConfig
     joint: bool = False
     source: str | None = None
+    frozen: Any = None
+    frozen_shardings: Any = None
+    own_frozen: int = 0
 
     @property
     def params(self) -> Any:
@@ -83,6 +91,46 @@ class Aux:
     @property
     def param_shardings(self) -> Any:
         return self.shardings.params["value"] if self.joint else self.shardings.params
+
+    @property
+    def model_frozen(self) -> tuple[Any, Any]:
+        """``(frozen, shardings)`` of the auxiliary model alone (a joint state's ``value``)."""
+        if self.joint and self.frozen is not None:
+            return self.frozen["value"], self.frozen_shardings["value"]
+        return self.frozen, self.frozen_shardings
+
+    def full(self, trained: Any, shardings: bool = False) -> Any:
+        """The model's whole parameters (``PPOTrainer.value_params``): ``trained`` with its
+        frozen half (its shardings' with ``shardings``)."""
+        frozen = self.model_frozen[1 if shardings else 0]
+        return trained if frozen is None else merge_trees(frozen, trained)
+
+
+def _lora_critic(cfg, config, mesh: Mesh, dtype, policy_frozen):
+    """A LoRA critic's halves (``PPOTrainer._lora_value_params``): ``(init, axes)`` of its
+    trained parameters (fresh adapters of the backbone and the ``[D, 1]`` head, in ``dtype``)
+    and ``(frozen, shardings, own bytes)``: the policy's base without its unembedding (the same
+    arrays) or ``critic.path``'s backbone in the compute dtype."""
+    backbone = heads.backbone_config(config)
+    base_axes, adapter_axes = lora.split(models.logical_axes(backbone))
+
+    def init(key):
+        return {
+            "backbone": lora.init_adapters(backbone, key, dtype=dtype),
+            "score": jnp.zeros((config.hidden_size, 1), dtype),
+        }
+
+    axes = {"backbone": adapter_axes, "score": heads.scalar_logical_axes(config)["score"]}
+    if cfg.critic.init != "reward_model":
+        view = adapters.backbone_view
+        return (init, axes), (view(policy_frozen.base), view(policy_frozen.shardings), 0)
+    shapes = lora.split(models.param_shapes(backbone))[0]
+    shardings = parallel.logical_to_sharding(base_axes, mesh, parallel.PARAM_RULES, shapes=shapes)
+    base_dtype = adapters.base_dtype(config, dtype)
+    frozen = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, base_dtype, sharding=s), shapes, shardings
+    )
+    return (init, axes), ({"backbone": frozen}, {"backbone": shardings}, shard_bytes(frozen))
 
 
 def abstract_critic_state(
@@ -136,8 +184,9 @@ def critic_config(cfg, model_config: models.ModelConfig) -> models.ModelConfig:
     return scalar_model_config(cfg.critic.path, "critic.path", model_config, cfg.model)
 
 
-def aux_state(cfg, objective, model_config, mesh, optimizer=None) -> Aux | None:
-    """The job's auxiliary model (``optimizer``: the trainer's, for a joint critic), or None.
+def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=None) -> Aux | None:
+    """The job's auxiliary model (``optimizer``: the trainer's, for a joint critic;
+    ``policy_frozen``: a LoRA policy's ``plan._lora.Frozen``), or None.
 
     Raises:
       PlanError: a ``critic.path`` plan cannot read or the trainer refuses, or a weight the
@@ -146,18 +195,27 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None) -> Aux | None:
     dtype = setup.param_dtype(cfg.model)
     try:
         if objective.needs_critic:  # PPO
-            critic = cfg.critic
-            config = critic_config(cfg, model_config)
-            source = critic.path if critic.init == "reward_model" else None
-            if critic.optimizer == "joint":
-                joint = abstract_joint_state(model_config, config, optimizer, mesh, dtype)
-                return Aux(optimizer, *joint, config, joint=True, source=source)
-            own = make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
-            return Aux(own, *abstract_critic_state(config, own, mesh, dtype), config, False, source)
+            return _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen)
         if objective.needs_process_rewards:  # PRIME: a trainable copy of the policy
             prime = cfg.prime
             own = make_optimizer(prime.learning_rate, max_grad_norm=prime.max_grad_norm)
-            return Aux(own, *abstract_train_state(model_config, own, mesh, dtype), model_config)
+            if policy_frozen is None:
+                state = abstract_train_state(model_config, own, mesh, dtype)
+                return Aux(own, *state, model_config)
+            state = _abstract_state(  # LoRA: its own adapters over the policy's base
+                lambda key: lora.init_adapters(model_config, key, dtype=dtype),
+                own,
+                model_config,
+                mesh,
+                params_axes=lora.split(models.logical_axes(model_config))[1],
+            )
+            return Aux(
+                own,
+                *state,
+                model_config,
+                frozen=policy_frozen.base,
+                frozen_shardings=policy_frozen.shardings,
+            )
     except PlanError:
         raise
     except ValueError as err:  # a weight dimension the mesh does not divide
@@ -166,12 +224,57 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None) -> Aux | None:
     return None
 
 
+def _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen) -> Aux:
+    """PPO's critic (``PPOTrainer.setup_extra_networks``), separate or joint, full or LoRA."""
+    critic = cfg.critic
+    config = critic_config(cfg, model_config)
+    source = critic.path if critic.init == "reward_model" else None
+    joint = critic.optimizer == "joint"
+    own = (
+        None if joint else make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
+    )
+    if policy_frozen is None:
+        if joint:
+            state = abstract_joint_state(model_config, config, optimizer, mesh, dtype)
+            return Aux(optimizer, *state, config, joint=True, source=source)
+        return Aux(own, *abstract_critic_state(config, own, mesh, dtype), config, False, source)
+    config = dataclasses.replace(config, lora=model_config.lora)
+    (init, axes), (frozen, frozen_shardings, own_bytes) = _lora_critic(
+        cfg, config, mesh, dtype, policy_frozen
+    )
+    extra = {"source": source, "own_frozen": own_bytes}
+    if not joint:
+        state = _abstract_state(init, own, config, mesh, params_axes=axes)
+        return Aux(own, *state, config, frozen=frozen, frozen_shardings=frozen_shardings, **extra)
+    policy_axes = lora.split(models.logical_axes(model_config))[1]
+    state = _abstract_state(
+        lambda key: {
+            "policy": lora.init_adapters(model_config, key, dtype=dtype),
+            "value": init(key),
+        },
+        optimizer,
+        model_config,
+        mesh,
+        params_axes={"policy": policy_axes, "value": axes},
+    )
+    return Aux(
+        optimizer,
+        *state,
+        config,
+        joint=True,
+        frozen={"policy": policy_frozen.base, "value": frozen},
+        frozen_shardings={"policy": policy_frozen.shardings, "value": frozen_shardings},
+        **extra,
+    )
+
+
 def _is_value(path) -> bool:
     return any(getattr(key, "key", None) == "value" for key in path)
 
 
 def with_aux_bytes(sizes: StateBytes, aux: Aux | None) -> StateBytes:
-    """``sizes`` with the auxiliary model's bytes; a joint state's optimizer state split by
+    """``sizes`` with the auxiliary model's bytes (its parameters with a frozen half of its
+    own, a LoRA critic's reward-model backbone); a joint state's optimizer state split by
     model: the critic's moments to ``aux_optimizer``, the rest (the policy's moments and the
     optimizer's counters) to ``optimizer``, beside the state's step and key."""
     if aux is None:
@@ -179,7 +282,7 @@ def with_aux_bytes(sizes: StateBytes, aux: Aux | None) -> StateBytes:
     if not aux.joint:
         return dataclasses.replace(
             sizes,
-            aux_params=shard_bytes(aux.state.params),
+            aux_params=shard_bytes(aux.state.params) + aux.own_frozen,
             aux_optimizer=_optimizer_bytes(aux.state),
         )
     leaves = jax.tree_util.tree_flatten_with_path(aux.state.opt_state)[0]
@@ -187,53 +290,8 @@ def with_aux_bytes(sizes: StateBytes, aux: Aux | None) -> StateBytes:
     return dataclasses.replace(
         sizes,
         optimizer=_optimizer_bytes(aux.state) - value_moments,
-        aux_params=shard_bytes(aux.params),
+        aux_params=shard_bytes(aux.params) + aux.own_frozen,
         aux_optimizer=value_moments,
-    )
-
-
-def joint_update_program(
-    aux: Aux, cfg, model_config, objective, shape, sizes, minibatch, full_batch
-) -> Program:
-    """``critic.optimizer=joint``: the update is ``PPOTrainer``'s ``joint_fn``
-    (``jit_step(make_joint_step(...))`` on the joint state), both models' forward and backward
-    on one minibatch; it takes the whole state, the critic's share included."""
-    step = jit_step(
-        make_joint_step(
-            model_config,
-            update_objective(objective),
-            aux.optimizer,
-            micro_batches=shape.micro_batches,
-            temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.chunk_size,
-            remat=shape.remat,
-            param_shardings=aux.shardings.params,
-            value_config=aux.config,
-        ),
-        aux.shardings,
-    )
-    m_rows, seq, t_len = shape.minibatch_rows, shape.seq_len, shape.completion_len
-
-    def flops(remat: str) -> int:
-        policy = flops_lib.train_flops(
-            model_config, m_rows, seq, remat=remat, logits_positions=t_len
-        )
-        value = flops_lib.train_flops(aux.config, m_rows, seq, remat=remat, logits_positions=0)
-        return policy + value
-
-    return Program(
-        name="update",
-        lowered=step.lower(aux.state, minibatch),
-        calls_per_step=shape.updates_per_step,
-        flops=flops(shape.remat),
-        model_flops=flops("none"),
-        tokens=m_rows * t_len,
-        argument_parts={
-            "parameters": sizes.params,
-            "optimizer_state": sizes.optimizer,
-            "aux_model": sizes.aux,
-        },
-        resident={"reference": sizes.reference, "inputs": shard_bytes(full_batch)},
     )
 
 
@@ -248,169 +306,11 @@ def critic_report(job) -> dict[str, Any] | None:
         "init": job.cfg.critic.init,
         "path": aux.source,
         "architecture": config.architecture,
+        "lora": config.lora is not None,  # adapters and head trained over a frozen backbone
         "params": models.param_count(heads.backbone_config(config)) + config.hidden_size,
         "aux_params_bytes": job.state.aux_params,
         "aux_optimizer_bytes": job.state.aux_optimizer,
     }
-
-
-def _policy_resident(sizes) -> dict[str, int]:
-    """The policy's state and reference: alive around every auxiliary program."""
-    return {
-        "parameters": sizes.params,
-        "optimizer_state": sizes.optimizer,
-        "reference": sizes.reference,
-    }
-
-
-def lower_aux_programs(
-    programs,
-    aux,
-    cfg,
-    mesh,
-    model_config,
-    objective,
-    shape,
-    sizes,
-    seqs,
-    logprob_out,
-    minibatch,
-    full_batch,
-) -> None:
-    """Adds the auxiliary model's programs to ``programs``."""
-    if objective.needs_process_rewards:
-        _lower_prm_programs(
-            programs, aux, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
-        )
-    else:
-        _lower_critic_programs(
-            programs,
-            aux,
-            cfg,
-            mesh,
-            model_config,
-            objective,
-            shape,
-            sizes,
-            seqs,
-            minibatch,
-            full_batch,
-        )
-
-
-def _lower_critic_programs(
-    programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
-) -> None:
-    """PPO's rollout-time ``values`` forward and, with its own optimizer, its
-    ``critic_update`` (``PPOTrainer``; a joint critic trains in the ``update``)."""
-    policy = _policy_resident(sizes)
-    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
-    value_config = critic.config
-    # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
-    forward = flops_lib.forward_flops(value_config, rows, seq, logits_positions=0)
-    values_fn = make_value_fn(value_config, param_shardings=critic.param_shardings)
-    programs["values"] = Program(
-        name="values",
-        lowered=values_fn.lower(critic.params, seqs),
-        calls_per_step=1,
-        flops=forward,
-        model_flops=forward,
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux_params},
-        resident={**policy, "aux_model": sizes.aux_optimizer},
-    )
-    if critic.joint:
-        return
-    step = jit_step(
-        make_value_step(
-            value_config,
-            objective,
-            critic.optimizer,
-            micro_batches=shape.micro_batches,
-            remat=shape.remat,
-            param_shardings=critic.param_shardings,
-        ),
-        critic.shardings,
-    )
-    m_rows = shape.minibatch_rows
-    programs["critic_update"] = Program(
-        name="critic_update",
-        lowered=step.lower(critic.state, minibatch),
-        calls_per_step=shape.updates_per_step,
-        flops=flops_lib.train_flops(
-            value_config, m_rows, seq, remat=shape.remat, logits_positions=0
-        ),
-        model_flops=flops_lib.train_flops(value_config, m_rows, seq, logits_positions=0),
-        tokens=m_rows * t_len,
-        argument_parts={"aux_model": sizes.aux},
-        resident={**policy, "inputs": shard_bytes(full_batch)},
-    )
-
-
-def _lower_prm_programs(
-    programs, prm, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
-) -> None:
-    """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
-    (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
-    log-prob program as the policy's on the PRM's parameters)."""
-    optimizer, state, shardings = prm.optimizer, prm.state, prm.shardings
-    policy = _policy_resident(sizes)
-    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
-    per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
-    labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}
-    batch = RolloutBatch(
-        completion_mask=seqs.completion_mask,
-        old_logprobs=None,
-        advantages=None,
-        ref_logprobs=per_token,
-        prompt_tokens=seqs.prompt_tokens,
-        prompt_mask=seqs.prompt_mask,
-        completion_tokens=seqs.completion_tokens,
-        rewards=labels,
-    )
-    step = jit_step(
-        make_step(
-            make_prm_loss_fn(
-                model_config,
-                beta=objective.prime_beta,
-                temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.chunk_size,
-                remat=shape.remat,
-            ),
-            optimizer,
-            micro_batches=micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
-            param_shardings=shardings.params,
-        ),
-        shardings,
-    )
-    programs["prm_update"] = Program(
-        name="prm_update",
-        lowered=step.lower(state, batch),
-        calls_per_step=1,
-        flops=flops_lib.train_flops(
-            model_config, rows, seq, remat=shape.remat, logits_positions=t_len
-        ),
-        model_flops=flops_lib.train_flops(model_config, rows, seq, logits_positions=t_len),
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux},
-        resident=dict(policy),
-    )
-    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
-    programs["prm_logprobs"] = Program(
-        name="prm_logprobs",
-        lowered=None,  # the policy's log-prob program, on the PRM's parameters
-        calls_per_step=1,
-        flops=forward,
-        model_flops=forward,
-        tokens=rows * t_len,
-        argument_parts={"aux_model": sizes.aux_params},
-        resident={
-            **policy,
-            "aux_model": sizes.aux_optimizer,
-            "inputs": shard_bytes(logprob_out),  # the reference log-probs, on device
-        },
-        same_as="logprobs",
-    )
 
 
 __all__ = [
@@ -418,8 +318,6 @@ __all__ = [
     "Aux",
     "aux_state",
     "critic_report",
-    "joint_update_program",
-    "lower_aux_programs",
     "policy_view",
     "with_aux_bytes",
 ]

@@ -158,8 +158,7 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
     Raises:
       PlanError: a config ``check_config`` refuses, or ``model.lora`` where the trainer
         refuses it (``train.adapters.check_lora_job``), an unknown ``model.remat``, or
-        ``mesh.rollout_devices`` (separate sampler devices are not planned yet), or a LoRA
-        critic or PRM (not planned yet).
+        ``mesh.rollout_devices`` (separate sampler devices are not planned yet).
     """
     try:
         objective = check_config(cfg)
@@ -168,11 +167,6 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
         raise PlanError(str(err)) from None
     if cfg.mesh.rollout_devices:
         raise PlanError("mesh.rollout_devices: separate sampler devices are not planned yet")
-    if cfg.model.lora is not None and (objective.needs_critic or objective.needs_process_rewards):
-        raise PlanError(
-            f"model.lora with objective {objective.name!r}: a LoRA critic or PRM (adapters "
-            "over the policy's base) is not planned yet"
-        )
     if cfg.model.remat not in models.REMAT_POLICIES:
         raise PlanError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
@@ -391,6 +385,8 @@ class Program:
       hbm_bytes: HBM bytes per chip per call from a model (None: read off the optimized HLO).
       per_step_loop: the program is a data-dependent ``while`` loop (the decode loop) and one
         call means one trip of it: collectives (and HLO HBM bytes) are read from its body.
+      shared_argument_bytes: argument bytes that are another argument's arrays passed again
+        (counted in the compiled arguments, alive once).
     """
 
     name: str
@@ -405,6 +401,7 @@ class Program:
     same_as: str | None = None
     hbm_bytes: float | None = None
     per_step_loop: bool = False
+    shared_argument_bytes: int = 0
 
 
 @dataclasses.dataclass

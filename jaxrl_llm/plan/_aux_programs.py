@@ -1,0 +1,259 @@
+"""``plan``'s programs of the auxiliary trained models (``plan._aux``'s states): PPO's
+``values`` forward, its ``critic_update`` or the joint ``update``, PRIME's ``prm_update`` and
+``prm_logprobs``, each as its trainer runs it, with the memory parts alive around it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxrl_llm import parallel
+from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan._aux import Aux
+from jaxrl_llm.plan._job import Program, _rows, shard_bytes
+from jaxrl_llm.train import adapters
+from jaxrl_llm.train.rl.config import micro_batching
+from jaxrl_llm.train.rl.ppo import make_joint_step, make_value_fn, make_value_step
+from jaxrl_llm.train.rl.prime import make_prm_loss_fn
+from jaxrl_llm.train.rl.updates import update_objective
+from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.types import RolloutBatch
+
+
+def _base_share(aux: Aux, sizes) -> tuple[dict[str, int], dict[str, int]]:
+    """``(argument part, resident part)`` of a LoRA policy's frozen base around a program of
+    the auxiliary model alone: the share of the base it takes as its frozen half (the critic's
+    backbone view, the PRM's whole base) and the rest, alive beside it."""
+    if not sizes.base:
+        return {}, {}
+    frozen = aux.model_frozen[0]
+    taken = 0 if aux.own_frozen or frozen is None else shard_bytes(frozen)
+    return {"frozen_base": taken}, {"frozen_base": sizes.base - taken}
+
+
+def joint_update_program(
+    aux: Aux, cfg, model_config, objective, shape, sizes, minibatch, full_batch
+) -> Program:
+    """``critic.optimizer=joint``: the update is ``PPOTrainer``'s ``joint_fn``
+    (``jit_step(make_joint_step(...))`` on the joint state), both models' forward and backward
+    on one minibatch; it takes the whole state, the critic's share included."""
+    step = jit_step(
+        make_joint_step(
+            model_config,
+            update_objective(objective),
+            aux.optimizer,
+            micro_batches=shape.micro_batches,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.chunk_size,
+            remat=shape.remat,
+            param_shardings=aux.shardings.params,
+            value_config=aux.config,
+        ),
+        aux.shardings,
+        frozen=aux.frozen,
+        frozen_shardings=aux.frozen_shardings,
+    )
+    m_rows, seq, t_len = shape.minibatch_rows, shape.seq_len, shape.completion_len
+
+    def flops(remat: str) -> int:
+        policy = flops_lib.train_flops(
+            model_config, m_rows, seq, remat=remat, logits_positions=t_len
+        )
+        value = flops_lib.train_flops(aux.config, m_rows, seq, remat=remat, logits_positions=0)
+        return policy + value
+
+    return Program(
+        name="update",
+        lowered=step.lower(aux.state, minibatch),
+        calls_per_step=shape.updates_per_step,
+        flops=flops(shape.remat),
+        model_flops=flops("none"),
+        tokens=m_rows * t_len,
+        argument_parts={
+            "parameters": sizes.params,
+            "optimizer_state": sizes.optimizer,
+            "aux_model": sizes.aux,
+            **({"frozen_base": sizes.base} if sizes.base else {}),
+        },
+        resident={
+            "reference": sizes.reference,
+            **({"sampler_weights": sizes.serving_base} if sizes.serving_base else {}),
+            "inputs": shard_bytes(full_batch),
+        },
+        # A LoRA critic over the policy's base takes the base's arrays a second time.
+        shared_argument_bytes=_base_share(aux, sizes)[0].get("frozen_base", 0),
+    )
+
+
+def _policy_resident(sizes) -> dict[str, int]:
+    """The policy's state and reference (and a LoRA run's sampler copy of its base): alive
+    around every auxiliary program."""
+    alive = {
+        "parameters": sizes.params,
+        "optimizer_state": sizes.optimizer,
+        "reference": sizes.reference,
+    }
+    if sizes.serving_base:
+        alive["sampler_weights"] = sizes.serving_base
+    return alive
+
+
+def lower_aux_programs(
+    programs,
+    aux,
+    cfg,
+    mesh,
+    model_config,
+    objective,
+    shape,
+    sizes,
+    seqs,
+    logprob_out,
+    minibatch,
+    full_batch,
+) -> None:
+    """Adds the auxiliary model's programs to ``programs``."""
+    if objective.needs_process_rewards:
+        _lower_prm_programs(
+            programs, aux, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+        )
+    else:
+        _lower_critic_programs(
+            programs,
+            aux,
+            cfg,
+            mesh,
+            model_config,
+            objective,
+            shape,
+            sizes,
+            seqs,
+            minibatch,
+            full_batch,
+        )
+
+
+def _lower_critic_programs(
+    programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
+) -> None:
+    """PPO's rollout-time ``values`` forward and, with its own optimizer, its
+    ``critic_update`` (``PPOTrainer``; a joint critic trains in the ``update``)."""
+    base_args, base_rest = _base_share(critic, sizes)
+    policy = {**_policy_resident(sizes), **base_rest}
+    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
+    value_config = critic.config
+    # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
+    forward = flops_lib.forward_flops(value_config, rows, seq, logits_positions=0)
+    values_fn = make_value_fn(
+        value_config, param_shardings=critic.full(critic.param_shardings, shardings=True)
+    )
+    programs["values"] = Program(
+        name="values",
+        lowered=values_fn.lower(critic.full(critic.params), seqs),
+        calls_per_step=1,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={"aux_model": sizes.aux_params, **base_args},
+        resident={**policy, "aux_model": sizes.aux_optimizer},
+    )
+    if critic.joint:
+        return
+    step = jit_step(
+        make_value_step(
+            value_config,
+            objective,
+            critic.optimizer,
+            micro_batches=shape.micro_batches,
+            remat=shape.remat,
+            param_shardings=critic.param_shardings,
+        ),
+        critic.shardings,
+        frozen=critic.frozen,
+        frozen_shardings=critic.frozen_shardings,
+    )
+    m_rows = shape.minibatch_rows
+    programs["critic_update"] = Program(
+        name="critic_update",
+        lowered=step.lower(critic.state, minibatch),
+        calls_per_step=shape.updates_per_step,
+        flops=flops_lib.train_flops(
+            value_config, m_rows, seq, remat=shape.remat, logits_positions=0
+        ),
+        model_flops=flops_lib.train_flops(value_config, m_rows, seq, logits_positions=0),
+        tokens=m_rows * t_len,
+        argument_parts={"aux_model": sizes.aux, **base_args},
+        resident={**policy, "inputs": shard_bytes(full_batch)},
+    )
+
+
+def _lower_prm_programs(
+    programs, prm, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+) -> None:
+    """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
+    (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
+    log-prob program as the policy's on the PRM's parameters)."""
+    optimizer, state, shardings = prm.optimizer, prm.state, prm.shardings
+    base_args, base_rest = _base_share(prm, sizes)
+    policy = {**_policy_resident(sizes), **base_rest}
+    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
+    per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
+    labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}
+    batch = RolloutBatch(
+        completion_mask=seqs.completion_mask,
+        old_logprobs=None,
+        advantages=None,
+        ref_logprobs=per_token,
+        prompt_tokens=seqs.prompt_tokens,
+        prompt_mask=seqs.prompt_mask,
+        completion_tokens=seqs.completion_tokens,
+        rewards=labels,
+    )
+    step = jit_step(
+        make_step(
+            make_prm_loss_fn(
+                model_config,
+                beta=objective.prime_beta,
+                temperature=cfg.rollout.temperature,
+                chunk_size=cfg.model.chunk_size,
+                remat=shape.remat,
+            ),
+            optimizer,
+            micro_batches=micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
+            param_shardings=shardings.params,
+            loss_takes_key=adapters.has_dropout(model_config),
+        ),
+        shardings,
+        frozen=prm.frozen,
+        frozen_shardings=prm.frozen_shardings,
+    )
+    programs["prm_update"] = Program(
+        name="prm_update",
+        lowered=step.lower(state, batch),
+        calls_per_step=1,
+        flops=flops_lib.train_flops(
+            model_config, rows, seq, remat=shape.remat, logits_positions=t_len
+        ),
+        model_flops=flops_lib.train_flops(model_config, rows, seq, logits_positions=t_len),
+        tokens=rows * t_len,
+        argument_parts={"aux_model": sizes.aux, **base_args},
+        resident=dict(policy),
+    )
+    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
+    programs["prm_logprobs"] = Program(
+        name="prm_logprobs",
+        lowered=None,  # the policy's log-prob program, on the PRM's parameters
+        calls_per_step=1,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={"aux_model": sizes.aux_params, **base_args},
+        resident={
+            **policy,
+            "aux_model": sizes.aux_optimizer,
+            "inputs": shard_bytes(logprob_out),  # the reference log-probs, on device
+        },
+        same_as="logprobs",
+    )
+
+
+__all__ = ["joint_update_program", "lower_aux_programs"]
