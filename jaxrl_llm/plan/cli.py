@@ -208,9 +208,17 @@ def _aux_lines(report: Mapping[str, Any]) -> list[str]:
             if critic["optimizer"] == "joint"
             else "its own optimizer (critic.*)"
         )
+        if critic.get("lora"):
+            start = (
+                "LoRA: its adapters and head trained over "
+                + ("the policy's frozen base" if critic["init"] == "policy" else "a frozen ")
+                + ("" if critic["init"] == "policy" else f"backbone {start}")
+            )
+        else:
+            start = f"initialised {start}"
         lines.append(
             f"critic: {critic['architecture']}, {critic['params'] / 1e6:.2f} M parameters with "
-            f"a scalar head, initialised {start}; {optimizer} (critic/PRM)"
+            f"a scalar head, {start}; {optimizer} (critic/PRM)"
         )
     rm = report.get("reward_model")
     if rm:

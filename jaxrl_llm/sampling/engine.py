@@ -27,6 +27,13 @@ Sampling is per request: completion token ``n`` of request ``r`` is drawn with
 other requests or on ``S``. The returned log-probs are the temperature-scaled full-distribution
 log-probs of ``generate`` (what the trainer recomputes).
 
+**Weight updates in flight** (partial rollouts, ``run(updates=...)``): between bursts the
+engine polls a :class:`WeightUpdates` box the trainer publishes into; newer weights are decoded
+from the next burst on, in every live slot (the cache keeps the keys and values the earlier
+weights computed, as an in-flight request on a serving engine does), and every token is
+tagged with the version of the weights that sampled it (``Result.versions``). The log-probs are
+the sampling distribution's, version by version: what an off-policy correction needs.
+
 The cache is ``[L, S, K, P + T, H]`` (per-layer arrays on CPU, as ``generate``'s decode uses):
 capacity is set in slots, not in requests. Programs compiled per run: one burst, and one
 admission per (distinct prompts, admitted requests, prompt bucket) size class, each a power of
@@ -39,7 +46,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +55,14 @@ import numpy as np
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.generate import default_cache_dtype
 from jaxrl_llm.sampling.prompts import bucket_length
+from jaxrl_llm.sampling.requests import (
+    FINISH_REASONS,
+    EngineStats,
+    Request,
+    Result,
+    WeightUpdates,
+    check_requests,
+)
 from jaxrl_llm.sampling.slots import (
     EngineState,
     admit,
@@ -61,87 +76,6 @@ from jaxrl_llm.sampling.state import replicate, sampling_params
 Array = jax.Array
 
 ENGINES = ("continuous", "static")
-FINISH_REASONS = ("stop", "length")
-
-
-class Request(NamedTuple):
-    """One completion to sample.
-
-    Attributes:
-      prompt: the prompt's token ids (no padding), at least one.
-      max_new_tokens: this request's budget (``None``: the engine's ``max_new_tokens``).
-      prompt_key: requests with equal keys share one prefill (e.g. the prompt's index for its
-        ``G`` samples); ``None`` never shares.
-    """
-
-    prompt: Sequence[int]
-    max_new_tokens: int | None = None
-    prompt_key: Any = None
-
-
-class Result(NamedTuple):
-    """One request's completion.
-
-    Attributes:
-      tokens: ``[n]`` int32 sampled tokens, the EOS included when it stopped there.
-      logprobs: ``[n]`` f32 log-probs of those tokens (temperature-scaled full distribution).
-      finish_reason: ``"stop"`` (an EOS or a stop sequence) or ``"length"`` (its
-        ``max_new_tokens``).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    finish_reason: str
-
-
-class EngineStats(NamedTuple):
-    """What a run did.
-
-    ``slot_steps`` counts every slot of every decode step run (the program's slots per step:
-    ``S``, fewer once the queue is empty and the engine has shrunk), so ``utilisation = tokens /
-    slot_steps`` is the share of decode work that produced a token. ``shrinks`` counts those
-    halvings.
-    ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
-    """
-
-    requests: int
-    tokens: int
-    decode_steps: int
-    slot_steps: int
-    bursts: int
-    admissions: int
-    prefill_rows: int
-    shrinks: int
-    seconds: float
-
-    @property
-    def utilisation(self) -> float:
-        return self.tokens / self.slot_steps if self.slot_steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def _check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
-    checked = []
-    for i, req in enumerate(requests):
-        if not isinstance(req, Request):
-            req = Request(*req) if isinstance(req, tuple) else Request(req)
-        prompt = np.asarray(req.prompt)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(
-                f"request {i}: the prompt must be a non-empty 1-D sequence of token ids, got "
-                f"shape {prompt.shape} dtype {prompt.dtype}"
-            )
-        budget = max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
-        if not isinstance(budget, int | np.integer) or not 1 <= budget <= max_new_tokens:
-            raise ValueError(
-                f"request {i}: max_new_tokens must be an int in [1, {max_new_tokens}] (the "
-                f"engine's max_new_tokens), got {req.max_new_tokens!r}"
-            )
-        checked.append(Request(prompt.astype(np.int32), int(budget), req.prompt_key))
-    return checked
 
 
 def _pow2(n: int) -> int:
@@ -261,15 +195,19 @@ class Engine:
         seed: int = 0,
         key: Array | None = None,
         progress: Any = None,
+        updates: WeightUpdates | None = None,
+        version: int = 0,
     ) -> tuple[list[Result], EngineStats]:
         """Samples every request; results in request order, and the run's ``EngineStats``.
 
         ``key``: the PRNG key of the run (default ``jax.random.key(seed)``); request ``r``'s
         token ``n`` is drawn with ``fold_in(fold_in(key, r), n)``. ``progress``: an object
         with ``update(n)`` (e.g. a ``tqdm`` bar), called with the number of requests each
-        harvest finishes.
+        harvest finishes. ``version``: the version of the engine's weights; ``updates``: newer
+        weights taken between bursts (``WeightUpdates``), the run's ``updates`` stat counting
+        them.
         """
-        requests = _check_requests(requests, self.max_new_tokens)
+        requests = check_requests(requests, self.max_new_tokens)
         longest = max((len(r.prompt) for r in requests), default=0)
         if longest > self.prompt_width:
             raise ValueError(
@@ -280,7 +218,7 @@ class Engine:
         key = replicate(jax.random.key(seed) if key is None else key, self.mesh)
         context = contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
         with context:
-            results, counts = self._run(requests, key, progress)
+            results, counts = self._run(requests, key, progress, updates, version)
         done = [r for r in results if r is not None]
         stats = EngineStats(
             requests=len(requests),
@@ -291,7 +229,12 @@ class Engine:
         return done, stats
 
     def _run(
-        self, requests: list[Request], key: Array, progress: Any
+        self,
+        requests: list[Request],
+        key: Array,
+        progress: Any,
+        updates: WeightUpdates | None = None,
+        version: int = 0,
     ) -> tuple[list[Result | None], dict[str, int]]:
         state = init_state(self.config, **self._state_args)
         if self.mesh is not None:
@@ -299,11 +242,22 @@ class Engine:
         queue = deque(range(len(requests)))
         occupant: list[int | None] = [None] * self.slots  # request id per slot, on the host
         host_count = np.zeros(self.slots, np.int64)  # tokens sampled per slot, last read
+        # Per slot: (token index, version) where the weights of that version took over.
+        marks: list[list[tuple[int, int]]] = [[] for _ in range(self.slots)]
         results: list[Result | None] = [None] * len(requests)
         counts = dict(
             decode_steps=0, slot_steps=0, bursts=0, admissions=0, prefill_rows=0, shrinks=0
         )
+        counts["updates"] = 0
+        params = self.params
         while queue or any(r is not None for r in occupant):
+            newer = None if updates is None else updates.newer(version)
+            if newer is not None:  # decode on with them; the counts are this moment's
+                version, params = newer[0], self._layout(newer[1])
+                counts["updates"] += 1
+                for s, r in enumerate(occupant):
+                    if r is not None:  # its next token comes from logits the old weights made
+                        marks[s].append((int(host_count[s]) + 1, version))
             free = [s for s, r in enumerate(occupant) if r is None]
             if not queue and self.engine == "continuous":
                 # The drain: decode the remaining slots in a smaller program (S/2, S/4, ...),
@@ -315,14 +269,18 @@ class Engine:
                     state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
+                    marks = [marks[s] for s in keep]
                     counts["shrinks"] += 1
                     free = [s for s, r in enumerate(occupant) if r is None]
             if queue and free and (self.engine == "continuous" or len(free) == self.slots):
                 admitted = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                state = self._admit(state, requests, admitted, free[: len(admitted)], counts)
+                state = self._admit(
+                    params, state, requests, admitted, free[: len(admitted)], counts
+                )
                 for s, r in zip(free, admitted):
                     occupant[s] = r
                     host_count[s] = 0
+                    marks[s] = [(0, version)]
             steps = self.max_new_tokens
             if self.engine == "continuous":
                 # No step past the soonest budget end: that slot can be refilled right then.
@@ -333,7 +291,7 @@ class Engine:
                 ]
                 steps = max(1, min(self.burst, *left)) if left else self.burst
             state, steps_run = burst(
-                self.params,
+                params,
                 state,
                 jnp.int32(steps),
                 key,
@@ -346,13 +304,18 @@ class Engine:
             counts["decode_steps"] += int(steps_run)
             counts["slot_steps"] += int(steps_run) * len(occupant)
             counts["bursts"] += 1
-            finished, host_count = self._harvest(state, occupant, results)
+            finished, host_count = self._harvest(state, occupant, results, marks)
             if progress is not None and finished:
                 progress.update(finished)
         return results, counts
 
+    def _layout(self, params: Any) -> Any:
+        """Weights in the engine's layout (unstacked layers where it decodes them so)."""
+        return layout.unstack_layers(params) if self._state_args["unstacked"] else params
+
     def _admit(
         self,
+        params: Any,
         state: EngineState,
         requests: list[Request],
         admitted: list[int],
@@ -386,7 +349,7 @@ class Engine:
         counts["admissions"] += 1
         counts["prefill_rows"] += len(rows)
         return admit(
-            self.params,
+            params,
             state,
             jnp.asarray(tokens),
             jnp.asarray(mask),
@@ -400,10 +363,14 @@ class Engine:
         )
 
     def _harvest(
-        self, state: EngineState, occupant: list[int | None], results: list[Result | None]
+        self,
+        state: EngineState,
+        occupant: list[int | None],
+        results: list[Result | None],
+        marks: list[list[tuple[int, int]]],
     ) -> tuple[int, np.ndarray]:
-        """Moves finished slots' completions to ``results``; returns how many, and the host
-        copy of every slot's count."""
+        """Moves finished slots' completions to ``results`` (each token's weight version from
+        the slot's ``marks``); returns how many, and the host copy of every slot's count."""
         done, all_counts = (np.array(x) for x in jax.device_get((state.done, state.count)))
         ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
         if not ready:
@@ -420,7 +387,10 @@ class Engine:
                 n >= len(s) and tuple(row[n - len(s) :].tolist()) == s for s in self.stop_sequences
             )
             reason = "stop" if stopped else "length"
-            results[occupant[s]] = Result(row, logprobs[i, :n], reason)
+            versions = np.zeros(n, np.int32)
+            for start, version in marks[s]:
+                versions[start:] = version
+            results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions)
             occupant[s] = None
         return len(ready), all_counts
 
@@ -462,6 +432,7 @@ __all__ = [
     "EngineStats",
     "Request",
     "Result",
+    "WeightUpdates",
     "generate_requests",
     "init_state",
 ]

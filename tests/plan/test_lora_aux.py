@@ -11,6 +11,7 @@ import pytest
 
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import programs as pr
+from jaxrl_llm.plan.cli import format_report
 from tests.plan.test_critic_and_reward_model import JOINT, RM_CRITIC, _job
 from tests.plan.test_critic_and_reward_model import paths as paths  # noqa: F401 (fixture)
 from tests.plan.test_lora import ADAPTER_ELEMENTS_PER_CHIP, SCALARS
@@ -139,9 +140,11 @@ def test_lora_aux_flops_count_the_adapters_not_the_base_gradients(paths):
             assert lora_job.programs[name].flops < full_job.programs[name].flops, name
     prime, full_prime = _job(paths, *PRIME, *LORA), _job(paths, *PRIME)
     assert prime.programs["prm_update"].flops < full_prime.programs["prm_update"].flops
-    report_critic = pr.summarise(
+    report = pr.summarise(
         lora_job,
         {n: pr._program_report(lora_job, p, None) for n, p in lora_job.programs.items()},
         skipped_compile=True,
-    )["critic"]
-    assert report_critic["lora"] is True and report_critic["init"] == "policy"
+    )
+    assert report["critic"]["lora"] is True and report["critic"]["init"] == "policy"
+    text = format_report(report)
+    assert "LoRA: its adapters and head trained over the policy's frozen base" in text

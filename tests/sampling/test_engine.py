@@ -331,3 +331,53 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
             pad_id=0,
             mesh=mesh,
         )
+
+
+class _OfferAfter:
+    """A ``WeightUpdates`` stand-in: version 1's weights from poll ``polls + 1`` on (the
+    engine polls once before each admission-and-burst round)."""
+
+    def __init__(self, params, polls):
+        self.params, self.polls, self.calls = params, polls, 0
+
+    def newer(self, version):
+        self.calls += 1
+        return (1, self.params) if self.calls > self.polls and version < 1 else None
+
+
+def test_weights_updated_in_flight_take_over_at_the_next_token_and_tag_it(params, rng):
+    """Partial rollouts: weights published between bursts decode every live slot from then on.
+    The new weights here have a zero unembedding, so every token they sample has log-prob
+    exactly ``-log V`` (temperature 1): they take over at each slot's first token sampled from
+    their own logits, and every token is tagged with the version that sampled it. Tokens before
+    are the old weights' (the same draws as a run without the update)."""
+    requests = _requests(rng, [3, 5, 4, 6, 2, 7], [8] * 6)
+    zero = {**params, "lm_head": jnp.zeros_like(params["lm_head"])}
+
+    def run(updates=None, version=0):
+        engine = Engine(
+            params,
+            CONFIG,
+            slots=4,
+            max_new_tokens=8,
+            max_prompt_len=7,
+            eos_ids=(),
+            pad_id=PAD,
+            burst=3,
+        )
+        return engine.run(requests, seed=3, updates=updates, version=version)
+
+    before, _ = run(version=4)
+    assert all((r.versions == 4).all() for r in before)
+    results, stats = run(_OfferAfter(zero, polls=2))
+    assert stats.updates == 1
+    uniform = -np.log(CONFIG.vocab_size)
+    for i, (got, old) in enumerate(zip(results, before, strict=True)):
+        # Slots 0-3 decoded two bursts of 3 tokens with the old weights; the 7th token was
+        # drawn from the logits their last forward made; requests 4, 5 start after the update.
+        took_over = 7 if i < 4 else 0
+        want = np.r_[np.zeros(took_over), np.ones(8 - took_over)].astype(np.int32)
+        np.testing.assert_array_equal(got.versions, want)
+        np.testing.assert_array_equal(got.tokens[:took_over], old.tokens[:took_over])
+        np.testing.assert_allclose(got.logprobs[:took_over], old.logprobs[:took_over], atol=1e-6)
+        np.testing.assert_allclose(got.logprobs[took_over:], uniform, atol=1e-5)

@@ -46,9 +46,8 @@ class DataSection:
         ``filter`` (dropped, and the count of each split logged), ``error`` (the run stops
         before training, naming the first such prompt) or ``truncate`` (its text is cut to fit,
         keeping the end with ``truncation_side: left`` as verl's, the start with ``right``).
-      num_train: built-in task size (training prompts).
-      digits: built-in task operand digit counts.
-      ops: built-in task operators.
+      num_train, digits, ops: the built-in task's size (training prompts), operand digit
+        counts and operators.
     """
 
     task: str = "arithmetic"
@@ -77,10 +76,8 @@ class DataSection:
 @dataclasses.dataclass(frozen=True)
 class RewardTerm:
     """One weighted reward function: a name from ``jaxrl_llm.rewards.REWARDS``, or
-    ``"package.module:function"`` for your own ``fn(prompt, completion, example) -> float``.
-
-    ``kwargs`` are the reward's keyword settings, e.g. ``overlong`` needs
-    ``{max_tokens: 512, buffer_tokens: 64}`` (counted in tokens).
+    ``"package.module:function"`` for your own ``fn(prompt, completion, example) -> float``;
+    ``kwargs`` its keyword settings, e.g. ``overlong``'s ``{max_tokens: 512, buffer_tokens: 64}``.
     """
 
     name: str = "math_match"
@@ -134,6 +131,8 @@ class RolloutSection:
         such as ``code_exec`` run in parallel, off the trainer's process); 0 = in-process.
       max_staleness: rollouts generated ahead, beside the update (``train.rl.pipeline``): a
         step trains on samples of parameters up to this many updates old; 0 = synchronous.
+      partial: partial rollouts (with ``max_staleness`` and the continuous engine): a rollout
+        in flight takes each update's weights between bursts, each token tagged with its version.
     """
 
     prompts_per_step: int = 32
@@ -151,6 +150,7 @@ class RolloutSection:
     tensor_parallel: int | str = "auto"
     reward_workers: int = 0
     max_staleness: int = 0
+    partial: bool = False
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -171,8 +171,7 @@ class TrainerSection:
         one micro-batch: more micro-batches when a step's batch is larger (the count is
         chosen per padded batch shape, ``train.step.TokenBudget``); the update is the same,
         only its schedule changes. ``auto``: 4096 on CPU, where smaller working sets run
-        faster (the GRPO update of 256 rows x 40 positions: 1.17 s in one micro-batch, 0.95 s
-        in four), and off elsewhere (``null``: exactly ``micro_batches``).
+        faster, and off elsewhere (``null``: exactly ``micro_batches``).
       learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
       final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
         learning rate (0: decay to 0).

@@ -1,0 +1,120 @@
+"""The continuous engine's requests and results (``jaxrl_llm.sampling.engine``): what is asked
+(``Request``), what comes back (``Result``, ``EngineStats``) and the box of weights published
+while a run is in flight (``WeightUpdates``, partial rollouts)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length")
+
+
+class Request(NamedTuple):
+    """One completion to sample.
+
+    Attributes:
+      prompt: the prompt's token ids (no padding), at least one.
+      max_new_tokens: this request's budget (``None``: the engine's ``max_new_tokens``).
+      prompt_key: requests with equal keys share one prefill (e.g. the prompt's index for its
+        ``G`` samples); ``None`` never shares.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int | None = None
+    prompt_key: Any = None
+
+
+class Result(NamedTuple):
+    """One request's completion.
+
+    Attributes:
+      tokens: ``[n]`` int32 sampled tokens, the EOS included when it stopped there.
+      logprobs: ``[n]`` f32 log-probs of those tokens (temperature-scaled full distribution).
+      finish_reason: ``"stop"`` (an EOS or a stop sequence) or ``"length"`` (its
+        ``max_new_tokens``).
+      versions: ``[n]`` int32, the version of the weights that sampled each token (``run``'s
+        ``version``, then those of the weight updates taken in flight).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    versions: np.ndarray | None = None
+
+
+class WeightUpdates:
+    """The newest weights for runs in flight (partial rollouts): the trainer's thread
+    ``publish``-es ``(version, params)`` after each update; an engine run polls ``newer`` between
+    bursts. Thread-safe; only the newest is kept."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: tuple[int, Any] | None = None
+
+    def publish(self, version: int, params: Any) -> None:
+        with self._lock:
+            self._latest = (int(version), params)
+
+    def newer(self, version: int) -> tuple[int, Any] | None:
+        """``(version, params)`` of the newest weights when newer than ``version``, else None."""
+        with self._lock:
+            latest = self._latest
+        return latest if latest is not None and latest[0] > version else None
+
+
+class EngineStats(NamedTuple):
+    """What a run did.
+
+    ``slot_steps`` counts every slot of every decode step run (the program's slots per step:
+    ``S``, fewer once the queue is empty and the engine has shrunk), so ``utilisation = tokens /
+    slot_steps`` is the share of decode work that produced a token. ``shrinks`` counts those
+    halvings.
+    ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
+    """
+
+    requests: int
+    tokens: int
+    decode_steps: int
+    slot_steps: int
+    bursts: int
+    admissions: int
+    prefill_rows: int
+    shrinks: int
+    seconds: float
+    updates: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.tokens / self.slot_steps if self.slot_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
+    checked = []
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            req = Request(*req) if isinstance(req, tuple) else Request(req)
+        prompt = np.asarray(req.prompt)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(
+                f"request {i}: the prompt must be a non-empty 1-D sequence of token ids, got "
+                f"shape {prompt.shape} dtype {prompt.dtype}"
+            )
+        budget = max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        if not isinstance(budget, int | np.integer) or not 1 <= budget <= max_new_tokens:
+            raise ValueError(
+                f"request {i}: max_new_tokens must be an int in [1, {max_new_tokens}] (the "
+                f"engine's max_new_tokens), got {req.max_new_tokens!r}"
+            )
+        checked.append(Request(prompt.astype(np.int32), int(budget), req.prompt_key))
+    return checked
+
+
+__all__ = ["FINISH_REASONS", "EngineStats", "Request", "Result", "WeightUpdates", "check_requests"]
