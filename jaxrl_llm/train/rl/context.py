@@ -189,14 +189,26 @@ class RunContext:
         return setup.to_device(setup.bucket_prompts(host), self.mesh)
 
     def sample(
-        self, params, examples, key, *, temperature, group_size, timer=None, mesh=None, defer=False
+        self,
+        params,
+        examples,
+        key,
+        *,
+        temperature,
+        group_size,
+        timer=None,
+        mesh=None,
+        defer=False,
+        updates=None,
+        version=0,
     ) -> rollout_lib.Samples:
         """``group_size`` completions of each example's prompt, scored (learned reward added).
 
         ``mesh``: the mesh ``params`` live on (default: the run's; the trainer passes its
         serving layout's, ``sampling.serving``). ``defer``: with scoring workers
         (``rollout.reward_workers``) return while they score (``Samples.scoring``);
-        :meth:`finish_scoring` completes the draw."""
+        :meth:`finish_scoring` completes the draw. ``updates``, ``version``: partial rollouts
+        (``rollout_lib.sample_and_score``)."""
         r = self.cfg.rollout
         if self.env is not None:
             with timer.phase("rollout") if timer else contextlib.nullcontext():
@@ -233,6 +245,8 @@ class RunContext:
             burst=r.burst,
             scorer=self.scorer,
             defer=defer,
+            updates=updates,
+            version=version,
         )
         return samples if samples.scoring else self._scored(samples, timer)
 

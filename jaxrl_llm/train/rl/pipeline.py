@@ -8,6 +8,16 @@ starts at step ``s`` from a snapshot of the parameters then (version ``s``), so 
 step trains on is at most ``k`` updates old. The behaviour log-probs then differ from the
 trainer's by the staleness as well as the numerics; the objective's ``rollout_correction``
 (``jaxrl_llm.correction``) corrects both. ``k = 0`` is the synchronous loop, unchanged.
+
+With ``rollout.partial`` (partial rollouts, as AReaL's interruptible generation and slime's /
+verl's partial rollouts) a rollout in flight does not finish on the weights it started with:
+each step publishes the weights the trainer is about to train with (``WeightUpdates``), and
+the continuous engine decodes every live request with them from its next burst on, tagging
+each token with the version that sampled it (``Samples.versions``). The step's batch then
+mixes versions ``step - k .. step``, the newest on-policy; the behaviour log-probs are the
+sampler's, token by token, which is what the correction needs. When the swap lands depends on
+wall-clock time (how far the rollout got while the update ran), so a partial-rollout run is
+not bit-reproducible, and a resumed one differs from an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm.models import lora
+from jaxrl_llm.sampling.requests import WeightUpdates
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl import rollout as rollout_lib
@@ -49,12 +60,18 @@ class RolloutPipeline:
       max_staleness: ``k``; 0 runs each rollout inline.
       mesh: the trainer's mesh, set on the rollout thread too (``jax.set_mesh`` is per thread;
         a learned reward model scores under it).
+      partial: partial rollouts: each step publishes its weights to the rollout in flight
+        (``produce`` then takes ``updates=`` the ``WeightUpdates`` and ``version=`` its
+        parameters' version).
     """
 
-    def __init__(self, produce: Produce, max_staleness: int, mesh: Any = None):
+    def __init__(
+        self, produce: Produce, max_staleness: int, mesh: Any = None, partial: bool = False
+    ):
         self.produce = produce
         self.max_staleness = max_staleness
         self.mesh = mesh
+        self.updates = WeightUpdates() if partial and max_staleness else None
         self.pending: collections.deque = collections.deque()
         self.executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
@@ -64,8 +81,9 @@ class RolloutPipeline:
 
     def _run(self, step: int, params: Any, version: int):
         timer = PhaseTimer(lane="rollout")
+        partial = {} if self.updates is None else {"updates": self.updates, "version": version}
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            samples, info = self.produce(step, params, timer)
+            samples, info = self.produce(step, params, timer, **partial)
         return samples, info, timer, version
 
     def next(
@@ -86,6 +104,9 @@ class RolloutPipeline:
         first, future = self.pending.popleft()
         if first != step:
             raise RuntimeError(f"rollout pipeline out of order: step {step}, queued {first}")
+        if self.updates is not None and params is None:  # the rollout in flight takes them
+            params = snapshot()
+            self.updates.publish(step, params)
         while len(self.pending) < self.max_staleness:
             nxt = step + 1 + len(self.pending)
             params = snapshot() if params is None else params  # the weights before step's update
@@ -93,7 +114,7 @@ class RolloutPipeline:
         with timer.phase("wait_rollout"):  # the trainer's idle time
             samples, info, produced, version = future.result()
         timer.merge(produced)
-        return samples, {**info, "rollout/staleness": float(step - version)}
+        return samples, {**info, **staleness_info(samples, step, version)}
 
     def drain(self, finish: Callable[[Any, PhaseTimer], Any]) -> list[tuple]:
         """Waits for the rollouts in flight and returns ``(step, samples, info, version,
@@ -122,6 +143,24 @@ class RolloutPipeline:
             self.pending.clear()
 
 
+def staleness_info(samples: Any, step: int, version: int) -> dict[str, float]:
+    """``rollout/staleness``: how many updates old the batch's oldest token is; with partial
+    rollouts (``Samples.versions``) also ``rollout/stale_token_frac`` (the share of tokens
+    older than the weights the step trains) and ``rollout/token_staleness_mean``."""
+    versions = getattr(samples, "versions", None)
+    if versions is None:
+        return {"rollout/staleness": float(step - version)}
+    mask = samples.completion_mask
+    if not mask.any():
+        return {"rollout/staleness": float(step - version), "rollout/stale_token_frac": 0.0}
+    lag = step - versions[mask]
+    return {
+        "rollout/staleness": float(lag.max()),
+        "rollout/stale_token_frac": float((lag > 0).mean()),
+        "rollout/token_staleness_mean": float(lag.mean()),
+    }
+
+
 def check_staleness(cfg: Any, objective: Any) -> None:
     """Refuses what the asynchronous loop cannot run yet; warns of an uncorrected one.
 
@@ -129,6 +168,13 @@ def check_staleness(cfg: Any, objective: Any) -> None:
       ValueError: ``rollout.max_staleness >= 1`` in a multi-process job (each process would
         interleave its rollout and update programs in its own order: collectives could hang).
     """
+    r = cfg.rollout
+    if r.partial and (not r.max_staleness or r.engine != "continuous"):
+        raise ValueError(
+            "rollout.partial (partial rollouts: weights taken between decode bursts) needs "
+            f"rollout.max_staleness >= 1 and rollout.engine=continuous; got max_staleness="
+            f"{r.max_staleness}, engine={r.engine!r}"
+        )
     if not cfg.rollout.max_staleness:
         return
     if jax.process_count() > 1:
@@ -187,7 +233,8 @@ class RolloutSide:
             return lora.combine(self.base, self.copy_params(self.policy_trained))
 
     def make_pipeline(self) -> RolloutPipeline:
-        return RolloutPipeline(self.rollout_from, self.cfg.rollout.max_staleness, self.run.mesh)
+        r = self.cfg.rollout
+        return RolloutPipeline(self.rollout_from, r.max_staleness, self.run.mesh, r.partial)
 
     def _in_flight_file(self, step: int) -> pathlib.Path:
         name = f"{step}-process{jax.process_index()}.pkl"
@@ -231,11 +278,11 @@ class RolloutSide:
         return self.pipeline.next(step, lambda: self.sampler_snapshot(timer), timer)
 
     def rollout_from(
-        self, step: int, params: Any, timer: PhaseTimer
+        self, step: int, params: Any, timer: PhaseTimer, updates=None, version: int = 0
     ) -> tuple[rollout_lib.Samples, dict]:
         """The step's groups from ``params`` (DAPO dynamic sampling replaces zero-variance
         groups); without dynamic sampling the draw may still be scoring
-        (``RunContext.finish_scoring``)."""
+        (``RunContext.finish_scoring``). ``updates``, ``version``: partial rollouts."""
         r = self.cfg.rollout
         step_key = jax.random.fold_in(self.key, step)
 
@@ -253,6 +300,8 @@ class RolloutSide:
                 timer=timer,
                 mesh=self.serving.mesh,
                 defer=defer,
+                updates=updates,
+                version=version,
             )
 
         return rollout_lib.collect(

@@ -49,6 +49,9 @@ class Samples(NamedTuple):
     # Deferred scoring (``sample_and_score(defer=True)``): the future of ``(rewards,
     # components)`` from the scoring workers; ``finish_scoring`` waits and fills them in.
     scoring: concurrent.futures.Future | None = None
+    # Partial rollouts (``updates``): [N*G, T] int32, the policy version that sampled each
+    # token (0 on padding); None = every token from the weights the draw started with.
+    versions: np.ndarray | None = None
 
 
 def finish_scoring(samples: Samples) -> Samples:
@@ -90,6 +93,8 @@ def sample_and_score(
     burst: int = 8,
     scorer: Any = None,
     defer: bool = False,
+    updates: Any = None,
+    version: int = 0,
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
@@ -103,6 +108,9 @@ def sample_and_score(
     ``scorer``): return as soon as the rows are sent to the workers, with ``rewards`` and
     ``components`` None and ``scoring`` their future (``finish_scoring`` fills them in), so the
     caller can dispatch device work (the log-prob forwards) while the verifiers run.
+    ``updates`` (the continuous engine): a ``sampling.engine.WeightUpdates`` whose newer
+    weights the draw decodes with from the next burst on (partial rollouts; ``params`` are
+    ``version``), each token's version in ``Samples.versions``.
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -114,8 +122,9 @@ def sample_and_score(
         )
         eos = tuple(stop_ids)
         options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        versions = None
         if engine == "continuous":
-            tokens, mask, logprobs = _continuous(
+            tokens, mask, logprobs, versions = _continuous(
                 params,
                 model_config,
                 prompt_tokens,
@@ -128,8 +137,11 @@ def sample_and_score(
                 slots=slots,
                 burst=burst,
                 mesh=mesh,
+                updates=updates,
+                version=version,
                 **options,
             )
+            versions = versions if updates is not None else None
         else:
             completion = sampling.generate(
                 params,
@@ -178,6 +190,7 @@ def sample_and_score(
         finished=finished,
         logprobs=np.asarray(logprobs, np.float32),
         scoring=pending,
+        versions=versions,
     )
 
 
@@ -195,9 +208,12 @@ def _continuous(
     slots: int | None,
     burst: int,
     mesh: Any,
+    updates: Any = None,
+    version: int = 0,
     **options: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[N*G, T]`` tokens (right-padded), mask and log-probs from the continuous engine."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``[N*G, T]`` tokens (right-padded), mask, log-probs and weight versions from the
+    continuous engine (``updates``: weights taken in flight)."""
     mask = np.asarray(prompt_mask, bool)
     requests = [
         Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
@@ -216,15 +232,18 @@ def _continuous(
         mesh=mesh,
         **options,
     )
-    results, _ = engine.run(requests, key=key)
+    results, _ = engine.run(requests, key=key, updates=updates, version=version)
     tokens = np.full((len(results), max_new_tokens), pad, np.int32)
     completion_mask = np.zeros((len(results), max_new_tokens), bool)
     logprobs = np.zeros((len(results), max_new_tokens), np.float32)
+    versions = np.zeros((len(results), max_new_tokens), np.int32)
     for row, result in enumerate(results):
-        tokens[row, : len(result.tokens)] = result.tokens
-        completion_mask[row, : len(result.tokens)] = True
-        logprobs[row, : len(result.tokens)] = result.logprobs
-    return tokens, completion_mask, logprobs
+        n = len(result.tokens)
+        tokens[row, :n] = result.tokens
+        completion_mask[row, :n] = True
+        logprobs[row, :n] = result.logprobs
+        versions[row, :n] = result.versions
+    return tokens, completion_mask, logprobs, versions
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:
@@ -259,6 +278,7 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
         logprobs=rows("logprobs"),
         loss_mask=rows("loss_mask"),
         info=info,
+        versions=rows("versions"),
     )
 
 
@@ -280,6 +300,7 @@ def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samp
         logprobs=take(samples.logprobs),
         loss_mask=take(samples.loss_mask),
         info=None if samples.info is None else {k: take(v) for k, v in samples.info.items()},
+        versions=take(samples.versions),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -311,3 +312,108 @@ def test_staleness_is_refused_across_processes_and_warned_uncorrected(
     with pytest.raises(ValueError, match="one process for now"):
         pipeline.check_staleness(cfg, objective)
     pipeline.check_staleness(_config(tmp_path), objective)  # synchronous: nothing to refuse
+
+
+# -- partial rollouts ----------------------------------------------------------------------------
+
+
+def test_partial_rollouts_take_each_steps_weights_in_flight():
+    """``partial``: step ``s`` publishes the weights it trains with (version ``s``) to the
+    rollout in flight, which started on version ``s - 1``: the fake rollout waits for them, so
+    every rollout after the first sees its own step's version while it runs."""
+    seen = {}
+
+    def produce(step, params, timer, updates, version):
+        assert params == version  # the snapshot it started from
+        newer = None
+        if step > 0:
+            deadline = time.monotonic() + 10
+            while newer is None and time.monotonic() < deadline:
+                newer = updates.newer(version)
+                time.sleep(0.001)
+        seen[step] = (version, None if newer is None else newer[0])
+        return {"step": step}, {}
+
+    pipeline = RolloutPipeline(produce, 1, partial=True)
+    version = [0]
+    for step in range(4):
+        samples, info = pipeline.next(step, lambda: version[0], PhaseTimer())
+        assert samples["step"] == step
+        version[0] += 1
+    pipeline.close()
+    assert seen[0] == (0, None)
+    for step in (1, 2, 3):
+        assert seen[step] == (step - 1, step), seen
+
+
+def test_staleness_info_counts_tokens_by_version():
+    from jaxrl_llm.train.rl.pipeline import staleness_info
+
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
+    versions = np.array([[4, 5, 5, 0], [4, 4, 0, 0]], np.int32)
+    samples = types.SimpleNamespace(completion_mask=mask, versions=versions)
+    info = staleness_info(samples, 5, 4)
+    assert info == {
+        "rollout/staleness": 1.0,
+        "rollout/stale_token_frac": 3 / 5,
+        "rollout/token_staleness_mean": 3 / 5,
+    }
+    whole = types.SimpleNamespace(completion_mask=mask, versions=None)
+    assert staleness_info(whole, 5, 4) == {"rollout/staleness": 1.0}
+
+
+def test_partial_rollouts_need_staleness_and_the_continuous_engine(tmp_path):
+    from jaxrl_llm.train.rl import pipeline
+
+    for extra in (
+        ("rollout.partial=true", "rollout.engine=continuous"),
+        ("rollout.partial=true", "rollout.max_staleness=1"),
+    ):
+        cfg = _config(tmp_path, *extra)
+        with pytest.raises(ValueError, match="rollout.partial .* needs rollout.max_staleness"):
+            pipeline.check_staleness(cfg, check_config(cfg))
+
+
+@pytest.mark.slow
+def test_partial_rollout_job_trains_on_tokens_of_two_versions(tmp_path, monkeypatch):
+    """The RL job with ``rollout.partial``: rollout ``s`` (from step ``s - 1``'s weights)
+    takes step ``s``'s weights between bursts; decoding is slowed here (one token a burst,
+    a pause each) so the update always ends first. Each row's tokens are the old version,
+    then the new one; the step reports the share of stale tokens."""
+    from jaxrl_llm.sampling import engine as engine_lib
+
+    burst = engine_lib.burst
+
+    def slow_burst(*args, **kwargs):
+        time.sleep(0.25)
+        return burst(*args, **kwargs)
+
+    monkeypatch.setattr(engine_lib, "burst", slow_burst)
+    seen = []
+    produce = RLTrainer.rollout_from
+
+    def recording(self, step, params, timer, **partial):
+        samples, info = produce(self, step, params, timer, **partial)
+        seen.append((step, samples.versions, samples.completion_mask))
+        return samples, info
+
+    monkeypatch.setattr(RLTrainer, "rollout_from", recording)
+    extra = ("rollout.partial=true", "rollout.engine=continuous", "rollout.burst=1")
+    extra += ("rollout.max_staleness=1", "trainer.max_steps=3", "logging.plots=false")
+    extra += ("objective.overrides={rollout_correction: {is_level: token}}",)
+    RLTrainer(_config(tmp_path, *extra)).fit()
+    rows = rl_helpers.read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[0]["rollout/staleness"] == 0.0 and rows[0]["rollout/stale_token_frac"] == 0.0
+    for step, versions, mask in seen:
+        if step >= 3:  # past the run's end
+            continue
+        valid = versions[mask]
+        assert set(valid.tolist()) <= {max(step - 1, 0), step}, (step, set(valid.tolist()))
+        for row, m in zip(versions, mask):  # old, then new: never back
+            assert (np.diff(row[m]) >= 0).all()
+        frac = rows[step]["rollout/stale_token_frac"]
+        assert frac == pytest.approx(float((valid < step).mean()))
+        assert rows[step]["rollout/staleness"] == float(frac > 0)
+    # Step 1's rollout ran beside the first update's compile and finished on the old weights;
+    # step 2's was still decoding when the (compiled) update ended, and took its weights.
+    assert 0.0 < rows[2]["rollout/stale_token_frac"] < 1.0
