@@ -10,11 +10,16 @@ beside the update. About 2.5 min on an idle 2-core CPU; a benchmark rather than 
 
 Run::
 
-    python benchmarks/async_default_task.py
+    python benchmarks/async_default_task.py [--partial]
+
+``--partial`` adds partial rollouts (``rollout.partial=true`` on the continuous engine): the
+rollout in flight takes each update's weights between bursts; the share of stale tokens per
+step is printed too.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -28,6 +33,7 @@ ASYNC = (
     "mesh.rollout_devices=4",
     "objective.overrides={rollout_correction: {is_level: token, is_upper: 2.0}}",
 )
+PARTIAL = ("rollout.partial=true", "rollout.engine=continuous")
 
 
 def _read(run_dir: pathlib.Path):
@@ -38,7 +44,11 @@ def _read(run_dir: pathlib.Path):
 
 
 def main() -> None:
-    summary, wall, (rows, spans) = console_run.train(ASYNC, devices=8, read=_read)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--partial", action="store_true", help="partial rollouts")
+    partial = parser.parse_args().partial
+    overrides = ASYNC + (PARTIAL if partial else ())
+    summary, wall, (rows, spans) = console_run.train(overrides, devices=8, read=_read)
     from jaxrl_llm.train import timeline
 
     overlap = timeline.overlap_seconds(
@@ -54,6 +64,14 @@ def main() -> None:
                 "rollout_corr/kl_mean": sum(r["rollout_corr/kl"] for r in rows) / len(rows),
                 "rollout_overlapping_update_s": round(overlap, 2),
                 "wall_s": round(wall, 1),
+                **(
+                    {
+                        "stale_token_frac_mean": sum(r["rollout/stale_token_frac"] for r in rows)
+                        / len(rows)
+                    }
+                    if partial
+                    else {}
+                ),
             },
             indent=1,
         )
