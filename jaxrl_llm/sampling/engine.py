@@ -154,7 +154,7 @@ class Engine:
         stops = np.full((_pow2(max(len(self.stop_sequences), 1)), _pow2(longest)), -1, np.int32)
         for i, s in enumerate(self.stop_sequences):
             stops[i, stops.shape[1] - len(s) :] = s
-        self.stops = jnp.asarray(stops)
+        self.stops = replicate(jnp.asarray(stops), mesh)
         self.config, self.pad_id = config, int(pad_id)
         self.slots, self.max_new_tokens, self.burst, self.engine = (
             slots,
@@ -176,7 +176,10 @@ class Engine:
                     f"(data x fsdp)"
                 )
         unstacked = layout.worth_unstacking(params)
-        self.params = layout.unstack_layers(params) if unstacked else params
+        # Under the engine's mesh: the caller's may be another (a sampler on devices of its
+        # own, called from a thread under the trainer's mesh).
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            self.params = layout.unstack_layers(params) if unstacked else params
         if cache_dtype is None:
             cache_dtype = default_cache_dtype(params, config)
         self._state_args = dict(

@@ -376,11 +376,13 @@ def test_partial_rollouts_need_staleness_and_the_continuous_engine(tmp_path):
 
 @pytest.mark.slow
 def test_partial_rollout_job_trains_on_tokens_of_two_versions(tmp_path, monkeypatch):
-    """The RL job with ``rollout.partial``: rollout ``s`` (from step ``s - 1``'s weights)
-    takes step ``s``'s weights between bursts; decoding is slowed here (one token a burst,
+    """The RL job with ``rollout.partial``, the continuous engine on the sampler's own four
+    devices: rollout ``s`` (from step ``s - 1``'s weights) takes step ``s``'s weights between
+    bursts; decoding is slowed here (one token a burst,
     a pause each) so the update always ends first. Each row's tokens are the old version,
     then the new one; the step reports the share of stale tokens."""
     from jaxrl_llm.sampling import engine as engine_lib
+    from jaxrl_llm.sampling.requests import WeightUpdates
 
     burst = engine_lib.burst
 
@@ -389,6 +391,13 @@ def test_partial_rollout_job_trains_on_tokens_of_two_versions(tmp_path, monkeypa
         return burst(*args, **kwargs)
 
     monkeypatch.setattr(engine_lib, "burst", slow_burst)
+    publish = WeightUpdates.publish
+
+    def late_publish(self, version, params):  # as if the update took 0.4 s
+        time.sleep(0.4)
+        publish(self, version, params)
+
+    monkeypatch.setattr(WeightUpdates, "publish", late_publish)
     seen = []
     produce = RLTrainer.rollout_from
 
@@ -398,7 +407,10 @@ def test_partial_rollout_job_trains_on_tokens_of_two_versions(tmp_path, monkeypa
         return samples, info
 
     monkeypatch.setattr(RLTrainer, "rollout_from", recording)
+    if jax.device_count() < 8:
+        pytest.skip("needs the test session's 8 fake CPU devices")
     extra = ("rollout.partial=true", "rollout.engine=continuous", "rollout.burst=1")
+    extra += ("mesh.rollout_devices=4", "mesh.fsdp=-1")  # the engine on the sampler's devices
     extra += ("rollout.max_staleness=1", "trainer.max_steps=3", "logging.plots=false")
     extra += ("objective.overrides={rollout_correction: {is_level: token}}",)
     RLTrainer(_config(tmp_path, *extra)).fit()
@@ -415,5 +427,5 @@ def test_partial_rollout_job_trains_on_tokens_of_two_versions(tmp_path, monkeypa
         assert frac == pytest.approx(float((valid < step).mean()))
         assert rows[step]["rollout/staleness"] == float(frac > 0)
     # Step 1's rollout ran beside the first update's compile and finished on the old weights;
-    # step 2's was still decoding when the (compiled) update ended, and took its weights.
+    # step 2's was still decoding when step 2's weights came, and took them.
     assert 0.0 < rows[2]["rollout/stale_token_frac"] < 1.0
