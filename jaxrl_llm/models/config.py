@@ -40,9 +40,11 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 class LoraSpec:
     """Low-rank adapters on the decoder layers' projections (Hu et al. 2021, LoRA).
 
-    Each targeted weight ``W`` computes ``x W + (alpha / rank) · (dropout(x) A) B`` with
-    ``A: [in, rank]`` (PEFT's default init: uniform ``±1/sqrt(in)``) and ``B: [rank, out]``
-    (zeros, so a fresh adapter leaves the model unchanged).
+    Each targeted weight ``W`` computes ``x W + s · (dropout(x) A) B`` with ``A: [in, rank]``
+    (PEFT's default init: uniform ``±1/sqrt(in)``) and ``B: [rank, out]`` (zeros, so a fresh
+    adapter leaves the model unchanged); ``s = alpha / rank``, or ``alpha / sqrt(rank)`` with
+    ``rslora`` (rank-stabilised LoRA, Kalajdzievski 2023: the update's scale stays put as the
+    rank grows; PEFT's ``use_rslora``).
 
     Attributes:
       rank: r, the adapters' inner width.
@@ -50,12 +52,14 @@ class LoraSpec:
       targets: projection names from ``LORA_TARGETS`` (q, k, v, o, gate, up, down), kept in
         that order.
       dropout: dropout probability on the adapter path's input while training.
+      rslora: scale by ``alpha / sqrt(rank)`` instead of ``alpha / rank``.
     """
 
     rank: int
     alpha: float
     targets: tuple[str, ...] = LORA_TARGETS
     dropout: float = 0.0
+    rslora: bool = False
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -75,12 +79,15 @@ class LoraSpec:
             )
         if isinstance(self.dropout, bool) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.rslora, bool):
+            raise ValueError(f"lora rslora must be true or false, got {self.rslora!r}")
         # One canonical order, so equal adapters compare (and hash, as a jit static) equal.
         object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))
 
     @property
     def scale(self) -> float:
-        return float(self.alpha) / self.rank
+        """``alpha / rank``, or ``alpha / sqrt(rank)`` with ``rslora``."""
+        return float(self.alpha) / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
 @dataclasses.dataclass(frozen=True)

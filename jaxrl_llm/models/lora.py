@@ -176,7 +176,7 @@ def peft_config(spec: LoraSpec, base_model: str | os.PathLike | None = None) -> 
         "target_modules": sorted(HF_MODULES[t].split(".")[-1] for t in spec.targets),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": spec.rslora,
         "use_dora": False,
         "modules_to_save": None,
         "init_lora_weights": True,
@@ -195,8 +195,8 @@ def load_peft_adapter(
 
     Raises:
       FileNotFoundError: a missing ``adapter_config.json`` / ``adapter_model.safetensors``.
-      ValueError: not a LoRA adapter, options this model does not implement (bias, rsLoRA,
-        DoRA, fan_in_fan_out, per-module ranks, modules_to_save), modules other than the seven
+      ValueError: not a LoRA adapter, options this model does not implement (bias, DoRA,
+        fan_in_fan_out, per-module ranks, modules_to_save), modules other than the seven
         projections, or tensors that do not fit ``config``.
     """
     path = os.fspath(path)
@@ -209,7 +209,6 @@ def load_peft_adapter(
         raise ValueError(f"{path}: peft_type {meta.get('peft_type')!r}, expected 'LORA'")
     for key, ok in (
         ("bias", "none"),
-        ("use_rslora", False),
         ("use_dora", False),
         ("fan_in_fan_out", False),
         ("modules_to_save", None),
@@ -230,6 +229,7 @@ def load_peft_adapter(
         alpha=float(meta["lora_alpha"]),
         targets=tuple(t for t in HF_MODULES if HF_MODULES[t].split(".")[-1] in modules),
         dropout=float(meta.get("lora_dropout") or 0.0),
+        rslora=bool(meta.get("use_rslora") or False),
     )
     tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
     model = dataclasses.replace(config, lora=spec)

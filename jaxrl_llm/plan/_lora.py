@@ -160,6 +160,7 @@ def lora_report(model_config: models.ModelConfig) -> dict[str, Any] | None:
     return {
         "rank": spec.rank,
         "alpha": spec.alpha,
+        "rslora": spec.rslora,
         "targets": list(spec.targets),
         "adapter_params": flops_lib.adapter_params(model_config),
     }

@@ -187,7 +187,8 @@ def _lora_line(model: Mapping[str, Any], layout: Mapping[str, Any]) -> list[str]
     else:
         sampler = "the sampler applies the adapters on the fly"
     return [
-        f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])}: "
+        f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g}"
+        f"{' (rsLoRA)' if lora.get('rslora') else ''} on {', '.join(lora['targets'])}: "
         f"{lora['adapter_params'] / 1e6:.1f} M adapter parameters trained (the params and "
         f"optim columns); the base frozen in {model['compute_dtype']} (base), also the "
         f"reference; {sampler} (model.lora.sampler)"

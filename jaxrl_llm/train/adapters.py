@@ -47,7 +47,8 @@ def start_line(config: models.ModelConfig) -> dict[str, str]:
     trained = sum(math.prod(x.shape) for x in jax.tree.leaves(lora.adapter_shapes(config)))
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(config)))
     return {
-        "lora": f"rank {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}: "
+        "lora": f"rank {spec.rank}, alpha {spec.alpha:g}{' (rsLoRA)' * spec.rslora} on "
+        f"{', '.join(spec.targets)}: "
         f"{trained / 1e6:.3f}M trained of {total / 1e6:.2f}M parameters (the base frozen)"
     }
 

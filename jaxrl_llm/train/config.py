@@ -36,6 +36,7 @@ class LoraSection:
     Attributes:
       rank: the adapters' rank r.
       alpha: scale numerator (scale = alpha / rank), PEFT's ``lora_alpha``.
+      rslora: rank-stabilised scale ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``).
       dropout: dropout on the adapters' input while training.
       targets: projections to adapt, from q, k, v, o, gate, up, down (default: all seven).
       sampler: how the RL sampler applies them: ``adapters`` (on the fly, every decode step),
@@ -46,6 +47,7 @@ class LoraSection:
 
     rank: int = 16
     alpha: float = 32.0
+    rslora: bool = False
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     sampler: str = "auto"

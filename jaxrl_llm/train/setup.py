@@ -170,6 +170,7 @@ def lora_spec(section) -> models.LoraSpec | None:
             alpha=section.alpha,
             targets=tuple(section.targets),
             dropout=section.dropout,
+            rslora=section.rslora,
         )
     except ValueError as err:
         raise ValueError(f"model.{err}") from None

@@ -206,6 +206,7 @@ def test_logical_axes_shard_adapters_like_their_base_weight():
         (dict(rank=4, alpha=1.0, targets=("q", "qkv")), "targets"),
         (dict(rank=4, alpha=1.0, targets=("q", "q")), "targets"),
         (dict(rank=4, alpha=1.0, dropout=1.0), "dropout"),
+        (dict(rank=4, alpha=1.0, rslora="yes"), "rslora"),
     ],
 )
 def test_bad_specs_are_named(kwargs, match):
@@ -223,7 +224,7 @@ def test_bad_adapter_dirs_are_named(checkpoints, tmp_path):
     meta_file = tmp_path / "a" / lora.ADAPTER_CONFIG
     meta = json.loads(meta_file.read_text())
     for key, value, match in (
-        ("use_rslora", True, "use_rslora"),
+        ("use_dora", True, "use_dora"),
         ("target_modules", ["q_proj", "lm_head"], "lm_head"),
         ("peft_type", "IA3", "LORA"),
         ("r", 8, "expected"),
@@ -238,3 +239,48 @@ def test_bad_adapter_dirs_are_named(checkpoints, tmp_path):
     assert os.path.exists(tmp_path / "a" / lora.ADAPTER_WEIGHTS)
     with pytest.raises(ValueError, match="no LoRA"):
         lora.init_adapters(base_config, jax.random.key(0))
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    assert LoraSpec(16, 32.0).scale == 2.0
+    assert LoraSpec(16, 32.0, rslora=True).scale == 8.0  # 32 / sqrt(16)
+    assert LoraSpec(1, 3.0, rslora=True).scale == LoraSpec(1, 3.0).scale == 3.0
+
+
+def test_rslora_adapters_match_peft_both_ways(checkpoints, tmp_path, rng):
+    """``rslora``: ours loads in peft (``use_rslora``) with our logits, and an rsLoRA adapter
+    peft initialised and saved reads back with peft's logits (scale ``alpha / sqrt(r)``)."""
+    path, torch_model = checkpoints["llama"]
+    config, params = _lora_model(path, targets=("q", "v", "up"))
+    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, rslora=True))
+    lora.save_peft_adapter(tmp_path / "ours", config, params, base_model=path)
+    assert json.loads((tmp_path / "ours" / lora.ADAPTER_CONFIG).read_text())["use_rslora"]
+    tokens, mask = _batch(rng, config.vocab_size)
+    valid = mask.astype(bool)
+    peft_model = peft.PeftModel.from_pretrained(torch_model, str(tmp_path / "ours")).eval()
+    want = hf_utils.hf_logits(peft_model, tokens, mask)
+    peft_model.unload()
+    got = np.asarray(models.logits(params, config, tokens, attention_mask=mask))
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    plain = dataclasses.replace(config, lora=dataclasses.replace(config.lora, rslora=False))
+    other = np.asarray(models.logits(params, plain, tokens, attention_mask=mask))
+    assert np.abs(other[valid] - want[valid]).max() > 1e-2  # the scale matters (2 vs 4)
+
+    theirs = peft.get_peft_model(
+        hf_utils.build_model("llama"),
+        peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["k_proj"], use_rslora=True),
+    )
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.3 * torch.randn(param.shape))
+    theirs.eval().save_pretrained(str(tmp_path / "theirs"))
+    want = hf_utils.hf_logits(theirs, tokens, mask)
+    base_config, base = models.load_pretrained(path, dtype=jnp.float32)
+    spec, adapters = lora.load_peft_adapter(tmp_path / "theirs", base_config)
+    assert spec == LoraSpec(RANK, ALPHA, ("k",), rslora=True)
+    adapted = dataclasses.replace(base_config, lora=spec)
+    got = np.asarray(
+        models.logits(lora.combine(base, adapters), adapted, tokens, attention_mask=mask)
+    )
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)

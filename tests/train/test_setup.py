@@ -93,3 +93,16 @@ def test_rl_job_keeps_f32_masters_and_moments_and_computes_in_the_compute_dtype(
         x for x in jax.tree.leaves(trainer.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
     ]
     assert floating and {x.dtype for x in floating if x.ndim} == {jnp.dtype("float32")}
+
+
+def test_lora_section_becomes_the_models_spec_rslora_included():
+    from jaxrl_llm.models import LoraSpec
+    from jaxrl_llm.train.config import LoraSection, ModelSection
+
+    section = ModelSection(lora=LoraSection(rank=8, alpha=16.0, rslora=True, targets=("v", "q")))
+    spec = setup.lora_spec(section)
+    assert spec == LoraSpec(8, 16.0, ("q", "v"), rslora=True)
+    assert spec.scale == 16.0 / 8**0.5
+    assert setup.lora_spec(ModelSection()) is None
+    with pytest.raises(ValueError, match="model.lora rslora"):
+        setup.lora_spec(ModelSection(lora=LoraSection(rslora="yes")))
