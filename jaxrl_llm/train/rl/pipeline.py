@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxrl_llm.models import lora
 from jaxrl_llm.sampling.requests import WeightUpdates
@@ -151,9 +152,9 @@ def staleness_info(samples: Any, step: int, version: int) -> dict[str, float]:
     if versions is None:
         return {"rollout/staleness": float(step - version)}
     mask = samples.completion_mask
-    if not mask.any():
-        return {"rollout/staleness": float(step - version), "rollout/stale_token_frac": 0.0}
     lag = step - versions[mask]
+    if not lag.size:  # no token: the draw's starting weights
+        lag = np.asarray([step - version])
     return {
         "rollout/staleness": float(lag.max()),
         "rollout/stale_token_frac": float((lag > 0).mean()),

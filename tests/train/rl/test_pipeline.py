@@ -360,6 +360,12 @@ def test_staleness_info_counts_tokens_by_version():
     }
     whole = types.SimpleNamespace(completion_mask=mask, versions=None)
     assert staleness_info(whole, 5, 4) == {"rollout/staleness": 1.0}
+    empty = types.SimpleNamespace(completion_mask=mask & False, versions=versions)
+    assert staleness_info(empty, 5, 4) == {
+        "rollout/staleness": 1.0,
+        "rollout/stale_token_frac": 1.0,
+        "rollout/token_staleness_mean": 1.0,
+    }
 
 
 def test_partial_rollouts_need_staleness_and_the_continuous_engine(tmp_path):
