@@ -17,7 +17,8 @@ cache halved).
 ``trainer.micro_batches`` leaves a multiple of the batch shards per micro-batch: 4 rows a chip
 on v5litepod-16 and v5litepod-8 (4 micro-batches on fsdp 16, 8 on fsdp 8 or fsdp 8 x tensor 2;
 more do not lower the update's peak there, see benchmarks/RESULTS.md), 2 rows a chip on
-v5p-128 (2), 1 row a chip for the 8k-token completions on v5p-8 (64). Each plan runs in its
+v5p-128 (2), 1 row a chip for the 8k-token completions on v5p-8 (64; ``/per-layer``: decoded with
+per-layer weights and cache, ``rollout.decode_layers=per_layer``). Each plan runs in its
 own process (``jaxrl-llm plan ... --json``), so a large compile's memory is returned between
 rows. Deviceless: needs libtpu, no TPU.
 """
@@ -162,6 +163,20 @@ ROWS = (
             "trainer.micro_batches=64",
         ),
         "fits",
+    ),
+    Row(
+        "qwen2.5-7b-8k/v5p-8/per-layer",
+        "qwen2.5-7b",
+        "v5p-8",
+        (
+            "mesh.fsdp=4",
+            "rollout.prompts_per_step=32",
+            "rollout.group_size=8",
+            "rollout.max_new_tokens=8192",
+            "trainer.micro_batches=64",
+            "rollout.decode_layers=per_layer",
+        ),
+        "",
     ),
 )
 

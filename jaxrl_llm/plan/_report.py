@@ -209,6 +209,10 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             if config.lora is None
             else ("merged" if "merge" in programs else "adapters"),
             "merge_s": programs["merge"]["times"]["step_s"] if "merge" in programs else None,
+            # The decode loop's weights and cache (rollout.decode_layers; auto: stacked).
+            "decode_layers": (
+                "per_layer" if job.cfg.rollout.decode_layers == "per_layer" else "stacked"
+            ),
         },
         "step_breakdown_s": contribution,
         "dominant_program": max(contribution, key=contribution.get),

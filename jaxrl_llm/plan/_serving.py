@@ -178,10 +178,12 @@ def lower_sampler_programs(
             inner_parts={**inner, "kv_cache": cache},
         )
         # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers
-        # stacked); its loop body is one decode step.
+        # stacked, or per layer with ``rollout.decode_layers=per_layer``); its loop body is one
+        # decode step.
         key = _replicated(smesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
         decode_args = (params, sampling_state, key, _sampling_params(smesh))
-        decode_kwargs = dict(config=model_config, top_k=top_k, mesh=smesh, unroll=False)
+        unroll = r.decode_layers == "per_layer"  # ``auto`` keeps the scan on accelerators
+        decode_kwargs = dict(config=model_config, top_k=top_k, mesh=smesh, unroll=unroll)
         decode = flops_lib.decode_flops(model_config, rows, shape.seq_len)
         programs["decode_step"] = Program(
             name="decode_step",

@@ -171,10 +171,11 @@ def _sampler_line(layout: Mapping[str, Any]) -> str:
         if layout.get("base_reshard_once_s") is not None
         else ""
     )
+    layers = " per layer" if layout.get("decode_layers") == "per_layer" else ""
     return (
         f"sampler: serving layout, mesh {mesh} (tensor-parallel {layout['tensor']}, weights "
-        f"in the compute dtype); reshard of {what} from the trainer's layout once per step: "
-        f"{moved / 2**30:.2f} GiB of collectives a chip, {_ms(layout['reshard_s'])} ms{base}"
+        f"in the compute dtype{layers}); reshard of {what} from the trainer's layout once per "
+        f"step: {moved / 2**30:.2f} GiB of collectives a chip, {_ms(layout['reshard_s'])} ms{base}"
     )
 
 

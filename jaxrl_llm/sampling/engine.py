@@ -98,6 +98,8 @@ class Engine:
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       stop_sequences: token-id sequences that end a completion (kept in it, like an EOS), as
         matched on device after every token.
+      decode_layers: the bursts' weights and cache stacked or per layer
+        (``sampling.layout.worth_unstacking``).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Engine:
         cache_dtype: Any = None,
         stop_sequences: Sequence[Sequence[int]] = (),
         mesh: Any = None,
+        decode_layers: str = "auto",
     ):
         for name, value in (
             ("slots", slots),
@@ -175,7 +178,7 @@ class Engine:
                     f"slots={slots} must be a multiple of the mesh's {self.shards} batch shards "
                     f"(data x fsdp)"
                 )
-        unstacked = layout.worth_unstacking(params)
+        unstacked = layout.worth_unstacking(params, decode_layers)
         # Under the engine's mesh: the caller's may be another (a sampler on devices of its
         # own, called from a thread under the trainer's mesh).
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):

@@ -239,6 +239,7 @@ def decode(
     sampling: SamplingParams,
     top_k: int = 0,
     mesh: Any = None,
+    decode_layers: str = "auto",
 ) -> SamplingState:
     """Samples until every row is done or all ``T`` columns are filled (``state`` is donated).
 
@@ -247,9 +248,9 @@ def decode(
     mark rows whose token is an EOS, and feed the token at cache slot ``P + step`` to get the
     next logits.
 
-    On CPU (``layout.worth_unstacking``) the loop runs on per-layer copies of the weights and
-    cache, made once per call, so that each step reads them in place; the returned cache is
-    stacked again.
+    On CPU (``layout.worth_unstacking``; ``decode_layers``: ``auto``, ``stacked`` or
+    ``per_layer``) the loop runs on per-layer copies of the weights and cache, made once per
+    call, so that each step reads them in place; the returned cache is stacked again.
 
     Returns:
       The final ``SamplingState``; ``state.step`` is the number of loop iterations run.
@@ -265,7 +266,7 @@ def decode(
         config=config,
         top_k=top_k,
         mesh=mesh,
-        unroll=layout.worth_unstacking(params),
+        unroll=layout.worth_unstacking(params, decode_layers),
     )
 
 
@@ -287,6 +288,7 @@ def generate(
     buckets: Sequence[int] | None = None,
     cache_dtype: Any = None,
     mesh: Any = None,
+    decode_layers: str = "auto",
 ) -> Completion:
     """Samples ``num_samples`` completions per prompt with a KV cache.
 
@@ -314,6 +316,7 @@ def generate(
       buckets: allowed padded prompt lengths (default: powers of two ``>= 16``).
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional mesh; the sampling state is then sharded by ``SAMPLING_RULES``.
+      decode_layers: the decode loop's weights and cache stacked or per layer (``decode``).
 
     Returns:
       ``Completion(tokens [N*G, T] int32, logprobs [N*G, T] f32, mask [N*G, T] bool)``.
@@ -335,7 +338,16 @@ def generate(
             mesh=mesh,
         )
         key, sampling = replicate((key, sampling), mesh)
-        state = decode(params, config, state, key=key, sampling=sampling, top_k=top_k, mesh=mesh)
+        state = decode(
+            params,
+            config,
+            state,
+            key=key,
+            sampling=sampling,
+            top_k=top_k,
+            mesh=mesh,
+            decode_layers=decode_layers,
+        )
     return Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
 
 

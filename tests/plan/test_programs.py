@@ -566,3 +566,35 @@ def test_prime_plans_the_implicit_prm_by_hand(tiny_path):
     assert update.tokens == job.shape.rows * job.shape.completion_len
     report = _compiled_aux_report(job, ("prm_update", "prm_logprobs"))
     assert report["fits"] and report["step_breakdown_s"]["prm_update"] > 0
+
+
+def test_decode_layers_are_planned_as_train_decodes(tiny_path, monkeypatch):
+    """``rollout.decode_layers``: the plan lowers the decode loop stacked (``auto`` and
+    ``stacked``: what ``generate`` runs on TPU) or per layer (``per_layer``), and says which."""
+    from jaxrl_llm.plan import _serving
+
+    seen = []
+    real = _serving._decode
+
+    class Recording:
+        def lower(self, *args, **kwargs):
+            seen.append(kwargs["unroll"])
+            return real.lower(*args, **kwargs)
+
+    monkeypatch.setattr(_serving, "_decode", Recording())
+    layers = {}
+    for mode in ("auto", "stacked", "per_layer"):
+        job = _job(tiny_path, f"rollout.decode_layers={mode}")
+        report = pr.summarise(
+            job,
+            {n: pr._program_report(job, p, None) for n, p in job.programs.items()},
+            skipped_compile=True,
+        )
+        layers[mode] = report["sampler_layout"]["decode_layers"]
+    assert seen == [False, False, True]
+    assert layers == {"auto": "stacked", "stacked": "stacked", "per_layer": "per_layer"}
+    from jaxrl_llm.plan.cli import format_report
+
+    assert "weights in the compute dtype per layer" in format_report(report)
+    with pytest.raises(pr.PlanError, match="rollout.decode_layers must be one of"):
+        _job(tiny_path, "rollout.decode_layers=unrolled")

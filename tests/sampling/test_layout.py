@@ -119,3 +119,48 @@ def test_worth_unstacking_on_cpu_up_to_a_size(setup, monkeypatch):
     assert layout.worth_unstacking(params)
     monkeypatch.setattr(layout, "UNROLL_MAX_BYTES", 1000)
     assert not layout.worth_unstacking(params)
+
+
+def test_decode_layers_modes_override_the_rule(setup, monkeypatch):
+    """``rollout.decode_layers``: ``stacked`` never splits, ``per_layer`` always does, ``auto``
+    is the CPU rule; an unknown mode is named."""
+    params = setup[0]
+    monkeypatch.setattr(layout, "UNROLL_MAX_BYTES", 1000)  # auto would keep this one stacked
+    assert not layout.worth_unstacking(params, "auto")
+    assert layout.worth_unstacking(params, "per_layer")
+    monkeypatch.undo()
+    assert layout.worth_unstacking(params, "auto")
+    assert not layout.worth_unstacking(params, "stacked")
+    with pytest.raises(ValueError, match="rollout.decode_layers must be one of"):
+        layout.worth_unstacking(params, "unrolled")
+
+
+def test_generate_decodes_stacked_or_per_layer_as_asked(setup, monkeypatch):
+    """``generate(decode_layers=...)`` reaches the decode program, and both layouts sample the
+    same completions."""
+    params, tokens, mask = setup
+    seen = []
+    real = gen._decode
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["unroll"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "_decode", recording)
+    outs = [
+        gen.generate(
+            params,
+            CONFIG,
+            tokens,
+            mask,
+            key=jax.random.key(3),
+            max_new_tokens=NEW,
+            eos_ids=(),
+            pad_id=0,
+            decode_layers=mode,
+        )
+        for mode in ("stacked", "per_layer")
+    ]
+    assert seen == [False, True]
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5)

@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from jaxrl_llm import objectives
+from jaxrl_llm.sampling.layout import DECODE_LAYERS
 from jaxrl_llm.sampling.serving import TENSOR_CHOICES
 from jaxrl_llm.train.config import (
     CheckpointSection,
@@ -115,18 +116,17 @@ class RolloutSection:
       max_resample_attempts: DAPO dynamic sampling: extra draws allowed to replace groups whose
         rewards are all equal; groups still missing after that are kept with a zero mask.
       engine: ``static`` (one batch: every row decodes until the longest finishes) or
-        ``continuous`` (``jaxrl_llm.sampling.engine``: ``slots`` decode slots refilled as
-        completions finish, the remaining rows moved to smaller programs as the batch drains;
-        one process for now).
+        ``continuous`` (``sampling.engine``: ``slots`` decode slots refilled as completions
+        finish, the rest moved to smaller programs as the batch drains; one process for now).
       slots: the continuous engine's decode slots (default: every row of the draw).
       burst: the continuous engine's decode steps per host round trip.
-      logprobs: the behaviour log-probs of the update: ``recompute`` (a trainer forward over
-        the rollout, skipped when the update is on-policy) or ``sampler`` (the sampler's own,
-        no forward: verl's "bypass" mode). Either way every step reports how far the
-        sampler's log-probs are from the trainer's (``rollout/logprob_diff_mean``,
-        ``rollout/logprob_diff_max``, ``rollout/k3``).
+      logprobs: the update's behaviour log-probs: ``recompute`` (a trainer forward, skipped when
+        the update is on-policy) or ``sampler`` (the sampler's own: verl's "bypass" mode); every
+        step reports their distance (``rollout/logprob_diff_mean``, ``_max``, ``rollout/k3``).
       tensor_parallel: the sampler's tensor-parallel size (``auto``, ``trainer`` or an int;
         ``sampling.serving``).
+      decode_layers: the decode loop's weights and cache ``stacked`` or ``per_layer`` (``auto``:
+        per layer on CPU; ``sampling.layout.worth_unstacking`` says when each pays on TPU).
       reward_workers: processes that score completions (``rewards.ScoringPool``: verifiers
         such as ``code_exec`` run in parallel, off the trainer's process); 0 = in-process.
       max_staleness: rollouts generated ahead, beside the update (``train.rl.pipeline``): a
@@ -148,6 +148,7 @@ class RolloutSection:
     burst: int = 8
     logprobs: str = "recompute"
     tensor_parallel: int | str = "auto"
+    decode_layers: str = "auto"
     reward_workers: int = 0
     max_staleness: int = 0
     partial: bool = False
@@ -407,10 +408,10 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _at_least("rollout.burst", r.burst, 1)
     _at_least("rollout.reward_workers", r.reward_workers, 0)
     _at_least("rollout.max_staleness", r.max_staleness, 0)
-    if r.slots is not None:
-        _at_least("rollout.slots", r.slots, 1)
+    _at_least("rollout.slots", 1 if r.slots is None else r.slots, 1)
     _choice("rollout.logprobs", r.logprobs, ROLLOUT_LOGPROBS)
     _choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
+    _choice("rollout.decode_layers", r.decode_layers, DECODE_LAYERS)
     fix = objective.rollout_correction
     if fix is not None and (fix.mode == "bypass") != (r.logprobs == "sampler"):
         need = "sampler" if fix.mode == "bypass" else "recompute"  # the old policy's

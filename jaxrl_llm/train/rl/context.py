@@ -247,6 +247,7 @@ class RunContext:
             defer=defer,
             updates=updates,
             version=version,
+            decode_layers=r.decode_layers,
         )
         return samples if samples.scoring else self._scored(samples, timer)
 

@@ -95,6 +95,7 @@ def sample_and_score(
     defer: bool = False,
     updates: Any = None,
     version: int = 0,
+    decode_layers: str = "auto",
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
@@ -110,7 +111,8 @@ def sample_and_score(
     caller can dispatch device work (the log-prob forwards) while the verifiers run.
     ``updates`` (the continuous engine): a ``sampling.engine.WeightUpdates`` whose newer
     weights the draw decodes with from the next burst on (partial rollouts; ``params`` are
-    ``version``), each token's version in ``Samples.versions``.
+    ``version``), each token's version in ``Samples.versions``. ``decode_layers``: the decode
+    loop's weights and cache stacked or per layer (``sampling.layout.worth_unstacking``).
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -139,6 +141,7 @@ def sample_and_score(
                 mesh=mesh,
                 updates=updates,
                 version=version,
+                decode_layers=decode_layers,
                 **options,
             )
             versions = versions if updates is not None else None
@@ -154,6 +157,7 @@ def sample_and_score(
                 pad_id=pad_id(tokenizer),
                 num_samples=group_size,
                 mesh=mesh,
+                decode_layers=decode_layers,
                 **options,
             )
             tokens, mask = fetch(completion.tokens), fetch(completion.mask)

@@ -397,3 +397,45 @@ def test_a_missing_hf_path_is_named(tmp_path):
     cfg = _hf_config(tmp_path, tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_examples(cfg)
+
+
+def test_rollouts_decode_with_the_configured_layer_layout(tmp_path, monkeypatch):
+    """``rollout.decode_layers=stacked`` reaches the rollout's decode program (on CPU ``auto``
+    would decode per layer)."""
+    import importlib
+
+    generate = importlib.import_module("jaxrl_llm.sampling.generate")
+    seen = []
+    real = generate._decode
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["unroll"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "_decode", recording)
+    for mode, unrolled in (("stacked", False), ("auto", True)):
+        cfg = load_config(
+            TrainConfig,
+            None,
+            [
+                *rl_helpers.TINY,
+                f"rollout.decode_layers={mode}",
+                f"run_dir={tmp_path / mode}",
+            ],
+        )
+        trainer = RLTrainer(cfg)
+        try:
+            with jax.set_mesh(trainer.mesh):
+                trainer.setup()
+            seen.clear()
+            trainer.run.sample(
+                trainer.sampler_params(),
+                trainer.sampler.next_batch(2),
+                jax.random.key(0),
+                temperature=1.0,
+                group_size=2,
+            )
+            assert seen == [unrolled], mode
+        finally:
+            trainer.checkpointer.close()
+            trainer.metrics_writer.close()
