@@ -444,8 +444,7 @@ def serving_reshards(config: models.ModelConfig, layout) -> tuple[Any, Any]:
     from jaxrl_llm.sampling import serving  # noqa: PLC0415
 
     base_shardings, adapter_shardings = lora.split(layout.shardings)
-    separate = getattr(layout, "separate", False)
     return (
-        serving.cast_to(config, base_shardings, separate=separate),
-        serving.cast_to(config, adapter_shardings, separate=separate),
+        serving.cast_to(config, base_shardings, separate=layout.separate),
+        serving.cast_to(config, adapter_shardings, separate=layout.separate),
     )
