@@ -19,6 +19,7 @@ from jaxrl_llm.models.heads import (
     sequence_scores,
     token_values,
 )
+from jaxrl_llm.models.kv_cache import PAGED_CACHE_AXES, PagedKVCache, init_paged_cache
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.transformer import (
     CACHE_AXES,
@@ -44,6 +45,8 @@ __all__ = [
     "ROPE_TYPES",
     "KVCache",
     "LORA_TARGETS",
+    "PAGED_CACHE_AXES",
+    "PagedKVCache",
     "LoraSpec",
     "ModelConfig",
     "ScalarParams",
@@ -53,6 +56,7 @@ __all__ = [
     "cast_params",
     "forward",
     "init_cache",
+    "init_paged_cache",
     "init_params",
     "init_scalar_params",
     "load_config",

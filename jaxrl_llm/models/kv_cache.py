@@ -5,7 +5,12 @@ either stacked over layers (``[L, B, K, S_max, H]``, what the scanned model read
 ``L`` per-layer arrays (``jaxrl_llm.sampling.layout.unstack_cache``, what the unrolled CPU
 decode reads).
 
-Shapes: B batch, S sequence, K key/value heads, H head dim, L layers.
+A paged cache (``PagedKVCache``) keeps the same logical ``[B, S_max]`` slots of each row in
+fixed-size blocks of a shared pool, found through a per-row block table: rows that share a
+prompt point at the same blocks, and capacity is set in blocks, not in rows x ``S_max``.
+
+Shapes: B batch, S sequence, K key/value heads, H head dim, L layers, N pool blocks, P block
+size (slots a block).
 """
 
 from __future__ import annotations
@@ -39,6 +44,33 @@ class KVCache(NamedTuple):
     mask: Array
 
 
+class PagedKVCache(NamedTuple):
+    """A KV cache in fixed-size blocks of a shared pool (vLLM's PagedAttention layout, Kwon et al.
+    2023), read and written through a per-row block table (a plain pytree).
+
+    Row ``b``'s logical slot ``s`` lives at offset ``s % P`` of block ``table[b, s // P]``.
+    Table entries equal to ``N`` (``unmapped``) are no block: writes there are dropped and reads
+    return some block's data, which the row's ``mask`` hides (it is False on such slots).
+
+    Attributes:
+      k: ``[L, N, K, P, H]`` key blocks (head-major inside a block), or a tuple of ``L``
+        per-layer ``[N, K, P, H]`` arrays.
+      v: values, like ``k``.
+      mask: ``[B, S_max]`` bool over the logical slots, as in ``KVCache``.
+      table: ``[B, S_max // P]`` int32 block of each row's logical block.
+    """
+
+    k: Array
+    v: Array
+    mask: Array
+    table: Array
+
+    @property
+    def unmapped(self) -> int:
+        """The table entry of a logical block with no block (the pool's size ``N``)."""
+        return _cache_shape(self.k)[1]
+
+
 CACHE_AXES = KVCache(
     k=("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
     v=("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
@@ -62,6 +94,131 @@ def init_cache(
         v=jnp.zeros(shape, dtype),
         mask=jnp.zeros((batch_size, max_len), bool),
     )
+
+
+# The blocks split like the rows: batch shard j's rows use only its own blocks (shard-local ids).
+PAGED_CACHE_AXES = PagedKVCache(
+    k=("layers", "batch", "kv_heads", None, "head_dim"),
+    v=("layers", "batch", "kv_heads", None, "head_dim"),
+    mask=("batch", "cache_seq"),
+    table=("batch", None),
+)
+
+
+def init_paged_cache(
+    config: ModelConfig,
+    batch_size: int,
+    max_len: int,
+    *,
+    blocks: int,
+    block_size: int,
+    dtype: Any = jnp.bfloat16,
+) -> PagedKVCache:
+    """An empty paged cache: a zero pool ``[L, blocks, K, block_size, H]``, every table entry
+    unmapped and an all-False mask; ``max_len`` must be a multiple of ``block_size``."""
+    if block_size < 1 or max_len % block_size:
+        raise ValueError(
+            f"a paged cache's length ({max_len}) must be a multiple of its block size "
+            f"({block_size})"
+        )
+    shape = (
+        config.num_hidden_layers,
+        blocks,
+        config.num_key_value_heads,
+        block_size,
+        config.head_dim,
+    )
+    return PagedKVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        mask=jnp.zeros((batch_size, max_len), bool),
+        table=jnp.full((batch_size, max_len // block_size), blocks, jnp.int32),
+    )
+
+
+def write_pages(
+    pool: Array, new: Array, layer_index: Any, cache_index: Array, table: Array
+) -> Array:
+    """Writes ``new: [B, S, K, H]`` at logical slots ``[cache_index, cache_index + S)`` of each
+    row, through ``table`` (``[B, S_max // P]``), into ``pool`` (``[L, N, K, P, H]`` with
+    ``layer_index``, else ``[N, K, P, H]``). Unmapped blocks and slots past ``S_max`` drop."""
+    block_size, blocks = pool.shape[-2], pool.shape[-4]
+    batch, seq = new.shape[:2]
+    slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (batch,))[:, None]
+    slots = slots + jnp.arange(seq, dtype=jnp.int32)  # [B, S]
+    logical = slots // block_size
+    block = jnp.take_along_axis(table, jnp.minimum(logical, table.shape[1] - 1), axis=1)
+    block = jnp.where(logical < table.shape[1], block, blocks)  # past S_max: dropped
+    offset = slots % block_size
+    new = new.astype(pool.dtype)
+    # Advanced indices split by a slice put their [B, S] first: the value is [B, S, K, H].
+    if layer_index is None:
+        return pool.at[block, :, offset].set(new, mode="drop")
+    return pool.at[layer_index, block, :, offset].set(new, mode="drop")
+
+
+def read_pages(pool: Array, table: Array) -> Array:
+    """Row ``b``'s logical slots from a layer's ``pool: [N, K, P, H]``: ``[B, K, S_max, H]``
+    (a block-table gather; unmapped entries read a clamped block, hidden by the mask)."""
+    batch, width = table.shape
+    blocks = jnp.take(pool, table, axis=0, mode="clip")  # [B, S_max / P, K, P, H]
+    _, _, kv_heads, block_size, head_dim = blocks.shape
+    return blocks.swapaxes(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
+
+
+def paged_update(
+    pools: tuple[Array, Array],
+    new: tuple[Array, Array],
+    layer_index: Any,
+    cache_index: Array,
+    table: Array,
+) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+    """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
+    pools and reads the layer back: ``(pools, (k, v) [B, K, S_max, H])``.
+
+    On a mesh whose batch axes split the rows, this runs per batch shard under
+    ``jax.shard_map``: the table's ids are local to the shard's part of the pool (see
+    ``sampling.paging``), so no shard reads another's blocks.
+    """
+    from jaxrl_llm.models.attention_backends import _mapped_axes  # noqa: PLC0415
+    from jaxrl_llm.parallel.rules import spec_entry  # noqa: PLC0415
+
+    def local(pools, new, layer_index, cache_index, table):
+        pools = tuple(
+            write_pages(c, n, layer_index, cache_index, table) for c, n in zip(pools, new)
+        )
+        layer = pools if layer_index is None else tuple(layer_slice(c, layer_index) for c in pools)
+        return pools, tuple(read_pages(c, table) for c in layer)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = (
+        () if mesh.empty else _mapped_axes(mesh, "batch", table.shape[:1] + pools[0].shape[-4:-3])
+    )
+    if not batch:
+        return local(pools, new, layer_index, cache_index, table)
+    spec = jax.sharding.PartitionSpec
+    rows, heads = spec_entry(batch), spec_entry(_mapped_axes(mesh, "kv_heads", new[0].shape[2:3]))
+    pool = (
+        spec(rows, heads, None, None)
+        if layer_index is None
+        else spec(None, rows, heads, None, None)
+    )
+    manual = set(getattr(mesh, "manual_axes", ()))
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            (pool, pool),
+            (spec(rows, None, heads, None),) * 2,
+            None if layer_index is None else spec(),
+            spec(rows) if jnp.ndim(cache_index) == 1 else spec(),
+            spec(rows, None),
+        ),
+        out_specs=((pool, pool), (spec(rows, heads, None, None),) * 2),
+        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
+        check_vma=False,
+    )
+    return mapped(tuple(pools), tuple(new), layer_index, jnp.asarray(cache_index), table)
 
 
 def write_slots(cache: Array, new: Array, layer_index: Any, cache_index: Array) -> Array:
@@ -112,6 +269,11 @@ def check_cache(
         config.head_dim,
     )
     max_len = cache.mask.shape[-1] if jnp.ndim(cache.mask) == 2 else -1
+    if isinstance(cache, PagedKVCache):
+        _check_paged(cache, (layers, kv_heads, head_dim), batch, max_len)
+        if seq > max_len:
+            raise ValueError(f"{seq} tokens do not fit a cache of {max_len} slots")
+        return
     want = (layers, batch, kv_heads, max_len, head_dim)
     got_k, got_v = _cache_shape(cache.k), _cache_shape(cache.v)
     if got_k != want or got_v != want:
@@ -121,6 +283,23 @@ def check_cache(
         )
     if seq > max_len:
         raise ValueError(f"{seq} tokens do not fit a cache of {max_len} slots")
+
+
+def _check_paged(
+    cache: PagedKVCache, model: tuple[int, int, int], batch: int, max_len: int
+) -> None:
+    layers, kv_heads, head_dim = model
+    got_k, got_v = _cache_shape(cache.k), _cache_shape(cache.v)
+    ok = got_k == got_v and len(got_k) == 5
+    ok = ok and (got_k[0], got_k[2], got_k[4]) == (layers, kv_heads, head_dim)
+    block_size = got_k[3] if ok else -1
+    table = tuple(jnp.shape(cache.table))
+    if not ok or table != (batch, max_len // max(block_size, 1)) or max_len % block_size:
+        raise ValueError(
+            f"a paged cache needs k/v [L, N, K, P, H] with (L, K, H)={model}, a [B, S_max] mask "
+            f"and a [B, S_max // P] table for tokens of batch {batch}; got k{got_k} v{got_v} "
+            f"mask{tuple(cache.mask.shape)} table{table}"
+        )
 
 
 def _cache_shape(x: Any) -> tuple[Any, ...]:

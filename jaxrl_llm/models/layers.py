@@ -23,7 +23,7 @@ from jaxrl_llm.models.attention import (
     dot_product_attention,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.kv_cache import layer_slice, write_slots
+from jaxrl_llm.models.kv_cache import layer_slice, paged_update, write_slots
 from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
@@ -206,6 +206,7 @@ class DecoderLayer(nnx.Module):
         kv: tuple[Array, Array] | None = None,
         layer_index: Array | None = None,
         cache_index: Array | None = None,
+        table: Array | None = None,
         dropout_key: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """One block on ``x: [B, S, D]``.
@@ -219,6 +220,8 @@ class DecoderLayer(nnx.Module):
             this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
           layer_index: this layer's index into stacked caches (int32, may be traced).
           cache_index: first cache slot written by this call (traced int32, ``[]`` or ``[B]``).
+          table: ``[B, S_max // P]`` block table when ``kv`` are the block pools
+            (``[L, N, K, P, H]`` or ``[N, K, P, H]``) of a ``PagedKVCache``, else None.
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
 
         Returns:
@@ -246,8 +249,13 @@ class DecoderLayer(nnx.Module):
             mask = attention_mask(key_valid, query_slots)
             # Writing only this call's slots (not a whole layer slice) lets XLA update the
             # cache in place inside the sampler's while loop; attention then reads it back.
-            kv = tuple(write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v)))
-            layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
+            if table is None:
+                kv = tuple(
+                    write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v))
+                )
+                layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
+            else:  # paged: written through the block table, read back as [B, K, S_max, H]
+                kv, layer_kv = paged_update(kv, (k, v), layer_index, cache_index, table)
             attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)

@@ -112,6 +112,7 @@ class Transformer(nnx.Module):
                 before = jnp.arange(cache.mask.shape[1]) < cache_index
             offset = jnp.sum(cache.mask & before, axis=1, keepdims=True, dtype=jnp.int32)
             kv = (cache.k, cache.v)
+        table = getattr(cache, "table", None)  # a PagedKVCache's block table
         if positions is None:
             counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)
             positions = jnp.maximum(offset + counts - 1, 0)
@@ -135,6 +136,7 @@ class Transformer(nnx.Module):
                 kv=kv,
                 layer_index=layer_index,
                 cache_index=cache_index,
+                table=table,
                 dropout_key=None
                 if dropout_key is None
                 else jax.random.fold_in(dropout_key, layer_index),
@@ -159,7 +161,7 @@ class Transformer(nnx.Module):
         hidden = constrain(
             rms_norm(x, self.final_norm[...], config.rms_norm_eps), "batch", None, "embed"
         )
-        new_cache = None if cache is None else KVCache(k=kv[0], v=kv[1], mask=key_valid)
+        new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
         return hidden, new_cache
 
 

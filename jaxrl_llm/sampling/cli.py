@@ -58,6 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("continuous", "static"), default="continuous")
     parser.add_argument("--burst", type=int, default=8, help="decode steps per host round trip")
     parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=None,
+        help="a paged KV cache of blocks of this many slots (default: contiguous rows)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="the paged cache's blocks (default: every slot's longest request)",
+    )
+    parser.add_argument(
         "--stop",
         action="append",
         default=[],
@@ -183,6 +195,8 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             min_p=args.min_p,
             burst=args.burst,
             engine=args.engine,
+            kv_block_size=args.kv_block_size,
+            kv_blocks=args.kv_blocks,
             stop_sequences=[_stop_ids(tokenizer, text) for text in args.stop],
         )
         progress = None
@@ -226,6 +240,11 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         f"{stats.requests} requests, {stats.tokens} tokens in {stats.seconds:.2f} s "
         f"({stats.tokens_per_s:,.0f} tokens/s, compile included); {slots} slots, "
         f"{args.engine} engine, slot utilisation {stats.utilisation:.1%}"
+        + (
+            f"; paged KV cache: peak {stats.peak_blocks} blocks, {stats.preemptions} preemptions"
+            if args.kv_block_size
+            else ""
+        )
         + (f"; wrote {args.out}" if args.out else ""),
         file=sys.stderr,
     )

@@ -35,9 +35,13 @@ tagged with the version of the weights that sampled it (``Result.versions``). Th
 the sampling distribution's, version by version: what an off-policy correction needs.
 
 The cache is ``[L, S, K, P + T, H]`` (per-layer arrays on CPU, as ``generate``'s decode uses):
-capacity is set in slots, not in requests. Programs compiled per run: one burst, and one
-admission per (distinct prompts, admitted requests, prompt bucket) size class, each a power of
-two.
+capacity is set in slots, not in requests. With ``kv_block_size`` it is paged instead
+(``sampling.paging``): a pool of ``kv_blocks`` blocks, a prompt's blocks shared by its samples
+in flight, completion blocks mapped as they grow, the newest requests preempted (and later
+recomputed, with the same tokens) when the pool runs out.
+
+Programs compiled per run: one burst, and one admission per (distinct prompts, admitted
+requests, prompt bucket) size class, each a power of two.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.generate import default_cache_dtype
+from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import (
     FINISH_REASONS,
@@ -62,11 +67,13 @@ from jaxrl_llm.sampling.requests import (
     Result,
     WeightUpdates,
     check_requests,
+    finish_reason,
 )
 from jaxrl_llm.sampling.slots import (
     EngineState,
     admit,
     burst,
+    evict,
     init_state,
     shardings,
     take_slots,
@@ -100,6 +107,10 @@ class Engine:
         matched on device after every token.
       decode_layers: the bursts' weights and cache stacked or per layer
         (``sampling.layout.worth_unstacking``).
+      kv_block_size: a paged cache of blocks of this many slots (``sampling.paging``); None: a
+        contiguous ``P + T`` slots a row.
+      kv_blocks: the paged cache's blocks (default: every slot's longest request, which never
+        preempts); fewer save memory at the cost of preemptions.
     """
 
     def __init__(
@@ -122,6 +133,8 @@ class Engine:
         stop_sequences: Sequence[Sequence[int]] = (),
         mesh: Any = None,
         decode_layers: str = "auto",
+        kv_block_size: int | None = None,
+        kv_blocks: int | None = None,
     ):
         for name, value in (
             ("slots", slots),
@@ -165,7 +178,9 @@ class Engine:
             burst,
             engine,
         )
-        self.prompt_width = bucket_length(max_prompt_len)
+        self.paged, self.prompt_width = paged_pool(
+            kv_block_size, kv_blocks, slots, bucket_length(max_prompt_len), max_new_tokens
+        )
         self.mesh, self.shards = mesh, 1
         if mesh is not None:
             from jaxrl_llm.parallel import batch_shards  # noqa: PLC0415
@@ -178,6 +193,8 @@ class Engine:
                     f"slots={slots} must be a multiple of the mesh's {self.shards} batch shards "
                     f"(data x fsdp)"
                 )
+        if self.paged is not None:
+            self._allocator(*self.paged)  # refuses a pool too small for one request
         unstacked = layout.worth_unstacking(params, decode_layers)
         # Under the engine's mesh: the caller's may be another (a sampler on devices of its
         # own, called from a thread under the trainer's mesh).
@@ -192,6 +209,12 @@ class Engine:
             cache_dtype=jnp.dtype(cache_dtype),
             pad_id=self.pad_id,
             unstacked=unstacked,
+            paged=self.paged,
+        )
+
+    def _allocator(self, blocks: int, size: int) -> BlockAllocator:
+        return BlockAllocator(
+            blocks, size, self.slots, self.prompt_width, self.max_new_tokens, self.shards
         )
 
     def run(
@@ -254,7 +277,9 @@ class Engine:
         counts = dict(
             decode_steps=0, slot_steps=0, bursts=0, admissions=0, prefill_rows=0, shrinks=0
         )
-        counts["updates"] = 0
+        counts.update(updates=0, preemptions=0)
+        pager = None if self.paged is None else self._allocator(*self.paged)
+        admitted_at = [0] * self.slots  # admission order per slot (the newest preempted first)
         params = self.params
         while queue or any(r is not None for r in occupant):
             newer = None if updates is None else updates.newer(version)
@@ -270,23 +295,34 @@ class Engine:
                 # so the long tail does not keep running S rows.
                 busy = [s for s, r in enumerate(occupant) if r is not None]
                 size = self.shards * _pow2(-(-len(busy) // self.shards))
-                if size <= len(occupant) // 2:
-                    keep = busy + free[: size - len(busy)]
+                keep = busy + free[: size - len(busy)] if size <= len(occupant) // 2 else None
+                if pager is not None:  # a paged slot stays in its batch shard
+                    keep = pager.drain(occupant)
+                if keep is not None:
                     state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
                     marks = [marks[s] for s in keep]
+                    admitted_at = [admitted_at[s] for s in keep]
+                    if pager is not None:
+                        pager.keep(keep)
                     counts["shrinks"] += 1
                     free = [s for s, r in enumerate(occupant) if r is None]
             if queue and free and (self.engine == "continuous" or len(free) == self.slots):
-                admitted = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                state = self._admit(
-                    params, state, requests, admitted, free[: len(admitted)], counts
+                admitted = (
+                    [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                    if pager is None
+                    else pager.admissible(requests, queue, free)
                 )
+                if admitted:  # none when the paged cache's free blocks hold none
+                    state = self._admit(
+                        params, state, requests, admitted, free[: len(admitted)], counts, pager
+                    )
                 for s, r in zip(free, admitted):
                     occupant[s] = r
                     host_count[s] = 0
                     marks[s] = [(0, version)]
+                    admitted_at[s] = counts["admissions"]
             steps = self.max_new_tokens
             if self.engine == "continuous":
                 # No step past the soonest budget end: that slot can be refilled right then.
@@ -296,6 +332,13 @@ class Engine:
                     if r is not None
                 ]
                 steps = max(1, min(self.burst, *left)) if left else self.burst
+            table = None
+            if pager is not None:
+                evicted = pager.map_burst(requests, queue, occupant, host_count, admitted_at, steps)
+                if evicted:
+                    counts["preemptions"] += len(evicted)
+                    state = evict(state, jnp.asarray(evicted, jnp.int32), mesh=self.mesh)
+                table = jnp.asarray(pager.table)
             state, steps_run = burst(
                 params,
                 state,
@@ -303,6 +346,7 @@ class Engine:
                 key,
                 self.sampling,
                 self.stops,
+                table,
                 config=self.config,
                 top_k=self.top_k,
                 mesh=self.mesh,
@@ -311,8 +355,13 @@ class Engine:
             counts["slot_steps"] += int(steps_run) * len(occupant)
             counts["bursts"] += 1
             finished, host_count = self._harvest(state, occupant, results, marks)
+            for s, r in enumerate(occupant):
+                if pager is not None and r is None:
+                    pager.release(s)  # finished (a no-op on slots already empty)
             if progress is not None and finished:
                 progress.update(finished)
+        if pager is not None:
+            counts["peak_blocks"] = pager.peak
         return results, counts
 
     def _layout(self, params: Any) -> Any:
@@ -327,18 +376,24 @@ class Engine:
         admitted: list[int],
         slots: list[int],
         counts: dict,
+        pager: BlockAllocator | None = None,
     ) -> EngineState:
         prompts: dict[Any, int] = {}  # prompt key -> row of the prefill batch
         rows: list[np.ndarray] = []
         owner = []
-        for r in admitted:
-            share = requests[r].prompt_key
-            key = ("request", r) if share is None else ("key", share)
+        writes = []  # (prefill row, slot, the blocks it writes): paged
+        for r, slot in zip(admitted, slots):
+            key = requests[r].share_key(r)
             if key not in prompts:
                 prompts[key] = len(rows)
                 rows.append(requests[r].prompt)
             owner.append(prompts[key])
+            blocks = None if pager is None else pager.admit(slot, key, len(requests[r].prompt))
+            if blocks is not None:
+                writes.append((prompts[key], slot, blocks))
         width = bucket_length(max(len(p) for p in rows))
+        if pager is not None:  # whole blocks: the prompt's fall on block boundaries
+            width = -(-width // pager.block_size) * pager.block_size
         # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
         num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
         tokens = np.full((num_prompts, width), self.pad_id, np.int32)
@@ -354,6 +409,10 @@ class Engine:
         limits = [requests[r].max_new_tokens for r in admitted]
         counts["admissions"] += 1
         counts["prefill_rows"] += len(rows)
+        paged = {}
+        if pager is not None:
+            source, dest = pager.prefill_writes(writes, width)
+            paged = dict(table=jnp.asarray(pager.table), dest=(source, dest))
         return admit(
             params,
             state,
@@ -364,6 +423,7 @@ class Engine:
             jnp.asarray(np.asarray(limits + [1] * pad, np.int32)),
             jnp.asarray(np.asarray(admitted + [0] * pad, np.int32)),
             jnp.asarray(self.pad_id, jnp.int32),
+            **paged,
             config=self.config,
             mesh=self.mesh,
         )
@@ -388,11 +448,7 @@ class Engine:
         for i, s in enumerate(ready):
             n = int(count[i])
             row = tokens[i, :n]
-            stopped = n and int(row[-1]) in self.eos
-            stopped = stopped or any(
-                n >= len(s) and tuple(row[n - len(s) :].tolist()) == s for s in self.stop_sequences
-            )
-            reason = "stop" if stopped else "length"
+            reason = finish_reason(row, self.eos, self.stop_sequences)
             versions = np.zeros(n, np.int32)
             for start, version in marks[s]:
                 versions[start:] = version

@@ -27,6 +27,11 @@ class Request(NamedTuple):
     max_new_tokens: int | None = None
     prompt_key: Any = None
 
+    def share_key(self, index: int) -> Any:
+        """Requests with equal share keys share a prefill (and a paged cache's prompt blocks);
+        ``index``: this request's position in its run."""
+        return ("request", index) if self.prompt_key is None else ("key", self.prompt_key)
+
 
 class Result(NamedTuple):
     """One request's completion.
@@ -73,6 +78,8 @@ class EngineStats(NamedTuple):
     ``S``, fewer once the queue is empty and the engine has shrunk), so ``utilisation = tokens /
     slot_steps`` is the share of decode work that produced a token. ``shrinks`` counts those
     halvings.
+    ``preemptions`` and ``peak_blocks``: a paged cache's requests preempted (recomputed) and
+    most blocks in use at once.
     ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
     """
 
@@ -86,6 +93,8 @@ class EngineStats(NamedTuple):
     shrinks: int
     seconds: float
     updates: int = 0
+    preemptions: int = 0
+    peak_blocks: int = 0
 
     @property
     def utilisation(self) -> float:
@@ -94,6 +103,17 @@ class EngineStats(NamedTuple):
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def finish_reason(tokens: np.ndarray, eos: set, stop_sequences: Sequence[tuple]) -> str:
+    """``"stop"`` when a completion ends with an EOS id or one of ``stop_sequences``, else
+    ``"length"``."""
+    n = len(tokens)
+    stopped = n and int(tokens[-1]) in eos
+    stopped = stopped or any(
+        n >= len(s) and tuple(tokens[n - len(s) :].tolist()) == s for s in stop_sequences
+    )
+    return "stop" if stopped else "length"
 
 
 def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
@@ -117,4 +137,12 @@ def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Req
     return checked
 
 
-__all__ = ["FINISH_REASONS", "EngineStats", "Request", "Result", "WeightUpdates", "check_requests"]
+__all__ = [
+    "FINISH_REASONS",
+    "EngineStats",
+    "Request",
+    "Result",
+    "WeightUpdates",
+    "check_requests",
+    "finish_reason",
+]

@@ -14,7 +14,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import CACHE_AXES, KVCache, cast_params, forward, init_cache, unembed
+from jaxrl_llm.models import (
+    CACHE_AXES,
+    PAGED_CACHE_AXES,
+    KVCache,
+    PagedKVCache,
+    cast_params,
+    forward,
+    init_cache,
+    init_paged_cache,
+    unembed,
+)
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.state import SamplingParams
 
@@ -27,6 +37,7 @@ class EngineState(NamedTuple):
     Attributes:
       cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask
         ``[S, W]``; a slot's prompt ends at cache slot ``P - 1``, its completion starts at ``P``.
+        Or a ``PagedKVCache`` of the same logical slots in a pool of blocks (``paging``).
       logits: ``[S, V]`` f32 next-token logits.
       next_slot: ``[S]`` int32 cache slot the next fed token goes to.
       position: ``[S]`` int32 RoPE position of the next fed token.
@@ -37,7 +48,7 @@ class EngineState(NamedTuple):
       tokens: ``[S, T]`` int32 sampled tokens; logprobs: ``[S, T]`` f32.
     """
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     logits: Array
     next_slot: Array
     position: Array
@@ -58,9 +69,19 @@ def init_state(
     cache_dtype: Any,
     pad_id: int,
     unstacked: bool,
+    paged: tuple[int, int] | None = None,
 ) -> EngineState:
-    """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each."""
-    cache = init_cache(config, slots, prompt_width + max_new_tokens, dtype=cache_dtype)
+    """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each
+    (``paged=(blocks, block_size)``: in a pool of blocks, every table entry unmapped)."""
+    width = prompt_width + max_new_tokens
+    if paged is None:
+        cache = init_cache(config, slots, width, dtype=cache_dtype)
+    else:
+        blocks, size = paged
+        width = -(-width // size) * size
+        cache = init_paged_cache(
+            config, slots, width, blocks=blocks, block_size=size, dtype=cache_dtype
+        )
     if unstacked:
         cache = layout.unstack_cache(cache)
 
@@ -83,11 +104,11 @@ def init_state(
 
 def state_axes(state: EngineState) -> EngineState:
     """Logical axes of every state leaf (slots are the ``batch`` axis)."""
-    cache_axes = CACHE_AXES
+    cache_axes = PAGED_CACHE_AXES if isinstance(state.cache, PagedKVCache) else CACHE_AXES
     if isinstance(state.cache.k, tuple):  # per-layer arrays drop the layers axis
         layers = len(state.cache.k)
-        cache_axes = CACHE_AXES._replace(
-            k=(CACHE_AXES.k[1:],) * layers, v=(CACHE_AXES.v[1:],) * layers
+        cache_axes = cache_axes._replace(
+            k=(cache_axes.k[1:],) * layers, v=(cache_axes.v[1:],) * layers
         )
     row = ("batch",)
     return EngineState(
@@ -128,25 +149,36 @@ def admit(
     limit: Array,
     request: Array,
     pad_id: Array,
+    table: Array | None = None,
+    dest: tuple[Array, Array] | None = None,
     *,
     config: Any,
     mesh: Any = None,
 ) -> EngineState:
     """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
-    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped)."""
+    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped).
+
+    Paged cache: ``table`` is the new ``[S, W / P]`` block table and ``dest = (source, blocks)``
+    the prefill's writes: prompt row ``source[i]``'s keys and values go to the global blocks
+    ``blocks[i]: [p / P]`` (``N``: not written)."""
     num_prompts, width = prompt_tokens.shape
     params = cast_params(params, config)
     unstacked = isinstance(params["layers"], tuple)
     cache = init_cache(
         config, num_prompts, width, dtype=(state.cache.k[0] if unstacked else state.cache.k).dtype
     )
+    paged = isinstance(state.cache, PagedKVCache)
     if unstacked:
         cache = layout.unstack_cache(cache)
     hidden, cache = forward(
         params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
     )
     logits = unembed(params, config, hidden[:, -1])  # left padding: the last column is real
-    prompt_width = state.cache.mask.shape[1] - state.tokens.shape[1]
+    tail = state.tokens.shape[1]
+    if paged:  # the completion's slots end on a block boundary
+        size = (state.cache.k[0] if unstacked else state.cache.k).shape[-2]
+        tail = -(-tail // size) * size
+    prompt_width = state.cache.mask.shape[1] - tail
     start = prompt_width - width  # right-align: every completion starts at prompt_width
 
     def put(big: Array, small: Array, batch_axis: int) -> Array:
@@ -154,11 +186,22 @@ def admit(
         index = (slice(None),) * batch_axis + (slot, slice(None), slice(start, start + width))
         return big.at[index].set(rows, mode="drop")
 
+    def page(pool: Array, small: Array, batch_axis: int) -> Array:
+        # [.., U, K, p, H] -> [.., U, p / P, K, P, H] blocks, written to the dest blocks.
+        size = pool.shape[-2]
+        lead, (_, kv_heads, _, head_dim) = small.shape[:batch_axis], small.shape[batch_axis:]
+        blocks = small.reshape(*lead, num_prompts, kv_heads, width // size, size, head_dim)
+        blocks = jnp.moveaxis(blocks, batch_axis + 2, batch_axis + 1)
+        source, ids = dest
+        blocks = jnp.take(blocks, source, axis=batch_axis)
+        return pool.at[(slice(None),) * batch_axis + (ids,)].set(blocks, mode="drop")
+
+    write = page if paged else put
     if unstacked:
-        k = tuple(put(b, s, 0) for b, s in zip(state.cache.k, cache.k))
-        v = tuple(put(b, s, 0) for b, s in zip(state.cache.v, cache.v))
+        k = tuple(write(b, s, 0) for b, s in zip(state.cache.k, cache.k))
+        v = tuple(write(b, s, 0) for b, s in zip(state.cache.v, cache.v))
     else:
-        k, v = put(state.cache.k, cache.k, 1), put(state.cache.v, cache.v, 1)
+        k, v = write(state.cache.k, cache.k, 1), write(state.cache.v, cache.v, 1)
     rows_mask = jnp.zeros((owner.shape[0], state.cache.mask.shape[1]), bool)
     rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
 
@@ -167,7 +210,11 @@ def admit(
 
     return _constrain(
         EngineState(
-            cache=KVCache(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask)),
+            cache=state.cache._replace(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask))
+            if not paged
+            else state.cache._replace(
+                k=k, v=v, mask=set_rows(state.cache.mask, rows_mask), table=table
+            ),
             logits=set_rows(state.logits, logits[owner]),
             next_slot=set_rows(state.next_slot, prompt_width),
             position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
@@ -190,6 +237,7 @@ def burst(
     key: Array,
     sampling: SamplingParams,
     stops: Array,
+    table: Array | None = None,
     *,
     config: Any,
     top_k: int,
@@ -197,11 +245,16 @@ def burst(
 ) -> tuple[EngineState, Array]:
     """Decodes up to ``steps`` tokens in every live slot; returns the state and steps run.
 
+    ``table``: a paged cache's block table for this burst (its slots' blocks mapped for every
+    token it may write).
+
     A slot finishes on an EOS id, at its ``limit``, or when its completion ends with one of
     ``stops``: ``[N, L]`` int32 token sequences, each right-aligned and left-padded with -1
     (a row of -1 never matches).
     """
     params = cast_params(params, config)  # once per call, not per step
+    if table is not None:
+        state = state._replace(cache=state.cache._replace(table=table))
     slots, max_new = state.tokens.shape
     rows = jnp.arange(slots)
 
@@ -281,13 +334,34 @@ def take_slots(state: EngineState, index: Array, *, mesh: Any = None) -> EngineS
         return jnp.take(x, index, axis=axis)
 
     cache = state.cache
-    if isinstance(cache.k, tuple):
+    if isinstance(cache, PagedKVCache):
+        k, v = cache.k, cache.v
+    elif isinstance(cache.k, tuple):
         k = tuple(take(x, 0) for x in cache.k)
         v = tuple(take(x, 0) for x in cache.v)
     else:
         k, v = take(cache.k, 1), take(cache.v, 1)
     rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
-    return _constrain(EngineState(cache=KVCache(k=k, v=v, mask=take(cache.mask, 0)), **rest), mesh)
+    if isinstance(cache, PagedKVCache):  # the pool stays; the rows' tables and masks move
+        new = cache._replace(mask=take(cache.mask, 0), table=take(cache.table, 0))
+    else:
+        new = KVCache(k=k, v=v, mask=take(cache.mask, 0))
+    return _constrain(EngineState(cache=new, **rest), mesh)
 
 
-__all__ = ["EngineState", "admit", "burst", "init_state", "shardings", "state_axes", "take_slots"]
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def evict(state: EngineState, slots: Array, *, mesh: Any = None) -> EngineState:
+    """Marks ``slots`` done (preempted requests): they sample nothing more."""
+    return _constrain(state._replace(done=state.done.at[slots].set(True, mode="drop")), mesh)
+
+
+__all__ = [
+    "EngineState",
+    "admit",
+    "burst",
+    "evict",
+    "init_state",
+    "shardings",
+    "state_axes",
+    "take_slots",
+]

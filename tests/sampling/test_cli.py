@@ -154,18 +154,24 @@ def test_generate_jsonl_batch_with_refills(model_dir, tmp_path, capsys):
     assert {len(r["tokens"]) for r in lines[2:4]} <= {1, 2}
 
 
-def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path):
+def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w9 w9"}, {"prompt": "w7"}])
     outs = []
-    for engine, slots in (("continuous", "3"), ("static", "2")):
-        out = tmp_path / f"{engine}.jsonl"
+    paged = ["--kv-block-size", "4", "--kv-blocks", "7"]  # 2 prompt + 2 completion blocks a row
+    for n, (engine, slots, extra) in enumerate(
+        (("continuous", "3", []), ("static", "2", []), ("continuous", "3", paged))
+    ):
+        out = tmp_path / f"{n}.jsonl"
         argv = [model_dir, "--prompts", prompts, "--out", str(out), "--num-samples", "3"]
         argv += ["--max-new-tokens", "5", "--engine", engine, "--slots", slots, "--seed", "4"]
-        argv += ["--temperature", "1.5"]
+        argv += ["--temperature", "1.5", *extra]
         assert generate_main(argv + ["--no-progress"]) == 0
         outs.append([json.loads(line) for line in out.read_text().splitlines()])
-    # Per-request sampling streams: the same tokens whatever the engine and slot count.
-    assert [r["tokens"] for r in outs[0]] == [r["tokens"] for r in outs[1]]
+    assert "paged KV cache: peak 7 blocks" in capsys.readouterr().err
+    # Per-request sampling streams: the same tokens whatever the engine, slot count and cache
+    # (the paged one preempting).
+    for other in outs[1:]:
+        assert [r["tokens"] for r in outs[0]] == [r["tokens"] for r in other]
     assert len({tuple(r["tokens"]) for r in outs[0][:3]}) > 1, "samples should differ"
 
 

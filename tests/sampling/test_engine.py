@@ -114,7 +114,8 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
     assert stats.tokens == sum(len(r.tokens) for r in results)
 
 
-def test_greedy_equals_transformers_generate_with_refills(tmp_path):
+@pytest.mark.parametrize("kv_block_size", [None, 4])  # contiguous and paged caches
+def test_greedy_equals_transformers_generate_with_refills(tmp_path, kv_block_size):
     torch_model = build_checkpoint("llama", str(tmp_path), seed=3)
     config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
     rng = np.random.default_rng(5)
@@ -129,6 +130,7 @@ def test_greedy_equals_transformers_generate_with_refills(tmp_path):
         eos_ids=(),
         pad_id=PAD,
         temperature=0.0,
+        kv_block_size=kv_block_size,
     )
     for prompt, budget, result in zip(prompts, budgets, results):
         with torch.no_grad():
@@ -320,6 +322,29 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
             assert a.finish_reason == b.finish_reason
+    # A paged cache: per batch shard (4 pools of blocks, tables of shard-local ids, one small
+    # enough to preempt), and on a tensor-parallel mesh (kv heads split over 2 devices).
+    tensor = make_mesh(data=1, fsdp=1, tensor=2, devices=jax.devices()[:2])
+    on_tensor = jax.device_put(
+        params, logical_to_sharding(logical_axes(config), tensor, PARAM_RULES, shapes=params)
+    )
+    # 8 slots and 20 blocks over 4 batch shards: 2 slots and 5 blocks a shard (a request takes
+    # up to 2 prompt + 3 completion blocks).
+    for weights, on, blocks in ((sharded, mesh, 20), (on_tensor, tensor, None)):
+        paged, stats = generate_requests(
+            weights,
+            config,
+            requests,
+            temperature=1.0,
+            mesh=on,
+            kv_block_size=4,
+            kv_blocks=blocks,
+            **{**kw, "slots": 8},
+        )
+        assert stats.peak_blocks > 0 and (blocks is None or stats.preemptions > 0)
+        for a, b in zip(single, paged, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of the mesh's 4 batch shards"):
         Engine(
             sharded,
@@ -345,7 +370,10 @@ class _OfferAfter:
         return (1, self.params) if self.calls > self.polls and version < 1 else None
 
 
-def test_weights_updated_in_flight_take_over_at_the_next_token_and_tag_it(params, rng):
+@pytest.mark.parametrize("kv_block_size", [None, 2])
+def test_weights_updated_in_flight_take_over_at_the_next_token_and_tag_it(
+    params, rng, kv_block_size
+):
     """Partial rollouts: weights published between bursts decode every live slot from then on.
     The new weights here have a zero unembedding, so every token they sample has log-prob
     exactly ``-log V`` (temperature 1): they take over at each slot's first token sampled from
@@ -364,6 +392,7 @@ def test_weights_updated_in_flight_take_over_at_the_next_token_and_tag_it(params
             eos_ids=(),
             pad_id=PAD,
             burst=3,
+            kv_block_size=kv_block_size,
         )
         return engine.run(requests, seed=3, updates=updates, version=version)
 

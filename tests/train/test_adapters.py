@@ -230,9 +230,7 @@ def test_lora_runs_on_a_2x2x2_mesh_and_on_sampler_devices_match_one_device(tmp_p
         _config(tmp_path / "apart", *common, *separate)
     )
     devices = jax.devices()
-    assert {d for x in jax.tree.leaves(apart.state.params) for d in x.devices()} == set(
-        devices[4:]
-    )
+    assert {d for x in jax.tree.leaves(apart.state.params) for d in x.devices()} == set(devices[4:])
     served = apart.sampler_params()
     assert {d for x in jax.tree.leaves(served) for d in x.devices()} == set(devices[:4])
     assert len(moved) >= 3 and all(base is moved[0] for base in moved)  # crossed once
@@ -245,14 +243,14 @@ def test_lora_runs_on_a_2x2x2_mesh_and_on_sampler_devices_match_one_device(tmp_p
         )
 
     single = RLTrainer(_config(tmp_path / "single", *common)).fit()
-    for run, got in (("mesh", summary), ("apart", apart_summary)):
-        assert got["eval_before_rl"] == single["eval_before_rl"], run
-        first = read_metrics(tmp_path / run)[0]
+    for name, got in (("mesh", summary), ("apart", apart_summary)):
+        assert got["eval_before_rl"] == single["eval_before_rl"], name
+        first = read_metrics(tmp_path / name)[0]
         single_first = read_metrics(tmp_path / "single")[0]
         for key in ("reward_mean", "accuracy", "completion_length_mean"):
-            assert first[key] == single_first[key], (run, key)
+            assert first[key] == single_first[key], (name, key)
         for key in ("loss", "grad_norm", "kl"):
-            assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), (run, key)
+            assert first[key] == pytest.approx(single_first[key], rel=1e-4, abs=1e-6), (name, key)
 
 
 def test_lora_dropout_is_in_the_update_only_and_reproducible(tmp_path):

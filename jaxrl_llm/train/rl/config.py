@@ -133,6 +133,9 @@ class RolloutSection:
         step trains on samples of parameters up to this many updates old; 0 = synchronous.
       partial: partial rollouts (with ``max_staleness`` and the continuous engine): a rollout
         in flight takes each update's weights between bursts, each token tagged with its version.
+      kv_block_size, kv_blocks: the continuous engine's paged KV cache (``sampling.paging``):
+        blocks of this many slots (0: contiguous rows) and how many (default: every slot's
+        longest request; fewer preempt and recompute the newest requests when they run out).
     """
 
     prompts_per_step: int = 32
@@ -152,6 +155,8 @@ class RolloutSection:
     reward_workers: int = 0
     max_staleness: int = 0
     partial: bool = False
+    kv_block_size: int = 0
+    kv_blocks: int | None = None
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -412,6 +417,14 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _choice("rollout.logprobs", r.logprobs, ROLLOUT_LOGPROBS)
     _choice("rollout.engine", r.engine, ROLLOUT_ENGINES)
     _choice("rollout.decode_layers", r.decode_layers, DECODE_LAYERS)
+    _at_least("rollout.kv_block_size", r.kv_block_size, 0)
+    _at_least("rollout.kv_blocks", 1 if r.kv_blocks is None else r.kv_blocks, 1)
+    if (r.kv_block_size or r.kv_blocks) and (r.engine != "continuous" or not r.kv_block_size):
+        raise ValueError(
+            "rollout.kv_blocks and rollout.kv_block_size (a paged KV cache) need "
+            f"rollout.engine=continuous and kv_block_size >= 1; got engine={r.engine!r}, "
+            f"kv_block_size={r.kv_block_size}"
+        )
     fix = objective.rollout_correction
     if fix is not None and (fix.mode == "bypass") != (r.logprobs == "sampler"):
         need = "sampler" if fix.mode == "bypass" else "recompute"  # the old policy's
@@ -468,33 +481,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         _at_least("critic.warmup_steps", critic.warmup_steps, 0)
     if objective.needs_process_rewards:
         _choice("prime.update", cfg.prime.update, PRM_UPDATES)
-    _check_env(cfg, objective)
+    from jaxrl_llm.train.rl.episodes import check_env  # noqa: PLC0415  (imports envs)
+
+    check_env(cfg, objective)
     return objective
-
-
-def _check_env(cfg: TrainConfig, objective: objectives.Objective) -> None:
-    env = cfg.env
-    if env.name is None:
-        return
-    from jaxrl_llm.envs import ENVIRONMENTS  # noqa: PLC0415  (envs imports the trainer's setup)
-
-    if ":" not in env.name and env.name not in ENVIRONMENTS:
-        raise ValueError(
-            f"env.name must be one of {sorted(ENVIRONMENTS)} or 'package.module:factory', got "
-            f"{env.name!r}"
-        )
-    _at_least("env.max_turns", env.max_turns, 1)
-    if env.max_turn_tokens is not None:
-        _at_least("env.max_turn_tokens", env.max_turn_tokens, 1)
-    needs = ["a critic"] * objective.needs_critic + ["a PRM"] * objective.needs_process_rewards
-    needs += ["a learned reward model (reward_model.path)"] * (cfg.reward_model.path is not None)
-    if needs:
-        raise ValueError(
-            f"env.name={env.name!r}: multi-turn episodes train with critic-free objectives and "
-            f"the environment's rewards for now; this config needs {needs[0]}"
-        )
-    if cfg.rollout.engine != "static":
-        raise ValueError(
-            "env.name: multi-turn episodes sample each turn as one batch (rollout.engine="
-            f"static); got rollout.engine={cfg.rollout.engine!r}"
-        )

@@ -248,6 +248,8 @@ class RunContext:
             updates=updates,
             version=version,
             decode_layers=r.decode_layers,
+            kv_block_size=r.kv_block_size or None,
+            kv_blocks=r.kv_blocks,
         )
         return samples if samples.scoring else self._scored(samples, timer)
 

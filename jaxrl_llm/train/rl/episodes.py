@@ -159,3 +159,35 @@ def demonstration_batches(run, batch_size: int, seed: int, key: int = 1) -> Iter
             eos_id=run.stop_ids[0],
         )
         yield Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+
+
+def check_env(cfg: Any, objective: Any) -> None:
+    """Refuses an ``env`` section the multi-turn loop cannot run (``TrainConfig`` checks).
+
+    Raises:
+      ValueError: an unknown environment, bad turn limits, an objective that needs a critic, a
+        PRM or a learned reward model, or the continuous engine.
+    """
+    env = cfg.env
+    if env.name is None:
+        return
+    if ":" not in env.name and env.name not in envs.ENVIRONMENTS:
+        raise ValueError(
+            f"env.name must be one of {sorted(envs.ENVIRONMENTS)} or 'package.module:factory', got "
+            f"{env.name!r}"
+        )
+    for key, value in (("max_turns", env.max_turns), ("max_turn_tokens", env.max_turn_tokens)):
+        if value is not None and not value >= 1:
+            raise ValueError(f"env.{key} must be >= 1, got {value!r}")
+    needs = ["a critic"] * objective.needs_critic + ["a PRM"] * objective.needs_process_rewards
+    needs += ["a learned reward model (reward_model.path)"] * (cfg.reward_model.path is not None)
+    if needs:
+        raise ValueError(
+            f"env.name={env.name!r}: multi-turn episodes train with critic-free objectives and "
+            f"the environment's rewards for now; this config needs {needs[0]}"
+        )
+    if cfg.rollout.engine != "static":
+        raise ValueError(
+            "env.name: multi-turn episodes sample each turn as one batch (rollout.engine="
+            f"static); got rollout.engine={cfg.rollout.engine!r}"
+        )

@@ -96,6 +96,8 @@ def sample_and_score(
     updates: Any = None,
     version: int = 0,
     decode_layers: str = "auto",
+    kv_block_size: int | None = None,
+    kv_blocks: int | None = None,
 ) -> Samples:
     """Samples ``group_size`` completions for each prompt and scores them.
 
@@ -113,6 +115,7 @@ def sample_and_score(
     weights the draw decodes with from the next burst on (partial rollouts; ``params`` are
     ``version``), each token's version in ``Samples.versions``. ``decode_layers``: the decode
     loop's weights and cache stacked or per layer (``sampling.layout.worth_unstacking``).
+    ``kv_block_size``, ``kv_blocks``: the continuous engine's paged KV cache (``sampling.paging``).
     """
     phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
     with phase("rollout"):
@@ -142,6 +145,8 @@ def sample_and_score(
                 updates=updates,
                 version=version,
                 decode_layers=decode_layers,
+                kv_block_size=kv_block_size,
+                kv_blocks=kv_blocks,
                 **options,
             )
             versions = versions if updates is not None else None

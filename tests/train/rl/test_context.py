@@ -439,3 +439,56 @@ def test_rollouts_decode_with_the_configured_layer_layout(tmp_path, monkeypatch)
         finally:
             trainer.checkpointer.close()
             trainer.metrics_writer.close()
+
+
+def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
+    """``rollout.kv_block_size`` / ``rollout.kv_blocks`` reach the continuous engine, whose
+    paged cache (here small enough to preempt) samples the contiguous cache's tokens."""
+    import importlib
+
+    rollout = importlib.import_module("jaxrl_llm.train.rl.rollout")
+    engines = []
+
+    class Recording(rollout.Engine):
+        def run(self, *args, **kwargs):
+            results, stats = super().run(*args, **kwargs)
+            engines.append((self.paged, stats))
+            return results, stats
+
+    monkeypatch.setattr(rollout, "Engine", Recording)
+    draws = []
+    for name, extra in (("contiguous", []), ("paged", ["rollout.kv_block_size=4"])):
+        overrides = [*rl_helpers.TINY, "rollout.engine=continuous", "rollout.slots=8", *extra]
+        if extra:  # 1 block of prompt + 2 of completion a row: 3 rows' worth for 8 slots
+            overrides.append("rollout.kv_blocks=9")
+        cfg = load_config(TrainConfig, None, [*overrides, f"run_dir={tmp_path / name}"])
+        trainer = RLTrainer(cfg)
+        try:
+            with jax.set_mesh(trainer.mesh):
+                trainer.setup()
+            batch = trainer.sampler.next_batch(4)
+            samples = trainer.run.sample(
+                trainer.sampler_params(), batch, jax.random.key(0), temperature=1.0, group_size=4
+            )
+            draws.append(samples)
+        finally:
+            trainer.checkpointer.close()
+            trainer.metrics_writer.close()
+    (none, _), (paged, stats) = engines
+    assert none is None and paged[1] == 4 and paged[0] == 9
+    assert stats.preemptions > 0 and stats.peak_blocks <= 9
+    np.testing.assert_array_equal(draws[0].completion_tokens, draws[1].completion_tokens)
+    np.testing.assert_allclose(draws[0].logprobs, draws[1].logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["rollout.kv_block_size=4"], "need rollout.engine=continuous"),
+        (["rollout.engine=continuous", "rollout.kv_blocks=8"], "kv_block_size >= 1"),
+        (["rollout.engine=continuous", "rollout.kv_block_size=-1"], "kv_block_size must be >= 0"),
+    ],
+)
+def test_paged_cache_settings_are_checked(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(load_config(TrainConfig, None, list(overrides)))

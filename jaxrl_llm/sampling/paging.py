@@ -1,0 +1,288 @@
+"""The continuous engine's paged KV cache, host side: which blocks each slot's rows use.
+
+The device keeps a pool of ``N`` blocks of ``P`` cache slots (``models.PagedKVCache``) and a
+block table per slot; this allocator decides the table (vLLM's block manager, Kwon et al.
+2023, in its simplest form):
+
+* **Prompts.** A slot's prompt is right-aligned to end at cache slot ``W_p - 1`` (``W_p`` a
+  multiple of ``P``), so its completion starts on a block boundary. Only the prompt's real
+  blocks are allocated (the all-padding blocks before them stay unmapped), once per distinct
+  prompt: the ``G`` samples of a prompt that are in the engine at the same time share them
+  (reference-counted; freed with the last sharer).
+* **Completions.** Blocks are allocated as a slot's completion grows, before each burst for the
+  tokens that burst may write, and freed when the request finishes.
+* **Preemption.** When a burst's blocks do not fit, the most recently admitted requests are
+  preempted (their blocks freed, the requests put back at the head of the queue) and later
+  recomputed from their prompts: their tokens are drawn from the same per-request streams,
+  so the result does not depend on the preemption (vLLM's recompute preemption).
+
+Capacity is set in blocks: with ``N`` smaller than ``slots * W / P`` the engine runs more slots
+than a contiguous cache of the same size would hold.
+
+**On a mesh that splits the slots** (``data x fsdp`` batch shards) the pool splits the same way:
+batch shard ``j`` holds slots ``[j S/D, (j+1) S/D)`` and blocks ``[j N/D, (j+1) N/D)``, its
+tables hold shard-local block ids (``models.kv_cache.read_pages`` runs per shard under
+``jax.shard_map``), every shard has its own free list, and a prompt is shared within a shard.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.sampling.requests import Request
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` slots."""
+    return -(-max(tokens, 0) // block_size)
+
+
+class BlockAllocator:
+    """Block tables of ``slots`` slots over a pool of ``blocks`` blocks of ``block_size`` slots,
+    both split into ``shards`` equal parts (the mesh's batch shards; see the module docstring).
+
+    Table entries are shard-local block ids; ``unmapped`` (``blocks / shards``) is no block.
+
+    Args:
+      blocks: N, blocks in the pool.
+      block_size: P, cache slots a block.
+      slots: decode slots (table rows).
+      prompt_width: cache slots before the completion (a multiple of ``block_size``).
+      max_new_tokens: the longest completion.
+      shards: D, batch shards; must divide ``blocks`` and ``slots``.
+
+    Raises:
+      ValueError: a bad size, or a shard's pool that cannot hold one request of the longest
+        prompt and completion.
+    """
+
+    def __init__(
+        self,
+        blocks: int,
+        block_size: int,
+        slots: int,
+        prompt_width: int,
+        max_new_tokens: int,
+        shards: int = 1,
+    ):
+        if prompt_width % block_size:
+            raise ValueError(f"prompt width {prompt_width} is not a multiple of {block_size}")
+        if blocks % shards or slots % shards:
+            raise ValueError(
+                f"kv_blocks={blocks} and slots={slots} must be multiples of the mesh's {shards} "
+                "batch shards (each shard has its own pool)"
+            )
+        self.block_size, self.blocks, self.shards = block_size, blocks, shards
+        self.unmapped = blocks // shards
+        self.prompt_blocks = prompt_width // block_size
+        width = self.prompt_blocks + blocks_for(max_new_tokens, block_size)
+        if self.unmapped < width:
+            per_shard = f" ({self.unmapped} a batch shard)" if shards > 1 else ""
+            raise ValueError(
+                f"kv_blocks={blocks}{per_shard} cannot hold one request: a {prompt_width}-token "
+                f"prompt bucket and {max_new_tokens} new tokens need {width} blocks of "
+                f"{block_size} slots"
+            )
+        # Popped from the end: low ids first.
+        self.free = [list(range(self.unmapped - 1, -1, -1)) for _ in range(shards)]
+        self.table = np.full((slots, width), self.unmapped, np.int32)
+        self.prompt_of: list[Any] = [None] * slots  # prompt key per slot
+        self.completion: list[list[int]] = [[] for _ in range(slots)]
+        self.prompts: dict[Any, tuple[list[int], int]] = {}  # (shard, key) -> (blocks, sharers)
+        self.peak = 0
+
+    @property
+    def used(self) -> int:
+        return self.blocks - sum(map(len, self.free))
+
+    def shard(self, slot: int) -> int:
+        """The batch shard of ``slot``."""
+        return slot * self.shards // len(self.prompt_of)
+
+    def _take(self, shard: int, n: int) -> list[int]:
+        taken = [self.free[shard].pop() for _ in range(n)]
+        self.peak = max(self.peak, self.used)
+        return taken
+
+    def admission_cost(self, slot: int, key: Any, prompt_len: int, pending: set) -> int:
+        """Blocks admitting a request into ``slot`` needs now: its prompt's (unless resident in
+        the slot's shard or in ``pending``, this admission's new prompts) and a first
+        completion block."""
+        shared = (self.shard(slot), key)
+        shared = shared in self.prompts or shared in pending
+        return (0 if shared else blocks_for(prompt_len, self.block_size)) + 1
+
+    def admit(self, slot: int, key: Any, prompt_len: int) -> list[int] | None:
+        """Maps ``slot`` to prompt ``key``'s blocks (allocated in its shard unless resident) and
+        a first completion block; returns the blocks the prefill writes (the logical prompt
+        blocks, unmapped before the real ones), or None when they are already resident."""
+        real = blocks_for(prompt_len, self.block_size)
+        shard = self.shard(slot)
+        fresh = (shard, key) not in self.prompts
+        if fresh:
+            self.prompts[shard, key] = (self._take(shard, real), 0)
+        owned, sharers = self.prompts[shard, key]
+        self.prompts[shard, key] = (owned, sharers + 1)
+        row = self.table[slot]
+        row[:] = self.unmapped
+        row[self.prompt_blocks - real : self.prompt_blocks] = owned
+        self.prompt_of[slot], self.completion[slot] = key, []
+        self.grow(slot, 1)
+        return list(row[: self.prompt_blocks]) if fresh else None
+
+    def prefill_writes(
+        self, writes: list[tuple[int, int, list[int]]], width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, dest)`` of a prefill of ``width``-slot rows: for each ``(row, slot,
+        blocks)`` of ``writes`` (``admit``'s result for ``slot``, prefilled in ``row``), the
+        prefill row and ``[width / P]`` global block ids (the last of ``blocks``), padded to a
+        power of two with unmapped writes (global id ``N``: dropped)."""
+        count = 1 << max(len(writes) - 1, 0).bit_length()
+        source = np.zeros(count, np.int32)
+        dest = np.full((count, width // self.block_size), self.blocks, np.int32)
+        for i, (row, slot, blocks) in enumerate(writes):
+            local = np.asarray(blocks[len(blocks) - dest.shape[1] :])
+            offset = self.shard(slot) * self.unmapped
+            source[i] = row
+            dest[i] = np.where(local < self.unmapped, local + offset, self.blocks)
+        return source, dest
+
+    def growth(self, slot: int, tokens: int) -> int:
+        """Blocks ``slot`` still needs for a completion of ``tokens`` slots."""
+        return max(blocks_for(tokens, self.block_size) - len(self.completion[slot]), 0)
+
+    def grow(self, slot: int, tokens: int) -> None:
+        """Maps blocks for the first ``tokens`` completion slots of ``slot``."""
+        new = self._take(self.shard(slot), self.growth(slot, tokens))
+        start = self.prompt_blocks + len(self.completion[slot])
+        self.table[slot, start : start + len(new)] = new
+        self.completion[slot] += new
+
+    def release(self, slot: int) -> None:
+        """Frees ``slot``'s completion blocks and its share of its prompt's."""
+        key = self.prompt_of[slot]
+        if key is None:
+            return
+        free = self.free[self.shard(slot)]
+        free += reversed(self.completion[slot])
+        key = (self.shard(slot), key)
+        owned, sharers = self.prompts[key]
+        if sharers == 1:
+            del self.prompts[key]
+            free += reversed(owned)
+        else:
+            self.prompts[key] = (owned, sharers - 1)
+        self.prompt_of[slot], self.completion[slot] = None, []
+        self.table[slot] = self.unmapped
+
+    def admissible(self, requests: Sequence[Request], queue: deque, slots: list[int]) -> list[int]:
+        """Pops the requests admitted now from ``queue``'s head, the ``i``-th into ``slots[i]``:
+        as many as the slots' shards' free blocks hold (new prompts' blocks and a first
+        completion block each)."""
+        admitted: list[int] = []
+        pending: set = set()
+        budget = [len(free) for free in self.free]
+        while queue and len(admitted) < len(slots):
+            slot = slots[len(admitted)]
+            request = requests[queue[0]]
+            key = request.share_key(queue[0])
+            cost = self.admission_cost(slot, key, len(request.prompt), pending)
+            if cost > budget[self.shard(slot)]:
+                break
+            budget[self.shard(slot)] -= cost
+            pending.add((self.shard(slot), key))
+            admitted.append(queue.popleft())
+        return admitted
+
+    def map_burst(
+        self,
+        requests: Sequence[Request],
+        queue: deque,
+        occupant: list[int | None],
+        counts: Sequence[int],
+        admitted_at: Sequence[int],
+        steps: int,
+    ) -> list[int]:
+        """Maps the blocks every live slot writes in a burst of ``steps`` tokens; while a
+        shard's do not fit, preempts its newest request (slot freed, request back at
+        ``queue``'s head). Returns the preempted slots (to mark done on device)."""
+
+        def tokens(slot: int) -> int:
+            return min(int(counts[slot]) + steps, requests[occupant[slot]].max_new_tokens)
+
+        live = [s for s, r in enumerate(occupant) if r is not None]
+        live.sort(key=lambda s: admitted_at[s])
+        evicted = []
+        for shard in range(self.shards):
+            mine = [s for s in live if self.shard(s) == shard]
+            while sum(self.growth(s, tokens(s)) for s in mine) > len(self.free[shard]):
+                evicted.append(mine.pop())
+                self.release(evicted[-1])
+        for victim in sorted(evicted, key=lambda s: admitted_at[s], reverse=True):
+            queue.appendleft(occupant[victim])  # the oldest at the head
+            occupant[victim] = None
+        for s in live:
+            if occupant[s] is not None:
+                self.grow(s, tokens(s))
+        return evicted
+
+    def drain(self, occupant: list[int | None]) -> list[int] | None:
+        """The slots a smaller program keeps once the queue is empty (each shard's busy slots,
+        then free ones, half or less of each shard's), or None when it would not shrink."""
+        per_shard = len(occupant) // self.shards
+        busy = [
+            [s for s in range(j * per_shard, (j + 1) * per_shard) if occupant[s] is not None]
+            for j in range(self.shards)
+        ]
+        size = 1 << max(max(map(len, busy)) - 1, 0).bit_length()
+        if size > per_shard // 2:
+            return None
+        keep = []
+        for j, mine in enumerate(busy):
+            idle = [s for s in range(j * per_shard, (j + 1) * per_shard) if occupant[s] is None]
+            keep += (mine + idle)[:size]
+        return keep
+
+    def keep(self, index: list[int]) -> None:
+        """The slots ``index`` (in that order, each in its own shard) become the allocator's
+        slots (the drain)."""
+        new = len(index) // self.shards
+        if any(self.shard(s) != i // new for i, s in enumerate(index)):
+            raise ValueError("a paged cache's slots cannot move between batch shards")
+        dropped = set(range(len(self.prompt_of))) - set(index)
+        for slot in dropped:
+            self.release(slot)
+        self.table = self.table[index]
+        self.prompt_of = [self.prompt_of[s] for s in index]
+        self.completion = [self.completion[s] for s in index]
+
+
+def paged_pool(
+    block_size: Any, blocks: Any, slots: int, prompt_width: int, max_new_tokens: int
+) -> tuple[tuple[int, int] | None, int]:
+    """``(blocks, block_size)`` of an engine's paged cache (None: a contiguous cache) and its
+    prompt width, rounded up to whole blocks (the completion starts on a block boundary).
+
+    Default ``blocks``: every slot holds its longest request (never preempts).
+
+    Raises:
+      ValueError: bad sizes, or ``blocks`` without ``block_size``.
+    """
+    if block_size is None:
+        if blocks is not None:
+            raise ValueError("kv_blocks needs kv_block_size (a paged cache)")
+        return None, prompt_width
+    for name, value in (("kv_block_size", block_size), ("kv_blocks", blocks or 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    prompt_width = blocks_for(prompt_width, block_size) * block_size
+    if blocks is None:
+        blocks = slots * (prompt_width // block_size + blocks_for(max_new_tokens, block_size))
+    return (blocks, block_size), prompt_width
+
+
+__all__ = ["BlockAllocator", "blocks_for", "paged_pool"]

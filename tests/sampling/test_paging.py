@@ -1,0 +1,188 @@
+"""The continuous engine's paged KV cache (``sampling.paging``): hand-counted block tables,
+prompt blocks shared by a prompt's samples, preemption that recomputes the same tokens, the
+same completions as the contiguous cache, and bad sizes refused by name."""
+
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.sampling.engine import Engine, Request, generate_requests
+from jaxrl_llm.sampling.paging import BlockAllocator, blocks_for
+
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
+
+
+def _grouped(rng, lengths, group, budgets):
+    """``group`` requests per prompt (one prompt key each), budgets cycled."""
+    out = []
+    for key, n in enumerate(lengths):
+        prompt = rng.integers(3, CONFIG.vocab_size, size=n).astype(np.int32)
+        out += [
+            Request(prompt, budgets[(key * group + g) % len(budgets)], key) for g in range(group)
+        ]
+    return out
+
+
+def test_allocator_tables_by_hand():
+    # Pool of 10 blocks of 4 slots; prompt width 8 (2 blocks), completions up to 6 (2 blocks).
+    pager = BlockAllocator(10, 4, slots=3, prompt_width=8, max_new_tokens=6)
+    unmapped = 10
+    assert blocks_for(5, 4) == 2 and blocks_for(4, 4) == 1 and blocks_for(0, 4) == 0
+    # A 3-token prompt: one real block (the last prompt block), the block before unmapped.
+    assert pager.admission_cost(0, ("key", 0), 3, set()) == 2  # its block + a completion block
+    written = pager.admit(0, ("key", 0), 3)
+    assert written == [unmapped, 0]
+    np.testing.assert_array_equal(pager.table[0], [unmapped, 0, 1, unmapped])
+    # A second sample of the same prompt shares block 0: only its completion block is new.
+    assert pager.admission_cost(1, ("key", 0), 3, set()) == 1
+    assert pager.admit(1, ("key", 0), 3) is None
+    np.testing.assert_array_equal(pager.table[1], [unmapped, 0, 2, unmapped])
+    # A 6-token prompt takes two blocks.
+    assert pager.admit(2, ("key", 1), 6) == [3, 4]
+    np.testing.assert_array_equal(pager.table[2], [3, 4, 5, unmapped])
+    assert pager.used == 6 and pager.peak == 6
+    # Growth: 5 completion tokens need a second block.
+    assert pager.growth(0, 4) == 0 and pager.growth(0, 5) == 1
+    pager.grow(0, 5)
+    np.testing.assert_array_equal(pager.table[0], [unmapped, 0, 1, 6])
+    # Releasing the first sharer keeps the prompt's block; the second frees it.
+    pager.release(0)
+    (free,) = pager.free
+    assert pager.used == 5 and 0 not in free and {1, 6} <= set(free)
+    pager.release(1)
+    assert 0 in free and pager.used == 3
+    np.testing.assert_array_equal(pager.table[0], [unmapped] * 4)
+    assert pager.peak == 7
+    # The drain keeps slot 2 as slot 0.
+    pager.keep([2, 0])
+    np.testing.assert_array_equal(pager.table[0], [3, 4, 5, unmapped])
+    # Prefill row 1 writes blocks 7, 8 (slot 0's): a power of two of writes, the rest dropped.
+    source, dest = pager.prefill_writes([(1, 0, [unmapped, 7, 8])], width=8)
+    assert source.tolist() == [1] and dest.tolist() == [[7, 8]]
+    source, dest = pager.prefill_writes([(1, 0, [7, 8]), (0, 1, [unmapped, 9])], width=8)
+    assert source.tolist() == [1, 0] and dest.tolist() == [[7, 8], [unmapped, 9]]
+
+
+def test_burst_mapping_preempts_the_newest_request():
+    # 5 blocks of 4; prompts take 1 block, completions up to 2.
+    pager = BlockAllocator(5, 4, slots=2, prompt_width=4, max_new_tokens=8)
+    requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
+    queue = deque([0, 1, 2])
+    assert pager.admissible(requests, queue, [0, 1]) == [0, 1]  # 2 + 2 blocks
+    pager.admit(0, ("key", 0), 2)
+    pager.admit(1, ("key", 1), 3)
+    assert list(queue) == [2] and pager.admissible(requests, queue, [0]) == []  # 1 block free
+    occupant, order = [0, 1], [1, 2]
+    # 4 more tokens: slot 0 (3 sampled) needs a second completion block, slot 1 (0) does not.
+    assert pager.map_burst(requests, queue, occupant, [3, 0], order, steps=4) == []
+    assert pager.used == 5
+    pager.release(0)  # request 0 finished: its 3 blocks are free
+    occupant[0] = None
+    assert pager.admissible(requests, queue, [0]) == [2]
+    pager.admit(0, ("key", 2), 1)
+    occupant[0], order[0] = 2, 3
+    # 8 more tokens: each slot needs a second completion block, 1 is free: the newest request
+    # (slot 0) goes back to the queue's head and slot 1 gets the block.
+    evicted = pager.map_burst(requests, queue, occupant, [0, 4], order, steps=8)
+    assert evicted == [0] and list(queue) == [2] and occupant == [None, 1]
+    assert pager.used == 3
+    np.testing.assert_array_equal(pager.table[0], [5, 5, 5])
+
+
+def test_batch_shards_have_their_own_blocks():
+    """2 batch shards: slots 0-1 use blocks 0-4, slots 2-3 blocks 5-9 (local ids 0-4 in the
+    tables); a prompt is shared within a shard only; the drain keeps slots in their shard."""
+    pager = BlockAllocator(10, 4, slots=4, prompt_width=4, max_new_tokens=8, shards=2)
+    unmapped = 5
+    assert [pager.shard(s) for s in range(4)] == [0, 0, 1, 1]
+    assert pager.admit(0, "p", 3) == [0]
+    assert pager.admit(1, "p", 3) is None  # shared in shard 0
+    assert pager.admit(2, "p", 3) == [0]  # shard 1's own copy (its local block 0)
+    np.testing.assert_array_equal(
+        pager.table[:3], [[0, 1, unmapped], [0, 2, unmapped], [0, 1, unmapped]]
+    )
+    assert [len(f) for f in pager.free] == [2, 3] and pager.used == 5
+    # Global ids: shard 1's local block 0 is block 5; unmapped stays dropped (10).
+    source, dest = pager.prefill_writes([(0, 0, [0]), (0, 2, [0]), (1, 3, [unmapped])], width=4)
+    assert source.tolist() == [0, 0, 1, 0] and dest.tolist() == [[0], [5], [10], [10]]
+    with pytest.raises(ValueError, match="multiples of the mesh's 2 batch shards"):
+        BlockAllocator(9, 4, slots=4, prompt_width=4, max_new_tokens=8, shards=2)
+    with pytest.raises(ValueError, match=r"kv_blocks=4 \(2 a batch shard\) cannot hold one"):
+        BlockAllocator(4, 4, slots=4, prompt_width=4, max_new_tokens=8, shards=2)
+    # Shard 0 busy in slots 0, 1 and shard 1 in slot 2: no shrink (2 of 2 a shard busy); with
+    # slot 1 done, each shard keeps one slot.
+    assert pager.drain([7, 8, 9, None]) is None
+    pager.release(1)
+    assert pager.drain([7, None, 9, None]) == [0, 2]
+    pager.keep([0, 2])
+    np.testing.assert_array_equal(pager.table, [[0, 1, unmapped], [0, 1, unmapped]])
+    with pytest.raises(ValueError, match="cannot move between batch shards"):
+        pager.keep([1, 0])
+
+
+def test_a_pool_too_small_for_one_request_is_refused(params):
+    kw = dict(slots=2, max_new_tokens=9, max_prompt_len=5, eos_ids=(), pad_id=PAD)
+    # Prompt bucket 8 -> 2 blocks of 4, 9 new tokens -> 3 blocks: 5 needed.
+    with pytest.raises(ValueError, match=r"kv_blocks=4 cannot hold one request.*need 5 blocks"):
+        Engine(params, CONFIG, kv_block_size=4, kv_blocks=4, **kw)
+    Engine(params, CONFIG, kv_block_size=4, kv_blocks=5, **kw)
+    with pytest.raises(ValueError, match="kv_blocks needs kv_block_size"):
+        Engine(params, CONFIG, kv_blocks=5, **kw)
+    with pytest.raises(ValueError, match="kv_block_size must be a positive int"):
+        Engine(params, CONFIG, kv_block_size=0, **kw)
+
+
+@pytest.mark.parametrize("decode_layers", ["per_layer", "stacked"])
+def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
+    params, rng, decode_layers
+):
+    """One 5-token prompt, 4 samples of 8 tokens in 4 slots, blocks of 4: the prompt's 2
+    blocks once and 2 completion blocks a sample = 10 blocks at the peak (16 unshared); the
+    tokens and log-probs are the contiguous cache's."""
+    requests = _grouped(rng, [5], 4, [8])
+    kw = dict(
+        slots=4, max_new_tokens=8, eos_ids=(), pad_id=PAD, seed=4, decode_layers=decode_layers
+    )
+    want, _ = generate_requests(params, CONFIG, requests, **kw)
+    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, **kw)
+    assert stats.peak_blocks == 2 + 4 * 2 and stats.preemptions == 0
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    assert len({tuple(r.tokens) for r in got}) > 1  # the samples differ
+
+
+def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
+    """Refills, EOS, shared prompts and a pool of 12 blocks of 4 for 6 slots (a contiguous
+    cache would hold 6 x 8 = 48): requests are preempted and recomputed, and every request's
+    tokens and log-probs equal the contiguous cache's."""
+    requests = _grouped(rng, [3, 9, 6, 2, 12, 5], 4, [20, 7, 16, 3, 11])
+    kw = dict(slots=6, max_new_tokens=20, eos_ids=(5, 6), pad_id=PAD, seed=9, burst=4)
+    want, base = generate_requests(params, CONFIG, requests, **kw)
+    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=12, **kw)
+    assert stats.preemptions > 0 and stats.peak_blocks <= 12
+    assert stats.tokens == base.tokens
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+        assert a.finish_reason == b.finish_reason
+    assert any(r.finish_reason == "stop" for r in got)
