@@ -40,7 +40,9 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
-def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) -> Array:
+def cache_attention(
+    q: Array, k: Array, v: Array, mask: Array, *, scale: float, kv_major: bool = False
+) -> Array:
     """``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` over the cached slots ``j`` in ``mask``.
 
     Scaled dot-product attention (Vaswani et al. 2017) over a head-major cache; query head ``n``
@@ -50,28 +52,43 @@ def cache_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) 
 
     Args:
       q: ``[B, S, N, H]`` queries (after RoPE).
-      k, v: ``[B, K, S_kv, H]`` cached keys (after RoPE) and values.
+      k, v: ``[B, K, S_kv, H]`` cached keys (after RoPE) and values (``[K, B, S_kv, H]`` with
+        ``kv_major``: a paged cache's gathered blocks).
       mask: ``[B, 1, S, S_kv]`` bool; every query must see at least one slot.
       scale: score multiplier, usually ``H ** -0.5``.
+      kv_major: the layout of ``k, v``.
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
     """
     batch, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = k.shape[0 if kv_major else 1]
     if seq == 1 and current_platform()[0] == "cpu":
-        return _decode_attention(q, k, v, mask, scale=scale)
+        return _decode_attention(q, k, v, mask, scale=scale, kv_major=kv_major)
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     # Products in the cache's dtype (XLA:CPU has no bf16 x bf16 -> f32 batched matmul), as
-    # jax.nn.dot_product_attention does; the softmax in f32.
-    scores = jnp.einsum("bqkgh,bksh->bkgqs", grouped.astype(k.dtype), k).astype(jnp.float32)
-    scores = jnp.where(mask[:, :, None], scores * scale, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bksh->bqkgh", probs.astype(v.dtype), v)
+    # jax.nn.dot_product_attention does; the softmax in f32. A kv-major cache keeps its
+    # layout: the (small) queries move to it (XLA:CPU runs batch dims in another order than
+    # the operands' up to 10x slower).
+    if kv_major:
+        grouped = jnp.einsum("bqkgh->kbgqh", grouped)
+        scores = jnp.einsum("kbgqh,kbsh->kbgqs", grouped.astype(k.dtype), k)
+        mask = mask[:, 0][None, :, None]
+    else:
+        scores = jnp.einsum("bqkgh,bksh->bkgqs", grouped.astype(k.dtype), k)
+        mask = mask[:, :, None]
+    scores = jnp.where(mask, scores.astype(jnp.float32) * scale, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if kv_major:
+        out = jnp.einsum("kbgqh->bqkgh", jnp.einsum("kbgqs,kbsh->kbgqh", probs, v))
+    else:
+        out = jnp.einsum("bkgqs,bksh->bqkgh", probs, v)
     return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
 
-def _decode_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float) -> Array:
+def _decode_attention(
+    q: Array, k: Array, v: Array, mask: Array, *, scale: float, kv_major: bool = False
+) -> Array:
     """``cache_attention`` for one query per row, the query axis dropped (CPU decode).
 
     With the singleton query axis in the products (``bqkgh,bksh->bkgqs``) XLA:CPU runs a decode
@@ -81,12 +98,17 @@ def _decode_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float
     (benchmarks/RESULTS.md). Same dtypes as the general path.
     """
     batch, _, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = k.shape[0 if kv_major else 1]
+    rows = "kb" if kv_major else "bk"
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("bkgh,bksh->bkgs", grouped.astype(k.dtype), k).astype(jnp.float32)
-    scores = jnp.where(mask[:, :, 0][:, :, None], scores * scale, -jnp.inf)
+    if kv_major:  # the queries move to the cache's layout (see cache_attention)
+        grouped = grouped.swapaxes(0, 1)
+    scores = jnp.einsum(f"{rows}gh,{rows}sh->{rows}gs", grouped.astype(k.dtype), k)
+    mask = mask[:, 0, 0][None, :, None] if kv_major else mask[:, :, 0][:, :, None]
+    scores = jnp.where(mask, scores.astype(jnp.float32) * scale, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgs,bksh->bkgh", probs.astype(v.dtype), v)
+    out = jnp.einsum(f"{rows}gs,{rows}sh->{rows}gh", probs.astype(v.dtype), v)
+    out = out.swapaxes(0, 1) if kv_major else out
     return out.reshape(batch, 1, heads, head_dim).astype(q.dtype)
 
 

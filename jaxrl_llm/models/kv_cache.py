@@ -53,8 +53,10 @@ class PagedKVCache(NamedTuple):
     return some block's data, which the row's ``mask`` hides (it is False on such slots).
 
     Attributes:
-      k: ``[L, N, K, P, H]`` key blocks (head-major inside a block), or a tuple of ``L``
-        per-layer ``[N, K, P, H]`` arrays.
+      k: ``[L, K, N, P, H]`` key blocks, or a tuple of ``L`` per-layer ``[K, N, P, H]`` arrays
+        (kv-head-major: the layout of JAX's TPU paged-attention kernels, and a block-table
+        gather along ``N`` gives the ``[K, B, S_max, H]`` operand of ``cache_attention``'s
+        ``kv_major`` form without a transpose).
       v: values, like ``k``.
       mask: ``[B, S_max]`` bool over the logical slots, as in ``KVCache``.
       table: ``[B, S_max // P]`` int32 block of each row's logical block.
@@ -68,7 +70,7 @@ class PagedKVCache(NamedTuple):
     @property
     def unmapped(self) -> int:
         """The table entry of a logical block with no block (the pool's size ``N``)."""
-        return _cache_shape(self.k)[1]
+        return _cache_shape(self.k)[2]
 
 
 CACHE_AXES = KVCache(
@@ -98,8 +100,8 @@ def init_cache(
 
 # The blocks split like the rows: batch shard j's rows use only its own blocks (shard-local ids).
 PAGED_CACHE_AXES = PagedKVCache(
-    k=("layers", "batch", "kv_heads", None, "head_dim"),
-    v=("layers", "batch", "kv_heads", None, "head_dim"),
+    k=("layers", "kv_heads", "batch", None, "head_dim"),
+    v=("layers", "kv_heads", "batch", None, "head_dim"),
     mask=("batch", "cache_seq"),
     table=("batch", None),
 )
@@ -114,7 +116,7 @@ def init_paged_cache(
     block_size: int,
     dtype: Any = jnp.bfloat16,
 ) -> PagedKVCache:
-    """An empty paged cache: a zero pool ``[L, blocks, K, block_size, H]``, every table entry
+    """An empty paged cache: a zero pool ``[L, K, blocks, block_size, H]``, every table entry
     unmapped and an all-False mask; ``max_len`` must be a multiple of ``block_size``."""
     if block_size < 1 or max_len % block_size:
         raise ValueError(
@@ -123,8 +125,8 @@ def init_paged_cache(
         )
     shape = (
         config.num_hidden_layers,
-        blocks,
         config.num_key_value_heads,
+        blocks,
         block_size,
         config.head_dim,
     )
@@ -140,9 +142,9 @@ def write_pages(
     pool: Array, new: Array, layer_index: Any, cache_index: Array, table: Array
 ) -> Array:
     """Writes ``new: [B, S, K, H]`` at logical slots ``[cache_index, cache_index + S)`` of each
-    row, through ``table`` (``[B, S_max // P]``), into ``pool`` (``[L, N, K, P, H]`` with
-    ``layer_index``, else ``[N, K, P, H]``). Unmapped blocks and slots past ``S_max`` drop."""
-    block_size, blocks = pool.shape[-2], pool.shape[-4]
+    row, through ``table`` (``[B, S_max // P]``), into ``pool`` (``[L, K, N, P, H]`` with
+    ``layer_index``, else ``[K, N, P, H]``). Unmapped blocks and slots past ``S_max`` drop."""
+    block_size, blocks = pool.shape[-2], pool.shape[-3]
     batch, seq = new.shape[:2]
     slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (batch,))[:, None]
     slots = slots + jnp.arange(seq, dtype=jnp.int32)  # [B, S]
@@ -151,19 +153,19 @@ def write_pages(
     block = jnp.where(logical < table.shape[1], block, blocks)  # past S_max: dropped
     offset = slots % block_size
     new = new.astype(pool.dtype)
-    # Advanced indices split by a slice put their [B, S] first: the value is [B, S, K, H].
-    if layer_index is None:
-        return pool.at[block, :, offset].set(new, mode="drop")
-    return pool.at[layer_index, block, :, offset].set(new, mode="drop")
+    if layer_index is None:  # adjacent advanced indices stay in place: the value is [K, B, S, H]
+        return pool.at[:, block, offset].set(new.transpose(2, 0, 1, 3), mode="drop")
+    # Advanced indices split by a slice go first: the value is [B, S, K, H].
+    return pool.at[layer_index, :, block, offset].set(new, mode="drop")
 
 
 def read_pages(pool: Array, table: Array) -> Array:
-    """Row ``b``'s logical slots from a layer's ``pool: [N, K, P, H]``: ``[B, K, S_max, H]``
+    """Row ``b``'s logical slots from a layer's ``pool: [K, N, P, H]``: ``[K, B, S_max, H]``
     (a block-table gather; unmapped entries read a clamped block, hidden by the mask)."""
     batch, width = table.shape
-    blocks = jnp.take(pool, table, axis=0, mode="clip")  # [B, S_max / P, K, P, H]
-    _, _, kv_heads, block_size, head_dim = blocks.shape
-    return blocks.swapaxes(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
+    blocks = jnp.take(pool, table, axis=1, mode="clip")  # [K, B, S_max / P, P, H]
+    kv_heads, _, _, block_size, head_dim = blocks.shape
+    return blocks.reshape(kv_heads, batch, width * block_size, head_dim)
 
 
 def paged_update(
@@ -174,7 +176,7 @@ def paged_update(
     table: Array,
 ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
     """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
-    pools and reads the layer back: ``(pools, (k, v) [B, K, S_max, H])``.
+    pools and reads the layer back: ``(pools, (k, v) [K, B, S_max, H])``.
 
     On a mesh whose batch axes split the rows, this runs per batch shard under
     ``jax.shard_map``: the table's ids are local to the shard's part of the pool (see
@@ -191,18 +193,14 @@ def paged_update(
         return pools, tuple(read_pages(c, table) for c in layer)
 
     mesh = jax.sharding.get_abstract_mesh()
-    batch = (
-        () if mesh.empty else _mapped_axes(mesh, "batch", table.shape[:1] + pools[0].shape[-4:-3])
-    )
+    sizes = (table.shape[0], pools[0].shape[-3])
+    batch = () if mesh.empty else _mapped_axes(mesh, "batch", sizes)
     if not batch:
         return local(pools, new, layer_index, cache_index, table)
     spec = jax.sharding.PartitionSpec
     rows, heads = spec_entry(batch), spec_entry(_mapped_axes(mesh, "kv_heads", new[0].shape[2:3]))
-    pool = (
-        spec(rows, heads, None, None)
-        if layer_index is None
-        else spec(None, rows, heads, None, None)
-    )
+    pool = spec(heads, rows, None, None)
+    pool = pool if layer_index is None else spec(None, *pool)
     manual = set(getattr(mesh, "manual_axes", ()))
     mapped = jax.shard_map(
         local,
@@ -214,7 +212,7 @@ def paged_update(
             spec(rows) if jnp.ndim(cache_index) == 1 else spec(),
             spec(rows, None),
         ),
-        out_specs=((pool, pool), (spec(rows, heads, None, None),) * 2),
+        out_specs=((pool, pool), (spec(heads, rows, None, None),) * 2),
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
@@ -291,12 +289,12 @@ def _check_paged(
     layers, kv_heads, head_dim = model
     got_k, got_v = _cache_shape(cache.k), _cache_shape(cache.v)
     ok = got_k == got_v and len(got_k) == 5
-    ok = ok and (got_k[0], got_k[2], got_k[4]) == (layers, kv_heads, head_dim)
+    ok = ok and (got_k[0], got_k[1], got_k[4]) == (layers, kv_heads, head_dim)
     block_size = got_k[3] if ok else -1
     table = tuple(jnp.shape(cache.table))
     if not ok or table != (batch, max_len // max(block_size, 1)) or max_len % block_size:
         raise ValueError(
-            f"a paged cache needs k/v [L, N, K, P, H] with (L, K, H)={model}, a [B, S_max] mask "
+            f"a paged cache needs k/v [L, K, N, P, H] with (L, K, H)={model}, a [B, S_max] mask "
             f"and a [B, S_max // P] table for tokens of batch {batch}; got k{got_k} v{got_v} "
             f"mask{tuple(cache.mask.shape)} table{table}"
         )

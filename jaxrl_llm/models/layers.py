@@ -256,7 +256,7 @@ class DecoderLayer(nnx.Module):
                 layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
             else:  # paged: written through the block table, read back as [B, K, S_max, H]
                 kv, layer_kv = paged_update(kv, (k, v), layer_index, cache_index, table)
-            attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+            attn = cache_attention(q, *layer_kv, mask, scale=self.scale, kv_major=table is not None)
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
         if self.bo is not None:

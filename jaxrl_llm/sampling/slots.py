@@ -187,14 +187,13 @@ def admit(
         return big.at[index].set(rows, mode="drop")
 
     def page(pool: Array, small: Array, batch_axis: int) -> Array:
-        # [.., U, K, p, H] -> [.., U, p / P, K, P, H] blocks, written to the dest blocks.
+        # [.., U, K, p, H] -> [.., K, writes, p / P, P, H] blocks, written to the dest blocks.
         size = pool.shape[-2]
         lead, (_, kv_heads, _, head_dim) = small.shape[:batch_axis], small.shape[batch_axis:]
         blocks = small.reshape(*lead, num_prompts, kv_heads, width // size, size, head_dim)
-        blocks = jnp.moveaxis(blocks, batch_axis + 2, batch_axis + 1)
         source, ids = dest
-        blocks = jnp.take(blocks, source, axis=batch_axis)
-        return pool.at[(slice(None),) * batch_axis + (ids,)].set(blocks, mode="drop")
+        blocks = jnp.swapaxes(jnp.take(blocks, source, axis=batch_axis), batch_axis, batch_axis + 1)
+        return pool.at[(slice(None),) * (batch_axis + 1) + (ids,)].set(blocks, mode="drop")
 
     write = page if paged else put
     if unstacked:

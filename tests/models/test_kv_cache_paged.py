@@ -32,7 +32,7 @@ CONFIG = ModelConfig(
 
 def test_write_then_read_pages_is_a_numpy_block_table():
     rng = np.random.default_rng(0)
-    pool = np.zeros((5, 2, 4, 3), np.float32)  # N=5 blocks of P=4 slots, K=2, H=3
+    pool = np.zeros((2, 5, 4, 3), np.float32)  # K=2, N=5 blocks of P=4 slots, H=3
     table = np.array([[3, 0, 5], [1, 5, 2]], np.int32)  # 5 = unmapped
     new = rng.normal(size=(2, 6, 2, 3)).astype(np.float32)  # [B, S, K, H]
     start = np.array([1, 2], np.int32)
@@ -43,15 +43,19 @@ def test_write_then_read_pages_is_a_numpy_block_table():
             slot = start[b] + s
             block = table[b, slot // 4] if slot // 4 < 3 else 5
             if block < 5:
-                want[block, :, slot % 4] = new[b, s]
+                want[:, block, slot % 4] = new[b, s]
     np.testing.assert_array_equal(got, want)
+    # Stacked over layers: layer 1 gets the same writes, layer 0 none.
+    stacked = np.zeros((2, *pool.shape), np.float32)
+    layered = write_pages(jnp.asarray(stacked), jnp.asarray(new), jnp.int32(1), start, table)
+    np.testing.assert_array_equal(np.asarray(layered), np.stack([pool, want]))
     read = np.asarray(read_pages(jnp.asarray(got), jnp.asarray(table)))
-    assert read.shape == (2, 2, 12, 3)
+    assert read.shape == (2, 2, 12, 3)  # [K, B, S_max, H]
     for b in range(2):
         for s in range(12):
             block = table[b, s // 4]
             if block < 5:
-                np.testing.assert_array_equal(read[b, :, s], got[block, :, s % 4])
+                np.testing.assert_array_equal(read[:, b, s], got[:, block, s % 4])
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
