@@ -67,7 +67,7 @@ from jaxrl_llm.sampling.requests import (
     Result,
     WeightUpdates,
     check_requests,
-    finish_reason,
+    harvest,
 )
 from jaxrl_llm.sampling.slots import (
     EngineState,
@@ -153,11 +153,8 @@ class Engine:
             min_p=min_p,
             vocab_size=config.vocab_size,
         )
-        self.sampling = replicate(
-            sampling_params(
-                temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
-            ),
-            mesh,
+        sampling = dict(
+            temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
         )
         self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
         self.stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]
@@ -170,7 +167,6 @@ class Engine:
         stops = np.full((_pow2(max(len(self.stop_sequences), 1)), _pow2(longest)), -1, np.int32)
         for i, s in enumerate(self.stop_sequences):
             stops[i, stops.shape[1] - len(s) :] = s
-        self.stops = replicate(jnp.asarray(stops), mesh)
         self.config, self.pad_id = config, int(pad_id)
         self.slots, self.max_new_tokens, self.burst, self.engine = (
             slots,
@@ -198,8 +194,10 @@ class Engine:
         unstacked = layout.worth_unstacking(params, decode_layers)
         # Under the engine's mesh: the caller's may be another (a sampler on devices of its
         # own, called from a thread under the trainer's mesh).
-        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        with self._mesh_context(params):
             self.params = layout.unstack_layers(params) if unstacked else params
+            self.sampling = replicate(sampling_params(**sampling), mesh)
+            self.stops = replicate(jnp.asarray(stops), mesh)
         if cache_dtype is None:
             cache_dtype = default_cache_dtype(params, config)
         self._state_args = dict(
@@ -211,6 +209,24 @@ class Engine:
             unstacked=unstacked,
             paged=self.paged,
         )
+
+    def _mesh_context(self, params: Any) -> Any:
+        """The engine's mesh; a paged engine without one runs under a one-device mesh on its
+        weights' device (not a caller's, which would split its pool)."""
+        if self.mesh is not None:
+            return jax.set_mesh(self.mesh)
+        if self.paged is None:
+            return contextlib.nullcontext()
+        from jaxrl_llm.parallel import make_mesh  # noqa: PLC0415
+
+        leaf = jax.tree.leaves(params)[0]
+        devices = list(leaf.devices()) if isinstance(leaf, jax.Array) else jax.devices()[:1]
+        if len(devices) > 1:
+            raise ValueError(
+                f"a paged engine's weights on {len(devices)} devices need the engine's mesh= "
+                "(the one they are sharded over)"
+            )
+        return jax.set_mesh(make_mesh(1, 1, 1, devices=devices))
 
     def _allocator(self, blocks: int, size: int) -> BlockAllocator:
         return BlockAllocator(
@@ -244,9 +260,9 @@ class Engine:
                 f"({self.prompt_width})"
             )
         start = time.perf_counter()
-        key = replicate(jax.random.key(seed) if key is None else key, self.mesh)
-        context = contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-        with context:
+        with self._mesh_context(self.params):
+            key = replicate(jax.random.key(seed) if key is None else key, self.mesh)
+        with self._mesh_context(self.params):
             results, counts = self._run(requests, key, progress, updates, version)
         done = [r for r in results if r is not None]
         stats = EngineStats(
@@ -279,7 +295,6 @@ class Engine:
         )
         counts.update(updates=0, preemptions=0)
         pager = None if self.paged is None else self._allocator(*self.paged)
-        admitted_at = [0] * self.slots  # admission order per slot (the newest preempted first)
         params = self.params
         while queue or any(r is not None for r in occupant):
             newer = None if updates is None else updates.newer(version)
@@ -303,7 +318,6 @@ class Engine:
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
                     marks = [marks[s] for s in keep]
-                    admitted_at = [admitted_at[s] for s in keep]
                     if pager is not None:
                         pager.keep(keep)
                     counts["shrinks"] += 1
@@ -312,17 +326,25 @@ class Engine:
                 admitted = (
                     [queue.popleft() for _ in range(min(len(free), len(queue)))]
                     if pager is None
-                    else pager.admissible(requests, queue, free)
+                    else pager.admissible(
+                        requests, queue, free, (occupant, host_count, self.burst), version
+                    )
                 )
                 if admitted:  # none when the paged cache's free blocks hold none
                     state = self._admit(
-                        params, state, requests, admitted, free[: len(admitted)], counts, pager
+                        params,
+                        state,
+                        requests,
+                        admitted,
+                        free[: len(admitted)],
+                        counts,
+                        pager,
+                        version,
                     )
                 for s, r in zip(free, admitted):
                     occupant[s] = r
                     host_count[s] = 0
                     marks[s] = [(0, version)]
-                    admitted_at[s] = counts["admissions"]
             steps = self.max_new_tokens
             if self.engine == "continuous":
                 # No step past the soonest budget end: that slot can be refilled right then.
@@ -334,7 +356,7 @@ class Engine:
                 steps = max(1, min(self.burst, *left)) if left else self.burst
             table = None
             if pager is not None:
-                evicted = pager.map_burst(requests, queue, occupant, host_count, admitted_at, steps)
+                evicted = pager.map_burst(requests, queue, occupant, host_count, steps)
                 if evicted:
                     counts["preemptions"] += len(evicted)
                     state = evict(state, jnp.asarray(evicted, jnp.int32), mesh=self.mesh)
@@ -354,7 +376,9 @@ class Engine:
             counts["decode_steps"] += int(steps_run)
             counts["slot_steps"] += int(steps_run) * len(occupant)
             counts["bursts"] += 1
-            finished, host_count = self._harvest(state, occupant, results, marks)
+            finished, host_count = harvest(
+                state, occupant, results, marks, self.eos, self.stop_sequences
+            )
             for s, r in enumerate(occupant):
                 if pager is not None and r is None:
                     pager.release(s)  # finished (a no-op on slots already empty)
@@ -377,6 +401,7 @@ class Engine:
         slots: list[int],
         counts: dict,
         pager: BlockAllocator | None = None,
+        version: int = 0,
     ) -> EngineState:
         prompts: dict[Any, int] = {}  # prompt key -> row of the prefill batch
         rows: list[np.ndarray] = []
@@ -388,12 +413,14 @@ class Engine:
                 prompts[key] = len(rows)
                 rows.append(requests[r].prompt)
             owner.append(prompts[key])
-            blocks = None if pager is None else pager.admit(slot, key, len(requests[r].prompt))
+            # Prompt blocks are shared between requests of one weight version only.
+            shared = (version, key)
+            blocks = None if pager is None else pager.admit(slot, shared, len(requests[r].prompt))
             if blocks is not None:
                 writes.append((prompts[key], slot, blocks))
         width = bucket_length(max(len(p) for p in rows))
         if pager is not None:  # whole blocks: the prompt's fall on block boundaries
-            width = -(-width // pager.block_size) * pager.block_size
+            width = min(-(-width // pager.block_size) * pager.block_size, self.prompt_width)
         # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
         num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
         tokens = np.full((num_prompts, width), self.pad_id, np.int32)
@@ -427,34 +454,6 @@ class Engine:
             config=self.config,
             mesh=self.mesh,
         )
-
-    def _harvest(
-        self,
-        state: EngineState,
-        occupant: list[int | None],
-        results: list[Result | None],
-        marks: list[list[tuple[int, int]]],
-    ) -> tuple[int, np.ndarray]:
-        """Moves finished slots' completions to ``results`` (each token's weight version from
-        the slot's ``marks``); returns how many, and the host copy of every slot's count."""
-        done, all_counts = (np.array(x) for x in jax.device_get((state.done, state.count)))
-        ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
-        if not ready:
-            return 0, all_counts
-        index = jnp.asarray(ready, jnp.int32)
-        count = all_counts[ready]
-        tokens = np.asarray(state.tokens[index])
-        logprobs = np.asarray(state.logprobs[index])
-        for i, s in enumerate(ready):
-            n = int(count[i])
-            row = tokens[i, :n]
-            reason = finish_reason(row, self.eos, self.stop_sequences)
-            versions = np.zeros(n, np.int32)
-            for start, version in marks[s]:
-                versions[start:] = version
-            results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions)
-            occupant[s] = None
-        return len(ready), all_counts
 
 
 def generate_requests(

@@ -14,7 +14,10 @@ block table per slot; this allocator decides the table (vLLM's block manager, Kw
 * **Preemption.** When a burst's blocks do not fit, the most recently admitted requests are
   preempted (their blocks freed, the requests put back at the head of the queue) and later
   recomputed from their prompts: their tokens are drawn from the same per-request streams,
-  so the result does not depend on the preemption (vLLM's recompute preemption).
+  so with fixed weights the result does not depend on the preemption (vLLM's recompute
+  preemption; requests are served first come, first served, the newest preempted first). An
+  admission keeps the live slots' blocks for their next burst free, so it does not preempt
+  at once. With weights updated in flight, prompts share blocks within one weight version.
 
 Capacity is set in blocks: with ``N`` smaller than ``slots * W / P`` the engine runs more slots
 than a contiguous cache of the same size would hold.
@@ -27,6 +30,7 @@ tables hold shard-local block ids (``models.kv_cache.read_pages`` runs per shard
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -179,17 +183,31 @@ class BlockAllocator:
         self.prompt_of[slot], self.completion[slot] = None, []
         self.table[slot] = self.unmapped
 
-    def admissible(self, requests: Sequence[Request], queue: deque, slots: list[int]) -> list[int]:
+    def admissible(
+        self,
+        requests: Sequence[Request],
+        queue: deque,
+        slots: list[int],
+        live: tuple[list[int | None], Sequence[int], int],
+        version: int = 0,
+    ) -> list[int]:
         """Pops the requests admitted now from ``queue``'s head, the ``i``-th into ``slots[i]``:
         as many as the slots' shards' free blocks hold (new prompts' blocks and a first
-        completion block each)."""
+        completion block each) once the live slots' next burst is provided for (``live =
+        (occupant, counts, burst)``: their blocks for ``burst`` more tokens are kept free, so
+        an admission does not preempt at once). Prompts share blocks within ``version``."""
+        occupant, counts, burst = live
+        budget = [len(free) for free in self.free]
+        for slot, request in enumerate(occupant):
+            if request is not None:
+                tokens = min(int(counts[slot]) + burst, requests[request].max_new_tokens)
+                budget[self.shard(slot)] -= self.growth(slot, tokens)
         admitted: list[int] = []
         pending: set = set()
-        budget = [len(free) for free in self.free]
         while queue and len(admitted) < len(slots):
             slot = slots[len(admitted)]
             request = requests[queue[0]]
-            key = request.share_key(queue[0])
+            key = (version, request.share_key(queue[0]))
             cost = self.admission_cost(slot, key, len(request.prompt), pending)
             if cost > budget[self.shard(slot)]:
                 break
@@ -204,25 +222,26 @@ class BlockAllocator:
         queue: deque,
         occupant: list[int | None],
         counts: Sequence[int],
-        admitted_at: Sequence[int],
         steps: int,
     ) -> list[int]:
         """Maps the blocks every live slot writes in a burst of ``steps`` tokens; while a
-        shard's do not fit, preempts its newest request (slot freed, request back at
-        ``queue``'s head). Returns the preempted slots (to mark done on device)."""
+        shard's do not fit, preempts its newest request (the highest request id: requests are
+        served first come, first served), which goes back to ``queue``'s head. Returns the
+        preempted slots (to mark done on device)."""
 
         def tokens(slot: int) -> int:
             return min(int(counts[slot]) + steps, requests[occupant[slot]].max_new_tokens)
 
-        live = [s for s, r in enumerate(occupant) if r is not None]
-        live.sort(key=lambda s: admitted_at[s])
+        live = sorted(
+            (s for s, r in enumerate(occupant) if r is not None), key=occupant.__getitem__
+        )
         evicted = []
         for shard in range(self.shards):
             mine = [s for s in live if self.shard(s) == shard]
             while sum(self.growth(s, tokens(s)) for s in mine) > len(self.free[shard]):
                 evicted.append(mine.pop())
                 self.release(evicted[-1])
-        for victim in sorted(evicted, key=lambda s: admitted_at[s], reverse=True):
+        for victim in sorted(evicted, key=occupant.__getitem__, reverse=True):
             queue.appendleft(occupant[victim])  # the oldest at the head
             occupant[victim] = None
         for s in live:
@@ -276,13 +295,15 @@ def paged_pool(
         if blocks is not None:
             raise ValueError("kv_blocks needs kv_block_size (a paged cache)")
         return None, prompt_width
-    for name, value in (("kv_block_size", block_size), ("kv_blocks", blocks or 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    for name, value in (("kv_block_size", block_size), ("kv_blocks", blocks)):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+        if not (ok or (name == "kv_blocks" and value is None)):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    block_size = int(block_size)
     prompt_width = blocks_for(prompt_width, block_size) * block_size
     if blocks is None:
         blocks = slots * (prompt_width // block_size + blocks_for(max_new_tokens, block_size))
-    return (blocks, block_size), prompt_width
+    return (int(blocks), block_size), prompt_width
 
 
 __all__ = ["BlockAllocator", "blocks_for", "paged_pool"]

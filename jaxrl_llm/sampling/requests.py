@@ -8,6 +8,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 FINISH_REASONS = ("stop", "length")
@@ -116,6 +118,37 @@ def finish_reason(tokens: np.ndarray, eos: set, stop_sequences: Sequence[tuple])
     return "stop" if stopped else "length"
 
 
+def harvest(
+    state: Any,
+    occupant: list[int | None],
+    results: list[Result | None],
+    marks: list[list[tuple[int, int]]],
+    eos: set,
+    stop_sequences: Sequence[tuple],
+) -> tuple[int, np.ndarray]:
+    """Moves an engine's finished slots' completions (``state``: its ``EngineState``) to
+    ``results`` (each token's weight version from the slot's ``marks``) and empties their
+    ``occupant`` entries; returns how many, and the host copy of every slot's count."""
+    done, all_counts = (np.array(x) for x in jax.device_get((state.done, state.count)))
+    ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
+    if not ready:
+        return 0, all_counts
+    index = jnp.asarray(ready, jnp.int32)
+    count = all_counts[ready]
+    tokens = np.asarray(state.tokens[index])
+    logprobs = np.asarray(state.logprobs[index])
+    for i, s in enumerate(ready):
+        n = int(count[i])
+        row = tokens[i, :n]
+        versions = np.zeros(n, np.int32)
+        for start, version in marks[s]:
+            versions[start:] = version
+        reason = finish_reason(row, eos, stop_sequences)
+        results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions)
+        occupant[s] = None
+    return len(ready), all_counts
+
+
 def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
     checked = []
     for i, req in enumerate(requests):
@@ -145,4 +178,5 @@ __all__ = [
     "WeightUpdates",
     "check_requests",
     "finish_reason",
+    "harvest",
 ]

@@ -345,6 +345,13 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
         for a, b in zip(single, paged, strict=True):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # A paged engine without a mesh of its own is not split by the caller's.
+    with jax.set_mesh(mesh):
+        paged, _ = generate_requests(
+            params, config, requests, temperature=1.0, kv_block_size=4, **kw
+        )
+    for a, b in zip(single, paged, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
     with pytest.raises(ValueError, match="multiple of the mesh's 4 batch shards"):
         Engine(
             sharded,

@@ -9,21 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import ModelConfig, init_params
+from jaxrl_llm.models import init_params
 from jaxrl_llm.sampling.engine import Engine, Request, generate_requests
 from jaxrl_llm.sampling.paging import BlockAllocator, blocks_for
-
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
-PAD = 0
+from tests.sampling.test_engine import CONFIG, PAD
 
 
 @pytest.fixture(scope="module")
@@ -87,25 +76,41 @@ def test_burst_mapping_preempts_the_newest_request():
     pager = BlockAllocator(5, 4, slots=2, prompt_width=4, max_new_tokens=8)
     requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
     queue = deque([0, 1, 2])
-    assert pager.admissible(requests, queue, [0, 1]) == [0, 1]  # 2 + 2 blocks
-    pager.admit(0, ("key", 0), 2)
-    pager.admit(1, ("key", 1), 3)
-    assert list(queue) == [2] and pager.admissible(requests, queue, [0]) == []  # 1 block free
-    occupant, order = [0, 1], [1, 2]
+    empty = ([None, None], [0, 0], 4)
+    assert pager.admissible(requests, queue, [0, 1], empty) == [0, 1]  # 2 + 2 blocks
+    pager.admit(0, (0, ("key", 0)), 2)
+    pager.admit(1, (0, ("key", 1)), 3)
+    occupant = [0, 1]
+    # 1 block free, request 2 needs 2.
+    assert (
+        list(queue) == [2] and pager.admissible(requests, queue, [0], (occupant, [3, 0], 4)) == []
+    )
     # 4 more tokens: slot 0 (3 sampled) needs a second completion block, slot 1 (0) does not.
-    assert pager.map_burst(requests, queue, occupant, [3, 0], order, steps=4) == []
+    assert pager.map_burst(requests, queue, occupant, [3, 0], steps=4) == []
     assert pager.used == 5
     pager.release(0)  # request 0 finished: its 3 blocks are free
     occupant[0] = None
-    assert pager.admissible(requests, queue, [0]) == [2]
-    pager.admit(0, ("key", 2), 1)
-    occupant[0], order[0] = 2, 3
+    assert pager.admissible(requests, queue, [0], (occupant, [0, 4], 4)) == [2]
+    pager.admit(0, (0, ("key", 2)), 1)
+    occupant[0] = 2
     # 8 more tokens: each slot needs a second completion block, 1 is free: the newest request
-    # (slot 0) goes back to the queue's head and slot 1 gets the block.
-    evicted = pager.map_burst(requests, queue, occupant, [0, 4], order, steps=8)
+    # (request 2, slot 0) goes back to the queue's head and slot 1 gets the block.
+    evicted = pager.map_burst(requests, queue, occupant, [0, 4], steps=8)
     assert evicted == [0] and list(queue) == [2] and occupant == [None, 1]
     assert pager.used == 3
     np.testing.assert_array_equal(pager.table[0], [5, 5, 5])
+
+
+def test_admission_keeps_the_live_slots_next_burst_free():
+    # 6 blocks; two live requests hold 2 each: request 2 (2 blocks) fits the 2 free ones
+    # unless slot 0's next burst needs its second completion block.
+    pager = BlockAllocator(6, 4, slots=3, prompt_width=4, max_new_tokens=8)
+    requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
+    pager.admit(0, "a", 2)
+    pager.admit(1, "b", 3)
+    occupant = [0, 1, None]
+    assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 1)) == [2]
+    assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 4)) == []
 
 
 def test_batch_shards_have_their_own_blocks():
@@ -141,6 +146,8 @@ def test_batch_shards_have_their_own_blocks():
 
 def test_a_pool_too_small_for_one_request_is_refused(params):
     kw = dict(slots=2, max_new_tokens=9, max_prompt_len=5, eos_ids=(), pad_id=PAD)
+    with pytest.raises(ValueError, match="kv_blocks must be a positive int, got 0"):
+        Engine(params, CONFIG, kv_block_size=4, kv_blocks=0, **kw)
     # Prompt bucket 8 -> 2 blocks of 4, 9 new tokens -> 3 blocks: 5 needed.
     with pytest.raises(ValueError, match=r"kv_blocks=4 cannot hold one request.*need 5 blocks"):
         Engine(params, CONFIG, kv_block_size=4, kv_blocks=4, **kw)
@@ -172,17 +179,57 @@ def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
 
 
 def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
-    """Refills, EOS, shared prompts and a pool of 12 blocks of 4 for 6 slots (a contiguous
-    cache would hold 6 x 8 = 48): requests are preempted and recomputed, and every request's
-    tokens and log-probs equal the contiguous cache's."""
-    requests = _grouped(rng, [3, 9, 6, 2, 12, 5], 4, [20, 7, 16, 3, 11])
-    kw = dict(slots=6, max_new_tokens=20, eos_ids=(5, 6), pad_id=PAD, seed=9, burst=4)
+    """Refills, EOS, shared prompts and a pool of 9 blocks of 4 for 4 slots (a contiguous
+    cache would hold 4 x 7 = 28; one request takes up to 4 + 3): requests are preempted and
+    recomputed, and every request's tokens and log-probs equal the contiguous cache's."""
+    requests = _grouped(rng, [3, 12, 6, 9], 3, [12, 7, 10, 3, 11])
+    kw = dict(slots=4, max_new_tokens=12, eos_ids=(5, 6), pad_id=PAD, seed=9, burst=4)
     want, base = generate_requests(params, CONFIG, requests, **kw)
-    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=12, **kw)
-    assert stats.preemptions > 0 and stats.peak_blocks <= 12
+    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=9, **kw)
+    assert stats.preemptions > 0 and stats.peak_blocks <= 9
     assert stats.tokens == base.tokens
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
         assert a.finish_reason == b.finish_reason
-    assert any(r.finish_reason == "stop" for r in got)
+
+
+def test_block_sizes_that_are_not_powers_of_two(params, rng):
+    """Blocks of 12 (prompt width 12 from a bucket of 8): a 10-token prompt, longer than the
+    engine's bucket but within its rounded width, samples the contiguous cache's tokens."""
+    requests = [Request(rng.integers(3, CONFIG.vocab_size, size=n), 6) for n in (10, 3, 7)]
+    kw = dict(slots=2, max_new_tokens=6, eos_ids=(), pad_id=PAD)
+    want, _ = generate_requests(params, CONFIG, requests, seed=1, **kw)
+    engine = Engine(params, CONFIG, max_prompt_len=5, kv_block_size=12, **kw)
+    assert engine.prompt_width == 12
+    got, _ = engine.run(requests, seed=1)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+class _NewWeightsAfter:
+    """``WeightUpdates`` stand-in: version 1's weights from the second poll on."""
+
+    def __init__(self, params):
+        self.params, self.calls = params, 0
+
+    def newer(self, version):
+        self.calls += 1
+        return (1, self.params) if self.calls > 1 and version < 1 else None
+
+
+def test_prompt_blocks_are_shared_within_a_weight_version(params):
+    """Partial rollouts: a sample admitted after a weight update attends to its prompt's keys
+    and values computed by the new weights, not to a live sharer's old ones (3 samples of one
+    prompt in 2 slots, greedy: the third's tokens are the contiguous cache's)."""
+    other = init_params(CONFIG, jax.random.key(7), dtype=jnp.float32)
+    prompt = np.arange(3, 10, dtype=np.int32)
+    requests = [Request(prompt, 2, 0), Request(prompt, 8, 0), Request(prompt, 4, 0)]
+    kw = dict(slots=2, max_new_tokens=8, max_prompt_len=7, eos_ids=(), pad_id=PAD, burst=2)
+    runs = []
+    for size in (None, 4):
+        engine = Engine(params, CONFIG, temperature=0.0, kv_block_size=size, **kw)
+        runs.append(engine.run(requests, updates=_NewWeightsAfter(other))[0])
+    assert runs[0][2].versions.tolist() == [1] * 4  # admitted after the update
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)

@@ -177,7 +177,7 @@ def check_env(cfg: Any, objective: Any) -> None:
             f"{env.name!r}"
         )
     for key, value in (("max_turns", env.max_turns), ("max_turn_tokens", env.max_turn_tokens)):
-        if value is not None and not value >= 1:
+        if not (value is None and key == "max_turn_tokens") and not (value or 0) >= 1:
             raise ValueError(f"env.{key} must be >= 1, got {value!r}")
     needs = ["a critic"] * objective.needs_critic + ["a PRM"] * objective.needs_process_rewards
     needs += ["a learned reward model (reward_model.path)"] * (cfg.reward_model.path is not None)
