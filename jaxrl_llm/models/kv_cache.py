@@ -67,11 +67,6 @@ class PagedKVCache(NamedTuple):
     mask: Array
     table: Array
 
-    @property
-    def unmapped(self) -> int:
-        """The table entry of a logical block with no block (the pool's size ``N``)."""
-        return _cache_shape(self.k)[2]
-
 
 CACHE_AXES = KVCache(
     k=("layers", "batch", "kv_heads", "cache_seq", "head_dim"),
@@ -267,14 +262,11 @@ def check_cache(
         config.head_dim,
     )
     max_len = cache.mask.shape[-1] if jnp.ndim(cache.mask) == 2 else -1
-    if isinstance(cache, PagedKVCache):
-        _check_paged(cache, (layers, kv_heads, head_dim), batch, max_len)
-        if seq > max_len:
-            raise ValueError(f"{seq} tokens do not fit a cache of {max_len} slots")
-        return
     want = (layers, batch, kv_heads, max_len, head_dim)
     got_k, got_v = _cache_shape(cache.k), _cache_shape(cache.v)
-    if got_k != want or got_v != want:
+    if isinstance(cache, PagedKVCache):
+        _check_paged(cache, (layers, kv_heads, head_dim), batch, max_len)
+    elif got_k != want or got_v != want:
         raise ValueError(
             f"cache k/v must have shape [L, B, K, S_max, H]={want} for tokens {token_shape}, "
             f"got k{got_k} v{got_v} mask{tuple(cache.mask.shape)}"

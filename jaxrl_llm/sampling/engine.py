@@ -58,7 +58,7 @@ import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.generate import default_cache_dtype
-from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool
+from jaxrl_llm.sampling.paging import BlockAllocator, blocks_for, paged_pool, sharing_key
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import (
     FINISH_REASONS,
@@ -262,7 +262,6 @@ class Engine:
         start = time.perf_counter()
         with self._mesh_context(self.params):
             key = replicate(jax.random.key(seed) if key is None else key, self.mesh)
-        with self._mesh_context(self.params):
             results, counts = self._run(requests, key, progress, updates, version)
         done = [r for r in results if r is not None]
         stats = EngineStats(
@@ -308,11 +307,12 @@ class Engine:
             if not queue and self.engine == "continuous":
                 # The drain: decode the remaining slots in a smaller program (S/2, S/4, ...),
                 # so the long tail does not keep running S rows.
-                busy = [s for s, r in enumerate(occupant) if r is not None]
-                size = self.shards * _pow2(-(-len(busy) // self.shards))
-                keep = busy + free[: size - len(busy)] if size <= len(occupant) // 2 else None
                 if pager is not None:  # a paged slot stays in its batch shard
                     keep = pager.drain(occupant)
+                else:
+                    busy = [s for s, r in enumerate(occupant) if r is not None]
+                    size = self.shards * _pow2(-(-len(busy) // self.shards))
+                    keep = busy + free[: size - len(busy)] if size <= len(occupant) // 2 else None
                 if keep is not None:
                     state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)
                     occupant = [occupant[s] for s in keep]
@@ -379,9 +379,9 @@ class Engine:
             finished, host_count = harvest(
                 state, occupant, results, marks, self.eos, self.stop_sequences
             )
-            for s, r in enumerate(occupant):
-                if pager is not None and r is None:
-                    pager.release(s)  # finished (a no-op on slots already empty)
+            if pager is not None:  # the finished slots' blocks (a no-op on empty slots)
+                for s in (s for s, r in enumerate(occupant) if r is None):
+                    pager.release(s)
             if progress is not None and finished:
                 progress.update(finished)
         if pager is not None:
@@ -408,19 +408,17 @@ class Engine:
         owner = []
         writes = []  # (prefill row, slot, the blocks it writes): paged
         for r, slot in zip(admitted, slots):
-            key = requests[r].share_key(r)
+            key = sharing_key(requests[r], r, version)
             if key not in prompts:
                 prompts[key] = len(rows)
                 rows.append(requests[r].prompt)
             owner.append(prompts[key])
-            # Prompt blocks are shared between requests of one weight version only.
-            shared = (version, key)
-            blocks = None if pager is None else pager.admit(slot, shared, len(requests[r].prompt))
+            blocks = None if pager is None else pager.admit(slot, key, len(requests[r].prompt))
             if blocks is not None:
                 writes.append((prompts[key], slot, blocks))
         width = bucket_length(max(len(p) for p in rows))
         if pager is not None:  # whole blocks: the prompt's fall on block boundaries
-            width = min(-(-width // pager.block_size) * pager.block_size, self.prompt_width)
+            width = min(blocks_for(width, pager.block_size) * pager.block_size, self.prompt_width)
         # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
         num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
         tokens = np.full((num_prompts, width), self.pad_id, np.int32)

@@ -207,7 +207,7 @@ class BlockAllocator:
         while queue and len(admitted) < len(slots):
             slot = slots[len(admitted)]
             request = requests[queue[0]]
-            key = (version, request.share_key(queue[0]))
+            key = sharing_key(request, queue[0], version)
             cost = self.admission_cost(slot, key, len(request.prompt), pending)
             if cost > budget[self.shard(slot)]:
                 break
@@ -280,6 +280,13 @@ class BlockAllocator:
         self.completion = [self.completion[s] for s in index]
 
 
+def sharing_key(request: Request, index: int, version: int) -> Any:
+    """Requests with equal keys share a prefill and a paged cache's prompt blocks: the same
+    prompt key (``Request.share_key``; ``index``: the request's position in its run) and the
+    same weight ``version`` (keys and values computed by older weights are not reused)."""
+    return version, request.share_key(index)
+
+
 def paged_pool(
     block_size: Any, blocks: Any, slots: int, prompt_width: int, max_new_tokens: int
 ) -> tuple[tuple[int, int] | None, int]:
@@ -306,4 +313,4 @@ def paged_pool(
     return (int(blocks), block_size), prompt_width
 
 
-__all__ = ["BlockAllocator", "blocks_for", "paged_pool"]
+__all__ = ["BlockAllocator", "blocks_for", "paged_pool", "sharing_key"]

@@ -26,6 +26,7 @@ from jaxrl_llm.models import (
     unembed,
 )
 from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.paging import blocks_for
 from jaxrl_llm.sampling.state import SamplingParams
 
 Array = jax.Array
@@ -78,7 +79,7 @@ def init_state(
         cache = init_cache(config, slots, width, dtype=cache_dtype)
     else:
         blocks, size = paged
-        width = -(-width // size) * size
+        width = blocks_for(width, size) * size
         cache = init_paged_cache(
             config, slots, width, blocks=blocks, block_size=size, dtype=cache_dtype
         )
@@ -177,7 +178,7 @@ def admit(
     tail = state.tokens.shape[1]
     if paged:  # the completion's slots end on a block boundary
         size = (state.cache.k[0] if unstacked else state.cache.k).shape[-2]
-        tail = -(-tail // size) * size
+        tail = blocks_for(tail, size) * size
     prompt_width = state.cache.mask.shape[1] - tail
     start = prompt_width - width  # right-align: every completion starts at prompt_width
 
@@ -209,10 +210,11 @@ def admit(
 
     return _constrain(
         EngineState(
-            cache=state.cache._replace(k=k, v=v, mask=set_rows(state.cache.mask, rows_mask))
-            if not paged
-            else state.cache._replace(
-                k=k, v=v, mask=set_rows(state.cache.mask, rows_mask), table=table
+            cache=state.cache._replace(
+                k=k,
+                v=v,
+                mask=set_rows(state.cache.mask, rows_mask),
+                **({"table": table} if paged else {}),
             ),
             logits=set_rows(state.logits, logits[owner]),
             next_slot=set_rows(state.next_slot, prompt_width),
@@ -333,19 +335,15 @@ def take_slots(state: EngineState, index: Array, *, mesh: Any = None) -> EngineS
         return jnp.take(x, index, axis=axis)
 
     cache = state.cache
-    if isinstance(cache, PagedKVCache):
-        k, v = cache.k, cache.v
-    elif isinstance(cache.k, tuple):
-        k = tuple(take(x, 0) for x in cache.k)
-        v = tuple(take(x, 0) for x in cache.v)
-    else:
-        k, v = take(cache.k, 1), take(cache.v, 1)
-    rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
     if isinstance(cache, PagedKVCache):  # the pool stays; the rows' tables and masks move
-        new = cache._replace(mask=take(cache.mask, 0), table=take(cache.table, 0))
+        cache = cache._replace(mask=take(cache.mask, 0), table=take(cache.table, 0))
+    elif isinstance(cache.k, tuple):
+        k, v = (tuple(take(x, 0) for x in xs) for xs in (cache.k, cache.v))
+        cache = KVCache(k=k, v=v, mask=take(cache.mask, 0))
     else:
-        new = KVCache(k=k, v=v, mask=take(cache.mask, 0))
-    return _constrain(EngineState(cache=new, **rest), mesh)
+        cache = KVCache(k=take(cache.k, 1), v=take(cache.v, 1), mask=take(cache.mask, 0))
+    rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
+    return _constrain(EngineState(cache=cache, **rest), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
