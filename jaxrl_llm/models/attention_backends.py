@@ -263,3 +263,58 @@ def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options:
         check_vma=False,
     )
     return mapped(q, k, v, key_valid)
+
+
+# Slots of one row the paged kernel loads per compute block (pages_per_compute_block x P).
+_PAGED_COMPUTE_SLOTS = 512
+
+
+def _paged_kernel_attention(
+    q: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array, *, scale: float
+) -> Array:
+    """One query per row over a paged cache with JAX's Pallas TPU paged-attention kernel
+    (``jax.experimental.pallas.ops.tpu.paged_attention``; off TPU, its TPU interpreter).
+
+    Row ``b`` attends to its logical slots ``[0, lengths[b])`` (rows packed from slot 0), found
+    through ``table`` (``[B, W]`` block ids; entries past a row's length are never read, and
+    unmapped ones are clamped into the pool). The kernel loads the pool's blocks as bf16 and
+    computes the scores and softmax in f32.
+
+    Args:
+      q: ``[B, N, H]`` queries (after RoPE).
+      k_pool, v_pool: ``[K, N_blocks, P, H]`` one layer's pools.
+      lengths: ``[B]`` int32, at least 1.
+      table: ``[B, W]`` int32 block ids.
+      scale: score multiplier.
+
+    Returns:
+      ``[B, N, H]`` in ``q.dtype``.
+    """
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # noqa: PLC0415
+
+    from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
+
+    width, block_size = table.shape[1], k_pool.shape[2]
+    per_block = max(
+        d
+        for d in range(1, width + 1)
+        if width % d == 0 and d * block_size <= max(_PAGED_COMPUTE_SLOTS, block_size)
+    )
+    table = jnp.clip(table, 0, k_pool.shape[1] - 1)
+    queries = q.astype(jnp.float32) * scale  # the kernel applies no scale
+
+    def run() -> Array:
+        return paged_attention(
+            queries,
+            k_pool,
+            v_pool,
+            lengths.astype(jnp.int32),
+            table.astype(jnp.int32),
+            pages_per_compute_block=per_block,
+        )
+
+    if current_platform()[0] == "tpu":
+        return run().astype(q.dtype)
+    with pltpu.force_tpu_interpret_mode():
+        return run().astype(q.dtype)

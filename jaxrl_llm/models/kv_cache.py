@@ -8,6 +8,9 @@ decode reads).
 A paged cache (``PagedKVCache``) keeps the same logical ``[B, S_max]`` slots of each row in
 fixed-size blocks of a shared pool, found through a per-row block table: rows that share a
 prompt point at the same blocks, and capacity is set in blocks, not in rows x ``S_max``.
+``paged_cache_attention`` writes and attends through the table: on TPU with JAX's Pallas
+paged-attention kernel (rows packed from slot 0, as the continuous engine lays them out),
+elsewhere with an XLA block-table gather and ``cache_attention``.
 
 Shapes: B batch, S sequence, K key/value heads, H head dim, L layers, N pool blocks, P block
 size (slots a block).
@@ -133,20 +136,29 @@ def init_paged_cache(
     )
 
 
+def page_slots(
+    table: Array, start: Array, seq: int, block_size: int, blocks: int
+) -> tuple[Array, Array]:
+    """``(block, offset)``, each ``[B, seq]``: where row ``b``'s logical slots ``start[b] + i``
+    lie in a pool of ``blocks`` blocks through ``table`` (``[B, W]``). Slots before 0, past
+    ``W * block_size`` or in unmapped blocks get block ``blocks`` (a write there drops)."""
+    batch = table.shape[0]
+    slots = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,))[:, None]
+    slots = slots + jnp.arange(seq, dtype=jnp.int32)  # [B, S]
+    logical = slots // block_size
+    inside = (slots >= 0) & (logical < table.shape[1])
+    block = jnp.take_along_axis(table, jnp.clip(logical, 0, table.shape[1] - 1), axis=1)
+    return jnp.where(inside, block, blocks), slots % block_size
+
+
 def write_pages(
     pool: Array, new: Array, layer_index: Any, cache_index: Array, table: Array
 ) -> Array:
     """Writes ``new: [B, S, K, H]`` at logical slots ``[cache_index, cache_index + S)`` of each
     row, through ``table`` (``[B, S_max // P]``), into ``pool`` (``[L, K, N, P, H]`` with
-    ``layer_index``, else ``[K, N, P, H]``). Unmapped blocks and slots past ``S_max`` drop."""
-    block_size, blocks = pool.shape[-2], pool.shape[-3]
-    batch, seq = new.shape[:2]
-    slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (batch,))[:, None]
-    slots = slots + jnp.arange(seq, dtype=jnp.int32)  # [B, S]
-    logical = slots // block_size
-    block = jnp.take_along_axis(table, jnp.minimum(logical, table.shape[1] - 1), axis=1)
-    block = jnp.where(logical < table.shape[1], block, blocks)  # past S_max: dropped
-    offset = slots % block_size
+    ``layer_index``, else ``[K, N, P, H]``). Unmapped blocks and slots outside
+    ``[0, S_max)`` drop (a negative ``cache_index`` writes only the tail of ``new``)."""
+    block, offset = page_slots(table, cache_index, new.shape[1], pool.shape[-2], pool.shape[-3])
     new = new.astype(pool.dtype)
     if layer_index is None:  # adjacent advanced indices stay in place: the value is [K, B, S, H]
         return pool.at[:, block, offset].set(new.transpose(2, 0, 1, 3), mode="drop")
@@ -163,38 +175,75 @@ def read_pages(pool: Array, table: Array) -> Array:
     return blocks.reshape(kv_heads, batch, width * block_size, head_dim)
 
 
-def paged_update(
+def paged_attention_implementation(seq: int, dtype: Any, head_dim: int, block_size: int) -> str:
+    """How ``paged_cache_attention`` attends: ``"kernel"`` (JAX's Pallas TPU paged-attention
+    kernel) on TPU for one query per row over a bf16 pool with ``head_dim % 128 == 0`` and
+    ``block_size % 16 == 0`` (its tiles; the kernel loads blocks as bf16, so an f32 pool keeps
+    its precision through the gather), else ``"gather"`` (an XLA block-table gather, then
+    ``cache_attention``)."""
+    from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
+
+    tiles = head_dim % 128 == 0 and block_size % 16 == 0
+    if seq == 1 and tiles and jnp.dtype(dtype) == jnp.bfloat16:
+        return "kernel" if current_platform()[0] == "tpu" else "gather"
+    return "gather"
+
+
+def paged_cache_attention(
     pools: tuple[Array, Array],
     new: tuple[Array, Array],
+    q: Array,
+    mask: Array,
+    *,
     layer_index: Any,
     cache_index: Array,
     table: Array,
-) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+    scale: float,
+) -> tuple[tuple[Array, Array], Array]:
     """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
-    pools and reads the layer back: ``(pools, (k, v) [K, B, S_max, H])``.
+    pools and attends ``q: [B, S, N, H]`` over each row's slots: ``(pools, [B, S, N, H])``.
 
-    On a mesh whose batch axes split the rows, this runs per batch shard under
-    ``jax.shard_map``: the table's ids are local to the shard's part of the pool (see
-    ``sampling.paging``), so no shard reads another's blocks.
+    ``paged_attention_implementation`` picks the kernel (one query per row; rows packed from
+    slot 0, so slots ``[0, cache_index + 1)``) or the gather (``mask: [B, 1, S, S_max]``).
+    On a mesh whose batch axes split the rows (and for the kernel, an opaque custom call, on
+    any multi-device mesh) this runs per device under ``jax.shard_map``: the table's ids are
+    local to the batch shard's part of the pool (see ``sampling.paging``) and the heads split
+    over the ``kv_heads`` axes.
     """
-    from jaxrl_llm.models.attention_backends import _mapped_axes  # noqa: PLC0415
+    from jaxrl_llm.models.attention import cache_attention  # noqa: PLC0415
+    from jaxrl_llm.models.attention_backends import (  # noqa: PLC0415
+        _mapped_axes,
+        _paged_kernel_attention,
+    )
     from jaxrl_llm.parallel.rules import spec_entry  # noqa: PLC0415
 
-    def local(pools, new, layer_index, cache_index, table):
+    seq = q.shape[1]
+    implementation = paged_attention_implementation(
+        seq, pools[0].dtype, q.shape[-1], pools[0].shape[-2]
+    )
+    kernel = implementation == "kernel"
+
+    def local(pools, new, q, mask, layer_index, cache_index, table):
         pools = tuple(
             write_pages(c, n, layer_index, cache_index, table) for c, n in zip(pools, new)
         )
         layer = pools if layer_index is None else tuple(layer_slice(c, layer_index) for c in pools)
-        return pools, tuple(read_pages(c, table) for c in layer)
+        if kernel:
+            lengths = jnp.broadcast_to(cache_index + seq, (q.shape[0],))
+            out = _paged_kernel_attention(q[:, 0], *layer, lengths, table, scale=scale)
+            return pools, out[:, None]
+        k, v = (read_pages(c, table) for c in layer)
+        return pools, cache_attention(q, k, v, mask, scale=scale, kv_major=True)
 
     mesh = jax.sharding.get_abstract_mesh()
-    sizes = (table.shape[0], pools[0].shape[-3])
-    batch = () if mesh.empty else _mapped_axes(mesh, "batch", sizes)
-    if not batch:
-        return local(pools, new, layer_index, cache_index, table)
+    batch = () if mesh.empty else _mapped_axes(mesh, "batch", (table.shape[0], pools[0].shape[-3]))
+    if not batch and (mesh.empty or mesh.size == 1 or not kernel):
+        return local(pools, new, q, mask, layer_index, cache_index, table)
     spec = jax.sharding.PartitionSpec
-    rows, heads = spec_entry(batch), spec_entry(_mapped_axes(mesh, "kv_heads", new[0].shape[2:3]))
-    pool = spec(heads, rows, None, None)
+    kv_heads, heads = new[0].shape[2], q.shape[2]
+    rows = spec_entry(batch)
+    head = spec_entry(_mapped_axes(mesh, "kv_heads", (kv_heads, heads)))
+    pool = spec(head, rows, None, None)
     pool = pool if layer_index is None else spec(None, *pool)
     manual = set(getattr(mesh, "manual_axes", ()))
     mapped = jax.shard_map(
@@ -202,16 +251,18 @@ def paged_update(
         mesh=mesh,
         in_specs=(
             (pool, pool),
-            (spec(rows, None, heads, None),) * 2,
+            (spec(rows, None, head, None),) * 2,
+            spec(rows, None, head, None),
+            spec(rows, None, None, None),
             None if layer_index is None else spec(),
             spec(rows) if jnp.ndim(cache_index) == 1 else spec(),
             spec(rows, None),
         ),
-        out_specs=((pool, pool), (spec(heads, rows, None, None),) * 2),
+        out_specs=((pool, pool), spec(rows, None, head, None)),
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
-    return mapped(tuple(pools), tuple(new), layer_index, jnp.asarray(cache_index), table)
+    return mapped(tuple(pools), tuple(new), q, mask, layer_index, jnp.asarray(cache_index), table)
 
 
 def write_slots(cache: Array, new: Array, layer_index: Any, cache_index: Array) -> Array:

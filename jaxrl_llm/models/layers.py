@@ -23,7 +23,7 @@ from jaxrl_llm.models.attention import (
     dot_product_attention,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.kv_cache import layer_slice, paged_update, write_slots
+from jaxrl_llm.models.kv_cache import layer_slice, paged_cache_attention, write_slots
 from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
@@ -254,9 +254,18 @@ class DecoderLayer(nnx.Module):
                     write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v))
                 )
                 layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
-            else:  # paged: written through the block table, read back as [B, K, S_max, H]
-                kv, layer_kv = paged_update(kv, (k, v), layer_index, cache_index, table)
-            attn = cache_attention(q, *layer_kv, mask, scale=self.scale, kv_major=table is not None)
+                attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+            else:  # paged: written through the block table (a kernel on TPU, else a gather)
+                kv, attn = paged_cache_attention(
+                    kv,
+                    (k, v),
+                    q,
+                    mask,
+                    layer_index=layer_index,
+                    cache_index=cache_index,
+                    table=table,
+                    scale=self.scale,
+                )
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
         if self.bo is not None:

@@ -36,9 +36,11 @@ the sampling distribution's, version by version: what an off-policy correction n
 
 The cache is ``[L, S, K, P + T, H]`` (per-layer arrays on CPU, as ``generate``'s decode uses):
 capacity is set in slots, not in requests. With ``kv_block_size`` it is paged instead
-(``sampling.paging``): a pool of ``kv_blocks`` blocks, a prompt's blocks shared by its samples
-in flight, completion blocks mapped as they grow, the newest requests preempted (and later
-recomputed, with the same tokens) when the pool runs out.
+(``sampling.paging``): a pool of ``kv_blocks`` blocks, rows packed from slot 0, a prompt's full
+blocks shared by its samples in flight, blocks mapped as a row grows, the newest requests
+preempted (and later recomputed, with the same tokens) when the pool runs out. On TPU a bf16
+pool's decode attention runs JAX's Pallas paged-attention kernel (``models.kv_cache``), else an
+XLA block-table gather.
 
 Programs compiled per run: one burst, and one admission per (distinct prompts, admitted
 requests, prompt bucket) size class, each a power of two.
@@ -58,7 +60,7 @@ import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.generate import default_cache_dtype
-from jaxrl_llm.sampling.paging import BlockAllocator, blocks_for, paged_pool, sharing_key
+from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool, sharing_key
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import (
     FINISH_REASONS,
@@ -174,9 +176,8 @@ class Engine:
             burst,
             engine,
         )
-        self.paged, self.prompt_width = paged_pool(
-            kv_block_size, kv_blocks, slots, bucket_length(max_prompt_len), max_new_tokens
-        )
+        self.prompt_width = bucket_length(max_prompt_len)
+        self.paged = paged_pool(kv_block_size, kv_blocks, slots, self.prompt_width, max_new_tokens)
         self.mesh, self.shards = mesh, 1
         if mesh is not None:
             from jaxrl_llm.parallel import batch_shards  # noqa: PLC0415
@@ -417,8 +418,6 @@ class Engine:
             if blocks is not None:
                 writes.append((prompts[key], slot, blocks))
         width = bucket_length(max(len(p) for p in rows))
-        if pager is not None:  # whole blocks: the prompt's fall on block boundaries
-            width = min(blocks_for(width, pager.block_size) * pager.block_size, self.prompt_width)
         # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
         num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
         tokens = np.full((num_prompts, width), self.pad_id, np.int32)
@@ -436,7 +435,7 @@ class Engine:
         counts["prefill_rows"] += len(rows)
         paged = {}
         if pager is not None:
-            source, dest = pager.prefill_writes(writes, width)
+            source, dest = pager.prefill_writes(writes)
             paged = dict(table=jnp.asarray(pager.table), dest=(source, dest))
         return admit(
             params,

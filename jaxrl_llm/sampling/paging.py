@@ -4,12 +4,14 @@ The device keeps a pool of ``N`` blocks of ``P`` cache slots (``models.PagedKVCa
 block table per slot; this allocator decides the table (vLLM's block manager, Kwon et al.
 2023, in its simplest form):
 
-* **Prompts.** A slot's prompt is right-aligned to end at cache slot ``W_p - 1`` (``W_p`` a
-  multiple of ``P``), so its completion starts on a block boundary. Only the prompt's real
-  blocks are allocated (the all-padding blocks before them stay unmapped), once per distinct
-  prompt: the ``G`` samples of a prompt that are in the engine at the same time share them
-  (reference-counted; freed with the last sharer).
-* **Completions.** Blocks are allocated as a slot's completion grows, before each burst for the
+* **Prompts.** A slot's row is packed from cache slot 0: its prompt's real tokens, then its
+  completion (the layout of the TPU paged-attention kernel, which reads slots ``[0, length)``
+  of a row). A prompt's full blocks are allocated once per distinct prompt: the ``G``
+  samples of a prompt that are in the engine at the same time share them
+  (reference-counted; freed with the last sharer). Its partial last block, where the
+  completion goes on, is each sample's own (copied from the prefill for each sample), as
+  vLLM shares only full blocks.
+* **Completions.** Blocks are allocated as a slot's row grows, before each burst for the
   tokens that burst may write, and freed when the request finishes.
 * **Preemption.** When a burst's blocks do not fit, the most recently admitted requests are
   preempted (their blocks freed, the requests put back at the head of the queue) and later
@@ -55,7 +57,7 @@ class BlockAllocator:
       blocks: N, blocks in the pool.
       block_size: P, cache slots a block.
       slots: decode slots (table rows).
-      prompt_width: cache slots before the completion (a multiple of ``block_size``).
+      prompt_width: the longest prompt.
       max_new_tokens: the longest completion.
       shards: D, batch shards; must divide ``blocks`` and ``slots``.
 
@@ -73,8 +75,6 @@ class BlockAllocator:
         max_new_tokens: int,
         shards: int = 1,
     ):
-        if prompt_width % block_size:
-            raise ValueError(f"prompt width {prompt_width} is not a multiple of {block_size}")
         if blocks % shards or slots % shards:
             raise ValueError(
                 f"kv_blocks={blocks} and slots={slots} must be multiples of the mesh's {shards} "
@@ -82,20 +82,20 @@ class BlockAllocator:
             )
         self.block_size, self.blocks, self.shards = block_size, blocks, shards
         self.unmapped = blocks // shards
-        self.prompt_blocks = prompt_width // block_size
-        width = self.prompt_blocks + blocks_for(max_new_tokens, block_size)
+        width = blocks_for(prompt_width + max_new_tokens, block_size)
         if self.unmapped < width:
             per_shard = f" ({self.unmapped} a batch shard)" if shards > 1 else ""
             raise ValueError(
                 f"kv_blocks={blocks}{per_shard} cannot hold one request: a {prompt_width}-token "
-                f"prompt bucket and {max_new_tokens} new tokens need {width} blocks of "
+                f"prompt and {max_new_tokens} new tokens need {width} blocks of "
                 f"{block_size} slots"
             )
         # Popped from the end: low ids first.
         self.free = [list(range(self.unmapped - 1, -1, -1)) for _ in range(shards)]
         self.table = np.full((slots, width), self.unmapped, np.int32)
         self.prompt_of: list[Any] = [None] * slots  # prompt key per slot
-        self.completion: list[list[int]] = [[] for _ in range(slots)]
+        self.length = [0] * slots  # prompt tokens per slot
+        self.own: list[list[int]] = [[] for _ in range(slots)]  # blocks after the shared ones
         self.prompts: dict[Any, tuple[list[int], int]] = {}  # (shard, key) -> (blocks, sharers)
         self.peak = 0
 
@@ -113,66 +113,73 @@ class BlockAllocator:
         return taken
 
     def admission_cost(self, slot: int, key: Any, prompt_len: int, pending: set) -> int:
-        """Blocks admitting a request into ``slot`` needs now: its prompt's (unless resident in
-        the slot's shard or in ``pending``, this admission's new prompts) and a first
-        completion block."""
+        """Blocks admitting a request into ``slot`` needs now: its prompt's full blocks (unless
+        resident in the slot's shard or in ``pending``, this admission's new prompts) and the
+        block its first completion token goes to (its own)."""
         shared = (self.shard(slot), key)
         shared = shared in self.prompts or shared in pending
-        return (0 if shared else blocks_for(prompt_len, self.block_size)) + 1
+        return (0 if shared else prompt_len // self.block_size) + 1
 
     def admit(self, slot: int, key: Any, prompt_len: int) -> list[int] | None:
-        """Maps ``slot`` to prompt ``key``'s blocks (allocated in its shard unless resident) and
-        a first completion block; returns the blocks the prefill writes (the logical prompt
-        blocks, unmapped before the real ones), or None when they are already resident."""
-        real = blocks_for(prompt_len, self.block_size)
+        """Maps ``slot`` to prompt ``key``'s full blocks (allocated in its shard unless
+        resident) and a block of its own for the partial last one and its first completion
+        token; returns the table row the prefill writes through (local ids; unmapped where
+        nothing is written: resident blocks), or None when it writes nothing."""
+        full = prompt_len // self.block_size
         shard = self.shard(slot)
         fresh = (shard, key) not in self.prompts
         if fresh:
-            self.prompts[shard, key] = (self._take(shard, real), 0)
+            self.prompts[shard, key] = (self._take(shard, full), 0)
         owned, sharers = self.prompts[shard, key]
         self.prompts[shard, key] = (owned, sharers + 1)
         row = self.table[slot]
         row[:] = self.unmapped
-        row[self.prompt_blocks - real : self.prompt_blocks] = owned
-        self.prompt_of[slot], self.completion[slot] = key, []
+        row[:full] = owned
+        self.prompt_of[slot], self.length[slot], self.own[slot] = key, prompt_len, []
         self.grow(slot, 1)
-        return list(row[: self.prompt_blocks]) if fresh else None
+        writes = row.copy()
+        if not fresh:
+            writes[:full] = self.unmapped
+        if prompt_len % self.block_size == 0:  # its own block holds no prompt slot
+            writes[full] = self.unmapped
+        return None if (writes == self.unmapped).all() else writes.tolist()
 
     def prefill_writes(
-        self, writes: list[tuple[int, int, list[int]]], width: int
+        self, writes: list[tuple[int, int, list[int]]]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``(source, dest)`` of a prefill of ``width``-slot rows: for each ``(row, slot,
-        blocks)`` of ``writes`` (``admit``'s result for ``slot``, prefilled in ``row``), the
-        prefill row and ``[width / P]`` global block ids (the last of ``blocks``), padded to a
-        power of two with unmapped writes (global id ``N``: dropped)."""
+        """``(source, dest)`` of a prefill: for each ``(row, slot, table row)`` of ``writes``
+        (``admit``'s result for ``slot``, prefilled in ``row``), the prefill row and the table
+        row as global block ids (unmapped: global id ``N``, dropped), padded to a power of two
+        with writes of nothing."""
         count = 1 << max(len(writes) - 1, 0).bit_length()
         source = np.zeros(count, np.int32)
-        dest = np.full((count, width // self.block_size), self.blocks, np.int32)
+        dest = np.full((count, self.table.shape[1]), self.blocks, np.int32)
         for i, (row, slot, blocks) in enumerate(writes):
-            local = np.asarray(blocks[len(blocks) - dest.shape[1] :])
+            local = np.asarray(blocks)
             offset = self.shard(slot) * self.unmapped
             source[i] = row
             dest[i] = np.where(local < self.unmapped, local + offset, self.blocks)
         return source, dest
 
     def growth(self, slot: int, tokens: int) -> int:
-        """Blocks ``slot`` still needs for a completion of ``tokens`` slots."""
-        return max(blocks_for(tokens, self.block_size) - len(self.completion[slot]), 0)
+        """Blocks ``slot`` still needs for ``tokens`` completion slots after its prompt."""
+        mapped = self.length[slot] // self.block_size + len(self.own[slot])
+        return max(blocks_for(self.length[slot] + tokens, self.block_size) - mapped, 0)
 
     def grow(self, slot: int, tokens: int) -> None:
         """Maps blocks for the first ``tokens`` completion slots of ``slot``."""
         new = self._take(self.shard(slot), self.growth(slot, tokens))
-        start = self.prompt_blocks + len(self.completion[slot])
+        start = self.length[slot] // self.block_size + len(self.own[slot])
         self.table[slot, start : start + len(new)] = new
-        self.completion[slot] += new
+        self.own[slot] += new
 
     def release(self, slot: int) -> None:
-        """Frees ``slot``'s completion blocks and its share of its prompt's."""
+        """Frees ``slot``'s own blocks and its share of its prompt's."""
         key = self.prompt_of[slot]
         if key is None:
             return
         free = self.free[self.shard(slot)]
-        free += reversed(self.completion[slot])
+        free += reversed(self.own[slot])
         key = (self.shard(slot), key)
         owned, sharers = self.prompts[key]
         if sharers == 1:
@@ -180,7 +187,7 @@ class BlockAllocator:
             free += reversed(owned)
         else:
             self.prompts[key] = (owned, sharers - 1)
-        self.prompt_of[slot], self.completion[slot] = None, []
+        self.prompt_of[slot], self.length[slot], self.own[slot] = None, 0, []
         self.table[slot] = self.unmapped
 
     def admissible(
@@ -277,7 +284,8 @@ class BlockAllocator:
             self.release(slot)
         self.table = self.table[index]
         self.prompt_of = [self.prompt_of[s] for s in index]
-        self.completion = [self.completion[s] for s in index]
+        self.length = [self.length[s] for s in index]
+        self.own = [self.own[s] for s in index]
 
 
 def sharing_key(request: Request, index: int, version: int) -> Any:
@@ -289,9 +297,8 @@ def sharing_key(request: Request, index: int, version: int) -> Any:
 
 def paged_pool(
     block_size: Any, blocks: Any, slots: int, prompt_width: int, max_new_tokens: int
-) -> tuple[tuple[int, int] | None, int]:
-    """``(blocks, block_size)`` of an engine's paged cache (None: a contiguous cache) and its
-    prompt width, rounded up to whole blocks (the completion starts on a block boundary).
+) -> tuple[int, int] | None:
+    """``(blocks, block_size)`` of an engine's paged cache, or None (a contiguous cache).
 
     Default ``blocks``: every slot holds its longest request (never preempts).
 
@@ -301,16 +308,15 @@ def paged_pool(
     if block_size is None:
         if blocks is not None:
             raise ValueError("kv_blocks needs kv_block_size (a paged cache)")
-        return None, prompt_width
+        return None
     for name, value in (("kv_block_size", block_size), ("kv_blocks", blocks)):
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
         if not (ok or (name == "kv_blocks" and value is None)):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     block_size = int(block_size)
-    prompt_width = blocks_for(prompt_width, block_size) * block_size
     if blocks is None:
-        blocks = slots * (prompt_width // block_size + blocks_for(max_new_tokens, block_size))
-    return (int(blocks), block_size), prompt_width
+        blocks = slots * blocks_for(prompt_width + max_new_tokens, block_size)
+    return int(blocks), block_size
 
 
 __all__ = ["BlockAllocator", "blocks_for", "paged_pool", "sharing_key"]

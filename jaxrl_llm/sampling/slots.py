@@ -25,6 +25,7 @@ from jaxrl_llm.models import (
     init_paged_cache,
     unembed,
 )
+from jaxrl_llm.models.kv_cache import page_slots
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.paging import blocks_for
 from jaxrl_llm.sampling.state import SamplingParams
@@ -38,7 +39,8 @@ class EngineState(NamedTuple):
     Attributes:
       cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask
         ``[S, W]``; a slot's prompt ends at cache slot ``P - 1``, its completion starts at ``P``.
-        Or a ``PagedKVCache`` of the same logical slots in a pool of blocks (``paging``).
+        Or a ``PagedKVCache`` of ``W`` logical slots a row in a pool of blocks (``paging``),
+        each row packed from slot 0: its prompt, then its completion.
       logits: ``[S, V]`` f32 next-token logits.
       next_slot: ``[S]`` int32 cache slot the next fed token goes to.
       position: ``[S]`` int32 RoPE position of the next fed token.
@@ -160,8 +162,8 @@ def admit(
     into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped).
 
     Paged cache: ``table`` is the new ``[S, W / P]`` block table and ``dest = (source, blocks)``
-    the prefill's writes: prompt row ``source[i]``'s keys and values go to the global blocks
-    ``blocks[i]: [p / P]`` (``N``: not written)."""
+    the prefill's writes: prompt row ``source[i]``'s keys and values go to its row's logical
+    slots from 0 through the global block ids ``blocks[i]: [W / P]`` (``N``: not written)."""
     num_prompts, width = prompt_tokens.shape
     params = cast_params(params, config)
     unstacked = isinstance(params["layers"], tuple)
@@ -175,12 +177,10 @@ def admit(
         params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
     )
     logits = unembed(params, config, hidden[:, -1])  # left padding: the last column is real
-    tail = state.tokens.shape[1]
-    if paged:  # the completion's slots end on a block boundary
-        size = (state.cache.k[0] if unstacked else state.cache.k).shape[-2]
-        tail = blocks_for(tail, size) * size
-    prompt_width = state.cache.mask.shape[1] - tail
-    start = prompt_width - width  # right-align: every completion starts at prompt_width
+    lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+    slot_count = state.cache.mask.shape[1]
+    prompt_width = slot_count - state.tokens.shape[1]
+    start = prompt_width - width  # contiguous: right-aligned, every completion at prompt_width
 
     def put(big: Array, small: Array, batch_axis: int) -> Array:
         rows = jnp.take(small, owner, axis=batch_axis)
@@ -188,13 +188,13 @@ def admit(
         return big.at[index].set(rows, mode="drop")
 
     def page(pool: Array, small: Array, batch_axis: int) -> Array:
-        # [.., U, K, p, H] -> [.., K, writes, p / P, P, H] blocks, written to the dest blocks.
-        size = pool.shape[-2]
-        lead, (_, kv_heads, _, head_dim) = small.shape[:batch_axis], small.shape[batch_axis:]
-        blocks = small.reshape(*lead, num_prompts, kv_heads, width // size, size, head_dim)
+        # Packed rows: prefill column c of write i is its row's logical slot c - (width - len).
         source, ids = dest
-        blocks = jnp.swapaxes(jnp.take(blocks, source, axis=batch_axis), batch_axis, batch_axis + 1)
-        return pool.at[(slice(None),) * (batch_axis + 1) + (ids,)].set(blocks, mode="drop")
+        block, offset = page_slots(
+            ids, lengths[source] - width, width, pool.shape[-2], pool.shape[-3]
+        )
+        rows = jnp.swapaxes(jnp.take(small, source, axis=batch_axis), batch_axis, batch_axis + 1)
+        return pool.at[..., block, offset, :].set(rows.astype(pool.dtype), mode="drop")
 
     write = page if paged else put
     if unstacked:
@@ -202,8 +202,13 @@ def admit(
         v = tuple(write(b, s, 0) for b, s in zip(state.cache.v, cache.v))
     else:
         k, v = write(state.cache.k, cache.k, 1), write(state.cache.v, cache.v, 1)
-    rows_mask = jnp.zeros((owner.shape[0], state.cache.mask.shape[1]), bool)
-    rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
+    if paged:  # the prompt in slots [0, len), the completion from len
+        next_slot = lengths[owner]
+        rows_mask = jnp.arange(slot_count)[None] < next_slot[:, None]
+    else:
+        next_slot = jnp.full(owner.shape, prompt_width, jnp.int32)
+        rows_mask = jnp.zeros((owner.shape[0], slot_count), bool)
+        rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
 
     def set_rows(x: Array, value: Any) -> Array:
         return x.at[slot].set(value, mode="drop")
@@ -217,8 +222,8 @@ def admit(
                 **({"table": table} if paged else {}),
             ),
             logits=set_rows(state.logits, logits[owner]),
-            next_slot=set_rows(state.next_slot, prompt_width),
-            position=set_rows(state.position, jnp.sum(prompt_mask[owner], axis=1, dtype=jnp.int32)),
+            next_slot=set_rows(state.next_slot, next_slot),
+            position=set_rows(state.position, lengths[owner]),
             count=set_rows(state.count, 0),
             limit=set_rows(state.limit, limit),
             done=set_rows(state.done, False),

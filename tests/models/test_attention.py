@@ -343,17 +343,9 @@ def test_splash_compiles_for_tpu_with_memory_linear_in_sequence(monkeypatch):
     """Deviceless AOT compile for a v5e 2x2 slice: fwd+bwd of B=8 (2 rows a chip), S=2048,
     N=32, K=8, H=128 bf16. The XLA path keeps [2, 32, S, S] f32 scores a chip (1.5 GiB); the
     splash kernel's temporaries are O(S) (about 65 MiB)."""
-    from jax.experimental import topologies
+    from tests.models.tpu_mesh import v5e_2x2_mesh
 
-    # Another process of this machine may hold libtpu's lockfile (any JAX program started
-    # without JAX_PLATFORMS=cpu takes it); a deviceless topology needs no exclusive access.
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topology = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
-    mesh = jax.sharding.Mesh(
-        np.array(topology.devices).reshape(1, 4, 1),
-        ("data", "fsdp", "tensor"),
-        axis_types=(AxisType.Auto,) * 3,
-    )
+    mesh = v5e_2x2_mesh(monkeypatch, (1, 4, 1))
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
     shapes = [(8, 2048, 32, 128), (8, 2048, 8, 128), (8, 2048, 8, 128)]
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rows) for s in shapes]

@@ -2,6 +2,8 @@
 block table, with rows sharing blocks and blocks out of order, give the contiguous cache's
 hidden states; writes land in the table's blocks only; bad shapes are refused by name."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,13 +37,13 @@ def test_write_then_read_pages_is_a_numpy_block_table():
     pool = np.zeros((2, 5, 4, 3), np.float32)  # K=2, N=5 blocks of P=4 slots, H=3
     table = np.array([[3, 0, 5], [1, 5, 2]], np.int32)  # 5 = unmapped
     new = rng.normal(size=(2, 6, 2, 3)).astype(np.float32)  # [B, S, K, H]
-    start = np.array([1, 2], np.int32)
+    start = np.array([-2, 2], np.int32)  # row 0: its first two tokens fall before slot 0
     got = np.asarray(write_pages(jnp.asarray(pool), jnp.asarray(new), None, start, table))
     want = pool.copy()
     for b in range(2):
         for s in range(6):
             slot = start[b] + s
-            block = table[b, slot // 4] if slot // 4 < 3 else 5
+            block = table[b, slot // 4] if 0 <= slot and slot // 4 < 3 else 5
             if block < 5:
                 want[:, block, slot % 4] = new[b, s]
     np.testing.assert_array_equal(got, want)
@@ -94,3 +96,174 @@ def test_paged_prefill_and_decode_match_the_contiguous_cache(per_layer):
         got, paged = forward(params_used, CONFIG, token, cache=paged, **args)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     assert isinstance(paged, PagedKVCache)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_the_paged_kernel_attends_over_each_rows_first_slots(monkeypatch):
+    """JAX's Pallas TPU paged-attention kernel (its TPU interpreter here), as the model calls
+    it: grouped-query heads (4 query heads on 2 key/value heads), rows of 1, 5, 11 and 16 slots
+    packed from slot 0 through out-of-order blocks, unmapped entries past a row's length, two
+    compute blocks a row. The kernel loads the pool as bf16 and computes in f32: equal to a
+    float64 softmax over the bf16 keys and values of each row's slots [0, length)."""
+    from jaxrl_llm.models import attention_backends
+
+    monkeypatch.setattr(attention_backends, "_PAGED_COMPUTE_SLOTS", 8)  # 2 blocks of 4 a step
+    rng = np.random.default_rng(3)
+    batch, heads, kv_heads, head_dim, size, blocks = 4, 4, 2, 16, 4, 13
+    q = rng.normal(size=(batch, heads, head_dim)).astype(np.float32)
+    k = rng.normal(size=(kv_heads, blocks, size, head_dim)).astype(np.float32)
+    v = rng.normal(size=(kv_heads, blocks, size, head_dim)).astype(np.float32)
+    lengths = np.array([1, 5, 11, 16], np.int32)
+    table = np.array([[6, 13, 13, 13], [2, 9, 13, 13], [12, 0, 4, 13], [1, 3, 5, 7]], np.int32)
+    scale = 0.3
+    got = attention_backends._paged_kernel_attention(
+        jnp.asarray(q),
+        jnp.asarray(k, jnp.bfloat16),
+        jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(lengths),
+        jnp.asarray(table),
+        scale=scale,
+    )
+    assert got.shape == (batch, heads, head_dim) and got.dtype == jnp.float32
+    kb, vb = _bf16(k), _bf16(v)
+    want = np.zeros((batch, heads, head_dim))
+    for b in range(batch):
+        slots = np.arange(lengths[b])
+        keys = kb[:, table[b, slots // size], slots % size]  # [K, len, H]
+        values = vb[:, table[b, slots // size], slots % size]
+        for n in range(heads):
+            scores = scale * keys[n // 2] @ q[b, n].astype(np.float64)
+            probs = np.exp(scores - scores.max())
+            want[b, n] = probs @ values[n // 2] / probs.sum()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_through_the_paged_kernel_matches_the_gather(monkeypatch):
+    """Rows packed from slot 0 (prompts of 8, 3 and 6 tokens, two rows sharing a block), a bf16
+    pool stacked over layers (the engine's test runs per-layer pools): 3 decode steps through
+    the kernel give the gather's hidden states to bf16 rounding
+    (the gather's scores are bf16 products, the kernel's f32: 3e-3 apart here; a length off by
+    one is 0.7 apart)."""
+    from jaxrl_llm.models import kv_cache
+
+    params = init_params(CONFIG, jax.random.key(1), dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    batch, steps = 3, 3
+    lengths = np.array([8, 3, 6])
+    tokens = rng.integers(1, CONFIG.vocab_size, size=(batch, 8 + steps)).astype(np.int32)
+    tokens[2, :4] = tokens[0, :4]  # rows 0 and 2 share their first block (7)
+    table = np.array([[7, 2, 5, 8, 12], [4, 0, 1, 9, 12], [7, 10, 11, 3, 12]], np.int32)
+    mask = np.arange(8)[None] < lengths[:, None]  # right padding: rows start at slot 0
+
+    def decode(implementation):
+        monkeypatch.setattr(
+            kv_cache,
+            "paged_attention_implementation",
+            lambda seq, *_: implementation if seq == 1 else "gather",
+        )
+        cache = init_paged_cache(CONFIG, batch, 20, blocks=12, block_size=4, dtype=jnp.bfloat16)
+        cache = cache._replace(table=jnp.asarray(table))
+
+        def run(cache):
+            _, cache = forward(
+                params,
+                CONFIG,
+                jnp.asarray(np.where(mask, tokens[:, :8], 0)),
+                positions=jnp.asarray(np.broadcast_to(np.arange(8), (batch, 8))),
+                attention_mask=jnp.asarray(mask),
+                cache=cache,
+                cache_index=0,
+            )
+            index, out = jnp.asarray(lengths, jnp.int32), []
+            for i in range(steps):
+                token = jnp.asarray(tokens[:, 8 + i][:, None])
+                hidden, cache = forward(
+                    params,
+                    CONFIG,
+                    token,
+                    positions=(index + i)[:, None],
+                    cache=cache,
+                    cache_index=index + i,
+                )
+                out.append(hidden)
+            return jnp.stack(out)
+
+        return np.asarray(jax.jit(run)(cache))  # a new function: the choice is made in tracing
+
+    gathered, kernel = decode("gather"), decode("kernel")
+    np.testing.assert_allclose(kernel, gathered, atol=1e-2)
+    assert np.abs(gathered).max() > 1  # not vanishing states
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_paged_decode_compiles_to_the_kernel_for_tpu(monkeypatch):
+    """Deviceless AOT compile for a v5e 2x2 slice (2 batch shards x 2 tensor): one decode step
+    of a bf16 paged cache (head_dim 128, blocks of 16) runs the Pallas kernel per device on its
+    rows and heads, with no all-gather of the pool and no copy of the rows' blocks (which the
+    XLA gather makes)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm.models import kv_cache
+    from tests.models.tpu_mesh import v5e_2x2_mesh
+
+    mesh = v5e_2x2_mesh(monkeypatch, (1, 2, 2))
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
+    batch, width, size, blocks = 8, 2048, 16, 512
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype=jnp.float32))
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params
+    )
+    cache = jax.eval_shape(
+        lambda: init_paged_cache(
+            config, batch, width, blocks=blocks, block_size=size, dtype=jnp.bfloat16
+        )
+    )
+    pool = NamedSharding(mesh, PartitionSpec(None, "tensor", "fsdp"))
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    cache = PagedKVCache(
+        *(
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(cache, (pool, pool, rows, rows))
+        )
+    )
+    token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows)
+    index = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+
+    def step(params, token, cache, index):
+        return forward(
+            params, config, token, positions=index[:, None], cache=cache, cache_index=index
+        )
+
+    def compiled():
+        jax.clear_caches()
+        with jax.set_mesh(mesh):
+            return jax.jit(step).lower(params, token, cache, index).compile()
+
+    kernel = compiled()  # the mesh's devices are TPUs: the kernel
+    text = kernel.as_text()
+    assert "tpu_custom_call" in text
+    gathers = [line for line in text.splitlines() if "all-gather(" in line]
+    assert not [line for line in gathers if f",{size},128]" in line]  # no pool gathered
+    monkeypatch.setattr(kv_cache, "paged_attention_implementation", lambda *_: "gather")
+    gather = compiled()
+    assert "tpu_custom_call" not in gather.as_text()
+    # The gather copies each row's blocks (a chip's 4 rows x 128 blocks of 16 x 128 slots).
+    blocks_of_rows = f"bf16[{batch // 2},{width // size},{size},128]"
+    assert any(
+        blocks_of_rows in line for line in gather.as_text().splitlines() if " gather(" in line
+    )
+    assert not any(blocks_of_rows in line for line in text.splitlines() if " gather(" in line)

@@ -2,6 +2,7 @@
 prompt blocks shared by a prompt's samples, preemption that recomputes the same tokens, the
 same completions as the contiguous cache, and bad sizes refused by name."""
 
+import dataclasses
 from collections import deque
 
 import jax
@@ -32,27 +33,30 @@ def _grouped(rng, lengths, group, budgets):
 
 
 def test_allocator_tables_by_hand():
-    # Pool of 10 blocks of 4 slots; prompt width 8 (2 blocks), completions up to 6 (2 blocks).
+    # Pool of 10 blocks of 4; prompts up to 8 and completions up to 6 tokens: 4 blocks a row.
     pager = BlockAllocator(10, 4, slots=3, prompt_width=8, max_new_tokens=6)
     unmapped = 10
     assert blocks_for(5, 4) == 2 and blocks_for(4, 4) == 1 and blocks_for(0, 4) == 0
-    # A 3-token prompt: one real block (the last prompt block), the block before unmapped.
-    assert pager.admission_cost(0, ("key", 0), 3, set()) == 2  # its block + a completion block
-    written = pager.admit(0, ("key", 0), 3)
-    assert written == [unmapped, 0]
-    np.testing.assert_array_equal(pager.table[0], [unmapped, 0, 1, unmapped])
-    # A second sample of the same prompt shares block 0: only its completion block is new.
-    assert pager.admission_cost(1, ("key", 0), 3, set()) == 1
-    assert pager.admit(1, ("key", 0), 3) is None
-    np.testing.assert_array_equal(pager.table[1], [unmapped, 0, 2, unmapped])
-    # A 6-token prompt takes two blocks.
-    assert pager.admit(2, ("key", 1), 6) == [3, 4]
+    assert pager.table.shape == (3, 4)
+    # A 6-token prompt, packed from slot 0: one full block (shared) and its partial second
+    # block, the slot's own, where the completion goes on.
+    assert pager.admission_cost(0, ("key", 0), 6, set()) == 2
+    assert pager.admit(0, ("key", 0), 6) == [0, 1, unmapped, unmapped]
+    np.testing.assert_array_equal(pager.table[0], [0, 1, unmapped, unmapped])
+    # A second sample of the same prompt shares block 0 and writes only its own copy of the
+    # partial block.
+    assert pager.admission_cost(1, ("key", 0), 6, set()) == 1
+    assert pager.admission_cost(1, ("key", 1), 6, {(0, ("key", 1))}) == 1  # pending: shared
+    assert pager.admit(1, ("key", 0), 6) == [unmapped, 2, unmapped, unmapped]
+    np.testing.assert_array_equal(pager.table[1], [0, 2, unmapped, unmapped])
+    # An 8-token prompt fills two blocks: its own third block holds no prompt slot.
+    assert pager.admit(2, ("key", 1), 8) == [3, 4, unmapped, unmapped]
     np.testing.assert_array_equal(pager.table[2], [3, 4, 5, unmapped])
     assert pager.used == 6 and pager.peak == 6
-    # Growth: 5 completion tokens need a second block.
-    assert pager.growth(0, 4) == 0 and pager.growth(0, 5) == 1
-    pager.grow(0, 5)
-    np.testing.assert_array_equal(pager.table[0], [unmapped, 0, 1, 6])
+    # Growth: slot 0's row holds 6 + 2 = 8 slots in its 2 blocks; a third token needs a third.
+    assert pager.growth(0, 2) == 0 and pager.growth(0, 3) == 1
+    pager.grow(0, 3)
+    np.testing.assert_array_equal(pager.table[0], [0, 1, 6, unmapped])
     # Releasing the first sharer keeps the prompt's block; the second frees it.
     pager.release(0)
     (free,) = pager.free
@@ -64,28 +68,31 @@ def test_allocator_tables_by_hand():
     # The drain keeps slot 2 as slot 0.
     pager.keep([2, 0])
     np.testing.assert_array_equal(pager.table[0], [3, 4, 5, unmapped])
-    # Prefill row 1 writes blocks 7, 8 (slot 0's): a power of two of writes, the rest dropped.
-    source, dest = pager.prefill_writes([(1, 0, [unmapped, 7, 8])], width=8)
-    assert source.tolist() == [1] and dest.tolist() == [[7, 8]]
-    source, dest = pager.prefill_writes([(1, 0, [7, 8]), (0, 1, [unmapped, 9])], width=8)
-    assert source.tolist() == [1, 0] and dest.tolist() == [[7, 8], [unmapped, 9]]
+    assert pager.growth(0, 4) == 0 and pager.growth(0, 5) == 1  # its length moved with it
+    # Prefill writes as global ids, a power of two of them (the rest write nothing).
+    source, dest = pager.prefill_writes([(1, 0, [unmapped, 7, 8, unmapped])])
+    assert source.tolist() == [1] and dest.tolist() == [[10, 7, 8, 10]]
+    source, dest = pager.prefill_writes([(1, 0, [7, 8, 9, 1]), (0, 1, [unmapped, 9] + [10] * 2)])
+    assert source.tolist() == [1, 0] and dest.tolist() == [[7, 8, 9, 1], [10, 9, 10, 10]]
+    source, dest = pager.prefill_writes([(0, 0, [1] * 4)] * 3)
+    assert source.tolist() == [0] * 4 and dest.tolist() == [[1] * 4] * 3 + [[10] * 4]
 
 
 def test_burst_mapping_preempts_the_newest_request():
-    # 5 blocks of 4; prompts take 1 block, completions up to 2.
+    # 5 blocks of 4; rows of up to 4 + 8 slots (3 blocks).
     pager = BlockAllocator(5, 4, slots=2, prompt_width=4, max_new_tokens=8)
     requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
     queue = deque([0, 1, 2])
     empty = ([None, None], [0, 0], 4)
-    assert pager.admissible(requests, queue, [0, 1], empty) == [0, 1]  # 2 + 2 blocks
+    assert pager.admissible(requests, queue, [0, 1], empty) == [0, 1]  # a block each
     pager.admit(0, (0, ("key", 0)), 2)
     pager.admit(1, (0, ("key", 1)), 3)
     occupant = [0, 1]
-    # 1 block free, request 2 needs 2.
+    # 3 blocks free, request 2 needs 1, but slot 0's next burst needs 2 and slot 1's 1.
     assert (
         list(queue) == [2] and pager.admissible(requests, queue, [0], (occupant, [3, 0], 4)) == []
     )
-    # 4 more tokens: slot 0 (3 sampled) needs a second completion block, slot 1 (0) does not.
+    # 4 more tokens: slot 0 (2 + 3 + 4 slots) needs 2 more blocks, slot 1 (3 + 4) one.
     assert pager.map_burst(requests, queue, occupant, [3, 0], steps=4) == []
     assert pager.used == 5
     pager.release(0)  # request 0 finished: its 3 blocks are free
@@ -93,8 +100,9 @@ def test_burst_mapping_preempts_the_newest_request():
     assert pager.admissible(requests, queue, [0], (occupant, [0, 4], 4)) == [2]
     pager.admit(0, (0, ("key", 2)), 1)
     occupant[0] = 2
-    # 8 more tokens: each slot needs a second completion block, 1 is free: the newest request
-    # (request 2, slot 0) goes back to the queue's head and slot 1 gets the block.
+    # 8 more tokens: slot 0 (1 + 8 slots) needs 2 more blocks and slot 1 (3 + 8) one, 2 are
+    # free: the newest request (request 2, slot 0) goes back to the queue's head and slot 1
+    # gets its block.
     evicted = pager.map_burst(requests, queue, occupant, [0, 4], steps=8)
     assert evicted == [0] and list(queue) == [2] and occupant == [None, 1]
     assert pager.used == 3
@@ -102,9 +110,10 @@ def test_burst_mapping_preempts_the_newest_request():
 
 
 def test_admission_keeps_the_live_slots_next_burst_free():
-    # 6 blocks; two live requests hold 2 each: request 2 (2 blocks) fits the 2 free ones
-    # unless slot 0's next burst needs its second completion block.
-    pager = BlockAllocator(6, 4, slots=3, prompt_width=4, max_new_tokens=8)
+    # 5 blocks; two live requests hold 1 each: request 2 (1 block) fits the 3 free ones unless
+    # the live slots' next burst of 4 tokens needs them (slot 0: 2 + 7 slots, 2 more blocks;
+    # slot 1: 3 + 4 slots, 1 more); a burst of 1 needs 1 (slot 0's 2 + 4 slots).
+    pager = BlockAllocator(5, 4, slots=3, prompt_width=4, max_new_tokens=8)
     requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
     pager.admit(0, "a", 2)
     pager.admit(1, "b", 3)
@@ -119,16 +128,18 @@ def test_batch_shards_have_their_own_blocks():
     pager = BlockAllocator(10, 4, slots=4, prompt_width=4, max_new_tokens=8, shards=2)
     unmapped = 5
     assert [pager.shard(s) for s in range(4)] == [0, 0, 1, 1]
-    assert pager.admit(0, "p", 3) == [0]
-    assert pager.admit(1, "p", 3) is None  # shared in shard 0
-    assert pager.admit(2, "p", 3) == [0]  # shard 1's own copy (its local block 0)
+    assert pager.admit(0, "p", 5) == [0, 1, unmapped]
+    assert pager.admit(1, "p", 5) == [unmapped, 2, unmapped]  # block 0 shared in shard 0
+    assert pager.admit(2, "p", 5) == [0, 1, unmapped]  # shard 1's own copy (local ids)
     np.testing.assert_array_equal(
         pager.table[:3], [[0, 1, unmapped], [0, 2, unmapped], [0, 1, unmapped]]
     )
     assert [len(f) for f in pager.free] == [2, 3] and pager.used == 5
-    # Global ids: shard 1's local block 0 is block 5; unmapped stays dropped (10).
-    source, dest = pager.prefill_writes([(0, 0, [0]), (0, 2, [0]), (1, 3, [unmapped])], width=4)
-    assert source.tolist() == [0, 0, 1, 0] and dest.tolist() == [[0], [5], [10], [10]]
+    # Global ids: shard 1's local blocks 0, 1 are blocks 5, 6; unmapped stays dropped (10).
+    writes = [(0, 0, [0, 1, unmapped]), (0, 2, [0, 1, unmapped]), (1, 3, [unmapped] * 3)]
+    source, dest = pager.prefill_writes(writes)
+    assert source.tolist() == [0, 0, 1, 0]
+    assert dest.tolist() == [[0, 1, 10], [5, 6, 10], [10, 10, 10], [10, 10, 10]]
     with pytest.raises(ValueError, match="multiples of the mesh's 2 batch shards"):
         BlockAllocator(9, 4, slots=4, prompt_width=4, max_new_tokens=8, shards=2)
     with pytest.raises(ValueError, match=r"kv_blocks=4 \(2 a batch shard\) cannot hold one"):
@@ -162,16 +173,17 @@ def test_a_pool_too_small_for_one_request_is_refused(params):
 def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
     params, rng, decode_layers
 ):
-    """One 5-token prompt, 4 samples of 8 tokens in 4 slots, blocks of 4: the prompt's 2
-    blocks once and 2 completion blocks a sample = 10 blocks at the peak (16 unshared); the
-    tokens and log-probs are the contiguous cache's."""
+    """One 5-token prompt, 4 samples of 8 tokens in 4 slots, blocks of 4: the prompt's full
+    block once and 3 blocks of its own a sample (the partial prompt block and the completion:
+    13 slots a row) = 13 blocks at the peak (16 unshared); the tokens and log-probs are the
+    contiguous cache's."""
     requests = _grouped(rng, [5], 4, [8])
     kw = dict(
         slots=4, max_new_tokens=8, eos_ids=(), pad_id=PAD, seed=4, decode_layers=decode_layers
     )
     want, _ = generate_requests(params, CONFIG, requests, **kw)
     got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, **kw)
-    assert stats.peak_blocks == 2 + 4 * 2 and stats.preemptions == 0
+    assert stats.peak_blocks == 1 + 4 * 3 and stats.preemptions == 0
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
@@ -195,13 +207,13 @@ def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
 
 
 def test_block_sizes_that_are_not_powers_of_two(params, rng):
-    """Blocks of 12 (prompt width 12 from a bucket of 8): a 10-token prompt, longer than the
-    engine's bucket but within its rounded width, samples the contiguous cache's tokens."""
-    requests = [Request(rng.integers(3, CONFIG.vocab_size, size=n), 6) for n in (10, 3, 7)]
+    """Blocks of 6 (the prompt bucket is 8): prompts of a full block and a partial one, of a
+    partial one only, and of exactly the bucket sample the contiguous cache's tokens."""
+    requests = [Request(rng.integers(3, CONFIG.vocab_size, size=n), 6) for n in (7, 3, 8)]
     kw = dict(slots=2, max_new_tokens=6, eos_ids=(), pad_id=PAD)
     want, _ = generate_requests(params, CONFIG, requests, seed=1, **kw)
-    engine = Engine(params, CONFIG, max_prompt_len=5, kv_block_size=12, **kw)
-    assert engine.prompt_width == 12
+    engine = Engine(params, CONFIG, max_prompt_len=5, kv_block_size=6, **kw)
+    assert engine.prompt_width == 8 and engine.paged == (2 * 3, 6)  # 8 + 6 slots: 3 blocks
     got, _ = engine.run(requests, seed=1)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -233,3 +245,32 @@ def test_prompt_blocks_are_shared_within_a_weight_version(params):
     assert runs[0][2].versions.tolist() == [1] * 4  # admitted after the update
     for a, b in zip(*runs, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_the_engine_decodes_through_the_paged_kernel(params, rng, monkeypatch):
+    """The engine's rows are packed from slot 0, what JAX's TPU paged-attention kernel reads
+    (its interpreter here, with a bf16 pool): shared prompt blocks, partial blocks of their own,
+    refills and a preemption give the gather's greedy tokens and its log-probs to 1e-3 (2e-4
+    apart here; a row with a masked hole, which the gather skips and the kernel reads, is
+    3e-3 to 2e-2 apart)."""
+    from jaxrl_llm.models import kv_cache
+
+    requests = _grouped(rng, [6, 3], 2, [5, 3])
+    kw = dict(slots=2, max_new_tokens=5, eos_ids=(), pad_id=PAD, burst=2, temperature=0.0)
+    kw.update(kv_block_size=4, kv_blocks=4, cache_dtype=jnp.bfloat16, decode_layers="per_layer")
+    runs = []
+    # The choice is made while tracing: the kernel's run gets programs of its own through a
+    # config that differs in a field the model does not read.
+    configs = {"gather": CONFIG, "kernel": dataclasses.replace(CONFIG, eos_token_ids=(1,))}
+    for implementation, config in configs.items():
+        monkeypatch.setattr(
+            kv_cache,
+            "paged_attention_implementation",
+            lambda seq, *_, name=implementation: name if seq == 1 else "gather",
+        )
+        runs.append(generate_requests(params, config, requests, **kw))
+    (want, base), (got, stats) = runs
+    assert stats.preemptions == base.preemptions > 0
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-3)

@@ -1,14 +1,15 @@
 """The built-in tool task (``configs/tool_calculator.yaml``, issue 15): with the calculator
 tool the tiny model answers 3-4 digit multiplications it cannot do in its head.
 
-Runs the installed ``jaxrl-llm`` console script twice, as a user would, on a shortened
-schedule (1400 SFT warm-up steps of 16 demonstrations, 2 GRPO steps, 32 held-out prompts;
-about 75 s on 2 cores, the two runs side by side): the config as shipped, and the same task
-without the tool (``env.name=null``: the demonstrations are the bare answers, 10 tokens). The
-tool-using policy's held-out accuracy must beat the no-tool policy's by ``MIN_GAIN`` (this
-schedule gives 44-47% with the tool; 700 steps of 16 land near 20%, 1400 steps of 16 beat 700
-of 64 at half the cost). The full config (1500 warm-up steps, 40 GRPO
-steps, 128 prompts) gives 100% → 99.2% with the tool and 0% → 0% without
+Runs the installed ``jaxrl-llm`` console script, as a user would, on a shortened schedule
+(1400 SFT warm-up steps of 16 demonstrations, 2 GRPO steps, 32 held-out prompts; about 75 s on
+one core). The tool-using policy's held-out accuracy must be ``MIN_GAIN`` above what the same
+task gives without the tool: 0% (``env.name=null``, the demonstrations the bare answers, 10
+tokens): 0% → 0% on the full schedule, and 0% → 0% on this one (measured 2026-11-27 with
+the overrides below plus ``env.name=null rollout.max_new_tokens=10``, 28 s; the test ran that
+control itself until then). This schedule gives 44-47% with the tool;
+700 steps of 16 land near 20%, 1400 steps of 16 beat 700 of 64 at half the cost. The full
+config (1500 warm-up steps, 40 GRPO steps, 128 prompts) gives 100% → 99.2% with the tool
 (benchmarks/RESULTS.md).
 """
 
@@ -26,6 +27,7 @@ from tests.train.helpers import CONFIGS, single_device_env
 pytestmark = pytest.mark.slow
 
 MIN_GAIN = 0.20
+NO_TOOL_ACCURACY = 0.0  # held-out accuracy of the task without the tool (module docstring)
 SHORT = (
     "sft_warmup.steps=1400",
     "sft_warmup.batch_size=16",
@@ -60,14 +62,9 @@ def _summary(process: subprocess.Popen) -> dict:
 
 
 def test_the_tool_using_policy_beats_the_no_tool_policy(tmp_path):
-    runs = (
-        _start(tmp_path / "tool"),
-        _start(tmp_path / "no_tool", "env.name=null", "rollout.max_new_tokens=10"),
-    )
-    tool, plain = (_summary(p) for p in runs)
-    with_tool = tool["eval_after_rl"]["accuracy"]
-    without = plain["eval_after_rl"]["accuracy"]
-    assert with_tool - without >= MIN_GAIN, (tool, plain)
+    tool = _summary(_start(tmp_path / "tool"))
+    without = NO_TOOL_ACCURACY
+    assert tool["eval_after_rl"]["accuracy"] - without >= MIN_GAIN, tool
     # The episodes really went through the tool: a call, its response, then the answer.
     row = json.loads((tmp_path / "tool" / "samples.jsonl").read_text().splitlines()[-1])
     assert row["completion"].startswith('<tool_call>{"name":"calc","arguments":{"expr":"')
