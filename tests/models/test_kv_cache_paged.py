@@ -243,13 +243,12 @@ def test_paged_decode_compiles_to_the_kernel_for_tpu(monkeypatch):
     token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows)
     index = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
 
-    def step(params, token, cache, index):
-        return forward(
-            params, config, token, positions=index[:, None], cache=cache, cache_index=index
-        )
-
     def compiled():
-        jax.clear_caches()
+        def step(params, token, cache, index):  # a new function: the choice is made in tracing
+            return forward(
+                params, config, token, positions=index[:, None], cache=cache, cache_index=index
+            )
+
         with jax.set_mesh(mesh):
             return jax.jit(step).lower(params, token, cache, index).compile()
 

@@ -52,6 +52,9 @@ class Samples(NamedTuple):
     # Partial rollouts (``updates``): [N*G, T] int32, the policy version that sampled each
     # token (0 on padding); None = every token from the weights the draw started with.
     versions: np.ndarray | None = None
+    # The continuous engine's run (``sampling.engine.EngineStats``): slot utilisation, a paged
+    # cache's preemptions and peak blocks; None from the static sampler.
+    engine: Any = None
 
 
 def finish_scoring(samples: Samples) -> Samples:
@@ -127,9 +130,9 @@ def sample_and_score(
         )
         eos = tuple(stop_ids)
         options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        versions = None
+        versions = engine_stats = None
         if engine == "continuous":
-            tokens, mask, logprobs, versions = _continuous(
+            tokens, mask, logprobs, versions, engine_stats = _continuous(
                 params,
                 model_config,
                 prompt_tokens,
@@ -200,6 +203,7 @@ def sample_and_score(
         logprobs=np.asarray(logprobs, np.float32),
         scoring=pending,
         versions=versions,
+        engine=engine_stats,
     )
 
 
@@ -220,9 +224,9 @@ def _continuous(
     updates: Any = None,
     version: int = 0,
     **options: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
     """``[N*G, T]`` tokens (right-padded), mask, log-probs and weight versions from the
-    continuous engine (``updates``: weights taken in flight)."""
+    continuous engine (``updates``: weights taken in flight), and the run's ``EngineStats``."""
     mask = np.asarray(prompt_mask, bool)
     requests = [
         Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
@@ -241,7 +245,7 @@ def _continuous(
         mesh=mesh,
         **options,
     )
-    results, _ = engine.run(requests, key=key, updates=updates, version=version)
+    results, stats = engine.run(requests, key=key, updates=updates, version=version)
     tokens = np.full((len(results), max_new_tokens), pad, np.int32)
     completion_mask = np.zeros((len(results), max_new_tokens), bool)
     logprobs = np.zeros((len(results), max_new_tokens), np.float32)
@@ -252,7 +256,7 @@ def _continuous(
         completion_mask[row, :n] = True
         logprobs[row, :n] = result.logprobs
         versions[row, :n] = result.versions
-    return tokens, completion_mask, logprobs, versions
+    return tokens, completion_mask, logprobs, versions, stats
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:
@@ -324,6 +328,25 @@ def zero_variance_info(samples: Samples, group_size: int) -> dict[str, float]:
     return {"zero_variance_frac": float(constant_groups(samples.rewards, group_size).mean())}
 
 
+def engine_info(draws: Sequence[Samples]) -> dict[str, float]:
+    """The continuous engine's figures over a step's draws (none from the static sampler):
+    ``engine/slot_utilisation`` (tokens per slot-step run), ``engine/admissions``, and with a
+    paged cache ``engine/preemptions`` (requests recomputed) and ``engine/kv_peak_blocks``
+    (the most blocks in use at once)."""
+    stats = [d.engine for d in draws if d.engine is not None]
+    if not stats:
+        return {}
+    slot_steps = sum(s.slot_steps for s in stats)
+    info = {
+        "engine/slot_utilisation": sum(s.tokens for s in stats) / max(slot_steps, 1),
+        "engine/admissions": float(sum(s.admissions for s in stats)),
+    }
+    if any(s.peak_blocks for s in stats):
+        info["engine/preemptions"] = float(sum(s.preemptions for s in stats))
+        info["engine/kv_peak_blocks"] = float(max(s.peak_blocks for s in stats))
+    return info
+
+
 def collect(
     draw: Callable[[int], Samples],
     *,
@@ -345,16 +368,18 @@ def collect(
     ``zero_variance_info`` after ``finish_scoring``. With it, every draw is scored first.
 
     Returns:
-      ``(samples, info)``; ``info`` has ``zero_variance_frac`` of the first draw and, with
-      dynamic sampling, ``dynamic/dropped_groups``, ``dynamic/filled_groups``,
-      ``dynamic/attempts``.
+      ``(samples, info)``; ``info`` has ``zero_variance_frac`` of the first draw, the
+      continuous engine's figures over every draw (``engine_info``) and, with dynamic
+      sampling, ``dynamic/dropped_groups``, ``dynamic/filled_groups``, ``dynamic/attempts``.
     """
     first = draw(0)
     if not dynamic_sampling:  # a deferred draw's zero_variance_frac comes once it is scored
-        return first, ({} if first.scoring else zero_variance_info(first, group_size))
+        scored = {} if first.scoring else zero_variance_info(first, group_size)
+        return first, {**scored, **engine_info([first])}
     first = finish_scoring(first)
     constant = constant_groups(first.rewards, group_size)
     info: dict[str, float] = zero_variance_info(first, group_size)
+    draws = [first]
     kept, dropped_pool = [], []
     need, dropped, attempts, samples = prompts_per_step, 0, 0, first
     while True:
@@ -367,6 +392,7 @@ def collect(
         if need <= 0 or attempts > max_attempts:
             break
         samples = finish_scoring(draw(attempts))
+        draws.append(samples)
         constant = constant_groups(samples.rewards, group_size)
     filled = max(need, 0)
     if filled:
@@ -382,6 +408,7 @@ def collect(
             "dynamic/dropped_groups": dropped,
             "dynamic/filled_groups": filled,
             "dynamic/attempts": attempts,
+            **engine_info(draws),
         }
     )
     return (concat_samples(kept) if len(kept) > 1 else kept[0]), info

@@ -459,7 +459,7 @@ def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
     draws = []
     for name, extra in (("contiguous", []), ("paged", ["rollout.kv_block_size=4"])):
         overrides = [*rl_helpers.TINY, "rollout.engine=continuous", "rollout.slots=8", *extra]
-        if extra:  # 1 block of prompt + 2 of completion a row: 3 rows' worth for 8 slots
+        if extra:  # about 3 rows' worth (a row: its prompt and 6 new tokens) for 8 slots
             overrides.append("rollout.kv_blocks=9")
         cfg = load_config(TrainConfig, None, [*overrides, f"run_dir={tmp_path / name}"])
         trainer = RLTrainer(cfg)
@@ -477,6 +477,12 @@ def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
     (none, _), (paged, stats) = engines
     assert none is None and paged[1] == 4 and paged[0] == 9
     assert stats.preemptions > 0 and stats.peak_blocks <= 9
+    # The step's metrics carry the engine's figures (rollout.engine_info).
+    assert draws[1].engine == stats
+    info = rollout.engine_info(draws[1:])
+    assert info["engine/preemptions"] == stats.preemptions
+    assert info["engine/kv_peak_blocks"] == stats.peak_blocks
+    assert "engine/preemptions" not in rollout.engine_info(draws[:1])  # contiguous
     np.testing.assert_array_equal(draws[0].completion_tokens, draws[1].completion_tokens)
     np.testing.assert_allclose(draws[0].logprobs, draws[1].logprobs, atol=1e-5)
 
