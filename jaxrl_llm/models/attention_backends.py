@@ -277,13 +277,15 @@ def _paged_kernel_attention(
 
     Row ``b`` attends to its logical slots ``[0, lengths[b])`` (rows packed from slot 0), found
     through ``table`` (``[B, W]`` block ids; entries past a row's length are never read, and
-    unmapped ones are clamped into the pool). The kernel loads the pool's blocks as bf16 and
+    unmapped ones are clamped into the pool). Lengths are clamped to ``[1, W * P]``: a finished
+    slot keeps its next slot, which may lie one past its table (its output is ignored, but the
+    kernel must not read past the table). The kernel loads the pool's blocks as bf16 and
     computes the scores and softmax in f32.
 
     Args:
       q: ``[B, N, H]`` queries (after RoPE).
       k_pool, v_pool: ``[K, N_blocks, P, H]`` one layer's pools.
-      lengths: ``[B]`` int32, at least 1.
+      lengths: ``[B]`` int32.
       table: ``[B, W]`` int32 block ids.
       scale: score multiplier.
 
@@ -296,12 +298,12 @@ def _paged_kernel_attention(
     from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
 
     width, block_size = table.shape[1], k_pool.shape[2]
-    per_block = max(
-        d
-        for d in range(1, width + 1)
-        if width % d == 0 and d * block_size <= max(_PAGED_COMPUTE_SLOTS, block_size)
-    )
+    # Compute blocks of up to _PAGED_COMPUTE_SLOTS slots; the table is padded to a whole number
+    # of them (the padding, past every length, is never read).
+    per_block = max(1, min(width, _PAGED_COMPUTE_SLOTS // block_size))
     table = jnp.clip(table, 0, k_pool.shape[1] - 1)
+    table = jnp.pad(table, ((0, 0), (0, -width % per_block)))
+    lengths = jnp.clip(lengths, 1, width * block_size)  # a dead row may point past its table
     queries = q.astype(jnp.float32) * scale  # the kernel applies no scale
 
     def run() -> Array:

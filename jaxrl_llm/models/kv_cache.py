@@ -52,6 +52,9 @@ class PagedKVCache(NamedTuple):
     2023), read and written through a per-row block table (a plain pytree).
 
     Row ``b``'s logical slot ``s`` lives at offset ``s % P`` of block ``table[b, s // P]``.
+    Decode on TPU (``paged_cache_attention``'s kernel) reads slots ``[0, cache_index + 1)`` of
+    each row and ignores ``mask``: rows must be packed from slot 0, as the continuous engine
+    lays them out (elsewhere the mask rules, and rows may have gaps).
     Table entries equal to ``N`` (``unmapped``) are no block: writes there are dropped and reads
     return some block's data, which the row's ``mask`` hides (it is False on such slots).
 

@@ -221,7 +221,7 @@ class DecoderLayer(nnx.Module):
           layer_index: this layer's index into stacked caches (int32, may be traced).
           cache_index: first cache slot written by this call (traced int32, ``[]`` or ``[B]``).
           table: ``[B, S_max // P]`` block table when ``kv`` are the block pools
-            (``[L, N, K, P, H]`` or ``[N, K, P, H]``) of a ``PagedKVCache``, else None.
+            (``[L, K, N, P, H]`` or ``[K, N, P, H]``) of a ``PagedKVCache``, else None.
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
 
         Returns:

@@ -112,13 +112,18 @@ class BlockAllocator:
         self.peak = max(self.peak, self.used)
         return taken
 
-    def admission_cost(self, slot: int, key: Any, prompt_len: int, pending: set) -> int:
-        """Blocks admitting a request into ``slot`` needs now: its prompt's full blocks (unless
-        resident in the slot's shard or in ``pending``, this admission's new prompts) and the
-        block its first completion token goes to (its own)."""
+    def admission_cost(
+        self, slot: int, key: Any, prompt_len: int, pending: set, tokens: int = 1
+    ) -> int:
+        """Blocks admitting a request into ``slot`` needs for its first ``tokens`` completion
+        tokens: its prompt's full blocks (unless resident in the slot's shard or in ``pending``,
+        this admission's new prompts) and its own blocks (the partial last prompt block and
+        the completion's, at least one)."""
         shared = (self.shard(slot), key)
         shared = shared in self.prompts or shared in pending
-        return (0 if shared else prompt_len // self.block_size) + 1
+        full = prompt_len // self.block_size
+        own = blocks_for(prompt_len + max(tokens, 1), self.block_size) - full
+        return (0 if shared else full) + own
 
     def admit(self, slot: int, key: Any, prompt_len: int) -> list[int] | None:
         """Maps ``slot`` to prompt ``key``'s full blocks (allocated in its shard unless
@@ -199,10 +204,11 @@ class BlockAllocator:
         version: int = 0,
     ) -> list[int]:
         """Pops the requests admitted now from ``queue``'s head, the ``i``-th into ``slots[i]``:
-        as many as the slots' shards' free blocks hold (new prompts' blocks and a first
-        completion block each) once the live slots' next burst is provided for (``live =
-        (occupant, counts, burst)``: their blocks for ``burst`` more tokens are kept free, so
-        an admission does not preempt at once). Prompts share blocks within ``version``."""
+        as many as the slots' shards' free blocks hold (new prompts' full blocks and each
+        request's own blocks for its first burst) once the live slots' next burst is provided
+        for (``live = (occupant, counts, burst)``: their blocks for ``burst`` more tokens are
+        kept free), so an admission does not preempt at once. Prompts share blocks within
+        ``version``."""
         occupant, counts, burst = live
         budget = [len(free) for free in self.free]
         for slot, request in enumerate(occupant):
@@ -215,7 +221,8 @@ class BlockAllocator:
             slot = slots[len(admitted)]
             request = requests[queue[0]]
             key = sharing_key(request, queue[0], version)
-            cost = self.admission_cost(slot, key, len(request.prompt), pending)
+            first = min(burst, request.max_new_tokens)
+            cost = self.admission_cost(slot, key, len(request.prompt), pending, first)
             if cost > budget[self.shard(slot)]:
                 break
             budget[self.shard(slot)] -= cost

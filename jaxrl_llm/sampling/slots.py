@@ -34,7 +34,8 @@ Array = jax.Array
 
 
 class EngineState(NamedTuple):
-    """The slots on device (S slots, T = max_new_tokens, W = P + T cache slots a row).
+    """The slots on device (S slots, T = max_new_tokens, W = P + T cache slots a row; a paged
+    cache rounds W up to whole blocks).
 
     Attributes:
       cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask

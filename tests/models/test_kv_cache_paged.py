@@ -105,18 +105,21 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 def test_the_paged_kernel_attends_over_each_rows_first_slots(monkeypatch):
     """JAX's Pallas TPU paged-attention kernel (its TPU interpreter here), as the model calls
     it: grouped-query heads (4 query heads on 2 key/value heads), rows of 1, 5, 11 and 16 slots
-    packed from slot 0 through out-of-order blocks, unmapped entries past a row's length, two
-    compute blocks a row. The kernel loads the pool as bf16 and computes in f32: equal to a
-    float64 softmax over the bf16 keys and values of each row's slots [0, length)."""
+    packed from slot 0 through out-of-order blocks (the last asked for 17: a finished slot's
+    stale length, clamped to its table), unmapped entries past a row's length, compute blocks
+    of 3 blocks over a table of 4 (padded). The kernel loads the pool as bf16 and computes in
+    f32: equal to a float64 softmax over the bf16 keys and values of each row's slots
+    [0, min(length, 16))."""
     from jaxrl_llm.models import attention_backends
 
-    monkeypatch.setattr(attention_backends, "_PAGED_COMPUTE_SLOTS", 8)  # 2 blocks of 4 a step
+    # Compute blocks of 3 blocks of 4: the 4-block table is padded to 6.
+    monkeypatch.setattr(attention_backends, "_PAGED_COMPUTE_SLOTS", 12)
     rng = np.random.default_rng(3)
     batch, heads, kv_heads, head_dim, size, blocks = 4, 4, 2, 16, 4, 13
     q = rng.normal(size=(batch, heads, head_dim)).astype(np.float32)
     k = rng.normal(size=(kv_heads, blocks, size, head_dim)).astype(np.float32)
     v = rng.normal(size=(kv_heads, blocks, size, head_dim)).astype(np.float32)
-    lengths = np.array([1, 5, 11, 16], np.int32)
+    lengths = np.array([1, 5, 11, 17], np.int32)  # 17: a dead row one past its table (16)
     table = np.array([[6, 13, 13, 13], [2, 9, 13, 13], [12, 0, 4, 13], [1, 3, 5, 7]], np.int32)
     scale = 0.3
     got = attention_backends._paged_kernel_attention(
@@ -131,7 +134,7 @@ def test_the_paged_kernel_attends_over_each_rows_first_slots(monkeypatch):
     kb, vb = _bf16(k), _bf16(v)
     want = np.zeros((batch, heads, head_dim))
     for b in range(batch):
-        slots = np.arange(lengths[b])
+        slots = np.arange(min(lengths[b], 16))
         keys = kb[:, table[b, slots // size], slots % size]  # [K, len, H]
         values = vb[:, table[b, slots // size], slots % size]
         for n in range(heads):

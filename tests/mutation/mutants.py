@@ -214,10 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "temperature_ignored_in_logprobs",
         "behaviour / reference log-probs computed at temperature 1, not the rollout's",
         _temperature_ignored_in_logprobs,
-        (
-            f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7]",
-            f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7-top_p0.8-top_k5]",
-        ),
+        (f"{LOGPROB_WIRING}::test_logprobs_use_the_rollout_temperature[T0.7]",),
     ),
     Mutant(
         "temperature_ignored_in_step",

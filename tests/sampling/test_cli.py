@@ -157,7 +157,7 @@ def test_generate_jsonl_batch_with_refills(model_dir, tmp_path, capsys):
 def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "w9 w9"}, {"prompt": "w7"}])
     outs = []
-    paged = ["--kv-block-size", "4", "--kv-blocks", "7"]  # 2 prompt + 2 completion blocks a row
+    paged = ["--kv-block-size", "4", "--kv-blocks", "7"]  # a row: up to 3 blocks
     for n, (engine, slots, extra) in enumerate(
         (("continuous", "3", []), ("static", "2", []), ("continuous", "3", paged))
     ):

@@ -328,7 +328,8 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
         params, logical_to_sharding(logical_axes(config), tensor, PARAM_RULES, shapes=params)
     )
     # 8 slots and 16 blocks of 5 over 4 batch shards: 2 slots and 4 blocks a shard (a request
-    # takes up to 4: an 8-token prompt bucket and 12 new tokens).
+    # takes up to 4: an 8-token prompt bucket and 12 new tokens); bursts of 2, so an admission
+    # reserves less than a whole row and two rows of a shard can outgrow its blocks.
     for weights, on, blocks in ((sharded, mesh, 16), (on_tensor, tensor, None)):
         paged, stats = generate_requests(
             weights,
@@ -338,7 +339,7 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
             mesh=on,
             kv_block_size=5,
             kv_blocks=blocks,
-            **{**kw, "slots": 8},
+            **{**kw, "slots": 8, "burst": 2},
         )
         assert stats.peak_blocks > 0 and (blocks is None or stats.preemptions > 0)
         for a, b in zip(single, paged, strict=True):

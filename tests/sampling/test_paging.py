@@ -122,6 +122,25 @@ def test_admission_keeps_the_live_slots_next_burst_free():
     assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 4)) == []
 
 
+def test_an_admission_provides_for_its_first_burst():
+    """A 7-token prompt's own blocks for a burst of 4 are 2 (slots 4..10 of its row), not 1:
+    with 2 blocks to spare after the live slot's next burst it waits instead of being admitted
+    and preempted by that burst; with bursts of 1 it fits and nothing is preempted."""
+    pager = BlockAllocator(5, 4, slots=2, prompt_width=8, max_new_tokens=8)
+    requests = [Request([5, 6], 8, 0), Request(list(range(3, 10)), 8, 1)]
+    assert pager.admission_cost(1, "b", 7, set(), tokens=4) == 1 + 2
+    assert pager.admission_cost(1, "b", 7, set(), tokens=1) == 1 + 1
+    pager.admit(0, "a", 2)
+    occupant, queue = [0, None], deque()
+    assert pager.map_burst(requests, queue, occupant, [0, 0], steps=4) == []  # 2 blocks
+    queue.append(1)
+    assert pager.admissible(requests, queue, [1], (occupant, [4, 0], 4)) == []
+    assert pager.admissible(requests, queue, [1], (occupant, [4, 0], 1)) == [1]
+    pager.admit(1, "b", 7)
+    occupant[1] = 1
+    assert pager.map_burst(requests, queue, occupant, [4, 0], steps=1) == []
+
+
 def test_batch_shards_have_their_own_blocks():
     """2 batch shards: slots 0-1 use blocks 0-4, slots 2-3 blocks 5-9 (local ids 0-4 in the
     tables); a prompt is shared within a shard only; the drain keeps slots in their shard."""
@@ -191,14 +210,15 @@ def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
 
 
 def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
-    """Refills, EOS, shared prompts and a pool of 9 blocks of 4 for 4 slots (a contiguous
-    cache would hold 4 x 7 = 28; one request takes up to 4 + 3): requests are preempted and
-    recomputed, and every request's tokens and log-probs equal the contiguous cache's."""
+    """Refills, EOS, shared prompts and a pool of 7 blocks of 4 for 4 slots (a contiguous
+    cache would hold 4 x 7 = 28; one request takes up to 7: a 16-token prompt bucket and 12
+    new tokens): requests are preempted and recomputed, and every request's tokens and
+    log-probs equal the contiguous cache's."""
     requests = _grouped(rng, [3, 12, 6, 9], 3, [12, 7, 10, 3, 11])
     kw = dict(slots=4, max_new_tokens=12, eos_ids=(5, 6), pad_id=PAD, seed=9, burst=4)
     want, base = generate_requests(params, CONFIG, requests, **kw)
-    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=9, **kw)
-    assert stats.preemptions > 0 and stats.peak_blocks <= 9
+    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=7, **kw)
+    assert stats.preemptions > 0 and stats.peak_blocks <= 7
     assert stats.tokens == base.tokens
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -255,8 +275,12 @@ def test_the_engine_decodes_through_the_paged_kernel(params, rng, monkeypatch):
     3e-3 to 2e-2 apart)."""
     from jaxrl_llm.models import kv_cache
 
-    requests = _grouped(rng, [6, 3], 2, [5, 3])
-    kw = dict(slots=2, max_new_tokens=5, eos_ids=(), pad_id=PAD, burst=2, temperature=0.0)
+    # An 8-token prompt (its bucket) whose samples run to their limit of 8: a row ends at slot
+    # 16 = the table's 4 blocks of 4 (a finished row's length past its table is clamped: see
+    # test_the_paged_kernel_attends_over_each_rows_first_slots); two such rows need 2 + 2 x 2
+    # blocks: one is preempted.
+    requests = _grouped(rng, [8, 3], 2, [8])
+    kw = dict(slots=2, max_new_tokens=8, eos_ids=(), pad_id=PAD, burst=2, temperature=0.0)
     kw.update(kv_block_size=4, kv_blocks=4, cache_dtype=jnp.bfloat16, decode_layers="per_layer")
     runs = []
     # The choice is made while tracing: the kernel's run gets programs of its own through a

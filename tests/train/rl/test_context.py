@@ -459,8 +459,9 @@ def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
     draws = []
     for name, extra in (("contiguous", []), ("paged", ["rollout.kv_block_size=4"])):
         overrides = [*rl_helpers.TINY, "rollout.engine=continuous", "rollout.slots=8", *extra]
-        if extra:  # about 3 rows' worth (a row: its prompt and 6 new tokens) for 8 slots
-            overrides.append("rollout.kv_blocks=9")
+        if extra:  # 5 blocks of 4: under 2 rows' worth (a row: its prompt, 6 new tokens)
+            # bursts of 2: an admission reserves its first burst's blocks, not the whole row
+            overrides += ["rollout.kv_blocks=5", "rollout.burst=2"]
         cfg = load_config(TrainConfig, None, [*overrides, f"run_dir={tmp_path / name}"])
         trainer = RLTrainer(cfg)
         try:
@@ -475,8 +476,8 @@ def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
             trainer.checkpointer.close()
             trainer.metrics_writer.close()
     (none, _), (paged, stats) = engines
-    assert none is None and paged[1] == 4 and paged[0] == 9
-    assert stats.preemptions > 0 and stats.peak_blocks <= 9
+    assert none is None and paged[1] == 4 and paged[0] == 5
+    assert stats.preemptions > 0 and stats.peak_blocks <= 5
     # The step's metrics carry the engine's figures (rollout.engine_info).
     assert draws[1].engine == stats
     info = rollout.engine_info(draws[1:])
