@@ -90,6 +90,7 @@ _FIRST = (
     "tests/plan/test_cli.py",
     "tests/train/test_adapters.py",
     "tests/parallel/test_two_process_step.py",
+    "tests/train/rl/test_pipeline.py",
 )
 
 

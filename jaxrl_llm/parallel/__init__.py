@@ -23,6 +23,9 @@ from jaxrl_llm.parallel.distributed import (
     detect_cluster,
     first_slurm_host,
     initialize_distributed,
+    is_primary,
+    set_trainer_processes,
+    trainer_processes,
 )
 from jaxrl_llm.parallel.mesh import MESH_AXES, current_platform, make_mesh, resolve_mesh_shape
 from jaxrl_llm.parallel.rules import (
@@ -53,6 +56,9 @@ __all__ = [
     "detect_cluster",
     "first_slurm_host",
     "initialize_distributed",
+    "is_primary",
+    "set_trainer_processes",
+    "trainer_processes",
     "is_logical_axes",
     "logical_to_sharding",
     "logical_to_spec",

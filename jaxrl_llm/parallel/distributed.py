@@ -59,6 +59,11 @@ class DistributedInfo(NamedTuple):
     cluster: str
 
 
+# ``host:port`` where this process serves JAX's cross-process device transfers (the weights a
+# sampler on processes of its own receives) on backends without their own, such as CPU.
+TRANSFER_ADDRESS_ENV = "JAX_CROSS_HOST_TRANSFER_SOCKET_ADDRESS"
+TRANSFER_TIMEOUT_S = 24 * 3600
+
 # The cluster kind this module initialised JAX with; makes initialize_distributed idempotent.
 _initialized_as: str | None = None
 
@@ -221,6 +226,10 @@ def initialize_distributed(
         GPU jobs is one device per task, ``[SLURM_LOCALID]``).
       initialization_timeout: seconds to wait for all processes to connect.
 
+    ``JAX_CROSS_HOST_TRANSFER_SOCKET_ADDRESS`` (``host:port``, one per process), when set,
+    becomes JAX's ``jax_cross_host_transfer_socket_address``: device-to-device copies between
+    processes on backends that have no transport of their own (CPU).
+
     Returns:
       A ``DistributedInfo`` with this process's index, the process count and device counts.
 
@@ -248,6 +257,37 @@ def initialize_distributed(
     if spec.kind == "explicit":
         # Everything is given; stop JAX probing SLURM/MPI/k8s variables that may be lying around.
         kwargs["cluster_detection_method"] = "deactivate"
+    address = os.environ.get(TRANSFER_ADDRESS_ENV)
+    if address:  # JAX reads these flags from its config only
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
+        # A transfer waits for its receiver (a sampler still generating, a trainer still
+        # updating): far longer than JAX's default minute.
+        jax.config.update("jax_cross_host_transfer_timeout_seconds", TRANSFER_TIMEOUT_S)
     jax.distributed.initialize(**kwargs)
     _initialized_as = "auto" if spec.kind == "none" else spec.kind
     return _info(_initialized_as)
+
+
+# The process that writes a job's files (metrics, exports, config) and the processes that
+# train (and checkpoint): process 0 and all of them, unless a job whose first processes only
+# sample (``mesh.rollout_devices`` across processes) says otherwise (``set_trainer_processes``).
+_primary_process = 0
+_trainer_processes: frozenset[int] | None = None
+
+
+def set_trainer_processes(processes: Sequence[int] | None) -> None:
+    """The processes that hold the trained state (None: all); the first of them writes the
+    job's files (``is_primary``) and they alone take part in checkpoints."""
+    global _primary_process, _trainer_processes
+    _trainer_processes = None if processes is None else frozenset(int(p) for p in processes)
+    _primary_process = 0 if not _trainer_processes else min(_trainer_processes)
+
+
+def trainer_processes() -> frozenset[int] | None:
+    """The processes set by ``set_trainer_processes`` (None: every process trains)."""
+    return _trainer_processes
+
+
+def is_primary() -> bool:
+    """Whether this process writes the job's files (metrics, summary, exports)."""
+    return jax.process_index() == _primary_process

@@ -240,7 +240,7 @@ def merged_scalar(config: models.ModelConfig, params: PyTree) -> PyTree:
 def save_base(run_dir, config: models.ModelConfig, base: PyTree) -> str:
     """Writes the frozen base as a Hugging Face checkpoint under ``run_dir/base``."""
     path = os.path.join(os.fspath(run_dir), BASE_DIR)
-    if jax.process_index() == 0:
+    if parallel.is_primary():
         from jaxrl_llm.train.export import gather_host  # noqa: PLC0415
 
         host = jax.tree.map(gather_host, base)
@@ -354,7 +354,7 @@ def export_adapter(
         )
     directory = os.fspath(directory)
     host = jax.tree.map(export.gather_host, lora.split(params)[1])
-    if jax.process_index() == 0:
+    if parallel.is_primary():
         np_dtype = export.np_dtype(dtype or "float32")
         lora.save_peft_adapter(directory, config, host, base_model=base_model, dtype=np_dtype)
         if tokenizer is not None:

@@ -30,6 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import parallel
+
 if TYPE_CHECKING:
     from jaxrl_llm.train.state import TrainState
 
@@ -84,14 +86,31 @@ class Checkpointer:
     def _open(self) -> None:
         if self._state_manager is not None:
             return
+        # A job whose first processes only sample (``mesh.rollout_devices`` across processes):
+        # the trainer processes alone hold the state, so they alone meet in orbax's barriers.
+        processes = parallel.trainer_processes()
+        multiprocess, handlers = {}, {"state": None, "extra": None, "reference": None}
+        if processes is not None:  # orbax leaves the directories to us then
+            options = ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes)
+            )
+            multiprocess = {"multiprocessing_options": options, "create": False}
+            handlers = {
+                "state": ocp.StandardCheckpointHandler(multiprocessing_options=options),
+                "extra": ocp.JsonCheckpointHandler(multiprocessing_options=options),
+                "reference": ocp.StandardCheckpointHandler(multiprocessing_options=options),
+            }
+            for path in (self.directory, _join(self.directory, _REFERENCE_DIR)):
+                _mkdir(path)
         self._state_manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.keep,
                 enable_async_checkpointing=self.async_save,
                 cleanup_tmp_directories=True,
+                **multiprocess,
             ),
-            item_names=("state", "extra"),
+            **_items(handlers, "state", "extra"),
         )
         # References are saved synchronously: the state step that needs one must not commit
         # before it. They are rare (a frozen reference is saved once).
@@ -101,8 +120,9 @@ class Checkpointer:
                 max_to_keep=None,
                 enable_async_checkpointing=False,
                 cleanup_tmp_directories=True,
+                **multiprocess,
             ),
-            item_names=("reference",),
+            **_items(handlers, "reference"),
         )
         # orbax deletes uncommitted ``<step>.orbax-checkpoint-tmp`` directories in a background
         # thread that ``close`` does not join: finish it now, so two managers opened one after
@@ -184,14 +204,17 @@ class Checkpointer:
                 self._reference_manager.delete(step)
             self._reference_manager.save(
                 step,
-                args=ocp.args.Composite(reference=ocp.args.StandardSave(reference_params)),
+                args=ocp.args.Composite(
+                    reference=ocp.args.StandardSave(_host_local(reference_params))
+                ),
                 force=True,
             )
             self._reference_manager.wait_until_finished()
         self._state_manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra_json)
+                state=ocp.args.StandardSave(_host_local(state)),
+                extra=ocp.args.JsonSave(extra_json),
             ),
             force=True,
         )
@@ -305,7 +328,8 @@ class Checkpointer:
             restored = self._state_manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()
+                    state=ocp.args.StandardRestore(_host_target(abstract_state)),
+                    extra=ocp.args.JsonRestore(),
                 ),
             )
         except ValueError as err:
@@ -318,15 +342,19 @@ class Checkpointer:
             try:
                 reference = self._reference_manager.restore(
                     reference_step,
-                    args=ocp.args.Composite(reference=ocp.args.StandardRestore(abstract_reference)),
+                    args=ocp.args.Composite(
+                        reference=ocp.args.StandardRestore(_host_target(abstract_reference))
+                    ),
                 )["reference"]
+                reference = _placed(reference, abstract_reference)
             except ValueError as err:
                 raise ValueError(
                     f"reference saved at step {reference_step} in {self.directory} does not "
                     f"match abstract_reference: {err}"
                 ) from err
         extra = restored["extra"]
-        return restored["state"], dict(extra) if extra is not None else {}, reference
+        state = _placed(restored["state"], abstract_state)
+        return state, dict(extra) if extra is not None else {}, reference
 
     def restore_raw(self, step: int | None = None) -> tuple[PyTree, dict[str, Any]]:
         """``(state, extra)`` of a checkpoint as saved, on the CPU, without an abstract target
@@ -351,12 +379,73 @@ class Checkpointer:
         return restored["state"], dict(restored["extra"] or {})
 
 
+def _process_local(x: Any) -> bool:
+    """A leaf of a multi-process job that lives on this process's devices alone: a sampler on
+    processes of its own leaves a one-process trainer so. orbax refuses such arrays ("host
+    local": it takes a multi-process job's arrays to span processes), so they are written from
+    and read into host memory, then placed."""
+    if jax.process_count() == 1 or parallel.trainer_processes() is None:
+        return False
+    sharding = getattr(x, "sharding", None)
+    return sharding is not None and sharding.is_fully_addressable
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _host_local(tree: PyTree) -> PyTree:
+    def host(x):
+        if not _process_local(x):
+            return x
+        return np.asarray(jax.device_get(jax.random.key_data(x) if _is_key(x) else x))
+
+    return jax.tree.map(host, tree)
+
+
+def _host_target(abstract: PyTree) -> PyTree:
+    def target(x):
+        if not _process_local(x):
+            return x
+        data = jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
+        return np.empty(data.shape, data.dtype)
+
+    return jax.tree.map(target, abstract)
+
+
+def _placed(tree: PyTree, abstract: PyTree) -> PyTree:
+    def place(x, a):
+        if not _process_local(a):
+            return x
+        if _is_key(a):  # the key's implementation rides on its dtype
+            x = jax.random.wrap_key_data(x, impl=getattr(a.dtype, "_impl", None))
+        return jax.device_put(x, a.sharding)
+
+    return jax.tree.map(place, tree, abstract)
+
+
 def _exists(path: str) -> bool:
     if "://" in path:
         from etils import epath  # noqa: PLC0415  (an orbax dependency, only for URLs)
 
         return epath.Path(path).exists()
     return os.path.isdir(path)
+
+
+def _items(handlers: dict[str, Any], *names: str) -> dict[str, Any]:
+    """A manager's ``item_names``, or its ``item_handlers`` where ``handlers`` has them."""
+    if handlers[names[0]] is None:
+        return {"item_names": names}
+    return {"item_handlers": {name: handlers[name] for name in names}}
+
+
+def _mkdir(path: str) -> None:
+    if "://" in path:
+        from etils import epath  # noqa: PLC0415
+
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
+    else:
+        os.makedirs(path, exist_ok=True)
 
 
 def _join(directory: str, name: str) -> str:

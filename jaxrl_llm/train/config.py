@@ -121,6 +121,8 @@ class MeshSection:
 
     ``rollout_devices``: an RL job's first N devices only sample (their own serving mesh,
     weights copied over after each update); the trainer's mesh takes the rest. 0 = shared.
+    On several processes the last N devices sample, and they must be whole processes
+    (``train.rl.remote``: those processes only sample, process 0 trains).
     """
 
     data: int = 1

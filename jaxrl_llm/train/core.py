@@ -126,7 +126,7 @@ class Trainer:
         parallel.initialize_distributed()
         self.cfg = cfg
         self.run_dir = pathlib.Path(cfg.run_dir)
-        self.is_main = jax.process_index() == 0
+        self.is_main = parallel.is_primary()
         self.extra: dict[str, Any] = {}
         self.latest: int | None = None
         self.completed_steps = 0

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import models
+from jaxrl_llm import models, parallel
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -79,7 +79,7 @@ def export_policy(
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     host = jax.tree.map(gather_host, params)
-    if jax.process_index() == 0:
+    if parallel.is_primary():
         models.save_pretrained(directory, model_config, _cast(host, dtype))
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
@@ -93,7 +93,7 @@ def export_scalar_model(directory, model_config, params, tokenizer, *, dtype=Non
     """Writes a reward model / critic as a ``*ForSequenceClassification`` checkpoint."""
     directory = os.fspath(directory)
     host = jax.tree.map(gather_host, params)
-    if jax.process_index() == 0:
+    if parallel.is_primary():
         models.save_scalar_model(directory, model_config, _cast(host, dtype), tokenizer=tokenizer)
     return directory
 

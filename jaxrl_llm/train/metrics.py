@@ -9,10 +9,10 @@ A run directory holds::
     wandb/             the W&B run's local files (``logging.wandb``; ``train.wandb_logger``)
     wandb_id.txt       its id, so that a resumed run continues it
 
-Only the primary process (``jax.process_index() == 0``) writes, so every process of a
-multi-host job can make the same calls. On resume, ``truncate(step)`` drops the rows written
-after the restored checkpoint, so the file ends up as an uninterrupted run would have written it
-(W&B cannot drop points: see docs/logging.md).
+Only the primary process (``parallel.is_primary()``: process 0 unless a job names another)
+writes, so every process of a multi-host job can make the same calls. On resume,
+``truncate(step)`` drops the rows written after the restored checkpoint, so the file ends up as
+an uninterrupted run would have written it (W&B cannot drop points: see docs/logging.md).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ _TENSORBOARD_OPENED = itertools.count()
 
 
 def _is_primary() -> bool:
-    import jax  # noqa: PLC0415  (metrics stay importable, and cheap, without starting JAX)
+    # (metrics stay importable, and cheap, without starting JAX)
+    from jaxrl_llm.parallel.distributed import is_primary  # noqa: PLC0415
 
-    return jax.process_index() == 0
+    return is_primary()
 
 
 def _scalar(value: Any, key: str) -> float:

@@ -32,7 +32,7 @@ def make_run_mesh(section) -> jax.sharding.Mesh:
     """The mesh of ``mesh.*`` over the devices after the ``mesh.rollout_devices`` sampling
     ones; without a ``-1`` the first ``data·fsdp·tensor`` of them are used."""
     sizes = (section.data, section.fsdp, section.tensor)
-    devices = jax.devices()[rollout_devices(section) :]
+    devices = split_devices(rollout_devices(section))[1]
     if -1 not in sizes:
         count = int(np.prod(sizes))
         if count > len(devices):
@@ -41,8 +41,21 @@ def make_run_mesh(section) -> jax.sharding.Mesh:
     return parallel.make_mesh(*sizes, devices=devices)
 
 
+def split_devices(rollout_devices: int) -> tuple[list, list]:
+    """``(sampler devices, trainer devices)`` for ``mesh.rollout_devices = n``: the first n
+    sample in one process; on several processes the last n (the last processes' devices),
+    so process 0, which writes the run's files, trains."""
+    devices = jax.devices()
+    if not rollout_devices:
+        return [], devices
+    if jax.process_count() > 1:
+        return devices[-rollout_devices:], devices[:-rollout_devices]
+    return devices[:rollout_devices], devices[rollout_devices:]
+
+
 def rollout_devices(section) -> int:
-    """``mesh.rollout_devices``, checked: fewer than the devices, one process for now."""
+    """``mesh.rollout_devices``, checked: fewer than the devices and, on several processes,
+    every device of the last processes (``process_roles``)."""
     n = getattr(section, "rollout_devices", 0)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < jax.device_count():
         raise ValueError(
@@ -50,11 +63,30 @@ def rollout_devices(section) -> int:
             f"only sample; the trainer keeps the rest), got {n!r}"
         )
     if n and jax.process_count() > 1:
-        raise ValueError(
-            "mesh.rollout_devices: separate sampler devices run in one process for now "
-            f"({jax.process_count()} processes); set mesh.rollout_devices=0"
-        )
+        process_roles(n)
     return n
+
+
+def process_roles(rollout_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(sampler processes, trainer processes)`` of a multi-process job whose last
+    ``rollout_devices`` devices only sample: each process is one or the other.
+
+    Raises:
+      ValueError: a process holding both sampler and trainer devices.
+    """
+    sampler_devices, trainer_devices = split_devices(rollout_devices)
+    sampler = sorted({d.process_index for d in sampler_devices})
+    trainer = sorted({d.process_index for d in trainer_devices})
+    shared = sorted(set(sampler) & set(trainer))
+    if shared:
+        devices = jax.devices()
+        per_process = sorted({sum(d.process_index == p for d in devices) for p in shared})
+        raise ValueError(
+            f"mesh.rollout_devices={rollout_devices} splits process(es) {shared} between the "
+            f"sampler and the trainer; on {jax.process_count()} processes the sampler takes "
+            f"whole processes: a multiple of their {'/'.join(map(str, per_process))} devices"
+        )
+    return tuple(sampler), tuple(trainer)
 
 
 def param_dtype(section) -> Any:

@@ -186,10 +186,11 @@ def _reward_model(run_dir, *extra):
     return preference_config("reward_model.yaml", run_dir, "checkpoint.every_steps=2", *extra)
 
 
-def test_a_lora_reward_model_trains_adapters_and_head_and_exports_merged(tmp_path, rng):
+@pytest.mark.slow
+def test_a_lora_reward_model_trains_adapters_and_head_exports_merged_and_resumes(tmp_path, rng):
     from jaxrl_llm.train.preference.trainer import PreferenceTrainer  # noqa: PLC0415
 
-    trainer = PreferenceTrainer(_reward_model(tmp_path))
+    trainer = PreferenceTrainer(_reward_model(tmp_path / "straight"))
     summary = trainer.fit()
     trained = trainer.state.params
     assert set(trained) == {"backbone", "score"}
@@ -197,10 +198,10 @@ def test_a_lora_reward_model_trains_adapters_and_head_and_exports_merged(tmp_pat
         f"{w}_lora_{f}" for w, _ in lora.LORA_WEIGHTS.values() for f in "ab"
     }
     assert np.abs(np.asarray(trained["backbone"]["layers"]["wq_lora_b"])).max() > 0
-    rows = read_metrics(tmp_path)
+    rows = read_metrics(tmp_path / "straight")
     assert rows[-1]["loss"] < rows[0]["loss"]
     # The frozen backbone is what the run wrote to base/ (after its SFT warm-up).
-    _, saved = models.load_pretrained(tmp_path / "base", dtype=np.float32)
+    _, saved = models.load_pretrained(tmp_path / "straight" / "base", dtype=np.float32)
     chex.assert_trees_all_equal(jax.device_get(trainer.base["backbone"]), saved)
 
     # hf/ is a plain sequence classifier: transformers scores it like the LoRA model.
@@ -217,25 +218,18 @@ def test_a_lora_reward_model_trains_adapters_and_head_and_exports_merged(tmp_pat
     np.testing.assert_allclose(got, np.asarray(want), atol=1e-4, rtol=1e-4)
     # jaxrl-llm export of its last checkpoint writes the same classifier.
     again = tmp_path / "again"
-    assert cli.export_main([str(tmp_path), "--out", str(again)]) == 0
+    assert cli.export_main([str(tmp_path / "straight"), "--out", str(again)]) == 0
     chex.assert_trees_all_equal(heads.load_scalar_model(again)[1], heads.load_scalar_model(hf)[1])
 
-
-@pytest.mark.slow
-def test_a_lora_reward_model_resumes_exactly(tmp_path):
-    from jaxrl_llm.train.preference.trainer import PreferenceTrainer  # noqa: PLC0415
-
-    common = ("trainer.max_steps=2", "checkpoint.every_steps=1")
-    straight = PreferenceTrainer(_reward_model(tmp_path / "straight", *common))
-    straight.fit()
-    PreferenceTrainer(_reward_model(tmp_path / "resumed", *common, "trainer.max_steps=1")).fit()
-    resumed = PreferenceTrainer(_reward_model(tmp_path / "resumed", *common, "resume=true"))
+    # Stopped at its step-2 checkpoint and resumed, it trains what the straight run did.
+    PreferenceTrainer(_reward_model(tmp_path / "resumed", "trainer.max_steps=2")).fit()
+    resumed = PreferenceTrainer(_reward_model(tmp_path / "resumed", "resume=true"))
     resumed.fit()
     assert rl_helpers.without_timing(read_metrics(tmp_path / "resumed")) == (
-        rl_helpers.without_timing(read_metrics(tmp_path / "straight"))
+        rl_helpers.without_timing(rows)
     )
     chex.assert_trees_all_equal(
-        jax.device_get(resumed.policy_params), jax.device_get(straight.policy_params)
+        jax.device_get(resumed.policy_params), jax.device_get(trainer.policy_params)
     )
 
 

@@ -166,8 +166,10 @@ def check_staleness(cfg: Any, objective: Any) -> None:
     """Refuses what the asynchronous loop cannot run yet; warns of an uncorrected one.
 
     Raises:
-      ValueError: ``rollout.max_staleness >= 1`` in a multi-process job (each process would
-        interleave its rollout and update programs in its own order: collectives could hang).
+      ValueError: ``rollout.max_staleness >= 1`` in a multi-process job whose processes all
+        sample and train (each would interleave its rollout and update programs in its own
+        order: collectives could hang); the sampler on processes of its own
+        (``mesh.rollout_devices``, ``train.rl.remote``) runs it.
     """
     r = cfg.rollout
     if r.partial and (not r.max_staleness or r.engine != "continuous"):
@@ -178,10 +180,11 @@ def check_staleness(cfg: Any, objective: Any) -> None:
         )
     if not cfg.rollout.max_staleness:
         return
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not cfg.mesh.rollout_devices:
         raise ValueError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness}: the asynchronous loop runs in "
-            f"one process for now ({jax.process_count()} processes); set it to 0"
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: on {jax.process_count()} "
+            "processes the asynchronous loop needs the sampler on processes of its own "
+            "(mesh.rollout_devices); set one of them"
         )
     if objective.rollout_correction is None and cfg.rollout.logprobs == "recompute":
         log.warning(

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxrl_llm import objectives
+from jaxrl_llm import objectives, parallel
+from jaxrl_llm.train.rl import remote
 from jaxrl_llm.train.rl.config import TrainConfig, make_objective
 from jaxrl_llm.train.rl.ppo import PPOTrainer
 from jaxrl_llm.train.rl.prime import PRIMETrainer
@@ -37,5 +38,9 @@ def trainer_for(cfg: TrainConfig) -> RLTrainer:
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Runs an RL job from a resolved config; returns the summary written to summary.json."""
+    """Runs an RL job from a resolved config; returns the summary written to summary.json (a
+    sampler process of a job with the sampler on processes of its own: its rollout count)."""
+    parallel.initialize_distributed()
+    if remote.setup_roles(cfg):
+        return remote.run_sampler(cfg)
     return trainer_for(cfg).fit()

@@ -8,10 +8,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from jaxrl_llm import parallel
 from jaxrl_llm.sampling import serving
+from jaxrl_llm.train import setup
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +73,15 @@ def _budgeted_layout(cfg: Any, model_config: Any, mesh: Any) -> serving.ServingL
 
 
 def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayout, Callable]:
-    """The sampler on the first ``mesh.rollout_devices`` devices: ``rollout.tensor_parallel``
-    (``auto``: as on a trainer mesh of those devices; replicated weights when nothing fits)."""
+    """The sampler on ``mesh.rollout_devices`` devices of its own (``setup.split_devices``):
+    ``rollout.tensor_parallel`` (``auto``: as on a trainer mesh of those devices; replicated
+    weights when nothing fits)."""
     if cfg.rollout.tensor_parallel == "trainer":
         raise ValueError(
             "rollout.tensor_parallel=trainer: with mesh.rollout_devices the sampler has devices "
             "of its own; use auto or a tensor size"
         )
-    devices = jax.devices()[: cfg.mesh.rollout_devices]
+    devices = setup.split_devices(cfg.mesh.rollout_devices)[0]
     rollout_mesh = parallel.make_mesh(1, -1, 1, devices=devices)
     layout = _budgeted_layout(cfg, model_config, rollout_mesh)
     if layout.is_trainer_layout:  # an fsdp layout: decode with whole weights per device

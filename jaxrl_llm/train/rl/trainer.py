@@ -25,7 +25,7 @@ from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
-from jaxrl_llm.train.rl import episodes
+from jaxrl_llm.train.rl import episodes, remote
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
@@ -82,9 +82,18 @@ class RLTrainer(RolloutSide, Trainer):
     defer_scoring = True
 
     def __init__(self, cfg: TrainConfig):
+        parallel.initialize_distributed()
+        if remote.setup_roles(cfg):
+            raise ValueError(
+                f"process {jax.process_index()} only samples (mesh.rollout_devices="
+                f"{cfg.mesh.rollout_devices}): run the job with jaxrl_llm.train.rl.run.run, as "
+                "`jaxrl-llm train` does, which runs this process's sampler loop"
+            )
         super().__init__(cfg)
         objective = check_config(cfg)
         check_staleness(cfg, objective)
+        if remote.is_remote(cfg):
+            remote.check_remote(cfg)
         adapters.check_lora_job(cfg, "rl", objective)
         self.check_objective(objective)
         mesh = setup.make_run_mesh(cfg.mesh)
@@ -237,6 +246,8 @@ class RLTrainer(RolloutSide, Trainer):
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref and self.base is None
         self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
+        if remote.is_remote(cfg):  # the weights go to the sampler processes
+            self.reshard = remote.TrainerLink(run.model_config, run.mesh, cfg.mesh.rollout_devices)
         if self.base is not None and adapters.merged_sampler(cfg, run.model_config, self.serving):
             self.merge_sampler = adapters.merge_program(
                 run.model_config, self.sampler_base_shardings
@@ -443,8 +454,16 @@ class RLTrainer(RolloutSide, Trainer):
 
     # -- evaluation and outputs ----------------------------------------------------------------
 
+    def make_pipeline(self):
+        if remote.is_remote(self.cfg):
+            return remote.RemotePipeline(self.cfg.rollout.max_staleness, self.sampler)
+        return super().make_pipeline()
+
     def evaluate(self) -> dict[str, float]:
-        metrics, samples = self.run.evaluate(self.sampler_params(), mesh=self.serving.mesh)
+        if remote.is_remote(self.cfg):  # the sampler's devices are another process's
+            metrics, samples = self.run.evaluate(self.policy_params, mesh=self.run.mesh)
+        else:
+            metrics, samples = self.run.evaluate(self.sampler_params(), mesh=self.serving.mesh)
         self._write_samples(samples)
         return metrics
 

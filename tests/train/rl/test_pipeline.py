@@ -9,6 +9,7 @@ other 4.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import types
@@ -177,14 +178,21 @@ def _config(run_dir, *extra):
     )
 
 
-@pytest.mark.slow
-def test_async_job_on_separate_sampler_devices(tmp_path):
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """The one-step-off job with the sampler on 4 of the session's 8 devices: ``(trainer,
+    run directory)``."""
     if jax.device_count() < 8:
         pytest.skip("needs the test session's 8 fake CPU devices")
-    cfg = _config(tmp_path / "async", *ASYNC)
-    trainer = RLTrainer(cfg)
+    run_dir = tmp_path_factory.mktemp("async_run") / "async"
+    trainer = RLTrainer(_config(run_dir, *ASYNC))
     trainer.fit()
+    return trainer, run_dir
 
+
+@pytest.mark.slow
+def test_async_job_on_separate_sampler_devices(async_run):
+    trainer, run_dir = async_run
     devices = jax.devices()
     train_devices = {d for leaf in jax.tree.leaves(trainer.state.params) for d in leaf.devices()}
     assert train_devices == set(devices[4:])
@@ -193,20 +201,82 @@ def test_async_job_on_separate_sampler_devices(tmp_path):
     }
     assert sampler_devices == set(devices[:4])
 
-    rows = rl_helpers.read_jsonl(tmp_path / "async" / "metrics.jsonl")
+    rows = rl_helpers.read_jsonl(run_dir / "metrics.jsonl")
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     # The correction ran on every step: old log-probs (recomputed by the updated trainer)
     # against the stale sampler's.
     assert all("rollout_corr/rollout_is_mean" in r and "rollout_corr/kl" in r for r in rows)
     assert rows[0]["time/wait_rollout"] > 0  # the first step waits for its own rollout
 
-    spans = timeline.read(tmp_path / "async" / timeline.FILE)
-    later = [s for s in spans if s["step"] >= 2]
-    overlap = timeline.overlap_seconds(
-        later, "trainer", {"logprobs", "update"}, "rollout", {"rollout"}
+    assert _overlap(run_dir) > 0, "no rollout ran while the trainer updated"
+    assert (run_dir / "plots" / "timeline.png").is_file()
+
+
+def _overlap(run_dir) -> float:
+    """Seconds the rollouts ran beside the trainer's log-probs and updates after step 1."""
+    spans = [s for s in timeline.read(run_dir / timeline.FILE) if s["step"] >= 2]
+    return timeline.overlap_seconds(
+        spans, "trainer", {"logprobs", "update"}, "rollout", {"rollout"}
     )
-    assert overlap > 0, "no rollout ran while the trainer updated"
-    assert (tmp_path / "async" / "plots" / "timeline.png").is_file()
+
+
+def _two_process_train(out_dir, *overrides) -> list[dict]:
+    """``jaxrl-llm train CONFIG *overrides`` as two processes of 4 CPU devices each (one JAX
+    cluster, ``tests/train/rl/remote_worker.py``); each process's summary."""
+    from tests.parallel.launcher import launch, reserved_port
+
+    args = [str(rl_helpers.CONFIGS / "grpo.yaml"), *rl_helpers.TINY, rl_helpers.SHAPED_REWARDS]
+    with reserved_port(shared=False) as port0, reserved_port(shared=False) as port1:
+        outputs = launch(
+            "tests.train.rl.remote_worker",
+            [f"{port0},{port1}", *args, *ASYNC, *overrides],
+            log_dir=out_dir,
+            timeout_s=900,  # a hang stopper only
+        )
+    return [json.loads(out[out.index("{") :]) for out in outputs]
+
+
+@pytest.mark.slow
+def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_path):
+    """``mesh.rollout_devices=4`` on two processes of 4 devices: process 1 only samples, process
+    0 trains, weights cross device to device and batches through the coordination service. Run
+    for 1 step, then resumed to 3 (the batch in flight saved with the checkpoint, the sampler's
+    data position sent back), it samples, trains and exports what the one-process job on 8
+    devices does."""
+    from jaxrl_llm import models
+    from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR
+
+    _, single_dir = async_run
+    run_dir = tmp_path / "run"
+    first = _two_process_train(tmp_path, f"run_dir={run_dir}", "trainer.max_steps=1")
+    assert first[0]["steps"] == 1
+    assert first[1] == {"job": "rl", "role": "sampler", "rollouts": 2}  # steps 0-1
+    assert [p.name for p in (run_dir / IN_FLIGHT_DIR).iterdir()] == ["1-process0.pkl"]
+    resumed = _two_process_train(
+        tmp_path, f"run_dir={run_dir}", "trainer.max_steps=3", "resume=true"
+    )
+    # Steps 2 and 3 (past the end); step 1's batch came with the checkpoint.
+    assert resumed[1]["rollouts"] == 2
+    assert resumed[0]["eval_before_rl"] == first[0]["eval_before_rl"]
+
+    rows = rl_helpers.without_timing(rl_helpers.read_jsonl(run_dir / "metrics.jsonl"))
+    expected = rl_helpers.without_timing(rl_helpers.read_jsonl(single_dir / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row, want in zip(rows, expected, strict=True):
+        assert row.keys() == want.keys()
+        for key in ("reward_mean", "accuracy", "completion_length_mean", "rollout/staleness"):
+            assert row[key] == want[key], (row["step"], key)
+        # The same programs on the same mesh shapes: the update's figures agree to float
+        # noise; the correction's spreads (std of weights all near 1) amplify it.
+        for key in ("loss", "pg_loss", "grad_norm", "entropy", "rollout_corr/kl"):
+            assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (row["step"], key)
+        for key, value in want.items():
+            assert row[key] == pytest.approx(value, rel=1e-3, abs=1e-6), (row["step"], key)
+    assert _overlap(run_dir) > 0, "no rollout ran while the trainer updated"
+    _, params = models.load_pretrained(run_dir / "hf", dtype=np.float32)
+    _, single = models.load_pretrained(single_dir / "hf", dtype=np.float32)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -256,6 +326,23 @@ def test_bad_rollout_devices_are_refused(tmp_path):
     with pytest.raises(ValueError, match="mesh.rollout_devices must be an int in"):
         setup.make_run_mesh(cfg.mesh)
     assert np.asarray(setup.make_run_mesh(_config(tmp_path).mesh).devices).size == 1
+
+
+def test_sampler_processes_are_the_last_whole_processes(monkeypatch):
+    from jaxrl_llm.train import setup
+
+    # Three processes of 2 devices: the sampler takes whole processes from the end.
+    devices = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(6)]
+    monkeypatch.setattr(setup.jax, "devices", lambda: devices)
+    monkeypatch.setattr(setup.jax, "device_count", lambda: 6)
+    monkeypatch.setattr(setup.jax, "process_count", lambda: 3)
+    assert setup.split_devices(2) == (devices[4:], devices[:4])
+    assert setup.process_roles(2) == ((2,), (0, 1))
+    assert setup.process_roles(4) == ((1, 2), (0,))
+    with pytest.raises(ValueError, match=r"splits process\(es\) \[1\].*multiple of their 2"):
+        setup.process_roles(3)
+    monkeypatch.setattr(setup.jax, "process_count", lambda: 1)  # one process: the first ones
+    assert setup.split_devices(2) == (devices[:2], devices[2:])
 
 
 @pytest.mark.slow
@@ -309,7 +396,7 @@ def test_staleness_is_refused_across_processes_and_warned_uncorrected(
         pipeline.check_staleness(cfg, objective)
     assert "without a rollout_correction" in caplog.text
     monkeypatch.setattr(pipeline.jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="one process for now"):
+    with pytest.raises(ValueError, match="needs the sampler on processes of its own"):
         pipeline.check_staleness(cfg, objective)
     pipeline.check_staleness(_config(tmp_path), objective)  # synchronous: nothing to refuse
 
