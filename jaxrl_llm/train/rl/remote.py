@@ -74,8 +74,9 @@ def check_remote(cfg: Any) -> None:
     """Refuses what a sampler on other processes cannot run yet, naming the key.
 
     Raises:
-      ValueError: partial rollouts, LoRA, a learned reward model, a trainer mesh with
-        another device count than the sampler's, or CPU processes with no transfer address.
+      ValueError: partial rollouts, LoRA, a learned reward model, more than one process on
+        either side, a trainer mesh with another device count than the sampler's, or CPU
+        processes with no transfer address.
     """
     refused = {
         "rollout.partial": cfg.rollout.partial,
@@ -89,6 +90,13 @@ def check_remote(cfg: Any) -> None:
                 f"(mesh.rollout_devices={cfg.mesh.rollout_devices} on {jax.process_count()} "
                 "processes); unset it, or sample on the trainer's processes"
             )
+    sampler, trainer = setup.process_roles(cfg.mesh.rollout_devices)
+    if len(sampler) > 1 or len(trainer) > 1:
+        raise ValueError(
+            f"mesh.rollout_devices={cfg.mesh.rollout_devices} makes processes {list(sampler)} "
+            f"sample and {list(trainer)} train: with the sampler on processes of its own, the "
+            "job runs as two processes for now (one sampling, one training)"
+        )
     if jax.default_backend() == "cpu" and not jax.config.read(
         "jax_cross_host_transfer_socket_address"
     ):
@@ -133,8 +141,8 @@ class Messages:
         key = _PREFIX + name
         message = pickle.loads(self.client.blocking_key_value_get_bytes(key, WAIT_MS))
         self.client.key_value_delete(key)
-        if isinstance(message, dict) and "sampler_error" in message:
-            raise RuntimeError(f"the sampler process failed:\n{message['sampler_error']}")
+        if isinstance(message, dict) and "error" in message:
+            raise RuntimeError(f"the other side of the job failed:\n{message['error']}")
         return message
 
 
@@ -201,8 +209,9 @@ class RemotePipeline:
                 "start", {"step": step, "in_flight": in_flight, "data": self.prompts.state()}
             )
             self.started = True
-        snapshot()  # this step's weights, to the sampler
         self.step = step
+        self.messages.send(f"weights/{step}", step)
+        snapshot()  # this step's weights, to the sampler
         with timer.phase("wait_rollout"):
             item = self.ready.pop(step, None) or self._receive(step)
         samples, info, produced, version = item
@@ -223,7 +232,10 @@ class RemotePipeline:
         self.ready = {step: (s, info, timer, version) for step, s, info, version, timer in items}
 
     def close(self) -> None:
-        """Nothing to stop here: the sampler processes finish their own loop."""
+        """Tells a sampler waiting for the run's start or for weights that none will come (the
+        run stopped early); after the last step no sampler waits, and the message is unread."""
+        stopped = {"error": f"the trainer stopped (after step {self.step})"}
+        self.messages.send(f"weights/{self.step + 1}" if self.started else "start", stopped)
 
 
 class SamplerProcess(RolloutSide):
@@ -276,7 +288,10 @@ class SamplerProcess(RolloutSide):
         self.landing = mirror_mesh(trainer_mesh, cfg.mesh.rollout_devices)
         self.to_serving = serving_lib.cast_to(model_config, self.serving.shardings)
 
-    def receive_weights(self) -> Any:
+    def receive_weights(self, version: int) -> Any:
+        """Step ``version``'s weights, once the trainer says it sends them (a trainer that
+        stopped says so instead, and this raises)."""
+        self.messages.receive(f"weights/{version}")
         arrived = jax.device_put(self.placeholders, _mirrored(self.placeholders, self.landing))
         return jax.block_until_ready(self.to_serving(arrived))
 
@@ -288,19 +303,21 @@ class SamplerProcess(RolloutSide):
         start = self.messages.receive("start")
         self.sampler.restore(start["data"])
         first = max([start["step"] - 1, *start["in_flight"]]) + 1
-        params, version = self.receive_weights(), start["step"]
+        version = start["step"]
+        params = self.receive_weights(version)
         log.info("sampler process: rollouts %d..%d", first, cfg.trainer.max_steps + k - 1)
         steps = range(first, cfg.trainer.max_steps + k)
         for step in steps:
             while version < max(step - k, start["step"]):
-                params, version = self.receive_weights(), version + 1
+                version += 1
+                params = self.receive_weights(version)
             timer = PhaseTimer(lane="rollout")
             try:
                 with jax.set_mesh(self.serving.mesh):
                     samples, info = self.rollout_from(step, params, timer)
                     samples = self.run.finish_scoring(samples, timer)
             except Exception:
-                self.messages.send(f"batch/{step}", {"sampler_error": traceback.format_exc()})
+                self.messages.send(f"batch/{step}", {"error": traceback.format_exc()})
                 raise
             message = (samples, info, timer, version, self.sampler.state(), _clock_offset())
             self.messages.send(f"batch/{step}", message)
