@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_llm import parallel
+from jaxrl_llm.train import process_local
 
 if TYPE_CHECKING:
     from jaxrl_llm.train.state import TrainState
@@ -205,7 +206,7 @@ class Checkpointer:
             self._reference_manager.save(
                 step,
                 args=ocp.args.Composite(
-                    reference=ocp.args.StandardSave(_host_local(reference_params))
+                    reference=ocp.args.StandardSave(process_local.to_host(reference_params))
                 ),
                 force=True,
             )
@@ -213,7 +214,7 @@ class Checkpointer:
         self._state_manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_host_local(state)),
+                state=ocp.args.StandardSave(process_local.to_host(state)),
                 extra=ocp.args.JsonSave(extra_json),
             ),
             force=True,
@@ -328,7 +329,7 @@ class Checkpointer:
             restored = self._state_manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(_host_target(abstract_state)),
+                    state=ocp.args.StandardRestore(process_local.host_target(abstract_state)),
                     extra=ocp.args.JsonRestore(),
                 ),
             )
@@ -343,17 +344,19 @@ class Checkpointer:
                 reference = self._reference_manager.restore(
                     reference_step,
                     args=ocp.args.Composite(
-                        reference=ocp.args.StandardRestore(_host_target(abstract_reference))
+                        reference=ocp.args.StandardRestore(
+                            process_local.host_target(abstract_reference)
+                        )
                     ),
                 )["reference"]
-                reference = _placed(reference, abstract_reference)
+                reference = process_local.placed(reference, abstract_reference)
             except ValueError as err:
                 raise ValueError(
                     f"reference saved at step {reference_step} in {self.directory} does not "
                     f"match abstract_reference: {err}"
                 ) from err
         extra = restored["extra"]
-        state = _placed(restored["state"], abstract_state)
+        state = process_local.placed(restored["state"], abstract_state)
         return state, dict(extra) if extra is not None else {}, reference
 
     def restore_raw(self, step: int | None = None) -> tuple[PyTree, dict[str, Any]]:
@@ -377,51 +380,6 @@ class Checkpointer:
             ),
         )
         return restored["state"], dict(restored["extra"] or {})
-
-
-def _process_local(x: Any) -> bool:
-    """A leaf of a multi-process job that lives on this process's devices alone: a sampler on
-    processes of its own leaves a one-process trainer so. orbax refuses such arrays ("host
-    local": it takes a multi-process job's arrays to span processes), so they are written from
-    and read into host memory, then placed."""
-    if jax.process_count() == 1 or parallel.trainer_processes() is None:
-        return False
-    sharding = getattr(x, "sharding", None)
-    return sharding is not None and sharding.is_fully_addressable
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _host_local(tree: PyTree) -> PyTree:
-    def host(x):
-        if not _process_local(x):
-            return x
-        return np.asarray(jax.device_get(jax.random.key_data(x) if _is_key(x) else x))
-
-    return jax.tree.map(host, tree)
-
-
-def _host_target(abstract: PyTree) -> PyTree:
-    def target(x):
-        if not _process_local(x):
-            return x
-        data = jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x
-        return np.empty(data.shape, data.dtype)
-
-    return jax.tree.map(target, abstract)
-
-
-def _placed(tree: PyTree, abstract: PyTree) -> PyTree:
-    def place(x, a):
-        if not _process_local(a):
-            return x
-        if _is_key(a):  # the key's implementation rides on its dtype
-            x = jax.random.wrap_key_data(x, impl=getattr(a.dtype, "_impl", None))
-        return jax.device_put(x, a.sharding)
-
-    return jax.tree.map(place, tree, abstract)
 
 
 def _exists(path: str) -> bool:

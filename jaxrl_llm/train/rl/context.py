@@ -312,3 +312,27 @@ class RunContext:
             )
             metrics |= {key: value for key, value in summary.items() if "@" in key}
         return metrics, samples
+
+
+def make_run_context(
+    cfg: TrainConfig, mesh, tokenizer, model_config, objective, *, reward_model=None
+) -> RunContext:
+    """A run's :class:`RunContext`: the task's examples (screened against the prompt limit),
+    its reward, stop tokens, environment and scoring workers (``rollout.reward_workers``)."""
+    train_examples, eval_examples = load_examples(cfg, tokenizer)
+    reward_fn = task_reward(cfg)
+    workers = cfg.rollout.reward_workers
+    return RunContext(
+        cfg,
+        mesh,
+        tokenizer,
+        model_config,
+        objective,
+        reward_fn,
+        train_examples,
+        eval_examples,
+        stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
+        reward_model=reward_model,
+        env=episodes.make_run_env(cfg, reward_fn),
+        scorer=rewards.ScoringPool(reward_fn, workers) if workers else None,
+    )

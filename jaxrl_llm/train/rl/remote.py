@@ -37,13 +37,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxrl_llm import data, models, parallel, rewards
+from jaxrl_llm import data, models, parallel
 from jaxrl_llm.sampling import serving as serving_lib
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.core import PhaseTimer
-from jaxrl_llm.train.rl import episodes
 from jaxrl_llm.train.rl.config import check_config
-from jaxrl_llm.train.rl.context import RunContext, load_examples, task_reward
+from jaxrl_llm.train.rl.context import make_run_context
 from jaxrl_llm.train.rl.pipeline import RolloutSide, check_staleness, staleness_info
 from jaxrl_llm.train.rl.serving import trainer_sampler
 
@@ -253,23 +252,11 @@ class SamplerProcess(RolloutSide):
         check_remote(cfg)
         trainer_mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config = _policy(cfg, trainer_mesh)
-        train_examples, eval_examples = load_examples(cfg, tokenizer)
-        reward_fn = task_reward(cfg)
         self.serving, _ = trainer_sampler(cfg, model_config, trainer_mesh)
-        self.run = RunContext(
-            cfg,
-            self.serving.mesh,
-            tokenizer,
-            model_config,
-            objective,
-            reward_fn,
-            train_examples,
-            eval_examples,
-            stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
-            env=episodes.make_run_env(cfg, reward_fn),
-            scorer=rewards.ScoringPool(reward_fn, w) if (w := cfg.rollout.reward_workers) else None,
+        self.run = make_run_context(cfg, self.serving.mesh, tokenizer, model_config, objective)
+        self.sampler = data.PromptSampler(
+            self.run.train_examples, seed=cfg.seed, shuffle=cfg.data.shuffle
         )
-        self.sampler = data.PromptSampler(train_examples, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.key = jax.random.key(cfg.seed)
         self.messages = Messages()
         # Placeholders of the trainer's cast parameters: this process's half of the transfer.

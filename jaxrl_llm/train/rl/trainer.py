@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import data, objectives, parallel, rewards
+from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
@@ -33,7 +33,7 @@ from jaxrl_llm.train.rl.config import (
     forward_micro_batching,
     micro_batching,
 )
-from jaxrl_llm.train.rl.context import RunContext, load_examples, load_reward_model, task_reward
+from jaxrl_llm.train.rl.context import load_reward_model, make_run_context
 from jaxrl_llm.train.rl.pipeline import RolloutSide, check_staleness
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
@@ -99,22 +99,15 @@ class RLTrainer(RolloutSide, Trainer):
         mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh)
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
-        train_examples, eval_examples = load_examples(cfg, tokenizer)
-        reward_fn = task_reward(cfg)
-        self.run = RunContext(
+        self.run = make_run_context(
             cfg,
             mesh,
             tokenizer,
             model_config,
             objective,
-            reward_fn,
-            train_examples,
-            eval_examples,
-            stop_ids=data.stop_token_ids(tokenizer, model_config, cfg.model.path),
             reward_model=load_reward_model(cfg, model_config, mesh),
-            env=episodes.make_run_env(cfg, reward_fn),
-            scorer=rewards.ScoringPool(reward_fn, w) if (w := cfg.rollout.reward_workers) else None,
         )
+        train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
         rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         sizes = {
             "rollout batch (prompts_per_step x group_size)": rows,

@@ -185,7 +185,7 @@ def async_run(tmp_path_factory):
     if jax.device_count() < 8:
         pytest.skip("needs the test session's 8 fake CPU devices")
     run_dir = tmp_path_factory.mktemp("async_run") / "async"
-    trainer = RLTrainer(_config(run_dir, *ASYNC))
+    trainer = RLTrainer(_config(run_dir, *ASYNC, "trainer.max_steps=4"))
     trainer.fit()
     return trainer, run_dir
 
@@ -202,7 +202,7 @@ def test_async_job_on_separate_sampler_devices(async_run):
     assert sampler_devices == set(devices[:4])
 
     rows = rl_helpers.read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     # The correction ran on every step: old log-probs (recomputed by the updated trainer)
     # against the stale sampler's.
     assert all("rollout_corr/rollout_is_mean" in r and "rollout_corr/kl" in r for r in rows)
@@ -212,9 +212,10 @@ def test_async_job_on_separate_sampler_devices(async_run):
     assert (run_dir / "plots" / "timeline.png").is_file()
 
 
-def _overlap(run_dir) -> float:
-    """Seconds the rollouts ran beside the trainer's log-probs and updates after step 1."""
-    spans = [s for s in timeline.read(run_dir / timeline.FILE) if s["step"] >= 2]
+def _overlap(run_dir, first_step: int = 2) -> float:
+    """Seconds the rollouts ran beside the trainer's log-probs and updates from ``first_step``
+    on (the first step compiles)."""
+    spans = [s for s in timeline.read(run_dir / timeline.FILE) if s["step"] >= first_step]
     return timeline.overlap_seconds(
         spans, "trainer", {"logprobs", "update"}, "rollout", {"rollout"}
     )
@@ -232,6 +233,7 @@ def _two_process_train(out_dir, *overrides) -> list[dict]:
             [f"{port0},{port1}", *args, *ASYNC, *overrides],
             log_dir=out_dir,
             timeout_s=900,  # a hang stopper only
+            extra_env={"JAXRL_TEST_PHASE_DELAY": "0.2"},  # the overlap shows in the timeline
         )
     return [json.loads(out[out.index("{") :]) for out in outputs]
 
@@ -240,7 +242,7 @@ def _two_process_train(out_dir, *overrides) -> list[dict]:
 def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_path):
     """``mesh.rollout_devices=4`` on two processes of 4 devices: process 1 only samples, process
     0 trains, weights cross device to device and batches through the coordination service. Run
-    for 1 step, then resumed to 3 (the batch in flight saved with the checkpoint, the sampler's
+    for 2 steps, then resumed to 4 (the batch in flight saved with the checkpoint, the sampler's
     data position sent back), it samples, trains and exports what the one-process job on 8
     devices does."""
     from jaxrl_llm import models
@@ -248,20 +250,22 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
 
     _, single_dir = async_run
     run_dir = tmp_path / "run"
-    first = _two_process_train(tmp_path, f"run_dir={run_dir}", "trainer.max_steps=1")
-    assert first[0]["steps"] == 1
-    assert first[1] == {"job": "rl", "role": "sampler", "rollouts": 2}  # steps 0-1
-    assert [p.name for p in (run_dir / IN_FLIGHT_DIR).iterdir()] == ["1-process0.pkl"]
+    first = _two_process_train(tmp_path, f"run_dir={run_dir}", "trainer.max_steps=2")
+    assert first[0]["steps"] == 2
+    assert first[1] == {"job": "rl", "role": "sampler", "rollouts": 3}  # steps 0-2
+    assert [p.name for p in (run_dir / IN_FLIGHT_DIR).iterdir()] == ["2-process0.pkl"]
+    # Batch 1 was generated on the other process while step 0's log-probs and update ran.
+    assert _overlap(run_dir, first_step=1) > 0, "no rollout ran while the trainer updated"
     resumed = _two_process_train(
-        tmp_path, f"run_dir={run_dir}", "trainer.max_steps=3", "resume=true"
+        tmp_path, f"run_dir={run_dir}", "trainer.max_steps=4", "resume=true"
     )
-    # Steps 2 and 3 (past the end); step 1's batch came with the checkpoint.
+    # Steps 3 and 4 (past the end); step 2's batch came with the checkpoint.
     assert resumed[1]["rollouts"] == 2
     assert resumed[0]["eval_before_rl"] == first[0]["eval_before_rl"]
 
     rows = rl_helpers.without_timing(rl_helpers.read_jsonl(run_dir / "metrics.jsonl"))
     expected = rl_helpers.without_timing(rl_helpers.read_jsonl(single_dir / "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row, want in zip(rows, expected, strict=True):
         assert row.keys() == want.keys()
         for key in ("reward_mean", "accuracy", "completion_length_mean", "rollout/staleness"):
@@ -272,7 +276,6 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
             assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (row["step"], key)
         for key, value in want.items():
             assert row[key] == pytest.approx(value, rel=1e-3, abs=1e-6), (row["step"], key)
-    assert _overlap(run_dir) > 0, "no rollout ran while the trainer updated"
     _, params = models.load_pretrained(run_dir / "hf", dtype=np.float32)
     _, single = models.load_pretrained(single_dir / "hf", dtype=np.float32)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single), strict=True):
