@@ -3,9 +3,10 @@ two CI workers (``--dist loadfile``) run the halves side by side at the end of t
 
 import pytest
 
-from tests.test_mutation import every_mutant_is_killed
+from tests.test_mutation import every_mutant_is_killed, needs_full_check
 
 
 @pytest.mark.slow
+@needs_full_check
 def test_every_mutant_is_killed(tmp_path_factory):
     every_mutant_is_killed(1, tmp_path_factory)
