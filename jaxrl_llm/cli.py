@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import logging
 import sys
 
 from jaxrl_llm import __version__
@@ -49,9 +50,17 @@ def _register_optional() -> None:
             SUBCOMMANDS[name] = (module, func, help_text)
 
 
+def log_to_stderr() -> None:
+    """Our INFO lines on stderr with their time, unless logging is configured already. Called
+    before a subcommand's module is imported: importing orbax logs through absl, whose first
+    record configures the root logger at WARNING (and this call would then do nothing)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxrl-llm`` console script."""
-    _register_optional()
+    log_to_stderr()
+    _register_optional()  # imports the subcommands' packages
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="jaxrl-llm",

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from jaxrl_llm.cli import log_to_stderr
 from jaxrl_llm.train.config_io import load_config, parse_yaml
 
 JOBS = ("rl", "preference", "reward_model")
@@ -94,7 +95,7 @@ def quiet_start() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log_to_stderr()
     for name in ("jax", "absl", "transformers", "orbax", "tensorboardX", "matplotlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="transformers")

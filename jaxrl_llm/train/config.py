@@ -107,6 +107,34 @@ class SFTWarmupSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RLWarmupSection(SFTWarmupSection):
+    """An RL job's warm-up: :class:`SFTWarmupSection`, optionally stopped early once the policy
+    solves enough of the task.
+
+    Attributes:
+      stop_at_accuracy: end the warm-up (before ``steps``) once greedy accuracy on a probe of
+        ``data.eval_size`` *training* prompts (never the held-out ones) reaches this fraction,
+        checked every ``check_every`` steps; null (the default) = always ``steps``. RL then
+        starts from a policy of a given skill whatever the seed, device count or float
+        summation order (the built-in model's warm-up crosses a sharp transition whose
+        position those move by hundreds of steps).
+      check_every: warm-up steps between probes.
+    """
+
+    stop_at_accuracy: float | None = None
+    check_every: int = 50
+
+    def __post_init__(self):
+        stop = self.stop_at_accuracy
+        if stop is not None and (isinstance(stop, bool) or not 0.0 < stop <= 1.0):
+            raise ValueError(
+                f"sft_warmup.stop_at_accuracy must be null or a fraction in (0, 1], got {stop!r}"
+            )
+        if self.check_every < 1:
+            raise ValueError(f"sft_warmup.check_every must be >= 1, got {self.check_every}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     """orbax checkpoints of the whole state, the data position and the reference."""
 

@@ -86,6 +86,8 @@ def sft_warmup(
     remat: str = "none",
     param_dtype=None,
     log_every: int = 100,
+    probe: Callable[[int, PyTree], bool] | None = None,
+    check_every: int = 50,
 ) -> tuple[PyTree, list[float]]:
     """``steps`` AdamW steps (global-norm clip 1) on the NLL of the given host batches.
 
@@ -105,9 +107,12 @@ def sft_warmup(
       chunk_size, remat: the log-prob computation's settings.
       param_dtype: dtype of freshly initialised parameters.
       log_every: log the NLL every this many steps.
+      probe: ``probe(step, params) -> stop`` every ``check_every`` steps (and not after the
+        last): True ends the warm-up there (``params`` as returned: LoRA adapters merged).
 
     Returns:
-      ``(params, nll_history)``: the warmed-up parameters and each step's NLL.
+      ``(params, nll_history)``: the warmed-up parameters and each step's NLL (its length is
+      the number of steps run).
     """
     optimizer = make_optimizer(learning_rate, max_grad_norm=1.0)
     extra = {} if param_dtype is None else {"param_dtype": param_dtype}
@@ -135,13 +140,18 @@ def sft_warmup(
         frozen=frozen,
         frozen_shardings=frozen_shardings,
     )
+    if frozen is None:
+        finished = lambda trained: trained  # noqa: E731
+    else:
+        merge = adapters.merge_program(model_config, frozen_shardings)
+        finished = lambda trained: merge(frozen, trained)  # noqa: E731
     history = []
     for i in range(steps):
         state, metrics = step(state, to_device(next(batches)))
         history.append(metrics["nll"])
         if (i + 1) % log_every == 0 or i + 1 == steps:
             log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
-    history = [float(x) for x in jax.device_get(history)]
-    if frozen is None:
-        return state.params, history
-    return adapters.merge_program(model_config, frozen_shardings)(frozen, state.params), history
+        if probe is not None and (i + 1) % check_every == 0 and i + 1 < steps:
+            if probe(i + 1, finished(state.params)):
+                break
+    return finished(state.params), [float(x) for x in jax.device_get(history)]

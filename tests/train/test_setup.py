@@ -106,3 +106,24 @@ def test_lora_section_becomes_the_models_spec_rslora_included():
     assert setup.lora_spec(ModelSection()) is None
     with pytest.raises(ValueError, match="model.lora rslora"):
         setup.lora_spec(ModelSection(lora=LoraSection(rslora="yes")))
+
+
+def test_the_rl_warm_up_probe_is_off_by_default_and_checked():
+    """``sft_warmup.stop_at_accuracy``: null (off) by default, a fraction in (0, 1] as given;
+    anything else, and the key on a preference job, is an error naming it."""
+    default = load_config(TrainConfig, None)
+    assert default.sft_warmup.stop_at_accuracy is None
+    assert default.sft_warmup.check_every == 50
+    for value, want in (("0.8", 0.8), ("1", 1.0), ("null", None)):
+        section = load_config(TrainConfig, None, [f"sft_warmup.stop_at_accuracy={value}"])
+        assert section.sft_warmup.stop_at_accuracy == want
+    for value in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match="sft_warmup.stop_at_accuracy must be null or a"):
+            load_config(TrainConfig, None, [f"sft_warmup.stop_at_accuracy={value}"])
+    for value in ("half", "true"):
+        with pytest.raises(ValueError, match="'sft_warmup.stop_at_accuracy' expects"):
+            load_config(TrainConfig, None, [f"sft_warmup.stop_at_accuracy={value}"])
+    with pytest.raises(ValueError, match="sft_warmup.check_every must be >= 1, got 0"):
+        load_config(TrainConfig, None, ["sft_warmup.check_every=0"])
+    with pytest.raises(ValueError, match="stop_at_accuracy"):
+        load_config(PreferenceConfig, None, ["sft_warmup.stop_at_accuracy=0.5"])

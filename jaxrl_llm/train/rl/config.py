@@ -19,7 +19,7 @@ from jaxrl_llm.train.config import (
     LoggingSection,
     MeshSection,
     ModelSection,
-    SFTWarmupSection,
+    RLWarmupSection,
 )
 from jaxrl_llm.train.rl.tasks import DATA_TASKS, OVERLONG_PROMPTS, check_data  # noqa: F401
 from jaxrl_llm.train.step import TokenBudget
@@ -320,7 +320,7 @@ class TrainConfig:
     objective: ObjectiveSection = ObjectiveSection()
     rollout: RolloutSection = RolloutSection()
     trainer: TrainerSection = TrainerSection()
-    sft_warmup: SFTWarmupSection = SFTWarmupSection()
+    sft_warmup: RLWarmupSection = RLWarmupSection()
     reference: ReferenceSection = ReferenceSection()
     critic: CriticSection = CriticSection()
     prime: PrimeSection = PrimeSection()

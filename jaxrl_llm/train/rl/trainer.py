@@ -25,7 +25,7 @@ from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
-from jaxrl_llm.train.rl import episodes, remote
+from jaxrl_llm.train.rl import remote, warmup
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
@@ -45,18 +45,13 @@ from jaxrl_llm.train.rl.updates import (
     take_rows,
     update_objective,
 )
-from jaxrl_llm.train.sft import sft_warmup
+from jaxrl_llm.train.rl.warmup import SFT_WARMUP_STEPS_BUILTIN
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 log = logging.getLogger("jaxrl_llm")
 
-# The warm-up crosses a sharp transition whose position moves with the floats' summation order:
-# 800 steps gave 5% or 22% held-out accuracy depending on the CPU, 1600 gave 54% and then, once
-# attention moved to blocked einsums, 21%; 2000 steps (with RL at lr 2e-4) now land at 82%
-# (seed 1: 60%), from where GRPO reaches 96% (77%).
-SFT_WARMUP_STEPS_BUILTIN = 2000
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -136,9 +131,7 @@ class RLTrainer(RolloutSide, Trainer):
                 f"{len(eval_examples)} eval prompts",
                 "objective": f"{objective.name} ({objective.advantage} advantages, "
                 f"{objective.surrogate}), {rows} completions per step",
-                "sft warm-up": f"{self.sft_steps} steps on demonstrations"
-                if self.sft_steps
-                else "off",
+                "sft warm-up": warmup.describe(cfg, self.sft_steps) if self.sft_steps else "off",
                 **adapters.start_line(model_config),
                 "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
                 if self.sampler_logprobs
@@ -186,23 +179,8 @@ class RLTrainer(RolloutSide, Trainer):
         init_key, sft_key = jax.random.split(self.key)
         params, self._initial_params = self._initial_params, None  # the state takes them over
         if self.latest is None and self.sft_steps > 0:
-            log.warning(
-                "SFT warm-up: %d supervised steps on the task's demonstrations before RL "
-                "(sft_warmup.steps=0 turns it off)",
-                self.sft_steps,
-            )
-            params, _ = sft_warmup(
-                adapters.sft_config(cfg, run.model_config),  # LoRA: it makes the base
-                params,
-                episodes.demonstration_batches(run, cfg.sft_warmup.batch_size, cfg.seed),
-                steps=self.sft_steps,
-                learning_rate=cfg.sft_warmup.learning_rate,
-                key=sft_key,
-                mesh=run.mesh,
-                to_device=run.to_device,
-                chunk_size=cfg.model.chunk_size,
-                remat=cfg.model.remat,
-                param_dtype=setup.param_dtype(cfg.model),
+            params, self.extra["sft_warmup_steps"] = warmup.warm_up(
+                cfg, run, params, steps=self.sft_steps, key=sft_key
             )
         if run.model_config.lora is None:
             self.state, self.shardings = create_train_state(
@@ -489,4 +467,5 @@ class RLTrainer(RolloutSide, Trainer):
         )
 
     def summary(self) -> dict[str, Any]:
-        return {"objective": self.run.objective.name}
+        warmed = {k: self.extra[k] for k in ("sft_warmup_steps",) if k in self.extra}
+        return {"objective": self.run.objective.name, **warmed}

@@ -81,6 +81,9 @@ def test_default_run_improves_held_out_accuracy(tmp_path):
     assert len(read_metrics(run_dir)) == steps
     # sft_warmup.steps is null by default: 2000 steps for the built-in model, said up front.
     assert "SFT warm-up: 2000 supervised steps" in result.stderr
+    # The run's INFO lines reach the terminal (importing orbax once silenced them).
+    assert "evaluation before training" in result.stderr
+    assert "sft warm-up step 2000/2000: nll" in result.stderr
     # What a run leaves: the final policy as a Hugging Face checkpoint, and the curves.
     assert pathlib.Path(summary["hf"]) == run_dir / "hf"
     assert (run_dir / "hf" / "config.json").is_file()
