@@ -318,7 +318,7 @@ def _lower_programs(
         sizes,
         {"reference": sizes.reference, "aux_model": sizes.aux},
         layout,
-        lambda m: decode_hbm_bytes_per_chip(model_config, m, rows, seq),
+        functools.partial(decode_hbm_bytes_per_chip, model_config),
         frozen,
         sampler_free,
     )

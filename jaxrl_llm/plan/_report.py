@@ -19,6 +19,7 @@ from jaxrl_llm.plan._analysis import (
 )
 from jaxrl_llm.plan._aux import ASSUMPTIONS as JOINT_ASSUMPTIONS
 from jaxrl_llm.plan._aux import critic_report
+from jaxrl_llm.plan._engine import engine_shape
 from jaxrl_llm.plan._job import (
     ASSUMPTIONS,
     Job,
@@ -110,9 +111,11 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
     if program.name == "decode_step":
         # The floor: one decode step's unavoidable HBM traffic on the serving layout (weights
         # read in place once, cache and logits), against which the estimate is judged.
-        floor = decode_hbm_bytes_per_chip(
-            job.model_config, roofline_mesh(job), job.shape.rows, job.shape.seq_len
-        )
+        rows, kv_len = job.shape.rows, job.shape.seq_len
+        if job.cfg.rollout.engine == "continuous":
+            engine = engine_shape(job.cfg, job.shape, job.serving.mesh)
+            rows, kv_len = engine.slots, engine.width
+        floor = decode_hbm_bytes_per_chip(job.model_config, roofline_mesh(job), rows, kv_len)
         out["hbm_roofline_bytes"] = floor
         out["hbm_roofline_s"] = floor / job.spec.hbm_bandwidth_bytes_per_s
     return out
@@ -185,7 +188,8 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
         ),
         "est_decode_tokens_per_s": decode["tokens_per_s"],
         "est_decode_tokens_per_s_conservative": decode["tokens_per_s_conservative"],
-        "est_decode_roofline_tokens_per_s": shape.rows / programs["decode_step"]["hbm_roofline_s"],
+        "est_decode_roofline_tokens_per_s": job.programs["decode_step"].tokens
+        / programs["decode_step"]["hbm_roofline_s"],
         "est_decode_fraction_of_roofline": (
             None
             if decode["step_s"] is None or not programs["decode_step"]["compiled"]
@@ -363,11 +367,21 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         )
     if not skipped_compile and over & {"prefill", "decode_step"}:
         kv = programs["decode_step"]["memory_bytes"]["kv_cache"]
-        out.append(
-            f"the KV cache ({_fmt(kv)} a chip for {shape.rows} rows x {shape.seq_len} slots): "
-            "fewer rollout rows (rollout.prompts_per_step x rollout.group_size), shorter "
-            "rollout.max_new_tokens, or a tensor axis (mesh.tensor) to split it by kv-head"
-        )
+        if job.cfg.rollout.engine == "continuous":
+            engine = engine_shape(job.cfg, shape, job.serving.mesh)
+            out.append(
+                f"the engine's KV cache ({_fmt(kv)} a chip for {engine.slots} slots x "
+                f"{engine.width} cache slots): fewer rollout.slots, a paged pool of fewer blocks "
+                "(rollout.kv_block_size, rollout.kv_blocks: requests wait or are preempted "
+                "when it is full), or a tensor axis (mesh.tensor) to split it by kv-head"
+            )
+        else:
+            out.append(
+                f"the KV cache ({_fmt(kv)} a chip for {shape.rows} rows x {shape.seq_len} "
+                "slots): fewer rollout rows (rollout.prompts_per_step x rollout.group_size), "
+                "shorter rollout.max_new_tokens, or a tensor axis (mesh.tensor) to split it by "
+                "kv-head"
+            )
     bigger = bigger_topology(spec)
     if bigger is not None and not any("bigger topology" in line for line in out):
         out.append(

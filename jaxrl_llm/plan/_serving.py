@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jaxrl_llm import parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan._engine import engine_shape, lower_engine_programs
 from jaxrl_llm.plan._job import (
     Program,
     _replicated,
@@ -69,9 +70,12 @@ def lower_sampler_programs(
     the base with the adapters applied on the fly, ``reshard`` moves the adapters only and
     ``reshard_base`` (once a run) the base.
 
-    ``decode_hbm_bytes(mesh)``: the analytic HBM bytes of one decode step on the trainer's
-    layout (its weight gathers are not in the loop body XLA:TPU emits for small meshes); on
-    a serving layout the HBM bytes are read off the HLO of one loop trip. ``free_bytes``: the
+    ``rollout.engine=continuous``: the engine's refill prefill and decode loop instead
+    (``plan._engine``).
+
+    ``decode_hbm_bytes(mesh, rows, kv_len)``: the analytic HBM bytes of one decode step on the
+    trainer's layout (its weight gathers are not in the loop body XLA:TPU emits for small
+    meshes); on a serving layout they are read off the HLO of one loop trip. ``free_bytes``: the
     chip's usable HBM less the resident state, where ``model.lora.sampler=auto`` checks that a
     merged copy fits (as ``train`` checks the devices' free memory).
     """
@@ -84,7 +88,7 @@ def lower_sampler_programs(
         if frozen is not None:
             weights_arg["frozen_base"] = sizes.base
         inner = {"sampler_weights": sizes.params_compute}
-        hbm = decode_hbm_bytes(mesh)
+        hbm = decode_hbm_bytes(mesh, rows, shape.seq_len)
     else:
         smesh = layout.mesh
         # The trainer's parameters (and a LoRA run's base) stay where they are while the
@@ -147,6 +151,25 @@ def lower_sampler_programs(
         min_p=0.0,
         vocab_size=model_config.vocab_size,
     )
+    key = _replicated(smesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    if r.engine == "continuous":
+        engine = engine_shape(cfg, shape, smesh)
+        lower_engine_programs(
+            programs,
+            cfg,
+            model_config,
+            params,
+            smesh,
+            shape,
+            top_k=top_k,
+            sampling=_sampling_params(smesh),
+            key=key,
+            weights_arg=weights_arg,
+            resident=resident,
+            inner=inner,
+            hbm=None if hbm is None else decode_hbm_bytes(mesh, engine.slots, engine.width),
+        )
+        return
     prompts = abstract_sequences(smesh, shape.prompts, p_len, 1)
     pad_id = _replicated(smesh, (), jnp.int32)
     prefill_kwargs = dict(
@@ -180,7 +203,6 @@ def lower_sampler_programs(
         # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers
         # stacked, or per layer with ``rollout.decode_layers=per_layer``); its loop body is one
         # decode step.
-        key = _replicated(smesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
         decode_args = (params, sampling_state, key, _sampling_params(smesh))
         unroll = r.decode_layers == "per_layer"  # ``auto`` keeps the scan on accelerators
         decode_kwargs = dict(config=model_config, top_k=top_k, mesh=smesh, unroll=unroll)

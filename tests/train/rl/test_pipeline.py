@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 import types
@@ -221,6 +222,10 @@ def _overlap(run_dir, first_step: int = 2) -> float:
     )
 
 
+# Set to 1 to resume the two-process run in a second launch (about 20 s more).
+REMOTE_RESUME_ENV = "JAXRL_REMOTE_RESUME_CHECK"
+
+
 def _two_process_train(out_dir, *overrides) -> list[dict]:
     """``jaxrl-llm train CONFIG *overrides`` as two processes of 4 CPU devices each (one JAX
     cluster, ``tests/train/rl/remote_worker.py``); each process's summary."""
@@ -242,8 +247,11 @@ def _two_process_train(out_dir, *overrides) -> list[dict]:
 def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_path):
     """``mesh.rollout_devices=4`` on two processes of 4 devices: process 1 only samples, process
     0 trains, weights cross device to device and batches through the coordination service. Run
-    for 2 steps (one launch: the CI budget; the resume was checked by hand, RESULTS), it samples
-    and trains what the one-process job on 8 devices does and saves the batch in flight."""
+    for 2 steps, it samples and trains what the one-process job on 8 devices does and saves the
+    batch in flight. With ``JAXRL_REMOTE_RESUME_CHECK=1`` (off in CI for its time budget) it is
+    then resumed to 4 steps in a second launch (the batch in flight restored, the sampler's data
+    position sent back) and must match the one-process run's 4 rows and exported weights."""
+    from jaxrl_llm import models
     from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR
 
     _, single_dir = async_run
@@ -255,10 +263,20 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
     # Batch 1 was generated on the other process while step 0's log-probs and update ran.
     assert _overlap(run_dir, first_step=1) > 0, "no rollout ran while the trainer updated"
 
+    resume = os.environ.get(REMOTE_RESUME_ENV) == "1"
+    if resume:
+        resumed = _two_process_train(
+            tmp_path, f"run_dir={run_dir}", "trainer.max_steps=4", "resume=true"
+        )
+        # Steps 3 and 4 (past the end); step 2's batch came with the checkpoint.
+        assert resumed[1]["rollouts"] == 2
+        assert resumed[0]["eval_before_rl"] == first[0]["eval_before_rl"]
+    steps = 4 if resume else 2
+
     rows = rl_helpers.without_timing(rl_helpers.read_jsonl(run_dir / "metrics.jsonl"))
     expected = rl_helpers.without_timing(rl_helpers.read_jsonl(single_dir / "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [1, 2]
-    for row, want in zip(rows, expected[:2], strict=True):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row, want in zip(rows, expected[:steps], strict=True):
         assert row.keys() == want.keys()
         for key in ("reward_mean", "accuracy", "completion_length_mean", "rollout/staleness"):
             assert row[key] == want[key], (row["step"], key)
@@ -268,6 +286,11 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
             assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (row["step"], key)
         for key, value in want.items():
             assert row[key] == pytest.approx(value, rel=1e-3, abs=1e-6), (row["step"], key)
+    if resume:
+        _, params = models.load_pretrained(run_dir / "hf", dtype=np.float32)
+        _, single = models.load_pretrained(single_dir / "hf", dtype=np.float32)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -1,0 +1,174 @@
+"""The continuous engine's programs in a plan (``rollout.engine=continuous``): its refill
+prefill (``sampling.slots.admit``) and its decode loop (``sampling.slots.burst``) over
+``rollout.slots`` slots and their KV cache — a contiguous one, or the paged pool of
+``rollout.kv_blocks`` blocks of ``rollout.kv_block_size`` slots — as ``train`` runs them.
+
+The plan counts the worst case: every completion runs to ``rollout.max_new_tokens``, so each
+wave of ``slots`` rows is one refill and ``max_new_tokens`` decode steps, and a step of the RL
+job runs ``ceil(rows / slots)`` waves (long-tailed lengths finish sooner; the engine's
+``EngineStats`` report what a run did).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm import parallel
+from jaxrl_llm.plan import flops as flops_lib
+from jaxrl_llm.plan._job import PlanError, Program, _replicated, _rows, shard_bytes, with_shardings
+from jaxrl_llm.sampling import slots as slots_lib
+from jaxrl_llm.sampling.engine import _pow2
+from jaxrl_llm.sampling.paging import blocks_for, paged_pool
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What the continuous engine decodes: ``slots`` rows over ``width`` cache slots each
+    (a paged pool's rows round up to whole blocks), ``waves`` of them per RL step."""
+
+    slots: int
+    width: int
+    waves: int
+    paged: tuple[int, int] | None  # (blocks, block_size)
+
+
+def engine_shape(cfg, shape, mesh) -> EngineShape:
+    """The engine ``train`` builds for one draw (``train.rl.rollout._continuous``).
+
+    Raises:
+      PlanError: slots the mesh's batch shards do not divide, a bad paged pool, or
+        ``rollout.decode_layers=per_layer`` (the engine's per-layer layout is not planned).
+    """
+    r = cfg.rollout
+    if r.decode_layers == "per_layer":
+        raise PlanError(
+            "rollout.decode_layers=per_layer with rollout.engine=continuous is not planned yet"
+        )
+    slots = min(r.slots or shape.rows, shape.rows)
+    shards = parallel.batch_shards(mesh)
+    if slots % shards:
+        raise PlanError(
+            f"rollout.slots={slots} must be a multiple of the sampler mesh's {shards} batch "
+            "shards (data x fsdp)"
+        )
+    try:
+        paged = paged_pool(
+            r.kv_block_size or None, r.kv_blocks, slots, shape.prompt_len, shape.completion_len
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    width = shape.prompt_len + shape.completion_len
+    if paged is not None:
+        width = blocks_for(width, paged[1]) * paged[1]
+        if paged[0] % shards:
+            raise PlanError(
+                f"rollout.kv_blocks={paged[0]} must be a multiple of the sampler mesh's "
+                f"{shards} batch shards (each shard's slots take blocks of its own)"
+            )
+    return EngineShape(slots, width, math.ceil(shape.rows / slots), paged)
+
+
+def lower_engine_programs(
+    programs: dict[str, Program],
+    cfg,
+    model_config,
+    params: PyTree,
+    smesh,
+    shape,
+    *,
+    top_k: int,
+    sampling: Any,
+    key: Any,
+    weights_arg: dict[str, int],
+    resident: dict[str, int],
+    inner: dict[str, int],
+    hbm: float | None,
+) -> None:
+    """Adds the engine's ``prefill`` (one refill of every slot) and ``decode_step`` (its
+    decode loop, one step a trip) to ``programs``."""
+    eng = engine_shape(cfg, shape, smesh)
+    p_len, t_len, group = shape.prompt_len, shape.completion_len, shape.group_size
+    shards = parallel.batch_shards(smesh)
+    cache_dtype = jnp.dtype(model_config.compute_dtype or jnp.float32)
+    with jax.set_mesh(smesh):
+        state = jax.eval_shape(
+            lambda: slots_lib.init_state(
+                model_config,
+                slots=eng.slots,
+                prompt_width=p_len,
+                max_new_tokens=t_len,
+                cache_dtype=cache_dtype,
+                pad_id=0,
+                unstacked=False,
+                paged=eng.paged,
+            )
+        )
+        state = with_shardings(state, slots_lib.shardings(state, smesh))
+        cache = shard_bytes(state.cache)
+        # A refill of every slot: the G samples of a prompt share its prefill row.
+        prompts = shards * _pow2(-(-math.ceil(eng.slots / group) // shards))
+        admitted = _pow2(eng.slots)
+        index = _replicated(smesh, (admitted,), jnp.int32)
+        table = paged = None
+        if eng.paged is not None:
+            table = _replicated(smesh, (eng.slots, eng.width // eng.paged[1]), jnp.int32)
+            paged = (index, _replicated(smesh, (admitted, eng.width // eng.paged[1]), jnp.int32))
+        admit_args = (
+            params,
+            state,
+            _rows(smesh, (prompts, p_len), jnp.int32),
+            _rows(smesh, (prompts, p_len), jnp.bool_),
+            index,
+            index,
+            index,
+            index,
+            _replicated(smesh, (), jnp.int32),
+            table,
+            paged,
+        )
+        prefill_flops = flops_lib.forward_flops(
+            model_config, prompts, p_len, kv_len=p_len, logits_positions=1
+        )
+        programs["prefill"] = Program(
+            name="prefill",
+            lowered=slots_lib.admit.lower(*admit_args, config=model_config, mesh=smesh),
+            calls_per_step=eng.waves,
+            flops=prefill_flops,
+            model_flops=prefill_flops,
+            tokens=prompts * p_len,
+            argument_parts={**weights_arg, "kv_cache": cache},
+            resident=resident,
+            inner_parts=inner,
+        )
+        burst_args = (
+            params,
+            state,
+            _replicated(smesh, (), jnp.int32),
+            key,
+            sampling,
+            _replicated(smesh, (1, 1), jnp.int32),  # no stop sequences
+            table,
+        )
+        decode = flops_lib.decode_flops(model_config, eng.slots, eng.width)
+        programs["decode_step"] = Program(
+            name="decode_step",
+            lowered=slots_lib.burst.lower(
+                *burst_args, config=model_config, top_k=top_k, mesh=smesh
+            ),
+            calls_per_step=eng.waves * t_len,
+            flops=decode,
+            model_flops=decode,
+            tokens=eng.slots,
+            argument_parts={**weights_arg, "kv_cache": cache},
+            resident=resident,
+            inner_parts=inner,
+            hbm_bytes=hbm,
+            per_step_loop=True,
+        )
