@@ -115,6 +115,8 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
         if job.cfg.rollout.engine == "continuous":
             engine = engine_shape(job.cfg, job.shape, job.serving.mesh)
             rows, kv_len = engine.slots, engine.width
+            if engine.paged is not None:  # a pool smaller than every slot's longest row
+                kv_len = min(kv_len, engine.paged[0] * engine.paged[1] // engine.slots)
         floor = decode_hbm_bytes_per_chip(job.model_config, roofline_mesh(job), rows, kv_len)
         out["hbm_roofline_bytes"] = floor
         out["hbm_roofline_s"] = floor / job.spec.hbm_bandwidth_bytes_per_s

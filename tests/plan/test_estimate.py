@@ -205,6 +205,53 @@ def test_a_standalone_dynamic_update_slice_counts_its_update_not_the_buffer():
     assert est.hlo_hbm_bytes(STANDALONE_UPDATE) == 2 * 4 * 64 * 2 + 3 * 4
 
 
+_ASSIGN = """
+%assign (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  ROOT %b = bf16[] parameter(1)
+}
+"""
+_SCATTER_DIMS = (
+    "update_window_dims={1}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, "
+    "index_vector_dim=1, to_apply=%assign"
+)
+STANDALONE_SCATTER = f"""
+HloModule m
+{_ASSIGN}
+ENTRY %main (c: bf16[4,256,64], i: s32[4,2], u: bf16[4,64]) -> bf16[4,256,64] {{
+  %c = bf16[4,256,64]{{2,1,0}} parameter(0)
+  %i = s32[4,2]{{1,0}} parameter(1)
+  %u = bf16[4,64]{{1,0}} parameter(2)
+  ROOT %s = bf16[4,256,64]{{2,1,0}} scatter(%c, %i, %u), {_SCATTER_DIMS}
+}}
+"""
+FUSED_SCATTER = f"""
+HloModule m
+{_ASSIGN}
+%fused_scatter (p0: bf16[4,256,64], p1: s32[4,2], p2: bf16[4,64]) -> bf16[4,256,64] {{
+  %p0 = bf16[4,256,64]{{2,1,0}} parameter(0)
+  %p1 = s32[4,2]{{1,0}} parameter(1)
+  %p2 = bf16[4,64]{{1,0}} parameter(2)
+  ROOT %s = bf16[4,256,64]{{2,1,0}} scatter(%p0, %p1, %p2), {_SCATTER_DIMS}
+}}
+
+ENTRY %main (c: bf16[4,256,64], i: s32[4,2], u: bf16[4,64]) -> bf16[4,256,64] {{
+  %c = bf16[4,256,64]{{2,1,0}} parameter(0)
+  %i = s32[4,2]{{1,0}} parameter(1)
+  %u = bf16[4,64]{{1,0}} parameter(2)
+  ROOT %f = bf16[4,256,64]{{2,1,0}} fusion(%c, %i, %u), kind=kLoop, calls=%fused_scatter
+}}
+"""
+
+
+@pytest.mark.parametrize("hlo", [STANDALONE_SCATTER, FUSED_SCATTER], ids=["alone", "fused"])
+def test_a_scatter_counts_its_updates_not_the_buffer(hlo):
+    # The continuous engine's KV-cache write (one slot per row, each row at its own position):
+    # a scatter XLA makes in place, so the 4x64 bf16 updates are read and written (512 bytes
+    # each way) and the 4x2 s32 indices read, not the 4x256x64 cache (128 KiB) read and written.
+    assert est.hlo_hbm_bytes(hlo) == 2 * 4 * 64 * 2 + 4 * 2 * 4
+
+
 def test_hlo_hbm_bytes_grows_by_the_same_amount_per_loop_trip():
     def f(w, x):
         def body(x, w):  # reads slice t of the stacked weights, writes row t of the stacked ys
