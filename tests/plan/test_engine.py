@@ -13,7 +13,7 @@ from jaxrl_llm.plan import _analysis
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import programs as pr
 from jaxrl_llm.plan._engine import engine_shape
-from tests.plan.test_programs import _cfg, _job, tiny_path  # noqa: F401  (fixture)
+from tests.plan.test_programs import _job, compiled_report, tiny_path  # noqa: F401  (fixture)
 
 L, K, H, BF16 = 2, 2, 16, 2  # layers, kv-heads, head dim, bytes of the compute dtype
 PAGED = (
@@ -73,11 +73,7 @@ def test_the_paged_engine_compiles_and_reports(tiny_path):  # noqa: F811
         assert memory.argument_bytes >= sum(program.argument_parts.values()), name
         parts = pr.memory_parts(program, memory)
         assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
-    report = pr.summarise(
-        job,
-        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
-        skipped_compile=False,
-    )
+    report = compiled_report(job, outcomes)
     decode = report["programs"]["decode_step"]
     assert decode["hlo_of_one_loop_trip"] is True
     floor = _analysis.decode_hbm_bytes_per_chip(job.model_config, job.serving.mesh, 4, 16)

@@ -345,6 +345,15 @@ def test_bigger_topology(name, bigger):
     assert pr.bigger_topology(resolve_topology(name)) == bigger
 
 
+def compiled_report(job, outcomes):
+    """The plan's report of a job whose programs compiled (``compile_job``)."""
+    return pr.summarise(
+        job,
+        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
+        skipped_compile=False,
+    )
+
+
 def test_cpu_compile_matches_the_accounting(tiny_path):
     """Compiled on the CPU devices: each program's arguments are what the accounting says they
     are, and every total is the program's peak plus what stays resident around it."""
@@ -376,11 +385,7 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
         assert memory.argument_bytes - known == inputs[name], name
         parts = pr.memory_parts(program, memory)
         assert sum(parts.values()) == memory.total_bytes + sum(program.resident.values())
-    report = pr.summarise(
-        job,
-        {n: pr._program_report(job, p, outcomes[n]) for n, p in job.programs.items()},
-        skipped_compile=False,
-    )
+    report = compiled_report(job, outcomes)
     assert report["fits"] and report["chips"] == 4
     assert report["programs"]["decode_step"]["hlo_of_one_loop_trip"] is True
     assert report["hbm_per_chip_gib"] == max(p["total_gib"] for p in report["programs"].values())
