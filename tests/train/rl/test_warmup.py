@@ -72,13 +72,11 @@ def test_the_probe_is_greedy_accuracy_on_training_prompts_against_the_bar():
     assert not {e.prompt for e in probed} & {e.prompt for e in held_out}
 
 
-@pytest.mark.parametrize(
-    ("stop", "stop_step"), [("0.5", 4), ("0.5", None), ("null", None)], ids=["4", "never", "off"]
-)
+@pytest.mark.parametrize(("stop", "stop_step"), [("0.5", 4), ("0.5", None)], ids=["4", "never"])
 def test_rl_starts_from_the_parameters_the_probe_stopped_at(tmp_path, monkeypatch, stop, stop_step):
     """6 warm-up steps checked every 2: a probe that stops at step 4 leaves RL at step 4's
     parameters (and the summary says 4); one that never stops is asked at 2 and 4 (not after
-    the last step) and all 6 run; with the probe off it is never asked."""
+    the last step) and all 6 run."""
     seen = []
     real = warmup.make_probe
 
@@ -106,7 +104,7 @@ def test_rl_starts_from_the_parameters_the_probe_stopped_at(tmp_path, monkeypatc
         with jax.set_mesh(trainer.mesh):
             trainer.setup()
         if stop_step is None:
-            assert [s for s, _ in seen] == ([] if stop == "null" else [2, 4])
+            assert [s for s, _ in seen] == [2, 4]
             assert trainer.summary()["sft_warmup_steps"] == 6
             return
         assert [s for s, _ in seen] == [2, 4]
