@@ -45,6 +45,14 @@ from jaxrl_llm.plan._lora import (
 )
 from jaxrl_llm.plan._reward import lower_reward_program, reward_model_state
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
+from jaxrl_llm.plan._split import (
+    SAMPLER_PROGRAMS,
+    check_trainer_mesh,
+    compute_weight_bytes,
+    sampler_layout,
+    split_job,
+    weight_sync,
+)
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -76,7 +84,11 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     """
     objective = plannable_objective(cfg)
     model_config = plan_model_config(cfg.model)
-    mesh = plan_mesh(cfg.mesh, get_devices(spec) if devices is None else devices)
+    devices = get_devices(spec) if devices is None else list(devices)
+    split = split_job(cfg, devices)
+    mesh = plan_mesh(cfg.mesh, devices if split is None else split.trainer_devices)
+    if split is not None:
+        check_trainer_mesh(cfg, split, mesh)
     shape = job_shape(cfg, objective, mesh)
     try:
         setup.check_batch_sizes(
@@ -130,10 +142,15 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     )
     if rm is not None:
         sizes = dataclasses.replace(sizes, reward_model=shard_bytes(rm.params))
-    try:
-        layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
-    except ValueError as err:
-        raise PlanError(f"the sampler's layout: {err}") from None
+    if split is not None:  # the sampler's own chips
+        layout = sampler_layout(cfg, model_config, split, spec)
+        weights = compute_weight_bytes(state.params, model_config)
+        split = dataclasses.replace(split, sync=weight_sync(spec, split, weights, layout.tensor))
+    else:
+        try:
+            layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
+        except ValueError as err:
+            raise PlanError(f"the sampler's layout: {err}") from None
     if frozen is not None and not layout.is_trainer_layout:  # kept all run (serving_base)
         served_base = shard_bytes(serving_trees(model_config, layout)[0])
         sizes = dataclasses.replace(sizes, serving_base=served_base)
@@ -153,8 +170,14 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         frozen,
         rm,
         sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
+        split=split,
     )
-    return Job(cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout, critic, rm)
+    for name, program in programs.items():  # the chips each program runs on
+        on_sampler = split is not None and name in SAMPLER_PROGRAMS
+        program.chips = len(split.sampler_devices) if on_sampler else mesh.size
+    return Job(
+        cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout, critic, rm, split
+    )
 
 
 def _lower_programs(
@@ -173,6 +196,7 @@ def _lower_programs(
     frozen: Frozen | None = None,
     rm=None,
     sampler_free: int | None = None,
+    split=None,
 ) -> dict[str, Program]:
     r = cfg.rollout
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
@@ -321,6 +345,7 @@ def _lower_programs(
         functools.partial(decode_hbm_bytes_per_chip, model_config),
         frozen,
         sampler_free,
+        split,
     )
     if rm is not None:  # (e) a learned reward model: resident all run, scoring each rollout
         lower_reward_program(programs, rm, cfg, mesh, objective, shape, sizes, seqs)
@@ -433,6 +458,7 @@ def _hlo_estimate(compiled: Any, spec: TopologySpec, program: Program) -> dict[s
         ici_s=est.collectives_ici_time_s(ops, link),
         model_flops=program.model_flops,
         tokens=program.tokens,
+        chips=program.chips,
     )
     return {
         "hbm_bytes": float(hbm),

@@ -36,6 +36,7 @@ PROGRAMS = (
     "rm_scores",
     "reshard_base",
     "reshard",
+    "serving_reshard",
     "merge",
     "prefill",
     "decode_step",
@@ -157,16 +158,13 @@ def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
 
     Raises:
       PlanError: a config ``check_config`` refuses, or ``model.lora`` where the trainer
-        refuses it (``train.adapters.check_lora_job``), an unknown ``model.remat``, or
-        ``mesh.rollout_devices`` (separate sampler devices are not planned yet).
+        refuses it (``train.adapters.check_lora_job``), or an unknown ``model.remat``.
     """
     try:
         objective = check_config(cfg)
         adapters.check_lora_job(cfg, "rl", objective)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    if cfg.mesh.rollout_devices:
-        raise PlanError("mesh.rollout_devices: separate sampler devices are not planned yet")
     if cfg.model.remat not in models.REMAT_POLICIES:
         raise PlanError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
@@ -387,6 +385,8 @@ class Program:
         call means one trip of it: collectives (and HLO HBM bytes) are read from its body.
       shared_argument_bytes: argument bytes that are another argument's arrays passed again
         (counted in the compiled arguments, alive once).
+      chips: the chips it runs on (its side's, with ``mesh.rollout_devices``; set by
+        ``build_job``; None: the whole slice).
     """
 
     name: str
@@ -402,6 +402,7 @@ class Program:
     hbm_bytes: float | None = None
     per_step_loop: bool = False
     shared_argument_bytes: int = 0
+    chips: int | None = None
 
 
 @dataclasses.dataclass
@@ -419,6 +420,7 @@ class Job:
     serving: Any = None  # sampling.serving.ServingLayout of the rollout
     aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
     reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
+    split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

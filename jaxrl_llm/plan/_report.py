@@ -30,6 +30,8 @@ from jaxrl_llm.plan._lora import lora_report
 from jaxrl_llm.plan._reward import ASSUMPTIONS as RM_ASSUMPTIONS
 from jaxrl_llm.plan._reward import reward_model_report
 from jaxrl_llm.plan._serving import roofline_mesh
+from jaxrl_llm.plan._split import ASSUMPTIONS as SPLIT_ASSUMPTIONS
+from jaxrl_llm.plan._split import split_report
 from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -84,7 +86,9 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
         times = out.pop("times")
     else:
         # No HLO: the compute time only, a lower bound (HBM and ICI unknown).
-        compute = est.roofline(spec, flops=program.flops, hbm_bytes=0.0)["compute_s"]
+        compute = est.roofline(spec, flops=program.flops, hbm_bytes=0.0, chips=program.chips)[
+            "compute_s"
+        ]
         times = {
             "compute_s": compute,
             "hbm_s": None,
@@ -162,6 +166,11 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
     }
     step_s = sum(contribution.values())
     step_cons = sum(conservative.values())
+    split = None
+    if job.split is not None:  # the sampler's own chips: the phases overlap or wait
+        split = split_report(job, programs)
+        step_s = split["step_s"]
+        step_cons = split_report(job, programs, "step_conservative_s")["step_s"]
     model_flops = sum(p["calls_per_step"] * p["model_flops"] for p in programs.values())
     peak_flops = spec.chips * spec.peak_bf16_flops_per_chip
     update, decode = programs["update"]["times"], programs["decode_step"]["times"]
@@ -220,6 +229,7 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
                 "per_layer" if job.cfg.rollout.decode_layers == "per_layer" else "stacked"
             ),
         },
+        "split": split,
         "step_breakdown_s": contribution,
         "dominant_program": max(contribution, key=contribution.get),
         "compile_skipped": skipped_compile,
@@ -247,6 +257,7 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             *(LORA_ASSUMPTIONS if config.lora is not None else ()),
             *(JOINT_ASSUMPTIONS if job.aux is not None and job.aux.joint else ()),
             *(RM_ASSUMPTIONS if job.reward_model is not None else ()),
+            *(SPLIT_ASSUMPTIONS if job.split is not None else ()),
         ],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
@@ -366,6 +377,13 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
             "the reward model scores the whole rollout batch at once (rm_scores): fewer "
             "rollout rows (rollout.prompts_per_step), a shorter rollout.max_new_tokens or a "
             "smaller reward model (reward_model.path)"
+        )
+    sampler = over & {"serving_reshard", "prefill", "decode_step"}
+    if job.split is not None and not skipped_compile and over and (sampler == over or not sampler):
+        n = len(job.split.sampler_devices)
+        out.append(
+            f"{'more' if sampler else 'fewer'} sampler chips (mesh.rollout_devices={n} now): "
+            f"the {'sampler' if sampler else 'trainer'}'s side is over"
         )
     if not skipped_compile and over & {"prefill", "decode_step"}:
         kv = programs["decode_step"]["memory_bytes"]["kv_cache"]

@@ -23,6 +23,7 @@ from jaxrl_llm.plan._job import (
     with_shardings,
 )
 from jaxrl_llm.plan._lora import Frozen, policy, reshard_programs, serving_trees
+from jaxrl_llm.plan._split import lower_split_programs
 from jaxrl_llm.sampling import serving, strategies
 from jaxrl_llm.sampling.generate import _decode, _prefill
 from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
@@ -64,6 +65,7 @@ def lower_sampler_programs(
     decode_hbm_bytes: Any,
     frozen: Frozen | None = None,
     free_bytes: int | None = None,
+    split=None,
 ) -> None:
     """Adds ``reshard`` (unless the sampler runs on the trainer's layout), ``prefill`` and
     ``decode_step`` to ``programs``; for a LoRA job (``frozen``: its base) the sampler decodes
@@ -77,12 +79,19 @@ def lower_sampler_programs(
     trainer's layout (its weight gathers are not in the loop body XLA:TPU emits for small
     meshes); on a serving layout they are read off the HLO of one loop trip. ``free_bytes``: the
     chip's usable HBM less the resident state, where ``model.lora.sampler=auto`` checks that a
-    merged copy fits (as ``train`` checks the devices' free memory).
+    merged copy fits (as ``train`` checks the devices' free memory). ``split``
+    (``plan._split.Split``): the sampler on chips of its own, where it holds nothing else.
     """
     r = cfg.rollout
     p_len, t_len, rows = shape.prompt_len, shape.completion_len, shape.rows
     resident = {"optimizer_state": sizes.optimizer, **ref_bytes}
-    if layout.is_trainer_layout:
+    if split is not None:  # the sampler's own chips: its weights, cache and temporaries only
+        smesh, hbm, inner = layout.mesh, None, {}
+        params, served = lower_split_programs(
+            programs, cfg, model_config, state, sizes, layout, mesh, split, resident
+        )
+        weights_arg, resident = {"sampler_weights": served}, {}
+    elif layout.is_trainer_layout:
         smesh, params = mesh, policy(state.params, frozen)
         weights_arg = {"parameters": sizes.params}
         if frozen is not None:

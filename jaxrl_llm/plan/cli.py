@@ -160,6 +160,25 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _split_lines(layout: Mapping[str, Any], split: Mapping[str, Any]) -> list[str]:
+    mesh = " x ".join(f"{k} {v}" for k, v in layout["mesh"].items())
+    where = "processes of its own" if split["sampler_on_hosts_of_its_own"] else "one process"
+    sync = split["weight_sync"]
+    links = "" if sync["cut_links"] is None else f", {sync['cut_links']} ICI links between them"
+    sides = f"rollout {split['rollout_s']:.3g} s, sync {split['weight_sync_s']:.3g} s, trainer "
+    sides += f"{split['trainer_s']:.3g} s"
+    return [
+        f"sampler: {split['sampler_chips']} chips of its own ({where}; the trainer has "
+        f"{split['trainer_chips']}), mesh {mesh} (tensor-parallel {layout['tensor']}); after "
+        f"each update the trainer casts its weights ({_ms(layout['reshard_s'])} ms) and copies "
+        f"{sync['bytes'] / 2**30:.2f} GiB across ({sync['received_bytes_per_chip'] / 2**30:.2f}"
+        f" GiB into each sampler chip{links}): {_ms(split['weight_sync_s'])} ms",
+        f"RL step with rollout.max_staleness={split['max_staleness']}: {split['step_model']} "
+        f"= {split['step_s']:.3g} s ({sides}); the sampler idles {_pct(split['sampler_idle'])}, "
+        f"the trainer {_pct(split['trainer_idle'])}",
+    ]
+
+
 def _sampler_line(layout: Mapping[str, Any]) -> str:
     mesh = " x ".join(f"{k} {v}" for k, v in layout["mesh"].items())
     if layout["is_trainer_layout"]:
@@ -318,7 +337,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{_pct(report['est_decode_fraction_of_roofline'])} of the HBM roofline "
         f"({_rate(report['est_decode_roofline_tokens_per_s'])} tokens/s: weights and KV cache "
         "read once per step on the serving layout)",
-        _sampler_line(report["sampler_layout"]),
+        *(
+            _split_lines(report["sampler_layout"], report["split"])
+            if report.get("split")
+            else [_sampler_line(report["sampler_layout"])]
+        ),
         "",
     ]
     if report["fits"]:

@@ -131,6 +131,7 @@ def roofline(
     ici_s: float = 0.0,
     model_flops: float | None = None,
     tokens: float | None = None,
+    chips: int | None = None,
 ) -> dict[str, Any]:
     """Roofline times of one call and what follows from them (see the module docstring).
 
@@ -142,6 +143,7 @@ def roofline(
       model_flops: FLOPs counted for MFU (default ``flops``; pass the ``6N`` count to leave out
         rematerialisation).
       tokens: tokens one call produces or trains on (for tokens/s), or None.
+      chips: chips the call runs on (default ``spec.chips``: the whole slice).
 
     Returns:
       ``compute_s, hbm_s, ici_s, step_s, step_conservative_s, bound, mfu, mfu_conservative,
@@ -151,12 +153,12 @@ def roofline(
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     model_flops = flops if model_flops is None else model_flops
-    compute_s = flops / (spec.chips * spec.peak_bf16_flops_per_chip)
+    peak = (spec.chips if chips is None else chips) * spec.peak_bf16_flops_per_chip
+    compute_s = flops / peak
     hbm_s = hbm_bytes / spec.hbm_bandwidth_bytes_per_s
     terms = {"compute": compute_s, "hbm": hbm_s, "ici": ici_s}
     step_s = max(terms.values())
     step_conservative_s = max(compute_s, hbm_s) + ici_s
-    peak = spec.chips * spec.peak_bf16_flops_per_chip
     return {
         "compute_s": compute_s,
         "hbm_s": hbm_s,

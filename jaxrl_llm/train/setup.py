@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,16 +41,22 @@ def make_run_mesh(section) -> jax.sharding.Mesh:
     return parallel.make_mesh(*sizes, devices=devices)
 
 
-def split_devices(rollout_devices: int) -> tuple[list, list]:
+def split_devices(rollout_devices: int, devices: Sequence[Any] | None = None) -> tuple[list, list]:
     """``(sampler devices, trainer devices)`` for ``mesh.rollout_devices = n``: the first n
     sample in one process; on several processes the last n (the last processes' devices),
-    so process 0, which writes the run's files, trains."""
-    devices = jax.devices()
+    so process 0, which writes the run's files, trains. ``devices``: ``jax.devices()`` unless
+    given (``plan`` passes a slice's compile-only devices)."""
+    devices = jax.devices() if devices is None else list(devices)
     if not rollout_devices:
         return [], devices
-    if jax.process_count() > 1:
+    if process_count(devices) > 1:
         return devices[-rollout_devices:], devices[:-rollout_devices]
     return devices[:rollout_devices], devices[rollout_devices:]
+
+
+def process_count(devices: Sequence[Any]) -> int:
+    """How many processes (hosts) ``devices`` belong to."""
+    return len({d.process_index for d in devices})
 
 
 def rollout_devices(section) -> int:
@@ -67,23 +73,25 @@ def rollout_devices(section) -> int:
     return n
 
 
-def process_roles(rollout_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def process_roles(
+    rollout_devices: int, devices: Sequence[Any] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(sampler processes, trainer processes)`` of a multi-process job whose last
     ``rollout_devices`` devices only sample: each process is one or the other.
 
     Raises:
       ValueError: a process holding both sampler and trainer devices.
     """
-    sampler_devices, trainer_devices = split_devices(rollout_devices)
+    devices = jax.devices() if devices is None else list(devices)
+    sampler_devices, trainer_devices = split_devices(rollout_devices, devices)
     sampler = sorted({d.process_index for d in sampler_devices})
     trainer = sorted({d.process_index for d in trainer_devices})
     shared = sorted(set(sampler) & set(trainer))
     if shared:
-        devices = jax.devices()
         per_process = sorted({sum(d.process_index == p for d in devices) for p in shared})
         raise ValueError(
             f"mesh.rollout_devices={rollout_devices} splits process(es) {shared} between the "
-            f"sampler and the trainer; on {jax.process_count()} processes the sampler takes "
+            f"sampler and the trainer; on {process_count(devices)} processes the sampler takes "
             f"whole processes: a multiple of their {'/'.join(map(str, per_process))} devices"
         )
     return tuple(sampler), tuple(trainer)

@@ -311,7 +311,6 @@ def test_unique_collectives_counts_an_async_fusion_copy_once():
         (("model.path=/nowhere",), "not both"),
         (("mesh.fsdp=8",), "mesh"),
         (("model.remat=full",), "model.remat"),
-        (("mesh.rollout_devices=2",), "mesh.rollout_devices"),
     ],
 )
 def test_refusals_name_the_key(tiny_path, overrides, message):

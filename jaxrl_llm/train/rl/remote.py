@@ -31,6 +31,7 @@ import logging
 import pickle
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,7 +39,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl_llm import data, models, parallel
-from jaxrl_llm.sampling import serving as serving_lib
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl.config import check_config
@@ -73,29 +73,10 @@ def check_remote(cfg: Any) -> None:
     """Refuses what a sampler on other processes cannot run yet, naming the key.
 
     Raises:
-      ValueError: partial rollouts, LoRA, a learned reward model, more than one process on
-        either side, a trainer mesh with another device count than the sampler's, or CPU
-        processes with no transfer address.
+      ValueError: what ``check_remote_split`` refuses, or CPU processes with no transfer
+        address.
     """
-    refused = {
-        "rollout.partial": cfg.rollout.partial,
-        "model.lora": cfg.model.lora is not None,
-        "reward_model.path": cfg.reward_model.path is not None,
-    }
-    for key, set_ in refused.items():
-        if set_:
-            raise ValueError(
-                f"{key}: not supported with the sampler on processes of its own "
-                f"(mesh.rollout_devices={cfg.mesh.rollout_devices} on {jax.process_count()} "
-                "processes); unset it, or sample on the trainer's processes"
-            )
-    sampler, trainer = setup.process_roles(cfg.mesh.rollout_devices)
-    if len(sampler) > 1 or len(trainer) > 1:
-        raise ValueError(
-            f"mesh.rollout_devices={cfg.mesh.rollout_devices} makes processes {list(sampler)} "
-            f"sample and {list(trainer)} train: with the sampler on processes of its own, the "
-            "job runs as two processes for now (one sampling, one training)"
-        )
+    check_remote_split(cfg, jax.devices(), setup.make_run_mesh(cfg.mesh).devices.size)
     if jax.default_backend() == "cpu" and not jax.config.read(
         "jax_cross_host_transfer_socket_address"
     ):
@@ -105,20 +86,64 @@ def check_remote(cfg: Any) -> None:
             f"set {parallel.distributed.TRANSFER_ADDRESS_ENV}=host:port (a free port of this "
             "host, one per process) before the job starts"
         )
-    trainer = setup.make_run_mesh(cfg.mesh)
-    if trainer.devices.size != cfg.mesh.rollout_devices:
+
+
+def check_remote_split(cfg: Any, devices: Sequence[Any], trainer_devices: int) -> None:
+    """The refusals of a job whose last ``mesh.rollout_devices`` of ``devices`` (on several
+    processes) sample, the trainer's mesh having ``trainer_devices`` devices (``plan`` checks
+    a slice's compile-only devices with it).
+
+    Raises:
+      ValueError: partial rollouts, LoRA, a learned reward model, a process split between
+        sampler and trainer, more than one process on either side, a trainer mesh with
+        another device count than the sampler's.
+    """
+    n = cfg.mesh.rollout_devices
+    processes = setup.process_count(devices)
+    refused = {
+        "rollout.partial": cfg.rollout.partial,
+        "model.lora": cfg.model.lora is not None,
+        "reward_model.path": cfg.reward_model.path is not None,
+    }
+    for key, set_ in refused.items():
+        if set_:
+            raise ValueError(
+                f"{key}: not supported with the sampler on processes of its own "
+                f"(mesh.rollout_devices={n} on {processes} processes); unset it, or sample "
+                "on the trainer's processes"
+            )
+    sampler, trainer = setup.process_roles(n, devices)
+    if len(sampler) > 1 or len(trainer) > 1:
         raise ValueError(
-            f"mesh.rollout_devices={cfg.mesh.rollout_devices}: the weights cross to the sampler "
-            f"shard for shard, so on several processes it needs as many devices as the "
-            f"trainer's mesh {dict(trainer.shape)} ({trainer.devices.size})"
+            f"mesh.rollout_devices={n} makes processes {list(sampler)} sample and "
+            f"{list(trainer)} train: with the sampler on processes of its own, the job runs "
+            "as two processes for now (one sampling, one training)"
+        )
+    if trainer_devices != n:
+        raise ValueError(
+            f"mesh.rollout_devices={n}: the weights cross to the sampler shard for shard, so "
+            f"on several processes it needs as many devices as the trainer's mesh "
+            f"({trainer_devices})"
         )
 
 
-def mirror_mesh(trainer_mesh: Mesh, rollout_devices: int) -> Mesh:
-    """The sampler's devices in the trainer mesh's shape and axes (the weights' landing)."""
-    devices = np.asarray(setup.split_devices(rollout_devices)[0])
+def mirror_mesh(
+    trainer_mesh: Mesh, rollout_devices: int, devices: Sequence[Any] | None = None
+) -> Mesh:
+    """The sampler's devices in the trainer mesh's shape and axes (the weights' landing);
+    ``devices``: ``jax.devices()`` unless given (``plan``: a slice's)."""
+    devices = np.asarray(setup.split_devices(rollout_devices, devices)[0])
     devices = devices.reshape(trainer_mesh.devices.shape)
     return Mesh(devices, trainer_mesh.axis_names, axis_types=trainer_mesh.axis_types)
+
+
+def to_serving(arrived: Any, shardings: Any) -> Any:
+    """The landed weights (compute dtype, the trainer's layout on the sampler's devices) on
+    the sampler's serving layout. ``jax.device_put``, not a jitted reshard: the serving mesh
+    orders the same devices for the chips' topology (``parallel.make_mesh``), and a jitted
+    program refuses arguments and outputs whose device orders differ; ``device_put``
+    relabels the shards into the serving order, then reshards."""
+    return jax.device_put(arrived, shardings)
 
 
 def _mirrored(tree: Any, mesh: Mesh) -> Any:
@@ -273,14 +298,13 @@ class SamplerProcess(RolloutSide):
             shardings,
         )
         self.landing = mirror_mesh(trainer_mesh, cfg.mesh.rollout_devices)
-        self.to_serving = serving_lib.cast_to(model_config, self.serving.shardings)
 
     def receive_weights(self, version: int) -> Any:
         """Step ``version``'s weights, once the trainer says it sends them (a trainer that
         stopped says so instead, and this raises)."""
         self.messages.receive(f"weights/{version}")
         arrived = jax.device_put(self.placeholders, _mirrored(self.placeholders, self.landing))
-        return jax.block_until_ready(self.to_serving(arrived))
+        return jax.block_until_ready(to_serving(arrived, self.serving.shardings))
 
     def loop(self) -> dict[str, Any]:
         """Samples until the trainer's last step (and the ``k`` batches after it, which a

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_llm import parallel
@@ -73,20 +73,11 @@ def _budgeted_layout(cfg: Any, model_config: Any, mesh: Any) -> serving.ServingL
 
 
 def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayout, Callable]:
-    """The sampler on ``mesh.rollout_devices`` devices of its own (``setup.split_devices``):
-    ``rollout.tensor_parallel`` (``auto``: as on a trainer mesh of those devices; replicated
-    weights when nothing fits)."""
-    if cfg.rollout.tensor_parallel == "trainer":
-        raise ValueError(
-            "rollout.tensor_parallel=trainer: with mesh.rollout_devices the sampler has devices "
-            "of its own; use auto or a tensor size"
-        )
+    """The sampler on ``mesh.rollout_devices`` devices of its own (``setup.split_devices``),
+    laid out by :func:`separate_layout` within their free memory."""
     devices = setup.split_devices(cfg.mesh.rollout_devices)[0]
-    rollout_mesh = parallel.make_mesh(1, -1, 1, devices=devices)
-    layout = _budgeted_layout(cfg, model_config, rollout_mesh)
-    if layout.is_trainer_layout:  # an fsdp layout: decode with whole weights per device
-        one = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel=1))
-        layout = rollout_layout(one, model_config, rollout_mesh, kv_slots=0, budget_bytes=None)
+    probe = parallel.make_mesh(1, -1, 1, devices=devices)
+    layout = separate_layout(cfg, model_config, devices, serving.free_device_bytes(probe))
     log.info(
         "sampler on devices %s: mesh %s (tensor-parallel %d); weights copied from the "
         "trainer's devices after every update",
@@ -94,5 +85,32 @@ def _separate_sampler(cfg: Any, model_config: Any) -> tuple[serving.ServingLayou
         dict(layout.mesh.shape),
         layout.tensor,
     )
-    layout = layout._replace(is_trainer_layout=False, separate=True)
     return layout, serving.make_reshard(model_config, layout)
+
+
+def separate_layout(
+    cfg: Any, model_config: Any, devices: Sequence[Any], budget_bytes: float | None
+) -> serving.ServingLayout:
+    """The layout of a sampler on ``devices`` of its own (``mesh.rollout_devices``):
+    ``rollout.tensor_parallel`` (``auto``: as on a trainer mesh of those devices within
+    ``budget_bytes`` a device, a row's cache holding ``data.max_prompt_tokens +
+    rollout.max_new_tokens`` positions; replicated weights when nothing fits). ``plan`` calls
+    it with a slice's compile-only devices and the chip's usable HBM.
+
+    Raises:
+      ValueError: ``rollout.tensor_parallel=trainer`` (the sampler has devices of its own).
+    """
+    if cfg.rollout.tensor_parallel == "trainer":
+        raise ValueError(
+            "rollout.tensor_parallel=trainer: with mesh.rollout_devices the sampler has devices "
+            "of its own; use auto or a tensor size"
+        )
+    rollout_mesh = parallel.make_mesh(1, -1, 1, devices=list(devices))
+    kv_slots = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    layout = rollout_layout(
+        cfg, model_config, rollout_mesh, kv_slots=kv_slots, budget_bytes=budget_bytes
+    )
+    if layout.is_trainer_layout:  # an fsdp layout: decode with whole weights per device
+        one = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel=1))
+        layout = rollout_layout(one, model_config, rollout_mesh, kv_slots=0, budget_bytes=None)
+    return layout._replace(is_trainer_layout=False, separate=True)

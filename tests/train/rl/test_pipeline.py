@@ -355,8 +355,31 @@ def test_sampler_processes_are_the_last_whole_processes(monkeypatch):
     assert setup.process_roles(4) == ((1, 2), (0,))
     with pytest.raises(ValueError, match=r"splits process\(es\) \[1\].*multiple of their 2"):
         setup.process_roles(3)
-    monkeypatch.setattr(setup.jax, "process_count", lambda: 1)  # one process: the first ones
-    assert setup.split_devices(2) == (devices[:2], devices[2:])
+    # One process: the first ones (devices given, as ``plan`` passes a slice's).
+    one = [types.SimpleNamespace(id=i, process_index=0) for i in range(6)]
+    assert setup.split_devices(2, one) == (one[:2], one[2:])
+    assert setup.split_devices(0, one) == ([], one)
+
+
+def test_landed_weights_reach_a_serving_mesh_that_orders_the_devices_otherwise():
+    """On a TPU slice ``parallel.make_mesh`` orders the sampler's chips for their topology,
+    so its serving mesh and the landing mesh (the trainer's order) list the same devices in
+    another order, which a jitted reshard refuses ("incompatible devices"; found by ``plan``
+    of a two-host job). The sampler lands them with ``device_put``."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxrl_llm.train.rl import remote
+
+    chips = jax.devices()[4:8]
+    axes = ("data", "fsdp", "tensor")
+    landing = Mesh(np.asarray(chips).reshape(1, 4, 1), axes)
+    serving = Mesh(np.asarray([chips[0], chips[2], chips[1], chips[3]]).reshape(2, 1, 2), axes)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    landed = {"w": jax.device_put(weights, NamedSharding(landing, PartitionSpec("fsdp")))}
+    target = {"w": NamedSharding(serving, PartitionSpec(None, "tensor"))}
+    served = remote.to_serving(landed, target)
+    assert served["w"].sharding == target["w"]
+    np.testing.assert_array_equal(np.asarray(served["w"]), weights)
 
 
 @pytest.mark.slow
