@@ -93,6 +93,30 @@ def test_each_program_runs_on_its_sides_chips(tiny_path):  # noqa: F811
     assert est.roofline(spec, flops=flops, hbm_bytes=0.0)["compute_s"] == flops / (8 * peak)
 
 
+def test_what_to_change_names_the_side_that_is_over(tiny_path):  # noqa: F811
+    job = _split_job(tiny_path)
+    usable = V5E_4.usable_hbm_bytes_per_chip
+
+    def advice(*over):
+        programs = {
+            name: {
+                "total_bytes": usable + 1 if name in over else 0,
+                "compiled": True,
+                "memory_bytes": {"kv_cache": 0},
+            }
+            for name in job.programs
+        }
+        return [line for line in pr.suggestions(job, programs) if "sampler chips" in line]
+
+    assert advice("decode_step") == [
+        "more sampler chips (mesh.rollout_devices=4 now): the sampler's side is over"
+    ]
+    assert advice("update") == [
+        "fewer sampler chips (mesh.rollout_devices=4 now): the trainer's side is over"
+    ]
+    assert advice("update", "prefill") == []  # both sides: moving chips does not help
+
+
 def test_the_step_model_by_hand():
     """``rollout + sync + trainer`` synchronous, ``max(rollout, sync + trainer)`` one step off;
     the sampler's programs are the rollout, every other program the trainer's."""
