@@ -324,25 +324,19 @@ class Engine:
                     counts["shrinks"] += 1
                     free = [s for s, r in enumerate(occupant) if r is None]
             if queue and free and (self.engine == "continuous" or len(free) == self.slots):
-                admitted = (
-                    [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                pairs = (
+                    [(queue.popleft(), s) for s in free[: len(queue)]]
                     if pager is None
                     else pager.admissible(
                         requests, queue, free, (occupant, host_count, self.burst), version
                     )
                 )
+                admitted, into = [r for r, _ in pairs], [s for _, s in pairs]
                 if admitted:  # none when the paged cache's free blocks hold none
                     state = self._admit(
-                        params,
-                        state,
-                        requests,
-                        admitted,
-                        free[: len(admitted)],
-                        counts,
-                        pager,
-                        version,
+                        params, state, requests, admitted, into, counts, pager, version
                     )
-                for s, r in zip(free, admitted):
+                for s, r in zip(into, admitted):
                     occupant[s] = r
                     host_count[s] = 0
                     marks[s] = [(0, version)]

@@ -28,6 +28,9 @@ than a contiguous cache of the same size would hold.
 batch shard ``j`` holds slots ``[j S/D, (j+1) S/D)`` and blocks ``[j N/D, (j+1) N/D)``, its
 tables hold shard-local block ids (``models.kv_cache.read_pages`` runs per shard under
 ``jax.shard_map``), every shard has its own free list, and a prompt is shared within a shard.
+An admitted request goes to the free slot of the shard where it costs the fewest blocks (its
+prompt's samples together), among the shards with room: a full shard does not hold up the
+queue while another has room.
 """
 
 from __future__ import annotations
@@ -202,32 +205,46 @@ class BlockAllocator:
         slots: list[int],
         live: tuple[list[int | None], Sequence[int], int],
         version: int = 0,
-    ) -> list[int]:
-        """Pops the requests admitted now from ``queue``'s head, the ``i``-th into ``slots[i]``:
-        as many as the slots' shards' free blocks hold (new prompts' full blocks and each
+    ) -> list[tuple[int, int]]:
+        """Pops the requests admitted now from ``queue``'s head and picks a free slot of
+        ``slots`` for each: ``[(request, slot), ...]`` in queue order. Admitted are as many as
+        the free blocks of some free slot's shard hold (new prompts' full blocks and each
         request's own blocks for its first burst) once the live slots' next burst is provided
         for (``live = (occupant, counts, burst)``: their blocks for ``burst`` more tokens are
-        kept free), so an admission does not preempt at once. Prompts share blocks within
-        ``version``."""
+        kept free), so an admission does not preempt at once. Each request goes to the shard
+        where it costs the fewest blocks (its prompt resident there or admitted with it: the
+        samples of a prompt share its blocks) among those with room, the first free slot's
+        on a tie; the queue's head waits only when no shard has room (first come, first
+        served). Prompts share blocks within ``version``."""
         occupant, counts, burst = live
         budget = [len(free) for free in self.free]
         for slot, request in enumerate(occupant):
             if request is not None:
                 tokens = min(int(counts[slot]) + burst, requests[request].max_new_tokens)
                 budget[self.shard(slot)] -= self.growth(slot, tokens)
-        admitted: list[int] = []
+        admitted: list[tuple[int, int]] = []
         pending: set = set()
-        while queue and len(admitted) < len(slots):
-            slot = slots[len(admitted)]
+        open_slots = list(slots)
+        while queue and open_slots:
             request = requests[queue[0]]
             key = sharing_key(request, queue[0], version)
             first = min(burst, request.max_new_tokens)
-            cost = self.admission_cost(slot, key, len(request.prompt), pending, first)
-            if cost > budget[self.shard(slot)]:
+            best, seen = None, set()  # (cost, slot) over each shard's first open slot
+            for slot in open_slots:
+                shard = self.shard(slot)
+                if shard in seen:
+                    continue
+                seen.add(shard)
+                cost = self.admission_cost(slot, key, len(request.prompt), pending, first)
+                if cost <= budget[shard] and (best is None or cost < best[0]):
+                    best = (cost, slot)
+            if best is None:
                 break
+            cost, slot = best
             budget[self.shard(slot)] -= cost
             pending.add((self.shard(slot), key))
-            admitted.append(queue.popleft())
+            open_slots.remove(slot)
+            admitted.append((queue.popleft(), slot))
         return admitted
 
     def map_burst(

@@ -84,7 +84,7 @@ def test_burst_mapping_preempts_the_newest_request():
     requests = [Request([5, 6], 8, 0), Request([7, 8, 9], 8, 1), Request([3], 8, 2)]
     queue = deque([0, 1, 2])
     empty = ([None, None], [0, 0], 4)
-    assert pager.admissible(requests, queue, [0, 1], empty) == [0, 1]  # a block each
+    assert pager.admissible(requests, queue, [0, 1], empty) == [(0, 0), (1, 1)]  # a block each
     pager.admit(0, (0, ("key", 0)), 2)
     pager.admit(1, (0, ("key", 1)), 3)
     occupant = [0, 1]
@@ -97,7 +97,7 @@ def test_burst_mapping_preempts_the_newest_request():
     assert pager.used == 5
     pager.release(0)  # request 0 finished: its 3 blocks are free
     occupant[0] = None
-    assert pager.admissible(requests, queue, [0], (occupant, [0, 4], 4)) == [2]
+    assert pager.admissible(requests, queue, [0], (occupant, [0, 4], 4)) == [(2, 0)]
     pager.admit(0, (0, ("key", 2)), 1)
     occupant[0] = 2
     # 8 more tokens: slot 0 (1 + 8 slots) needs 2 more blocks and slot 1 (3 + 8) one, 2 are
@@ -118,7 +118,7 @@ def test_admission_keeps_the_live_slots_next_burst_free():
     pager.admit(0, "a", 2)
     pager.admit(1, "b", 3)
     occupant = [0, 1, None]
-    assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 1)) == [2]
+    assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 1)) == [(2, 2)]
     assert pager.admissible(requests, deque([2]), [2], (occupant, [3, 0], 4)) == []
 
 
@@ -135,10 +135,40 @@ def test_an_admission_provides_for_its_first_burst():
     assert pager.map_burst(requests, queue, occupant, [0, 0], steps=4) == []  # 2 blocks
     queue.append(1)
     assert pager.admissible(requests, queue, [1], (occupant, [4, 0], 4)) == []
-    assert pager.admissible(requests, queue, [1], (occupant, [4, 0], 1)) == [1]
+    assert pager.admissible(requests, queue, [1], (occupant, [4, 0], 1)) == [(1, 1)]
     pager.admit(1, "b", 7)
     occupant[1] = 1
     assert pager.map_burst(requests, queue, occupant, [4, 0], steps=1) == []
+
+
+def test_admission_picks_a_shard_with_room_and_keeps_a_prompts_samples_together():
+    """2 batch shards of 5 blocks (4 slots each), blocks of 4 slots, bursts of 1 token."""
+    pager = BlockAllocator(10, 4, slots=8, prompt_width=8, max_new_tokens=8, shards=2)
+    assert [pager.shard(s) for s in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # Slots 0, 1 live in shard 0 with 5-token prompts: 2 blocks each, 1 left there (their
+    # next token needs none).
+    requests = [Request([1] * 5, 8, "a"), Request([2] * 5, 8, "b")]
+    pager.admit(0, "a", 5)
+    pager.admit(1, "b", 5)
+    live = ([0, 1, None, None, None, None, None, None], [0] * 8, 1)
+    # Three samples of a 6-token prompt (1 full block shared, 1 of each sample's own), an
+    # 8-token prompt (2 full + 1 own) and a 1-token one (1 own).
+    requests += [Request(list(range(3, 9)), 4, "p") for _ in range(3)]  # requests 2, 3, 4
+    requests += [Request(list(range(1, 9)), 8, "q"), Request([1], 1, "r")]  # 5, 6
+    queue = deque([2, 3, 4, 5, 6])
+    # Request 2 costs 2: not in shard 0 (1 free) though slot 2 comes first, slot 4 in shard 1
+    # (5 free); its samples 3, 4 cost 1 there (the prompt's block is being admitted with them)
+    # and 2 in shard 0. Request 5 costs 3: shard 0 has 1 left, shard 1 5 - 2 - 1 - 1 = 1; the
+    # admission stops, and request 6 (cost 1) waits behind it: first come, first served.
+    got = pager.admissible(requests, queue, [2, 3, 4, 5, 6, 7], live)
+    assert got == [(2, 4), (3, 5), (4, 6)]
+    assert list(queue) == [5, 6]
+    # With room in both shards the cheaper one wins, the earlier free slot on a tie: the
+    # second sample joins its prompt in shard 0 though shard 1's slot 4 is listed before it.
+    pager = BlockAllocator(10, 4, slots=8, prompt_width=8, max_new_tokens=8, shards=2)
+    samples = [Request(list(range(3, 9)), 4, "p") for _ in range(3)]
+    got = pager.admissible(samples, deque([0, 1, 2]), [0, 4, 1, 5], ([None] * 8, [0] * 8, 1))
+    assert got == [(0, 0), (1, 1), (2, 4)]
 
 
 def test_batch_shards_have_their_own_blocks():
