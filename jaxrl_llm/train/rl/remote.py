@@ -127,12 +127,9 @@ def check_remote_split(cfg: Any, devices: Sequence[Any], trainer_devices: int) -
         )
 
 
-def mirror_mesh(
-    trainer_mesh: Mesh, rollout_devices: int, devices: Sequence[Any] | None = None
-) -> Mesh:
-    """The sampler's devices in the trainer mesh's shape and axes (the weights' landing);
-    ``devices``: ``jax.devices()`` unless given (``plan``: a slice's)."""
-    devices = np.asarray(setup.split_devices(rollout_devices, devices)[0])
+def mirror_mesh(trainer_mesh: Mesh, rollout_devices: int) -> Mesh:
+    """The sampler's devices in the trainer mesh's shape and axes (the weights' landing)."""
+    devices = np.asarray(setup.split_devices(rollout_devices)[0])
     devices = devices.reshape(trainer_mesh.devices.shape)
     return Mesh(devices, trainer_mesh.axis_names, axis_types=trainer_mesh.axis_types)
 
