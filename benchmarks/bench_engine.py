@@ -6,8 +6,11 @@ programs, admitting ``S`` requests only into an empty engine and decoding until 
 finish: what a static batch does), same model, same requests, same ``S``. Requests have
 long-tailed lengths as RL completions do: each request's ``max_new_tokens`` is drawn from a
 geometric distribution with mean ``T / 8`` (capped at ``T``), no EOS, so both engines produce
-exactly the same tokens and only the scheduling differs. Prompts are 8–32 random tokens,
-``--samples`` requests per prompt sharing one prefill.
+exactly the same tokens and only the scheduling differs. Prompts are random, of ``N/4`` to
+``N`` tokens (``--prompt-tokens N``, default 32), ``--samples`` requests per prompt: the samples
+admitted together share one prefill, and a sample admitted while another holds its prompt in
+a live slot reuses it (``prefill rows`` counts the prompts prefilled, ``reused`` the requests
+admitted without one).
 
 The model is a random Llama (hidden 256, 4 layers, 4 heads, vocab 4096: bench_decode's "6M"),
 f32, sampled at temperature 1. Each engine runs once untimed (compiles), then ``--repeats``
@@ -50,11 +53,15 @@ CONFIG = ModelConfig(
 )
 
 
-def make_requests(count: int, samples: int, max_new: int, seed: int = 0) -> list[Request]:
-    """``count`` requests (``count / samples`` prompts), geometric budgets of mean ``T / 8``."""
+def make_requests(
+    count: int, samples: int, max_new: int, seed: int = 0, prompt_tokens: int = 32
+) -> list[Request]:
+    """``count`` requests (``count / samples`` prompts of ``prompt_tokens / 4`` to
+    ``prompt_tokens`` tokens), geometric budgets of mean ``T / 8``."""
     rng = np.random.default_rng(seed)
+    low = max(prompt_tokens // 4, 1)
     prompts = [
-        rng.integers(1, CONFIG.vocab_size, size=int(rng.integers(8, 33)))
+        rng.integers(1, CONFIG.vocab_size, size=int(rng.integers(low, prompt_tokens + 1)))
         for _ in range(count // samples)
     ]
     budgets = np.minimum(rng.geometric(8 / max_new, size=count), max_new)
@@ -72,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--burst", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="longest prompt")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.slots, args.max_new_tokens = 64, 16, 128
     load = os.getloadavg()[0]
     params = init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
-    requests = make_requests(args.requests, args.samples, args.max_new_tokens)
+    requests = make_requests(
+        args.requests, args.samples, args.max_new_tokens, prompt_tokens=args.prompt_tokens
+    )
 
     def engine(name: str, temperature: float = 1.0) -> Engine:
         return Engine(
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             CONFIG,
             slots=args.slots,
             max_new_tokens=args.max_new_tokens,
-            max_prompt_len=32,
+            max_prompt_len=args.prompt_tokens,
             eos_ids=(),
             pad_id=0,
             burst=args.burst,
@@ -110,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     print(
         f"## Engine: continuous vs static batching, {args.requests} requests "
-        f"({args.requests // args.samples} prompts x {args.samples}), S={args.slots}, "
-        f"T={args.max_new_tokens}, burst {args.burst}\n"
+        f"({args.requests // args.samples} prompts x {args.samples}, up to "
+        f"{args.prompt_tokens} tokens), S={args.slots}, T={args.max_new_tokens}, "
+        f"burst {args.burst}\n"
     )
     mean_len = med(s.tokens for s in stats["static"]) / args.requests
     print(f"mean completion {mean_len:.1f} tokens (geometric, mean T/8, capped at T)\n")
-    print("| engine | tokens/s | s | decode steps | utilisation | bursts | admissions |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| engine | tokens/s | s | decode steps | utilisation | bursts | admissions "
+        "| prefill rows | reused |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rate = {}
     for name, runs in stats.items():
         rate[name] = med(s.tokens_per_s for s in runs)
@@ -124,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {name} | {rate[name]:,.0f} | {med(s.seconds for s in runs):.2f} | "
             f"{med(s.decode_steps for s in runs):,.0f} | "
             f"{med(s.utilisation for s in runs):.1%} | {med(s.bursts for s in runs):.0f} | "
-            f"{med(s.admissions for s in runs):.0f} |"
+            f"{med(s.admissions for s in runs):.0f} | {med(s.prefill_rows for s in runs):.0f} | "
+            f"{med(getattr(s, 'reused_prompts', 0) for s in runs):.0f} |"
         )
     print(f"\ncontinuous / static tokens/s: **{rate['continuous'] / rate['static']:.2f}x**")
     print(f"greedy: {same}/{args.requests} requests identical between the engines")

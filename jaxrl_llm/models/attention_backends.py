@@ -277,9 +277,10 @@ def _paged_kernel_attention(
 
     Row ``b`` attends to its logical slots ``[0, lengths[b])`` (rows packed from slot 0), found
     through ``table`` (``[B, W]`` block ids; entries past a row's length are never read, and
-    unmapped ones are clamped into the pool). Lengths are clamped to ``[1, W * P]``: a finished
-    slot keeps its next slot, which may lie one past its table (its output is ignored, but the
-    kernel must not read past the table). The kernel loads the pool's blocks as bf16 and
+    unmapped ones are clamped into the pool). Lengths are clamped to ``[0, W * P]``: the kernel
+    skips a row of length 0 (its output is left unset: a dead row, ignored), and a finished
+    slot keeps its next slot, which may lie one past its table (the kernel must not read past
+    the table). The kernel loads the pool's blocks as bf16 and
     computes the scores and softmax in f32.
 
     Args:
@@ -303,7 +304,7 @@ def _paged_kernel_attention(
     per_block = max(1, min(width, _PAGED_COMPUTE_SLOTS // block_size))
     table = jnp.clip(table, 0, k_pool.shape[1] - 1)
     table = jnp.pad(table, ((0, 0), (0, -width % per_block)))
-    lengths = jnp.clip(lengths, 1, width * block_size)  # a dead row may point past its table
+    lengths = jnp.clip(lengths, 0, width * block_size)  # a dead row may point past its table
     queries = q.astype(jnp.float32) * scale  # the kernel applies no scale
 
     def run() -> Array:

@@ -207,7 +207,8 @@ def paged_cache_attention(
     pools and attends ``q: [B, S, N, H]`` over each row's slots: ``(pools, [B, S, N, H])``.
 
     ``paged_attention_implementation`` picks the kernel (one query per row; rows packed from
-    slot 0, so slots ``[0, cache_index + 1)``) or the gather (``mask: [B, 1, S, S_max]``).
+    slot 0, so slots ``[0, cache_index + 1)``, none for a row whose newest slot ``mask`` marks
+    invalid) or the gather (``mask: [B, 1, S, S_max]``).
     On a mesh whose batch axes split the rows (and for the kernel, an opaque custom call, on
     any multi-device mesh) this runs per device under ``jax.shard_map``: the table's ids are
     local to the batch shard's part of the pool (see ``sampling.paging``) and the heads split
@@ -233,6 +234,13 @@ def paged_cache_attention(
         layer = pools if layer_index is None else tuple(layer_slice(c, layer_index) for c in pools)
         if kernel:
             lengths = jnp.broadcast_to(cache_index + seq, (q.shape[0],))
+            # A row whose newest slot is masked out (a finished or empty engine slot) reads
+            # nothing: the kernel skips rows of length 0 (their output, ignored, is unset).
+            slots = mask.shape[-1]
+            newest = jnp.take_along_axis(
+                mask[:, 0, -1], jnp.minimum(lengths - 1, slots - 1)[:, None], axis=1
+            )[:, 0]
+            lengths = jnp.where(newest & (lengths <= slots), lengths, 0)
             out = _paged_kernel_attention(q[:, 0], *layer, lengths, table, scale=scale)
             return pools, out[:, None]
         k, v = (read_pages(c, table) for c in layer)

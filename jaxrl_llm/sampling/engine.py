@@ -7,7 +7,9 @@ row-steps of a static batch produce padding. The engine instead keeps ``S`` slot
 * **Admit.** Free slots take the next requests from the queue. Their distinct prompts are
   prefilled in one batch (the ``G`` samples of a prompt share one prefill) and each request's
   prompt keys/values are copied into its slot's row of the cache, right-aligned so that every
-  slot's completion starts at cache slot ``P`` (``P`` = the bucketed longest prompt).
+  slot's completion starts at cache slot ``P`` (``P`` = the bucketed longest prompt). A prompt
+  that a live slot already holds is not prefilled again: its keys/values and first-token
+  logits come from that slot (``sampling.admission``).
 * **Burst.** One jitted ``lax.while_loop`` decodes up to ``K`` tokens in every live slot
   (``burst``; EOS and each request's own ``max_new_tokens`` checked on device; fewer when every
   live slot's budget ends sooner), the rows at different cache slots (``forward`` with a
@@ -59,8 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.admission import admission, holders
 from jaxrl_llm.sampling.generate import default_cache_dtype
-from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool, sharing_key
+from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import (
     FINISH_REASONS,
@@ -209,6 +212,7 @@ class Engine:
             pad_id=self.pad_id,
             unstacked=unstacked,
             paged=self.paged,
+            hidden_dtype=default_cache_dtype(params, config),
         )
 
     def _mesh_context(self, params: Any) -> Any:
@@ -293,6 +297,7 @@ class Engine:
         counts = dict(
             decode_steps=0, slot_steps=0, bursts=0, admissions=0, prefill_rows=0, shrinks=0
         )
+        counts.update(reused_prompts=0)
         counts.update(updates=0, preemptions=0)
         pager = None if self.paged is None else self._allocator(*self.paged)
         params = self.params
@@ -333,8 +338,9 @@ class Engine:
                 )
                 admitted, into = [r for r, _ in pairs], [s for _, s in pairs]
                 if admitted:  # none when the paged cache's free blocks hold none
+                    live = (occupant, [m[0][1] if m else version for m in marks])
                     state = self._admit(
-                        params, state, requests, admitted, into, counts, pager, version
+                        params, state, requests, (admitted, into), live, counts, pager, version
                     )
                 for s, r in zip(into, admitted):
                     occupant[s] = r
@@ -392,56 +398,33 @@ class Engine:
         params: Any,
         state: EngineState,
         requests: list[Request],
-        admitted: list[int],
-        slots: list[int],
+        pairs: tuple[list[int], list[int]],
+        live: tuple[list[int | None], list[int]],
         counts: dict,
         pager: BlockAllocator | None = None,
         version: int = 0,
     ) -> EngineState:
-        prompts: dict[Any, int] = {}  # prompt key -> row of the prefill batch
-        rows: list[np.ndarray] = []
-        owner = []
-        writes = []  # (prefill row, slot, the blocks it writes): paged
-        for r, slot in zip(admitted, slots):
-            key = sharing_key(requests[r], r, version)
-            if key not in prompts:
-                prompts[key] = len(rows)
-                rows.append(requests[r].prompt)
-            owner.append(prompts[key])
-            blocks = None if pager is None else pager.admit(slot, key, len(requests[r].prompt))
-            if blocks is not None:
-                writes.append((prompts[key], slot, blocks))
-        width = bucket_length(max(len(p) for p in rows))
-        # A power of two, and a multiple of the batch shards (the prefill's rows split over them).
-        num_prompts = self.shards * _pow2(-(-len(rows) // self.shards))
-        tokens = np.full((num_prompts, width), self.pad_id, np.int32)
-        mask = np.zeros((num_prompts, width), bool)
-        for i in range(num_prompts):
-            prompt = rows[i] if i < len(rows) else rows[0]  # padding rows repeat a real prompt
-            tokens[i, width - len(prompt) :] = prompt
-            mask[i, width - len(prompt) :] = True
-        n = _pow2(len(admitted))
-        pad = n - len(admitted)
-        owner_arr = np.asarray(owner + [0] * pad, np.int32)
-        slot_arr = np.asarray(slots + [self.slots] * pad, np.int32)  # slot S: dropped
-        limits = [requests[r].max_new_tokens for r in admitted]
+        """Admits requests ``pairs[0]`` into slots ``pairs[1]`` (``live``: the occupants and
+        each slot's weight version at its admission, whose prompts are not prefilled again)."""
+        arrays, admitted = admission(
+            requests,
+            *pairs,
+            held=holders(requests, *live),
+            version=version,
+            engine_slots=self.slots,
+            shards=self.shards,
+            pad_id=self.pad_id,
+            pager=pager,
+        )
         counts["admissions"] += 1
-        counts["prefill_rows"] += len(rows)
-        paged = {}
-        if pager is not None:
-            source, dest = pager.prefill_writes(writes)
-            paged = dict(table=jnp.asarray(pager.table), dest=(source, dest))
+        for name, value in admitted.items():
+            counts[name] += value
+        arrays = jax.tree.map(jnp.asarray, arrays)
         return admit(
             params,
             state,
-            jnp.asarray(tokens),
-            jnp.asarray(mask),
-            jnp.asarray(owner_arr),
-            jnp.asarray(slot_arr),
-            jnp.asarray(np.asarray(limits + [1] * pad, np.int32)),
-            jnp.asarray(np.asarray(admitted + [0] * pad, np.int32)),
-            jnp.asarray(self.pad_id, jnp.int32),
-            **paged,
+            pad_id=jnp.asarray(self.pad_id, jnp.int32),
+            **arrays,
             config=self.config,
             mesh=self.mesh,
         )

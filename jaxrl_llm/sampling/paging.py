@@ -9,8 +9,9 @@ block table per slot; this allocator decides the table (vLLM's block manager, Kw
   of a row). A prompt's full blocks are allocated once per distinct prompt: the ``G``
   samples of a prompt that are in the engine at the same time share them
   (reference-counted; freed with the last sharer). Its partial last block, where the
-  completion goes on, is each sample's own (copied from the prefill for each sample), as
-  vLLM shares only full blocks.
+  completion goes on, is each sample's own (written from the prefill, or copied from a live
+  sharer's when the prompt is not prefilled again: ``sampling.admission``), as vLLM shares
+  only full blocks.
 * **Completions.** Blocks are allocated as a slot's row grows, before each burst for the
   tokens that burst may write, and freed when the request finishes.
 * **Preemption.** When a burst's blocks do not fit, the most recently admitted requests are
@@ -168,6 +169,10 @@ class BlockAllocator:
             source[i] = row
             dest[i] = np.where(local < self.unmapped, local + offset, self.blocks)
         return source, dest
+
+    def global_id(self, slot: int, index: int) -> int:
+        """The global id of the block at table entry ``index`` of ``slot`` (mapped)."""
+        return int(self.table[slot, index]) + self.shard(slot) * self.unmapped
 
     def growth(self, slot: int, tokens: int) -> int:
         """Blocks ``slot`` still needs for ``tokens`` completion slots after its prompt."""

@@ -81,7 +81,9 @@ class EngineStats(NamedTuple):
     slot_steps`` is the share of decode work that produced a token. ``shrinks`` counts those
     halvings.
     ``preemptions`` and ``peak_blocks``: a paged cache's requests preempted (recomputed) and
-    most blocks in use at once.
+    most blocks in use at once. ``prefill_rows``: prompts prefilled; ``reused_prompts``:
+    requests admitted from a prompt a live slot held, without a prefill
+    (``sampling.admission``).
     ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
     """
 
@@ -97,6 +99,7 @@ class EngineStats(NamedTuple):
     updates: int = 0
     preemptions: int = 0
     peak_blocks: int = 0
+    reused_prompts: int = 0
 
     @property
     def utilisation(self) -> float:

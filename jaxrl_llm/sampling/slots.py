@@ -50,6 +50,9 @@ class EngineState(NamedTuple):
       done: ``[S]`` bool, finished (or empty): the slot samples nothing.
       request: ``[S]`` int32 request id (its sampling stream).
       tokens: ``[S, T]`` int32 sampled tokens; logprobs: ``[S, T]`` f32.
+      prompt_hidden: ``[S, D]`` the final hidden state at the slot's last prompt token (the
+        compute dtype): a later sample of the prompt, admitted while this slot holds it,
+        takes its first-token logits from it instead of prefilling the prompt again.
     """
 
     cache: KVCache | PagedKVCache
@@ -62,6 +65,7 @@ class EngineState(NamedTuple):
     request: Array
     tokens: Array
     logprobs: Array
+    prompt_hidden: Array
 
 
 def init_state(
@@ -74,9 +78,11 @@ def init_state(
     pad_id: int,
     unstacked: bool,
     paged: tuple[int, int] | None = None,
+    hidden_dtype: Any = None,
 ) -> EngineState:
     """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each
-    (``paged=(blocks, block_size)``: in a pool of blocks, every table entry unmapped)."""
+    (``paged=(blocks, block_size)``: in a pool of blocks, every table entry unmapped);
+    ``hidden_dtype``: the model's compute dtype (default ``cache_dtype``)."""
     width = prompt_width + max_new_tokens
     if paged is None:
         cache = init_cache(config, slots, width, dtype=cache_dtype)
@@ -103,6 +109,9 @@ def init_state(
         request=zeros(),
         tokens=jnp.full((slots, max_new_tokens), pad_id, jnp.int32),
         logprobs=jnp.zeros((slots, max_new_tokens), jnp.float32),
+        prompt_hidden=jnp.zeros(
+            (slots, config.hidden_size), cache_dtype if hidden_dtype is None else hidden_dtype
+        ),
     )
 
 
@@ -126,6 +135,7 @@ def state_axes(state: EngineState) -> EngineState:
         request=row,
         tokens=("batch", None),
         logprobs=("batch", None),
+        prompt_hidden=("batch", None),
     )
 
 
@@ -146,8 +156,8 @@ def _constrain(state: EngineState, mesh: Any) -> EngineState:
 def admit(
     params: Any,
     state: EngineState,
-    prompt_tokens: Array,
-    prompt_mask: Array,
+    prompt_tokens: Array | None,
+    prompt_mask: Array | None,
     owner: Array,
     slot: Array,
     limit: Array,
@@ -155,6 +165,9 @@ def admit(
     pad_id: Array,
     table: Array | None = None,
     dest: tuple[Array, Array] | None = None,
+    source: Array | None = None,
+    length: Array | None = None,
+    copies: tuple[Array, Array] | None = None,
     *,
     config: Any,
     mesh: Any = None,
@@ -164,52 +177,93 @@ def admit(
 
     Paged cache: ``table`` is the new ``[S, W / P]`` block table and ``dest = (source, blocks)``
     the prefill's writes: prompt row ``source[i]``'s keys and values go to its row's logical
-    slots from 0 through the global block ids ``blocks[i]: [W / P]`` (``N``: not written)."""
-    num_prompts, width = prompt_tokens.shape
+    slots from 0 through the global block ids ``blocks[i]: [W / P]`` (``N``: not written).
+
+    **Prompts already in a slot.** ``source[j] < S`` admits request ``j`` from the prompt live
+    slot ``source[j]`` holds instead of from the prefill: its first-token logits from that
+    slot's ``prompt_hidden``, and its prompt's keys and values copied — a contiguous cache
+    copies the source row's prompt slots, a paged one shares the full blocks (``table``) and
+    copies the partial last block, ``copies = (from, to)`` global block ids (``N``: none).
+    ``length[j]``: request ``j``'s prompt length (needed with ``source``). With every request
+    from a live slot, ``prompt_tokens`` and ``prompt_mask`` are None: nothing is prefilled."""
     params = cast_params(params, config)
-    unstacked = isinstance(params["layers"], tuple)
-    cache = init_cache(
-        config, num_prompts, width, dtype=(state.cache.k[0] if unstacked else state.cache.k).dtype
-    )
-    paged = isinstance(state.cache, PagedKVCache)
-    if unstacked:
-        cache = layout.unstack_cache(cache)
-    hidden, cache = forward(
-        params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
-    )
-    logits = unembed(params, config, hidden[:, -1])  # left padding: the last column is real
-    lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+    slots = state.done.shape[0]
     slot_count = state.cache.mask.shape[1]
     prompt_width = slot_count - state.tokens.shape[1]
-    start = prompt_width - width  # contiguous: right-aligned, every completion at prompt_width
+    paged = isinstance(state.cache, PagedKVCache)
+    unstacked = isinstance(params["layers"], tuple)
+    batch_axis = 0 if unstacked else 1
+    reused = jnp.zeros(slot.shape, bool) if source is None else source < slots
+    from_slot = (
+        jnp.zeros(slot.shape, jnp.int32) if source is None else jnp.minimum(source, slots - 1)
+    )
+    hidden = state.prompt_hidden[from_slot]
+    k, v = state.cache.k, state.cache.v
 
-    def put(big: Array, small: Array, batch_axis: int) -> Array:
-        rows = jnp.take(small, owner, axis=batch_axis)
-        index = (slice(None),) * batch_axis + (slot, slice(None), slice(start, start + width))
-        return big.at[index].set(rows, mode="drop")
+    def each(fn: Any, *caches: Any) -> Any:  # over the layers' arrays when unstacked
+        if unstacked:
+            return tuple(fn(*xs) for xs in zip(*caches))
+        return fn(*caches)
 
-    def page(pool: Array, small: Array, batch_axis: int) -> Array:
-        # Packed rows: prefill column c of write i is its row's logical slot c - (width - len).
-        source, ids = dest
-        block, offset = page_slots(
-            ids, lengths[source] - width, width, pool.shape[-2], pool.shape[-3]
+    rows_mask = jnp.zeros((slot.shape[0], slot_count), bool)
+    if prompt_tokens is not None:
+        num_prompts, width = prompt_tokens.shape
+        cache = init_cache(config, num_prompts, width, dtype=jax.tree.leaves(k)[0].dtype)
+        if unstacked:
+            cache = layout.unstack_cache(cache)
+        out, cache = forward(
+            params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
         )
-        rows = jnp.swapaxes(jnp.take(small, source, axis=batch_axis), batch_axis, batch_axis + 1)
-        return pool.at[..., block, offset, :].set(rows.astype(pool.dtype), mode="drop")
+        # Left padding: the last column is every prompt's last real token.
+        hidden = jnp.where(reused[:, None], hidden, out[owner, -1].astype(hidden.dtype))
+        lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+        length = lengths[owner] if length is None else length
+        start = prompt_width - width  # contiguous: right-aligned, every completion at prompt_width
+        into = jnp.where(reused, slots, slot)  # the prefilled requests' slots
 
-    write = page if paged else put
-    if unstacked:
-        k = tuple(write(b, s, 0) for b, s in zip(state.cache.k, cache.k))
-        v = tuple(write(b, s, 0) for b, s in zip(state.cache.v, cache.v))
-    else:
-        k, v = write(state.cache.k, cache.k, 1), write(state.cache.v, cache.v, 1)
+        def put(big: Array, small: Array) -> Array:
+            rows = jnp.take(small, owner, axis=batch_axis)
+            index = (slice(None),) * batch_axis + (into, slice(None), slice(start, start + width))
+            return big.at[index].set(rows, mode="drop")
+
+        def page(pool: Array, small: Array) -> Array:
+            # Packed rows: prefill column c of write i is its row's logical slot c - (width - len).
+            rows_of, ids = dest
+            block, offset = page_slots(
+                ids, lengths[rows_of] - width, width, pool.shape[-2], pool.shape[-3]
+            )
+            rows = jnp.take(small, rows_of, axis=batch_axis)
+            rows = jnp.swapaxes(rows, batch_axis, batch_axis + 1)
+            return pool.at[..., block, offset, :].set(rows.astype(pool.dtype), mode="drop")
+
+        if paged and dest is None:
+            raise ValueError("a paged cache's prefill needs dest (its block writes)")
+        k, v = each(page if paged else put, k, cache.k), each(page if paged else put, v, cache.v)
+        if not paged:
+            rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
     if paged:  # the prompt in slots [0, len), the completion from len
-        next_slot = lengths[owner]
-        rows_mask = jnp.arange(slot_count)[None] < next_slot[:, None]
+        if copies is not None:  # the reused prompts' partial last blocks
+
+            def copy(pool: Array) -> Array:
+                return pool.at[..., copies[1], :, :].set(pool[..., copies[0], :, :], mode="drop")
+
+            k, v = each(copy, k), each(copy, v)
+        next_slot = length
+        rows_mask = jnp.arange(slot_count)[None] < length[:, None]
     else:
-        next_slot = jnp.full(owner.shape, prompt_width, jnp.int32)
-        rows_mask = jnp.zeros((owner.shape[0], slot_count), bool)
-        rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
+        if source is not None:  # the reused prompts' slots [0, P) from their live rows
+
+            def clone(big: Array) -> Array:
+                head = (slice(None),) * batch_axis
+                rows = big[(*head, from_slot, slice(None), slice(0, prompt_width))]
+                index = (*head, jnp.where(reused, slot, slots), slice(None))
+                return big.at[(*index, slice(0, prompt_width))].set(rows, mode="drop")
+
+            k, v = each(clone, k), each(clone, v)
+            prompt_slots = jnp.arange(slot_count)[None] < prompt_width
+            source_mask = state.cache.mask[from_slot] & prompt_slots
+            rows_mask = jnp.where(reused[:, None], source_mask, rows_mask)
+        next_slot = jnp.full(slot.shape, prompt_width, jnp.int32)
 
     def set_rows(x: Array, value: Any) -> Array:
         return x.at[slot].set(value, mode="drop")
@@ -222,15 +276,16 @@ def admit(
                 mask=set_rows(state.cache.mask, rows_mask),
                 **({"table": table} if paged else {}),
             ),
-            logits=set_rows(state.logits, logits[owner]),
+            logits=set_rows(state.logits, unembed(params, config, hidden)),
             next_slot=set_rows(state.next_slot, next_slot),
-            position=set_rows(state.position, lengths[owner]),
+            position=set_rows(state.position, length),
             count=set_rows(state.count, 0),
             limit=set_rows(state.limit, limit),
             done=set_rows(state.done, False),
             request=set_rows(state.request, request),
             tokens=set_rows(state.tokens, pad_id),
             logprobs=set_rows(state.logprobs, 0.0),
+            prompt_hidden=set_rows(state.prompt_hidden, hidden),
         ),
         mesh,
     )

@@ -201,6 +201,53 @@ def test_decode_through_the_paged_kernel_matches_the_gather(monkeypatch):
     assert np.abs(gathered).max() > 1  # not vanishing states
 
 
+def test_a_dead_row_reads_nothing_through_the_kernel(monkeypatch):
+    """An engine's finished or empty slot (its newest slot masked out, its blocks released:
+    table unmapped) goes to the kernel with length 0, which skips it, also one whose next slot
+    lies past its table; a live row's output is the gather's (to bf16 rounding)."""
+    from jaxrl_llm.models import attention_backends, kv_cache
+
+    rng = np.random.default_rng(4)
+    batch, heads, kv_heads, head_dim, size, blocks, width = 3, 4, 2, 16, 4, 6, 12
+    pools = tuple(
+        jnp.asarray(rng.normal(size=(kv_heads, blocks, size, head_dim)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    new = tuple(
+        jnp.asarray(rng.normal(size=(batch, 1, kv_heads, head_dim)), jnp.float32) for _ in range(2)
+    )
+    q = jnp.asarray(rng.normal(size=(batch, 1, heads, head_dim)), jnp.float32)
+    # Row 0 live at slot 5 (blocks 3, 1); row 1 dead at slot 9 (released: unmapped); row 2
+    # dead one past its table (slot 12).
+    cache_index = jnp.asarray([5, 9, 12], jnp.int32)
+    table = jnp.asarray([[3, 1, 6], [6, 6, 6], [0, 2, 4]], jnp.int32)
+    valid = np.zeros((batch, width), bool)
+    valid[0, :6] = True  # its prompt and completion so far, and the new token
+    valid[2, :12] = True  # a full row
+    mask = jnp.asarray(valid)[:, None, None, :]
+    seen = []
+    kernel_attention = attention_backends._paged_kernel_attention
+
+    def spy(q, k, v, lengths, table, *, scale):
+        seen.append(np.asarray(lengths))
+        return kernel_attention(q, k, v, lengths, table, scale=scale)
+
+    monkeypatch.setattr(attention_backends, "_paged_kernel_attention", spy)
+    out = {}
+    for implementation in ("kernel", "gather"):
+        monkeypatch.setattr(
+            kv_cache, "paged_attention_implementation", lambda *_, i=implementation: i
+        )
+        _, out[implementation] = kv_cache.paged_cache_attention(
+            pools, new, q, mask, layer_index=None, cache_index=cache_index, table=table, scale=0.25
+        )
+    np.testing.assert_array_equal(seen[0], [6, 0, 0])
+    np.testing.assert_allclose(
+        np.asarray(out["kernel"][0]), np.asarray(out["gather"][0]), atol=2e-2
+    )
+    assert np.abs(np.asarray(out["gather"][0])).max() > 0.1
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
 def test_paged_decode_compiles_to_the_kernel_for_tpu(monkeypatch):

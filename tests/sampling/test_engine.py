@@ -309,14 +309,14 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
         rng,
         [3, 7, 5, 2, 6, 4, 1, 5, 2],
         [4, 9, 2, 12, 6, 12, 3, 1, 8],
-        keys=[0, 0, 1, 2, 3, 3, 4, 5, 6],
+        keys=[0, 0, 1, 2, 3, 3, 0, 3, 6],  # 0 and 3 come back while a sample holds them
     )
     kw = dict(slots=4, max_new_tokens=12, eos_ids=(7,), pad_id=PAD, seed=2)
     # Sampled (temperature 1): equal tokens need equal logits to the last bit that matters, and
     # the log-probs are compared to 1e-5 (greedy decoding would hide logit errors).
     single, _ = generate_requests(params, config, requests, temperature=1.0, **kw)
     multi, stats = generate_requests(sharded, config, requests, temperature=1.0, mesh=mesh, **kw)
-    assert stats.admissions > 1
+    assert stats.admissions > 1 and stats.reused_prompts > 0  # copied across batch shards
     for a, b in zip(single, multi, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -417,3 +417,75 @@ def test_weights_updated_in_flight_take_over_at_the_next_token_and_tag_it(
         np.testing.assert_array_equal(got.tokens[:took_over], old.tokens[:took_over])
         np.testing.assert_allclose(got.logprobs[:took_over], old.logprobs[:took_over], atol=1e-6)
         np.testing.assert_allclose(got.logprobs[took_over:], uniform, atol=1e-5)
+
+
+def _trainer_logprobs(params, request, result, temperature):
+    prompt = np.asarray(request.prompt)[None]
+    tokens = result.tokens[None]
+    return completion_logprobs(
+        params,
+        CONFIG,
+        prompt,
+        np.ones(prompt.shape, bool),
+        tokens,
+        np.ones(tokens.shape, bool),
+        temperature=temperature,
+    )
+
+
+@pytest.mark.parametrize("kv_block_size", [None, 4])  # contiguous, paged
+def test_a_prompt_a_live_slot_holds_is_not_prefilled_again(params, rng, kv_block_size):
+    """Samples of a prompt admitted while an earlier one still decodes reuse its prompt: its
+    keys and values (copied row, or shared full blocks and a copied partial one) and its
+    first-token logits. The tokens they draw have the trainer's log-probs (so what they reuse
+    is right) and are those of a run that prefills every request."""
+    # Two 2-slot schedules: sample 0 of each prompt decodes 10 tokens while the others come
+    # and go in the other slot. Prompts of 6 (a whole 4-slot block and a partial one) and 8;
+    # request 1, another prompt, leaves blocks holding other keys and values to be reused.
+    requests = _requests(
+        rng, [6] * 4 + [8] * 4, [10, 1, 2, 1, 10, 1, 2, 1], keys=[0, None, 0, 0, 1, 1, 1, 1]
+    )
+    kw = dict(slots=2, max_new_tokens=10, eos_ids=(), pad_id=PAD, temperature=0.7, seed=4)
+    kw["kv_block_size"] = kv_block_size
+    shared, stats = generate_requests(params, CONFIG, requests, **kw)
+    assert (stats.prefill_rows, stats.reused_prompts) == (3, 5)
+    alone, alone_stats = generate_requests(
+        params, CONFIG, [r._replace(prompt_key=None) for r in requests], **kw
+    )
+    assert (alone_stats.prefill_rows, alone_stats.reused_prompts) == (8, 0)
+    for request, a, b in zip(requests, shared, alone, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        want = _trainer_logprobs(params, request, a, 0.7)
+        np.testing.assert_allclose(a.logprobs, np.asarray(want)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_block_size", [None, 2])
+def test_a_prompt_held_under_older_weights_is_prefilled_again(params, rng, kv_block_size):
+    """A request admitted after a weight update does not reuse a live slot's prompt computed by
+    the older weights: it is sampled wholly by the new ones, as in a run that starts on them."""
+    requests = _requests(rng, [5] * 6, [8, 1, 1, 1, 1, 8], keys=[0] * 6)
+    new = init_params(CONFIG, jax.random.key(9), dtype=jnp.float32)
+
+    def run(weights, updates=None):
+        engine = Engine(
+            weights,
+            CONFIG,
+            slots=2,
+            max_new_tokens=8,
+            max_prompt_len=5,
+            eos_ids=(),
+            pad_id=PAD,
+            burst=3,
+            kv_block_size=kv_block_size,
+        )
+        return engine.run(requests, seed=3, updates=updates)
+
+    # Requests 0, 1 admitted on version 0; the update lands before request 2's admission,
+    # while request 0 (version 0) still holds the prompt.
+    results, stats = run(params, _OfferAfter(new, polls=1))
+    fresh, _ = run(new)
+    assert stats.updates == 1 and stats.prefill_rows >= 2
+    for got, want in zip(results[2:], fresh[2:], strict=True):
+        assert (got.versions == 1).all()
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)

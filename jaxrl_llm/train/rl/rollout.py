@@ -330,8 +330,10 @@ def zero_variance_info(samples: Samples, group_size: int) -> dict[str, float]:
 
 def engine_info(draws: Sequence[Samples]) -> dict[str, float]:
     """The continuous engine's figures over a step's draws (none from the static sampler):
-    ``engine/slot_utilisation`` (tokens per slot-step run), ``engine/admissions``, and with a
-    paged cache ``engine/preemptions`` (requests recomputed) and ``engine/kv_peak_blocks``
+    ``engine/slot_utilisation`` (tokens per slot-step run), ``engine/admissions``,
+    ``engine/prefill_rows`` (prompts prefilled) and ``engine/reused_prompts`` (requests
+    admitted from a prompt a live slot held, not prefilled again), and with a paged cache
+    ``engine/preemptions`` (requests recomputed) and ``engine/kv_peak_blocks``
     (the most blocks in use at once)."""
     stats = [d.engine for d in draws if d.engine is not None]
     if not stats:
@@ -340,6 +342,8 @@ def engine_info(draws: Sequence[Samples]) -> dict[str, float]:
     info = {
         "engine/slot_utilisation": sum(s.tokens for s in stats) / max(slot_steps, 1),
         "engine/admissions": float(sum(s.admissions for s in stats)),
+        "engine/prefill_rows": float(sum(s.prefill_rows for s in stats)),
+        "engine/reused_prompts": float(sum(s.reused_prompts for s in stats)),
     }
     if any(s.peak_blocks for s in stats):
         info["engine/preemptions"] = float(sum(s.preemptions for s in stats))

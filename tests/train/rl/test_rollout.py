@@ -111,12 +111,16 @@ def test_constant_groups_are_replaced_in_draw_order():
 
 def test_the_engine_figures_cover_every_draw():
     """The continuous engine's figures over the step's draws, by hand: utilisation = tokens /
-    slot-steps summed over draws, preemptions and admissions summed, the peak the largest;
+    slot-steps summed over draws, preemptions, admissions, prefilled and reused prompts summed,
+    the peak the largest;
     without a paged cache no block figures, and the static sampler (no stats) none at all."""
     from jaxrl_llm.sampling.requests import EngineStats
 
     def stats(tokens, slot_steps, admissions, preemptions=0, peak=0):
-        return EngineStats(4, tokens, 0, slot_steps, 0, admissions, 0, 0, 0.0, 0, preemptions, peak)
+        prefilled, reused = admissions + 1, 2 * admissions
+        return EngineStats(
+            4, tokens, 0, slot_steps, 0, admissions, prefilled, 0, 0.0, 0, preemptions, peak, reused
+        )
 
     plain = fake_draw([[CONSTANT, VARIED, CONSTANT, CONSTANT], [VARIED] * 4])
     engine = [stats(30, 40, 3, preemptions=2, peak=9), stats(18, 20, 2, preemptions=1, peak=7)]
@@ -125,12 +129,15 @@ def test_the_engine_figures_cover_every_draw():
     assert info["engine/slot_utilisation"] == 48 / 60
     assert info["engine/admissions"] == 5 and info["engine/preemptions"] == 3
     assert info["engine/kv_peak_blocks"] == 9
+    assert info["engine/prefill_rows"] == 4 + 3 and info["engine/reused_prompts"] == 6 + 4
     contiguous = lambda attempt: plain(attempt)._replace(engine=stats(10, 40, 1))  # noqa: E731
     _, info = _collect(contiguous, dynamic_sampling=False)
     assert info == {
         "zero_variance_frac": 0.75,
         "engine/slot_utilisation": 0.25,
         "engine/admissions": 1.0,
+        "engine/prefill_rows": 2.0,
+        "engine/reused_prompts": 2.0,
     }
     _, info = _collect(plain, dynamic_sampling=False)
     assert not [k for k in info if k.startswith("engine/")]
