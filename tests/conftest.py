@@ -33,7 +33,31 @@ _UNCACHED = (
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _atomic_cache_writes() -> None:
+    """JAX's on-disk cache without a size limit writes an entry in place (``LRUCache.put``:
+    ``write_bytes``, no lock), so the other xdist worker can read it half-written and crash
+    deserializing it (seen once: a segfault in ``compilation_cache.get_executable_and_time``).
+    Here an entry is written to a temporary file and renamed into place (atomic on POSIX)."""
+    from jax._src import lru_cache  # noqa: PLC0415
+
+    put = lru_cache.LRUCache.put
+
+    def atomic_put(self, key: str, value: bytes) -> None:
+        if self.eviction_enabled or not key:  # locked (or refused) by JAX itself
+            return put(self, key, value)
+        path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+        if path.exists():
+            return None
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_bytes(value)
+        os.replace(partial, path)
+        return None
+
+    lru_cache.LRUCache.put = atomic_put
+
+
 def pytest_configure(config):
+    _atomic_cache_writes()
     if CACHE_ENV not in os.environ:
         os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jaxrl-test-jax-cache-")
         _made_cache.append(os.environ[CACHE_ENV])
