@@ -269,6 +269,19 @@ def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options:
 _PAGED_COMPUTE_SLOTS = 512
 
 
+def megacore_mode(device: Any, kv_heads: int, batch: int) -> str | None:
+    """The paged-attention kernel's ``megacore_mode`` on ``device``: on a chip whose device
+    has two TensorCores (``num_cores == 2``: TPU v4, v5p) the kernel splits its work between
+    them — over the key/value heads when they split evenly, else over the rows — or runs on
+    one of them (None: every single-core chip; the kernel may hang if told of a megacore that
+    is not there). JetStream makes the same choice."""
+    if device.platform != "tpu" or (getattr(device, "num_cores", None) or 1) < 2:
+        return None
+    if kv_heads % 2 == 0:
+        return "kv_head"
+    return "batch" if batch % 2 == 0 else None
+
+
 def _paged_kernel_attention(
     q: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array, *, scale: float
 ) -> Array:
@@ -280,8 +293,8 @@ def _paged_kernel_attention(
     unmapped ones are clamped into the pool). Lengths are clamped to ``[0, W * P]``: the kernel
     skips a row of length 0 (its output is left unset: a dead row, ignored), and a finished
     slot keeps its next slot, which may lie one past its table (the kernel must not read past
-    the table). The kernel loads the pool's blocks as bf16 and
-    computes the scores and softmax in f32.
+    the table). The kernel loads the pool's blocks as bf16 and computes the scores and softmax
+    in f32; on a two-core chip both cores run it (``megacore_mode``).
 
     Args:
       q: ``[B, N, H]`` queries (after RoPE).
@@ -296,8 +309,9 @@ def _paged_kernel_attention(
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention  # noqa: PLC0415
 
-    from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
+    from jaxrl_llm.parallel.mesh import current_device  # noqa: PLC0415
 
+    device = current_device()
     width, block_size = table.shape[1], k_pool.shape[2]
     # Compute blocks of up to _PAGED_COMPUTE_SLOTS slots; the table is padded to a whole number
     # of them (the padding, past every length, is never read).
@@ -315,9 +329,10 @@ def _paged_kernel_attention(
             lengths.astype(jnp.int32),
             table.astype(jnp.int32),
             pages_per_compute_block=per_block,
+            megacore_mode=megacore_mode(device, k_pool.shape[0], q.shape[0]),
         )
 
-    if current_platform()[0] == "tpu":
+    if device.platform == "tpu":
         return run().astype(q.dtype)
     with pltpu.force_tpu_interpret_mode():
         return run().astype(q.dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -125,11 +126,15 @@ def current_platform(mesh: Mesh | None = None) -> tuple[str, str]:
     picks a per-backend formulation (attention kernel, CPU matmul backward, layer unrolling,
     micro-batch budget) asks this, not ``jax.default_backend()``.
     """
+    device = current_device(mesh)
+    return device.platform, device.device_kind
+
+
+def current_device(mesh: Mesh | None = None) -> Any:
+    """The device (or ``AbstractDevice``: ``platform``, ``device_kind``, ``num_cores``) that
+    ``current_platform`` describes."""
     if mesh is not None:
-        device = mesh.devices.flat[0]
-        return device.platform, device.device_kind
+        return mesh.devices.flat[0]
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    if device is None:
-        device = jax.devices()[0]
-    return device.platform, device.device_kind
+    return jax.devices()[0] if device is None else device

@@ -2,6 +2,7 @@
 block table, with rows sharing blocks and blocks out of order, give the contiguous cache's
 hidden states; writes land in the table's blocks only; bad shapes are refused by name."""
 
+import functools
 import importlib.util
 
 import jax
@@ -246,6 +247,63 @@ def test_a_dead_row_reads_nothing_through_the_kernel(monkeypatch):
         np.asarray(out["kernel"][0]), np.asarray(out["gather"][0]), atol=2e-2
     )
     assert np.abs(np.asarray(out["gather"][0])).max() > 0.1
+
+
+def test_the_kernel_runs_on_both_cores_of_a_megacore_chip():
+    """``megacore_mode`` by hand: two-core TPU devices (v4, v5p) split the kernel over the
+    key/value heads when they are even, else over the rows, else not; single-core chips and
+    other platforms never (the kernel may hang when told of a second core that is not there)."""
+    from types import SimpleNamespace
+
+    from jaxrl_llm.models.attention_backends import megacore_mode
+
+    v5p = SimpleNamespace(platform="tpu", device_kind="TPU v5", num_cores=2)
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite", num_cores=1)
+    assert megacore_mode(v5p, kv_heads=2, batch=3) == "kv_head"
+    assert megacore_mode(v5p, kv_heads=1, batch=4) == "batch"
+    assert megacore_mode(v5p, kv_heads=3, batch=5) is None
+    assert megacore_mode(v5e, kv_heads=2, batch=4) is None
+    assert megacore_mode(SimpleNamespace(platform="tpu", num_cores=None), 2, 4) is None
+    assert megacore_mode(SimpleNamespace(platform="cpu", num_cores=2), 2, 4) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_the_kernel_compiles_for_both_cores_of_a_v5p_chip(monkeypatch):
+    """Deviceless AOT compile of the paged kernel on a v5p chip (two TensorCores): it is told
+    of the megacore (``kv_head``: 2 key/value heads) and Mosaic compiles it so."""
+    from jax.experimental.pallas.ops.tpu import paged_attention as module
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm.models import attention_backends
+    from tests.models.tpu_mesh import tpu_mesh
+
+    mesh = tpu_mesh(monkeypatch, "v5p:2x2x1", (1, 1, 4))
+    modes = []
+    kernel = module.paged_attention
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs.get("megacore_mode"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(module, "paged_attention", spy)
+    chip = jax.sharding.Mesh(mesh.devices.flat[:1], ("x",))
+    one = NamedSharding(chip, PartitionSpec())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+
+    args = (
+        spec((8, 4, 128), jnp.float32),  # [B, N, H]
+        spec((2, 64, 16, 128), jnp.bfloat16),  # [K, blocks, P, H]
+        spec((2, 64, 16, 128), jnp.bfloat16),
+        spec((8,), jnp.int32),
+        spec((8, 8), jnp.int32),
+    )
+    with jax.set_mesh(chip):
+        fn = functools.partial(attention_backends._paged_kernel_attention, scale=0.1)
+        compiled = jax.jit(fn).lower(*args).compile()
+    assert modes == ["kv_head"] and "tpu_custom_call" in compiled.as_text()
 
 
 @pytest.mark.slow
