@@ -67,8 +67,9 @@ def worth_unstacking(params: Params, mode: str = "auto") -> bool:
     more than the speed. Traced params count as the default backend's. ``stacked`` never
     splits; ``per_layer`` always does: on TPU, XLA copies a stacked cache's layer slices every
     step, which long completions pay for (Qwen2.5-7B with 8k tokens on v5p-8: 26% of the HBM
-    roofline stacked, 85% per layer), while short ones decode faster stacked (Qwen2.5-0.5B with
-    256 tokens on v5litepod-4: 45% per layer); ``jaxrl-llm plan`` estimates either.
+    roofline stacked, 85% per layer; Qwen2.5-0.5B with 256 tokens on v5litepod-4: at the
+    roofline either way), at the cost of the weights' second copy on each chip while decoding;
+    ``jaxrl-llm plan`` estimates either.
 
     Raises:
       ValueError: an unknown ``mode``.

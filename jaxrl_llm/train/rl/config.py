@@ -126,7 +126,8 @@ class RolloutSection:
       tensor_parallel: the sampler's tensor-parallel size (``auto``, ``trainer`` or an int;
         ``sampling.serving``).
       decode_layers: the decode loop's weights and cache ``stacked`` or ``per_layer`` (``auto``:
-        per layer on CPU; ``sampling.layout.worth_unstacking`` says when each pays on TPU).
+        per layer on CPU; on TPU per layer is as fast or faster, for a copy of the weights:
+        ``sampling.layout.worth_unstacking``).
       reward_workers: processes that score completions (``rewards.ScoringPool``: verifiers
         such as ``code_exec`` run in parallel, off the trainer's process); 0 = in-process.
       max_staleness: rollouts generated ahead, beside the update (``train.rl.pipeline``): a
