@@ -261,7 +261,38 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
         ],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
+    report["hints"] = decode_hints(job, programs, spec.usable_hbm_bytes_per_chip) if fits else []
     return report
+
+
+def decode_hints(job: Job, programs: Mapping[str, dict], usable: float) -> list[str]:
+    """Speed-ups a fitting job could take (``report["hints"]``): per-layer decoding where the
+    stacked decode loop (``rollout.decode_layers`` auto or stacked, the static sampler) runs
+    under ``DECODE_HINT_BELOW`` of its HBM roofline and its program still fits with a second
+    copy of the sampler's weights (what per layer costs; at most, since only the layer weights
+    are copied). XLA:TPU copies a stacked cache's layer slices every step; in every plan
+    measured per-layer decoding was as fast or 2.2-3.3x faster (benchmarks/RESULTS.md)."""
+    r, decode = job.cfg.rollout, programs.get("decode_step")
+    if r.decode_layers == "per_layer" or r.engine == "continuous" or decode is None:
+        return []
+    step, weights = decode["times"]["step_s"], decode["memory_bytes"].get("sampler_weights", 0)
+    if not (decode["compiled"] and step and weights):
+        return []
+    fraction = decode["hbm_roofline_s"] / step
+    with_copy = decode["total_bytes"] + weights
+    if fraction >= DECODE_HINT_BELOW or with_copy > usable:
+        return []
+    return [
+        f"rollout.decode_layers=per_layer: the stacked decode loop runs at {fraction:.0%} of "
+        "its HBM roofline (XLA copies each layer's KV-cache slice every step); per layer it "
+        f"reads them in place, for a copy of the layer weights (up to {weights / GiB:.2f} GiB "
+        f"a chip: decode_step at most {with_copy / GiB:.2f} of {usable / GiB:.2f} GiB). Plan "
+        "it to see its estimate."
+    ]
+
+
+# Below this share of its HBM roofline a stacked decode loop is worth planning per layer.
+DECODE_HINT_BELOW = 0.6
 
 
 # -- what to change --------------------------------------------------------------------------

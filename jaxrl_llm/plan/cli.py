@@ -350,6 +350,9 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"{report['hbm_per_chip_gib']:.2f} GiB a chip, {report['headroom_gib']:.2f} GiB "
             "headroom"
         )
+        if report.get("hints"):
+            lines.append("faster:")
+            lines += [f"  - {h}" for h in report["hints"]]
     else:
         over = [n for n, p in programs.items() if not p["fits"]]
         what = (

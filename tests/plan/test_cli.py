@@ -70,6 +70,7 @@ def test_small_job_fits_and_reports(small_plan):
     assert report["est_step_s"] > 0 and report["est_decode_tokens_per_s"] > 0
     assert set(report["programs"]) == PROGRAMS
     assert all(p["compiled"] and p["fits"] for p in report["programs"].values())
+    assert report["hints"] == []  # its stacked decode loop is at its roofline
     assert report["programs"]["ref_logprobs"]["shares_compile_of"] == "logprobs"
     assert report["job"]["rows"] == 32 and report["job"]["seq_len"] == 128 + 256
 

@@ -430,6 +430,38 @@ def test_suggestions_for_an_update_that_overflows(tiny_path):
     assert "v5litepod-8" in text
 
 
+def test_a_slow_stacked_decode_with_room_for_a_weight_copy_gets_a_per_layer_hint(tiny_path):
+    job = _job(tiny_path)
+    usable = job.spec.usable_hbm_bytes_per_chip
+
+    def programs(step_s, total, weights=GiB):
+        decode = {
+            "compiled": True,
+            "times": {"step_s": step_s},
+            "hbm_roofline_s": 1.0,
+            "total_bytes": total,
+            "memory_bytes": {"kv_cache": GiB, "sampler_weights": weights},
+        }
+        return {"decode_step": decode}
+
+    # At 25% of its roofline, with room for the copy (1 GiB): the hint and its figures.
+    (hint,) = pr.decode_hints(job, programs(4.0, usable - 2 * GiB), usable)
+    assert "rollout.decode_layers=per_layer" in hint and "runs at 25% of its HBM roofline" in hint
+    at_most = f"up to 1.00 GiB a chip: decode_step at most {(usable - GiB) / GiB:.2f} of"
+    assert at_most in hint
+    # None at 60% of the roofline or more, without room for the copy, per layer already, on
+    # the continuous engine (its per-layer layout is not planned), or uncompiled.
+    assert pr.decode_hints(job, programs(1 / 0.6, usable - 2 * GiB), usable) == []
+    assert pr.decode_hints(job, programs(4.0, usable - GiB // 2), usable) == []
+    for change in ({"decode_layers": "per_layer"}, {"engine": "continuous"}):
+        rollout = dataclasses.replace(job.cfg.rollout, **change)
+        other = dataclasses.replace(job, cfg=dataclasses.replace(job.cfg, rollout=rollout))
+        assert pr.decode_hints(other, programs(4.0, usable - 2 * GiB), usable) == []
+    uncompiled = programs(4.0, 0)
+    uncompiled["decode_step"]["compiled"] = False
+    assert pr.decode_hints(job, uncompiled, usable) == []
+
+
 def test_decode_hbm_bytes_per_chip_by_hand(tiny_path):
     from jaxrl_llm.train.config import MeshSection
 
