@@ -84,6 +84,35 @@ def _compilation_cache(request, tmp_path_factory):
         yield
 
 
+def _memory_maps() -> tuple[int, int] | None:
+    """(this process's memory mappings, the kernel's per-process limit), where readable."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_compiled_code():
+    """XLA:CPU maps every compiled program's code and data into the process (about six
+    mappings a program), and JAX keeps every program of the session alive in its caches. An
+    xdist worker that ran ~1,400 tests passed Linux's default limit of 65,530 mappings, and
+    the next compile or cache read died in LLVM (an abort in ``executable.serialize()``, a
+    segfault in ``deserialize_executable``; seen in three full runs). After a module, past
+    40% of the limit, JAX's caches are dropped (later modules' programs come back from the
+    on-disk cache)."""
+    yield
+    counts = _memory_maps()
+    if counts is not None and counts[0] > 0.4 * counts[1]:
+        import gc  # noqa: PLC0415
+
+        import jax  # noqa: PLC0415
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture
 def rng():
     """A NumPy generator with a fixed seed, fresh for every test."""

@@ -202,13 +202,16 @@ def paged_cache_attention(
     cache_index: Array,
     table: Array,
     scale: float,
+    key_valid: Array,
 ) -> tuple[tuple[Array, Array], Array]:
     """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
     pools and attends ``q: [B, S, N, H]`` over each row's slots: ``(pools, [B, S, N, H])``.
 
     ``paged_attention_implementation`` picks the kernel (one query per row; rows packed from
-    slot 0, so slots ``[0, cache_index + 1)``, none for a row whose newest slot ``mask`` marks
-    invalid) or the gather (``mask: [B, 1, S, S_max]``).
+    slot 0, so slots ``[0, cache_index + 1)``, none for a row whose newest slot ``key_valid``
+    (``[B, S_max]``, the slots holding real tokens after this call's write) marks invalid: a
+    finished or empty engine slot) or the gather (``mask: [B, 1, S, S_max]``, which lets every
+    query see its own slot, so it cannot tell a dead row).
     On a mesh whose batch axes split the rows (and for the kernel, an opaque custom call, on
     any multi-device mesh) this runs per device under ``jax.shard_map``: the table's ids are
     local to the batch shard's part of the pool (see ``sampling.paging``) and the heads split
@@ -227,20 +230,23 @@ def paged_cache_attention(
     )
     kernel = implementation == "kernel"
 
-    def local(pools, new, q, mask, layer_index, cache_index, table):
+    lengths = jnp.broadcast_to(cache_index + seq, (q.shape[0],))
+    if kernel:
+        # A row whose newest slot holds no real token (a finished or empty engine slot), or
+        # lies past its table, reads nothing: the kernel skips rows of length 0 (their
+        # output, ignored, is unset).
+        slots = key_valid.shape[-1]
+        newest = jnp.take_along_axis(
+            key_valid, jnp.clip(lengths - 1, 0, slots - 1)[:, None], axis=1
+        )[:, 0]
+        lengths = jnp.where(newest & (lengths <= slots), lengths, 0)
+
+    def local(pools, new, q, mask, layer_index, cache_index, table, lengths):
         pools = tuple(
             write_pages(c, n, layer_index, cache_index, table) for c, n in zip(pools, new)
         )
         layer = pools if layer_index is None else tuple(layer_slice(c, layer_index) for c in pools)
         if kernel:
-            lengths = jnp.broadcast_to(cache_index + seq, (q.shape[0],))
-            # A row whose newest slot is masked out (a finished or empty engine slot) reads
-            # nothing: the kernel skips rows of length 0 (their output, ignored, is unset).
-            slots = mask.shape[-1]
-            newest = jnp.take_along_axis(
-                mask[:, 0, -1], jnp.minimum(lengths - 1, slots - 1)[:, None], axis=1
-            )[:, 0]
-            lengths = jnp.where(newest & (lengths <= slots), lengths, 0)
             out = _paged_kernel_attention(q[:, 0], *layer, lengths, table, scale=scale)
             return pools, out[:, None]
         k, v = (read_pages(c, table) for c in layer)
@@ -249,7 +255,7 @@ def paged_cache_attention(
     mesh = jax.sharding.get_abstract_mesh()
     batch = () if mesh.empty else _mapped_axes(mesh, "batch", (table.shape[0], pools[0].shape[-3]))
     if not batch and (mesh.empty or mesh.size == 1 or not kernel):
-        return local(pools, new, q, mask, layer_index, cache_index, table)
+        return local(pools, new, q, mask, layer_index, cache_index, table, lengths)
     spec = jax.sharding.PartitionSpec
     kv_heads, heads = new[0].shape[2], q.shape[2]
     rows = spec_entry(batch)
@@ -268,12 +274,15 @@ def paged_cache_attention(
             None if layer_index is None else spec(),
             spec(rows) if jnp.ndim(cache_index) == 1 else spec(),
             spec(rows, None),
+            spec(rows),
         ),
         out_specs=((pool, pool), spec(rows, None, head, None)),
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
-    return mapped(tuple(pools), tuple(new), q, mask, layer_index, jnp.asarray(cache_index), table)
+    return mapped(
+        tuple(pools), tuple(new), q, mask, layer_index, jnp.asarray(cache_index), table, lengths
+    )
 
 
 def write_slots(cache: Array, new: Array, layer_index: Any, cache_index: Array) -> Array:

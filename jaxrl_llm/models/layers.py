@@ -265,6 +265,7 @@ class DecoderLayer(nnx.Module):
                     cache_index=cache_index,
                     table=table,
                     scale=self.scale,
+                    key_valid=key_valid,
                 )
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)

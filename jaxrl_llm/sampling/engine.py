@@ -62,7 +62,7 @@ import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.admission import admission, holders
-from jaxrl_llm.sampling.generate import default_cache_dtype
+from jaxrl_llm.sampling.generate import default_cache_dtype, hidden_dtype
 from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import (
@@ -202,6 +202,7 @@ class Engine:
             self.params = layout.unstack_layers(params) if unstacked else params
             self.sampling = replicate(sampling_params(**sampling), mesh)
             self.stops = replicate(jnp.asarray(stops), mesh)
+            hidden = hidden_dtype(params, config, rows=slots)
         if cache_dtype is None:
             cache_dtype = default_cache_dtype(params, config)
         self._state_args = dict(
@@ -212,7 +213,7 @@ class Engine:
             pad_id=self.pad_id,
             unstacked=unstacked,
             paged=self.paged,
-            hidden_dtype=default_cache_dtype(params, config),
+            hidden_dtype=hidden,
         )
 
     def _mesh_context(self, params: Any) -> Any:

@@ -179,6 +179,15 @@ def default_cache_dtype(params: Any, config: Any) -> Any:
     return jnp.dtype(max(leaves, key=lambda x: x.size).dtype)
 
 
+def hidden_dtype(params: Any, config: Any, *, rows: int = 1) -> Any:
+    """The dtype of ``forward``'s final hidden states for these weights (traced, not run): the
+    compute dtype, or what mixed parameter dtypes promote to without one (bf16 weights and an
+    f32 final norm give f32). ``rows``: the traced batch (under a mesh, a multiple of its
+    batch axes)."""
+    tokens = jax.ShapeDtypeStruct((rows, 1), jnp.int32)
+    return jax.eval_shape(lambda p, t: forward(p, config, t)[0], params, tokens).dtype
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

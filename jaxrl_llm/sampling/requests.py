@@ -153,7 +153,10 @@ def harvest(
 
 
 def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
-    checked = []
+    """The requests as ``Request``s of int32 prompts and int budgets; bad ones refused, and
+    so are two requests with one ``prompt_key`` but different prompts (the engine would give
+    the second the first's keys, values and first-token logits)."""
+    checked, first = [], {}
     for i, req in enumerate(requests):
         if not isinstance(req, Request):
             req = Request(*req) if isinstance(req, tuple) else Request(req)
@@ -169,6 +172,13 @@ def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Req
                 f"request {i}: max_new_tokens must be an int in [1, {max_new_tokens}] (the "
                 f"engine's max_new_tokens), got {req.max_new_tokens!r}"
             )
+        if req.prompt_key is not None:
+            j = first.setdefault(req.prompt_key, i)
+            if not np.array_equal(prompt, checked[j].prompt if j < i else prompt):
+                raise ValueError(
+                    f"requests {j} and {i} share prompt_key {req.prompt_key!r} but their prompts "
+                    "differ: equal keys must mean equal prompts (they share one prefill)"
+                )
         checked.append(Request(prompt.astype(np.int32), int(budget), req.prompt_key))
     return checked
 

@@ -82,7 +82,8 @@ def init_state(
 ) -> EngineState:
     """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each
     (``paged=(blocks, block_size)``: in a pool of blocks, every table entry unmapped);
-    ``hidden_dtype``: the model's compute dtype (default ``cache_dtype``)."""
+    ``hidden_dtype``: the dtype of the model's hidden states (``generate.hidden_dtype``; default
+    ``cache_dtype``)."""
     width = prompt_width + max_new_tokens
     if paged is None:
         cache = init_cache(config, slots, width, dtype=cache_dtype)

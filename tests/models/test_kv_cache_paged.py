@@ -202,6 +202,44 @@ def test_decode_through_the_paged_kernel_matches_the_gather(monkeypatch):
     assert np.abs(gathered).max() > 1  # not vanishing states
 
 
+def test_a_row_whose_new_token_is_masked_reaches_the_kernel_with_length_0(monkeypatch):
+    """Through ``forward`` (the engine's decode step): a row fed a masked token (a finished or
+    empty slot) attends over nothing in the kernel, the live row over its slots."""
+    from jaxrl_llm.models import attention_backends, kv_cache
+
+    params = init_params(CONFIG, jax.random.key(2), dtype=jnp.float32)
+    batch, prompt = 2, 5
+    tokens = np.random.default_rng(2).integers(1, CONFIG.vocab_size, (batch, prompt + 1))
+    seen = []
+    kernel_attention = attention_backends._paged_kernel_attention
+
+    def spy(q, k, v, lengths, table, *, scale):  # under the layer scan: a callback
+        jax.debug.callback(lambda x: seen.append(np.asarray(x)), lengths)
+        return kernel_attention(q, k, v, lengths, table, scale=scale)
+
+    monkeypatch.setattr(attention_backends, "_paged_kernel_attention", spy)
+    monkeypatch.setattr(
+        kv_cache,
+        "paged_attention_implementation",
+        lambda seq, *_: "kernel" if seq == 1 else "gather",
+    )
+    cache = init_paged_cache(CONFIG, batch, 8, blocks=4, block_size=4, dtype=jnp.bfloat16)
+    cache = cache._replace(table=jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+    _, cache = forward(params, CONFIG, jnp.asarray(tokens[:, :prompt]), cache=cache, cache_index=0)
+    forward(
+        params,
+        CONFIG,
+        jnp.asarray(tokens[:, prompt:]),
+        positions=jnp.full((batch, 1), prompt),
+        attention_mask=jnp.asarray([[True], [False]]),
+        cache=cache,
+        cache_index=prompt,
+    )
+    jax.effects_barrier()
+    assert len(seen) == CONFIG.num_hidden_layers
+    assert all(list(lengths) == [prompt + 1, 0] for lengths in seen)
+
+
 def test_a_dead_row_reads_nothing_through_the_kernel(monkeypatch):
     """An engine's finished or empty slot (its newest slot masked out, its blocks released:
     table unmapped) goes to the kernel with length 0, which skips it, also one whose next slot
@@ -225,7 +263,8 @@ def test_a_dead_row_reads_nothing_through_the_kernel(monkeypatch):
     valid = np.zeros((batch, width), bool)
     valid[0, :6] = True  # its prompt and completion so far, and the new token
     valid[2, :12] = True  # a full row
-    mask = jnp.asarray(valid)[:, None, None, :]
+    # The mask the layer builds lets every query see its own slot (dead rows included).
+    mask = attention_backends.attention_mask(jnp.asarray(valid), cache_index[:, None])
     seen = []
     kernel_attention = attention_backends._paged_kernel_attention
 
@@ -240,7 +279,15 @@ def test_a_dead_row_reads_nothing_through_the_kernel(monkeypatch):
             kv_cache, "paged_attention_implementation", lambda *_, i=implementation: i
         )
         _, out[implementation] = kv_cache.paged_cache_attention(
-            pools, new, q, mask, layer_index=None, cache_index=cache_index, table=table, scale=0.25
+            pools,
+            new,
+            q,
+            mask,
+            layer_index=None,
+            cache_index=cache_index,
+            table=table,
+            scale=0.25,
+            key_valid=jnp.asarray(valid),
         )
     np.testing.assert_array_equal(seen[0], [6, 0, 0])
     np.testing.assert_allclose(

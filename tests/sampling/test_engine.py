@@ -2,6 +2,7 @@
 transformers with refills happening, per-request reproducibility, trainer log-probs, stats."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +248,11 @@ def test_continuous_refills_shrinks_and_counts(params, rng):
         ({"burst": 0}, [Request([1], 1)], "burst"),
         ({"engine": "paged"}, [Request([1], 1)], "engine must be one of"),
         ({"top_k": -1}, [Request([1], 1)], "top_k"),
+        (
+            {},
+            [Request([1, 2], 2, prompt_key=0), Request([3], 1), Request([1, 3], 2, prompt_key=0)],
+            "requests 0 and 2 share prompt_key 0 but their prompts differ",
+        ),
     ],
 )
 def test_bad_input_is_refused(params, kwargs, requests, match):
@@ -473,3 +479,20 @@ def test_a_prompt_held_under_older_weights_is_prefilled_again(params, rng):
         assert (got.versions == 1).all()
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_prompt_hidden_states_keep_the_models_hidden_dtype(params):
+    """The hidden state a slot keeps for prompt reuse has the dtype ``forward`` returns: bf16
+    weights with an f32 final norm (no compute dtype) give f32 hidden states, which a
+    bf16-typed buffer would round before the first token's logits."""
+    gen = importlib.import_module("jaxrl_llm.sampling.generate")  # the module, not its function
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    mixed = {**bf16, "final_norm": params["final_norm"]}
+    computed = dataclasses.replace(CONFIG, compute_dtype="bfloat16")
+    assert gen.hidden_dtype(params, CONFIG) == jnp.float32
+    assert gen.hidden_dtype(bf16, CONFIG) == jnp.bfloat16
+    assert gen.hidden_dtype(params, computed) == jnp.bfloat16
+    assert gen.hidden_dtype(mixed, CONFIG) == jnp.float32
+    engine = _engine(mixed, slots=2, max_prompt_len=4)
+    assert engine._state_args["hidden_dtype"] == jnp.float32
+    assert engine._state_args["cache_dtype"] == jnp.bfloat16
