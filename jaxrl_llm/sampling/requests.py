@@ -22,7 +22,8 @@ class Request(NamedTuple):
       prompt: the prompt's token ids (no padding), at least one.
       max_new_tokens: this request's budget (``None``: the engine's ``max_new_tokens``).
       prompt_key: requests with equal keys share one prefill (e.g. the prompt's index for its
-        ``G`` samples); ``None`` never shares.
+        ``G`` samples), so they must have equal prompts (refused otherwise); ``None`` never
+        shares.
     """
 
     prompt: Sequence[int]
