@@ -305,7 +305,7 @@ def test_bad_arguments(tmp_path, state):
 
 _CRASH_SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     import jax, jax.numpy as jnp, numpy as np
     from orbax.checkpoint._src.path import atomicity
     from jaxrl_llm.train.checkpoint import Checkpointer
@@ -328,8 +328,15 @@ _CRASH_SCRIPT = textwrap.dedent(
         ckpt.save(2, state(2.0, 1024))
         ckpt.wait()
     elif mode == "while_writing":
-        # 64 MiB still being written by the background thread when the process dies.
+        # 64 MiB still being written by the background thread when the process dies: killed
+        # once the save's temporary directory exists (on a busy machine the thread may not
+        # have started yet right after save returns).
         ckpt.save(2, state(2.0, 16 * 1024 * 1024))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            ".orbax-checkpoint-tmp" in name for name in os.listdir(directory)
+        ):
+            time.sleep(0.001)
         die()
     elif mode == "after_reference":
         # The new reference is committed, the state step that needs it never starts.
