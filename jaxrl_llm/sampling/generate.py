@@ -183,7 +183,28 @@ def hidden_dtype(params: Any, config: Any, *, rows: int = 1) -> Any:
     """The dtype of ``forward``'s final hidden states for these weights (traced, not run): the
     compute dtype, or what mixed parameter dtypes promote to without one (bf16 weights and an
     f32 final norm give f32). ``rows``: the traced batch (under a mesh, a multiple of its
-    batch axes)."""
+    batch axes). Remembered per (config, parameter shapes and dtypes, rows): the RL loop asks
+    once per step with the same weights' structure."""
+    leaves, treedef = jax.tree.flatten(params)
+    try:
+        specs = tuple(
+            (tuple(x.shape), jnp.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves
+        )
+        hash((config, treedef, specs))
+    except (AttributeError, TypeError):  # an unhashable config or a leaf without shape/dtype
+        return _traced_hidden_dtype(params, config, rows)
+    return _remembered_hidden_dtype(config, treedef, specs, rows)
+
+
+@functools.lru_cache(maxsize=32)
+def _remembered_hidden_dtype(config: Any, treedef: Any, specs: tuple, rows: int) -> Any:
+    abstract = jax.tree.unflatten(
+        treedef, [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in specs]
+    )
+    return _traced_hidden_dtype(abstract, config, rows)
+
+
+def _traced_hidden_dtype(params: Any, config: Any, rows: int) -> Any:
     tokens = jax.ShapeDtypeStruct((rows, 1), jnp.int32)
     return jax.eval_shape(lambda p, t: forward(p, config, t)[0], params, tokens).dtype
 

@@ -175,7 +175,7 @@ def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Req
             )
         if req.prompt_key is not None:
             j = first.setdefault(req.prompt_key, i)
-            if not np.array_equal(prompt, checked[j].prompt if j < i else prompt):
+            if j != i and not np.array_equal(prompt, checked[j].prompt):
                 raise ValueError(
                     f"requests {j} and {i} share prompt_key {req.prompt_key!r} but their prompts "
                     "differ: equal keys must mean equal prompts (they share one prefill)"

@@ -496,3 +496,26 @@ def test_prompt_hidden_states_keep_the_models_hidden_dtype(params):
     engine = _engine(mixed, slots=2, max_prompt_len=4)
     assert engine._state_args["hidden_dtype"] == jnp.float32
     assert engine._state_args["cache_dtype"] == jnp.bfloat16
+
+
+def test_the_hidden_dtype_is_traced_once_per_weight_structure(params, monkeypatch):
+    """The RL loop builds an engine every step: the abstract trace behind ``hidden_dtype`` runs
+    once per (config, weight shapes/dtypes/shardings, rows), not once per engine."""
+    gen = importlib.import_module("jaxrl_llm.sampling.generate")
+    traced = []
+    real = gen._traced_hidden_dtype
+    monkeypatch.setattr(
+        gen, "_traced_hidden_dtype", lambda *a: traced.append(a[2]) or real(*a)
+    )
+    gen._remembered_hidden_dtype.cache_clear()
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    moved = jax.tree.map(lambda x: x + 1, params)  # other values, same structure
+    assert gen.hidden_dtype(params, CONFIG, rows=2) == jnp.float32
+    assert gen.hidden_dtype(moved, CONFIG, rows=2) == jnp.float32
+    assert traced == [2]
+    assert gen.hidden_dtype(bf16, CONFIG, rows=2) == jnp.bfloat16  # new dtypes: traced again
+    assert gen.hidden_dtype(params, CONFIG, rows=4) == jnp.float32  # new rows: traced again
+    assert traced == [2, 2, 4]
+    _engine(params, slots=2, max_prompt_len=4)
+    _engine(moved, slots=2, max_prompt_len=4)
+    assert traced == [2, 2, 4]  # both engines (slots=2) found it remembered
