@@ -73,9 +73,15 @@ def cache_env(directory: str | os.PathLike) -> dict[str, str]:
 
 
 def single_device_env() -> dict[str, str]:
-    """The environment without the test session's 8 fake CPU devices (a user's one CPU)."""
+    """The environment without the test session's 8 fake CPU devices (a user's one CPU) and
+    its fast-compile flag: a user's flags."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    kept = [
+        f
+        for f in flags
+        if not f.startswith("--xla_force_host_platform_device_count")
+        and f != "--xla_backend_optimization_level=0"  # the test session's (tests/conftest.py)
+    ]
     return {**os.environ, "XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": "cpu"}
 
 
