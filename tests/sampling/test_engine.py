@@ -504,9 +504,7 @@ def test_the_hidden_dtype_is_traced_once_per_weight_structure(params, monkeypatc
     gen = importlib.import_module("jaxrl_llm.sampling.generate")
     traced = []
     real = gen._traced_hidden_dtype
-    monkeypatch.setattr(
-        gen, "_traced_hidden_dtype", lambda *a: traced.append(a[2]) or real(*a)
-    )
+    monkeypatch.setattr(gen, "_traced_hidden_dtype", lambda *a: traced.append(a[2]) or real(*a))
     gen._remembered_hidden_dtype.cache_clear()
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     moved = jax.tree.map(lambda x: x + 1, params)  # other values, same structure
