@@ -66,6 +66,15 @@ def _extreme(values: Array, mask: Array, reduce, fill: float) -> Array:
     return jnp.where(jnp.any(mask > 0), out, 0.0)
 
 
+def _row_mean(values: Array, rows: Array, empty: float = 0.0) -> Array:
+    """Mean of the per-row ``values`` over ``rows`` (those with a valid token); ``empty``
+    when there are none. verl averages over every row: it never meets one without a valid
+    token, but a dynamic-sampling filler row here has none, and counting it would pull every
+    per-row statistic towards "no mismatch"."""
+    mean = jnp.sum(jnp.where(rows, values, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+    return jnp.where(jnp.any(rows), mean, empty)
+
+
 def _inverse(x: Array) -> Array:
     """``1 / x``, 0 where ``x`` is 0 (an ESS over no valid token)."""
     return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
@@ -131,7 +140,9 @@ def is_weights(
     Returns:
       ``(weights [B, T] f32, metrics)``; metrics as verl's ``rollout_is_*``: mean, max, min,
       std, eff_sample_size, ratio_fraction_high / _low, seq_mean / _std / _max / _min /
-      _max_deviation / _fraction_high / _fraction_low, oob_ratio (IcePop), batch_norm_factor.
+      _max_deviation / _fraction_high / _fraction_low, oob_ratio (IcePop), batch_norm_factor;
+      the per-row ones over the rows with a valid token (verl: every row; see
+      ``offpolicy_metrics``).
 
     Raises:
       ValueError: a bad level or bound, or shapes that differ.
@@ -172,12 +183,16 @@ def is_weights(
 def _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower) -> dict[str, Array]:
     """verl's ``compute_is_metrics``: statistics of the applied and the raw weights."""
     low = 1.0 / upper if lower is None else lower
+    rows = jnp.any(mask > 0, axis=-1)  # per-row statistics skip rows without a valid token
     m: dict[str, Array] = {"rollout_is_mean": _mean(weights, mask)}
     if level == "sequence":
-        m["rollout_is_max"] = jnp.exp(jnp.minimum(jnp.max(log_for_metrics), SAFETY_BOUND))
-        m["rollout_is_min"] = jnp.exp(jnp.min(log_for_metrics))
-        m["rollout_is_ratio_fraction_high"] = jnp.mean(log_for_metrics > math.log(upper))
-        m["rollout_is_ratio_fraction_low"] = jnp.mean(log_for_metrics < math.log(low))
+        seq_log = log_for_metrics[:, 0]
+        m["rollout_is_max"] = jnp.exp(
+            jnp.minimum(_extreme(seq_log, rows, jnp.max, -jnp.inf), SAFETY_BOUND)
+        )
+        m["rollout_is_min"] = jnp.exp(_extreme(seq_log, rows, jnp.min, jnp.inf))
+        m["rollout_is_ratio_fraction_high"] = _row_mean(seq_log > math.log(upper), rows)
+        m["rollout_is_ratio_fraction_low"] = _row_mean(seq_log < math.log(low), rows)
     else:
         m["rollout_is_ratio_fraction_high"] = _mean((raw > upper) * 1.0, mask)
         m["rollout_is_ratio_fraction_low"] = _mean((raw < low) * 1.0, mask)
@@ -188,15 +203,14 @@ def _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower) -> dic
     normalized = clamped / (_mean(clamped, mask) + _EPS)
     m["rollout_is_eff_sample_size"] = _inverse(_mean(normalized**2, mask))
     seq = _mean(weights, mask, axis=-1)
-    every_row = jnp.ones(seq.shape, bool)
-    m["rollout_is_seq_mean"] = jnp.mean(seq)
-    m["rollout_is_seq_std"] = _std(seq, every_row)
-    m["rollout_is_seq_max"] = jnp.max(seq)
-    m["rollout_is_seq_min"] = jnp.min(seq)
-    m["rollout_is_seq_max_deviation"] = jnp.max(jnp.abs(seq - 1.0))
+    m["rollout_is_seq_mean"] = _row_mean(seq, rows)
+    m["rollout_is_seq_std"] = _std(seq, rows)
+    m["rollout_is_seq_max"] = _extreme(seq, rows, jnp.max, -jnp.inf)
+    m["rollout_is_seq_min"] = _extreme(seq, rows, jnp.min, jnp.inf)
+    m["rollout_is_seq_max_deviation"] = _extreme(jnp.abs(seq - 1.0), rows, jnp.max, -jnp.inf)
     raw_seq = _mean(raw, mask, axis=-1)
-    m["rollout_is_seq_fraction_high"] = jnp.mean(raw_seq > upper)
-    m["rollout_is_seq_fraction_low"] = jnp.mean(raw_seq < low)
+    m["rollout_is_seq_fraction_high"] = _row_mean(raw_seq > upper, rows)
+    m["rollout_is_seq_fraction_low"] = _row_mean(raw_seq < low, rows)
     return m
 
 
@@ -301,7 +315,7 @@ def rejection_mask(
         )
     metrics["rollout_rs_masked_fraction"] = _mean(1.0 - keep_all, mask)
     dropped = (keep_all <= 0.5) & valid
-    metrics["rollout_rs_seq_masked_fraction"] = jnp.mean(jnp.any(dropped, axis=-1))
+    metrics["rollout_rs_seq_masked_fraction"] = _row_mean(jnp.any(dropped, axis=-1), valid_rows)
     return mask * keep_all, metrics
 
 
@@ -355,7 +369,10 @@ def offpolicy_metrics(
     (Πρ)² − 1`` (verl's ``compute_offpolicy_metrics``); beyond verl: ``ess`` (the effective
     sample size fraction ``1 / E[(ρ/Eρ)²]`` of the raw token ratios) and
     ``ratio_fraction_high`` / ``_low`` (tokens with ``ρ > threshold`` / ``ρ < 1/threshold``).
-    ``E`` is the mean over valid tokens; ``d`` is clamped to ±20 inside every exponential.
+    ``E`` is the mean over valid tokens, ``mean_rows`` (and max / min) over the rows with at
+    least one (verl: every row; it never gets an empty one, dynamic sampling's filler rows
+    here are); with none at all the perplexities are 1 and the rest 0. ``d`` is clamped to
+    ±20 inside every exponential.
     """
     rollout, mask = _inputs(rollout_logprobs, mask)
     _checks.check_batch_time("train_logprobs", train_logprobs, mask)
@@ -368,20 +385,23 @@ def offpolicy_metrics(
     lp_rollout = _mean(rollout, mask, axis=-1)
     diff = lp_rollout - lp_train
     seq_log = jnp.clip(_sum(d, mask, axis=-1), -SAFETY_BOUND, SAFETY_BOUND)
+    rows = jnp.any(mask > 0, axis=-1)  # per-row statistics skip rows without a valid token
     return {
-        "training_ppl": jnp.mean(jnp.exp(-lp_train)),
-        "training_log_ppl": jnp.mean(-lp_train),
+        "training_ppl": _row_mean(jnp.exp(-lp_train), rows, empty=1.0),
+        "training_log_ppl": _row_mean(-lp_train, rows),
         "kl": _mean(rollout - train, mask),
         "k3_kl": _mean(jnp.expm1(clipped) - clipped, mask),
-        "rollout_ppl": jnp.mean(jnp.exp(-lp_rollout)),
-        "rollout_log_ppl": jnp.mean(-lp_rollout),
-        "log_ppl_diff": jnp.mean(diff),
-        "log_ppl_abs_diff": jnp.mean(jnp.abs(diff)),
-        "log_ppl_diff_max": jnp.max(diff),
-        "log_ppl_diff_min": jnp.min(diff),
-        "ppl_ratio": jnp.mean(jnp.exp(jnp.clip(diff, -SAFETY_BOUND, SAFETY_BOUND))),
+        "rollout_ppl": _row_mean(jnp.exp(-lp_rollout), rows, empty=1.0),
+        "rollout_log_ppl": _row_mean(-lp_rollout, rows),
+        "log_ppl_diff": _row_mean(diff, rows),
+        "log_ppl_abs_diff": _row_mean(jnp.abs(diff), rows),
+        "log_ppl_diff_max": _extreme(diff, rows, jnp.max, -jnp.inf),
+        "log_ppl_diff_min": _extreme(diff, rows, jnp.min, jnp.inf),
+        "ppl_ratio": _row_mean(
+            jnp.exp(jnp.clip(diff, -SAFETY_BOUND, SAFETY_BOUND)), rows, empty=1.0
+        ),
         "chi2_token": _mean(rho**2, mask) - 1.0,
-        "chi2_seq": jnp.mean(jnp.exp(2.0 * seq_log)) - 1.0,
+        "chi2_seq": _row_mean(jnp.expm1(2.0 * seq_log), rows),
         "ess": _inverse(_mean((rho / (_mean(rho, mask) + _EPS)) ** 2, mask)),
         "ratio_fraction_high": _mean((rho > threshold) * 1.0, mask),
         "ratio_fraction_low": _mean((rho < 1.0 / threshold) * 1.0, mask),

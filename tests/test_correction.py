@@ -4,7 +4,9 @@
 ``compute_offpolicy_metrics``), written from verl's source with ``masked_mean = Σv·m/(Σm+1e-8)``.
 
 Documented deviations the reference follows: log-ratios are clamped to ±20 inside ``k3_kl``
-and ``ppl_ratio``; ``ess`` / ``ratio_fraction_*`` of the off-policy metrics are jaxrl_llm's own.
+and ``ppl_ratio``; ``ess`` / ``ratio_fraction_*`` of the off-policy metrics are jaxrl_llm's own;
+per-row statistics skip rows without a valid token (verl averages over every row, and never
+gets an empty one; dynamic sampling's filler rows here are empty).
 """
 
 from __future__ import annotations
@@ -65,11 +67,13 @@ def ref_is_weights(log_ratio, mask, *, level="token", upper=2.0, lower=None, bat
     _clear(raw, upper, valid)
     low = 1.0 / upper if lower is None else lower
     out = {"rollout_is_mean": mmean(w, m)}
+    rows = m.sum(-1) > 0  # per-row statistics over the rows with a valid token
     if level == "sequence":
-        out["rollout_is_max"] = math.exp(min(lr_metrics.max(), BOUND))
-        out["rollout_is_min"] = math.exp(lr_metrics.min())
-        out["rollout_is_ratio_fraction_high"] = np.mean(lr_metrics > math.log(upper))
-        out["rollout_is_ratio_fraction_low"] = np.mean(lr_metrics < math.log(low))
+        row_log = lr_metrics[rows, 0]
+        out["rollout_is_max"] = math.exp(min(row_log.max(), BOUND))
+        out["rollout_is_min"] = math.exp(row_log.min())
+        out["rollout_is_ratio_fraction_high"] = np.mean(row_log > math.log(upper))
+        out["rollout_is_ratio_fraction_low"] = np.mean(row_log < math.log(low))
     else:
         out["rollout_is_ratio_fraction_high"] = mmean((raw > upper) * 1.0, m)
         out["rollout_is_ratio_fraction_low"] = mmean((raw < low) * 1.0, m)
@@ -77,12 +81,12 @@ def ref_is_weights(log_ratio, mask, *, level="token", upper=2.0, lower=None, bat
     out["rollout_is_std"] = _clamped_std(w, m, 0.0, upper)
     c = np.clip(w, 0.0, upper)
     out["rollout_is_eff_sample_size"] = 1.0 / mmean((c / (mmean(c, m) + EPS)) ** 2, m)
-    seq = mmean(w, m, axis=-1)  # every row, the empty one included (verl)
+    seq = mmean(w, m, axis=-1)[rows]
     out["rollout_is_seq_mean"] = seq.mean()
     out["rollout_is_seq_std"] = seq.std(ddof=1) if seq.size > 1 else 0.0
     out["rollout_is_seq_max"], out["rollout_is_seq_min"] = seq.max(), seq.min()
     out["rollout_is_seq_max_deviation"] = np.abs(seq - 1.0).max()
-    raw_seq = mmean(raw, m, axis=-1)
+    raw_seq = mmean(raw, m, axis=-1)[rows]
     out["rollout_is_seq_fraction_high"] = np.mean(raw_seq > upper)
     out["rollout_is_seq_fraction_low"] = np.mean(raw_seq < low)
     if lower is not None:
@@ -145,18 +149,19 @@ def ref_rejection(log_ratio, mask, criteria):
         out[f"{p}_seq_masked_fraction"] = np.sum(~seq_keep & seq_valid) / seq_valid.sum()
     out["rollout_rs_masked_fraction"] = mmean(1.0 - combined, m)
     final_keep = (combined > 0.5) & valid
-    out["rollout_rs_seq_masked_fraction"] = np.mean((~final_keep & valid).any(-1))
+    out["rollout_rs_seq_masked_fraction"] = np.sum((~final_keep & valid).any(-1)) / seq_valid.sum()
     return m * combined, out
 
 
 def ref_offpolicy(train, rollout, mask, threshold=2.0):
     old, roll, m = (np.asarray(x, np.float64) for x in (train, rollout, mask))
-    lp_train, lp_roll = mmean(old, m, axis=-1), mmean(roll, m, axis=-1)
+    rows = m.sum(-1) > 0  # per-row statistics over the rows with a valid token
+    lp_train, lp_roll = mmean(old, m, axis=-1)[rows], mmean(roll, m, axis=-1)[rows]
     d = old - roll
     dc = np.clip(d, -BOUND, BOUND)  # verl: unclamped in k3_kl (documented)
     diff = lp_roll - lp_train
     rho = np.exp(dc)
-    seq_log = np.clip(msum(d, m, axis=-1), -BOUND, BOUND)
+    seq_log = np.clip(msum(d, m, axis=-1), -BOUND, BOUND)[rows]
     return {
         "training_ppl": np.mean(np.exp(-lp_train)),
         "training_log_ppl": np.mean(-lp_train),
@@ -383,6 +388,57 @@ def test_all_masked_batch_gives_zeros_and_finite_metrics():
 
 def test_all_masked_batch_ess_is_finite():
     chex.assert_tree_all_finite({k: _all_masked()[2][k] for k in ESS_KEYS})
+
+
+def _every_metric(lr, mask, train, rollout):
+    out = {}
+    for level in IS_LEVELS:
+        _, m = correction.is_weights(lr, mask, level=level, upper=1.5, lower=0.7)
+        out.update({f"{level}/{k}": v for k, v in m.items()})
+    _, m = correction.rejection_mask(lr, mask, criteria={"token_k1": 2.0, "seq_mean_k3": 0.2})
+    out.update(m)
+    out.update(correction.offpolicy_metrics(train, rollout, mask))
+    return {k: float(v) for k, v in out.items()}
+
+
+def test_rows_without_a_valid_token_change_no_metric():
+    """A dynamic-sampling filler row (completion mask all 0) is not data: every metric is
+    what the batch without it gives (verl would count it in its per-row averages)."""
+    lr, mask, train, rollout = data()
+    keep = mask.sum(-1) > 0
+    without = _every_metric(lr[keep], mask[keep], train[keep], rollout[keep])
+    filler = np.zeros((2, T), np.float32)
+    garbage = np.full((2, T), 3.0, np.float32)  # padding values must not matter either
+    with_rows = _every_metric(
+        *(
+            np.concatenate([x, g])
+            for x, g in ((lr, garbage), (mask, filler), (train, garbage), (rollout, filler))
+        )
+    )
+    assert set(with_rows) == set(without)
+    for key, value in without.items():
+        np.testing.assert_allclose(with_rows[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_sequence_metrics_beside_an_empty_row_by_hand():
+    """One row with Σ log ρ = −0.5 beside an empty one, sequence TIS at 2: ρ = e^−0.5 =
+    0.6065 is every per-row statistic (verl's averages over both rows would give a max of
+    1, a min of 0, a max deviation of 1 and a low fraction of 0.5)."""
+    lr = np.array([[-0.25, -0.25, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 0], [0, 0, 0]], np.float32)
+    _, m = correction.is_weights(lr, mask, level="sequence", upper=2.0)
+    rho = math.exp(-0.5)
+    for key, want in (
+        ("rollout_is_max", rho),
+        ("rollout_is_min", rho),
+        ("rollout_is_seq_mean", rho),
+        ("rollout_is_seq_max", rho),
+        ("rollout_is_seq_min", rho),
+        ("rollout_is_seq_max_deviation", 1.0 - rho),
+        ("rollout_is_seq_fraction_low", 0.0),  # 0.6065 > 1/2
+        ("rollout_is_seq_std", 0.0),  # one row
+    ):
+        np.testing.assert_allclose(float(m[key]), want, rtol=1e-6, err_msg=key)
 
 
 # -- gradients, jit, errors ------------------------------------------------------------------------

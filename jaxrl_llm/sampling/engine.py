@@ -330,11 +330,14 @@ class Engine:
                     counts["shrinks"] += 1
                     free = [s for s, r in enumerate(occupant) if r is None]
             if queue and free and (self.engine == "continuous" or len(free) == self.slots):
+                # Blocks an admission provides for: the next burst, or a static batch's whole
+                # run (its requests are not refilled, nor should they be preempted at once).
+                reserve = self.burst if self.engine == "continuous" else self.max_new_tokens
                 pairs = (
                     [(queue.popleft(), s) for s in free[: len(queue)]]
                     if pager is None
                     else pager.admissible(
-                        requests, queue, free, (occupant, host_count, self.burst), version
+                        requests, queue, free, (occupant, host_count, reserve), version
                     )
                 )
                 admitted, into = [r for r, _ in pairs], [s for _, s in pairs]

@@ -43,6 +43,14 @@ log = logging.getLogger(__name__)
 _REFERENCE_DIR = "reference"
 
 
+def _key_name(key: Any) -> str:
+    """One path entry as orbax names it in a leaf's metadata (``params.embed``)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 class Checkpointer:
     """Saves and restores ``TrainState`` checkpoints, optionally asynchronously.
 
@@ -293,6 +301,27 @@ class Checkpointer:
         self._state_manager.wait_until_finished()
         return step
 
+    def _check_shapes(self, step: int, target: PyTree) -> None:
+        """Refuses a target whose leaves' shapes differ from the saved ones, naming the first,
+        before any read starts (orbax finds it mid-read, leaving the other reads' coroutines
+        to be collected with "Exception ignored" noise). Leaves the checkpoint lacks, and
+        metadata this orbax cannot give, are left to the restore to refuse."""
+        try:
+            saved = self._state_manager.item_metadata(step)["state"]
+            saved = {m.name: tuple(m.shape) for m in jax.tree.leaves(saved.tree)}
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return
+        for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+            name = ".".join(_key_name(k) for k in path)
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # saved as its key data
+                leaf = jax.eval_shape(jax.random.key_data, leaf)
+            if name in saved and tuple(leaf.shape) != saved[name]:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.directory} does not match "
+                    f"abstract_state: {name} has shape {saved[name]} there, "
+                    f"{tuple(leaf.shape)} here"
+                )
+
     def restore(
         self,
         step: int | None = None,
@@ -325,11 +354,13 @@ class Checkpointer:
         if abstract_reference is not None:
             abstract_reference = _abstract_tree(abstract_reference, "abstract_reference")
         step = self._resolve_step(step)
+        target = process_local.host_target(abstract_state)
+        self._check_shapes(step, target)
         try:
             restored = self._state_manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(process_local.host_target(abstract_state)),
+                    state=ocp.args.StandardRestore(target),
                     extra=ocp.args.JsonRestore(),
                 ),
             )

@@ -256,6 +256,22 @@ def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
         assert a.finish_reason == b.finish_reason
 
 
+def test_a_static_batch_is_admitted_for_its_whole_run(params, rng):
+    """The static engine runs a batch to its end, so an admission provides blocks for every
+    request's whole budget: with 12 blocks of 4 for 4 slots (room for the first bursts of
+    4 requests, not for their 12 tokens each), a smaller batch is admitted and nothing is
+    preempted; the tokens are the contiguous cache's."""
+    requests = _grouped(rng, [3, 6, 5, 4, 7, 2], 1, [12])
+    kw = dict(slots=4, max_new_tokens=12, eos_ids=(), pad_id=PAD, seed=3, burst=2)
+    want, _ = generate_requests(params, CONFIG, requests, engine="static", **kw)
+    got, stats = generate_requests(
+        params, CONFIG, requests, engine="static", kv_block_size=4, kv_blocks=12, **kw
+    )
+    assert stats.preemptions == 0 and stats.admissions > 2 and stats.peak_blocks <= 12
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
 def test_block_sizes_that_are_not_powers_of_two(params, rng):
     """Blocks of 6 (the prompt bucket is 8): prompts of a full block and a partial one, of a
     partial one only, and of exactly the bucket sample the contiguous cache's tokens."""

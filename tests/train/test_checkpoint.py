@@ -296,7 +296,12 @@ def test_bad_arguments(tmp_path, state):
     wrong = _abstract(state)._replace(
         params={**_abstract(state.params), "embed": _abstract(state.params["embed"][:4])}
     )
-    with pytest.raises(ValueError, match="does not match abstract_state"):
+    # Named before any read starts (orbax would find it mid-read).
+    with pytest.raises(
+        ValueError,
+        match=r"does not match abstract_state: params\.embed has shape \(\d+, \d+\) "
+        r"there, \(4, \d+\) here",
+    ):
         ckpt.restore(abstract_state=wrong)
     ckpt.close()
 

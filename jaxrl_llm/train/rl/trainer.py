@@ -62,6 +62,25 @@ def _param_count(model_config) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
 
 
+def advantage_metrics(advantages: np.ndarray, trained: np.ndarray) -> dict[str, float]:
+    """Mean, std, max and min of the advantages the update trains on: per row (``[B]``) over
+    the rows with a trained token, per token (``[B, T]``) over the trained tokens; all 0 when
+    there are none (a batch of dynamic sampling's filler rows only)."""
+    trained = np.asarray(trained) > 0
+    if advantages.ndim == 1:
+        valid = advantages[trained.any(axis=1)]
+    else:
+        valid = advantages[trained]
+    if not valid.size:
+        valid = np.zeros(1, np.float32)
+    return {
+        "advantage_mean": float(valid.mean()),
+        "advantage_std": float(valid.std()),
+        "advantage_max": float(valid.max()),
+        "advantage_min": float(valid.min()),
+    }
+
+
 class RLTrainer(RolloutSide, Trainer):
     """One RL run: owns the state, the reference, the data position and the writers."""
 
@@ -376,15 +395,11 @@ class RLTrainer(RolloutSide, Trainer):
         self._update_reference(step + 1)
 
         lengths = mask.sum(axis=1)
-        valid_adv = adv if adv.ndim == 1 else adv[trained]
         return {
             "reward_mean": float(samples.rewards.mean()),
             "reward_std": float(samples.rewards.std()),
             "accuracy": float(samples.correct.mean()),
-            "advantage_mean": float(valid_adv.mean()),
-            "advantage_std": float(valid_adv.std()),
-            "advantage_max": float(valid_adv.max()),
-            "advantage_min": float(valid_adv.min()),
+            **advantage_metrics(adv, trained),
             "completion_length_mean": float(lengths.mean()),
             "completion_length_max": float(lengths.max()),
             "completion_clipped_frac": float((~samples.finished).mean()),

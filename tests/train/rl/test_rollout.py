@@ -330,6 +330,20 @@ def test_a_step_with_filler_groups_trains_on_the_kept_group_only(trainer, monkey
         metrics["completion_length_mean"] * PROMPTS * GROUP
     )
     assert metrics["grad_norm"] > 0.0
+    # Advantages of the kept group only: its rewards 0, 1, 2, 3 give (r - 1.5) / s for some
+    # scale s, whose std over 4 rows is sqrt(1.25) / s and max 1.5 / s (over all 16 rows,
+    # the 12 filler rows' zeros among them: sqrt(5 / 16) / s).
+    assert metrics["advantage_std"] / metrics["advantage_max"] == pytest.approx(
+        np.sqrt(1.25) / 1.5, rel=1e-4
+    )
+
+
+def test_a_step_of_filler_groups_only_reports_zero_advantages(trainer, monkeypatch):
+    _script(trainer, monkeypatch, [[CONSTANT] * PROMPTS] * 2)
+    metrics = trainer.train_step(4, PhaseTimer())
+    assert metrics["dynamic/filled_groups"] == PROMPTS and metrics["num_tokens"] == 0
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert metrics["advantage_std"] == metrics["advantage_max"] == 0.0
 
 
 def test_the_continuous_engine_samples_what_the_static_one_does(trainer, monkeypatch):

@@ -561,3 +561,36 @@ def test_the_removed_model_dtype_key_names_its_replacements(tmp_path):
         match=r"model.dtype was split in two: model.param_dtype .* and model.compute_dtype",
     ):
         rl_helpers.tiny_config(None, tmp_path, "model.dtype=bfloat16")
+
+
+# -- advantage metrics -----------------------------------------------------------------------------
+
+
+def test_advantage_metrics_cover_the_trained_rows_and_tokens_only():
+    """By hand: per-row advantages over the rows with a trained token, per-token ones over the
+    trained tokens; a batch with none (dynamic sampling's filler only) reports zeros."""
+    from jaxrl_llm.train.rl.trainer import advantage_metrics
+
+    trained = np.array([[1, 1, 0], [0, 0, 0], [1, 0, 0]], np.float32)  # row 1: filler
+    rows = advantage_metrics(np.array([2.0, 100.0, -1.0], np.float32), trained)
+    assert rows == pytest.approx(
+        {"advantage_mean": 0.5, "advantage_std": 1.5, "advantage_max": 2.0, "advantage_min": -1.0}
+    )
+    per_token = np.array([[1.0, 3.0, 50.0], [9.0, 9.0, 9.0], [-4.0, 7.0, 7.0]], np.float32)
+    tokens = advantage_metrics(per_token, trained)  # 1, 3, -4
+    assert tokens == pytest.approx(
+        {
+            "advantage_mean": 0.0,
+            "advantage_std": np.sqrt(26 / 3),
+            "advantage_max": 3.0,
+            "advantage_min": -4.0,
+        }
+    )
+    empty = np.zeros_like(trained)
+    for advantages in (np.ones(3, np.float32), per_token):
+        assert advantage_metrics(advantages, empty) == {
+            "advantage_mean": 0.0,
+            "advantage_std": 0.0,
+            "advantage_max": 0.0,
+            "advantage_min": 0.0,
+        }
