@@ -12,9 +12,11 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM at -O0 for the session's own compiles: XLA:CPU compiling is ~70% of this suite's time
 # and LLVM's optimisation a third of each compile (tests/sampling/test_engine.py: 150 s -> 105
-# s). The HLO -- fusions, layouts, collectives, memory -- is the same at every level, and so
-# are the floats (XLA:CPU uses no fast-math); only the CPU kernels run slower. Runs "as a user
-# runs them" (the console-script jobs, ``tests.train.helpers.single_device_env``) drop it.
+# s). The HLO -- fusions, layouts, collectives, memory -- is the same at every level; the CPU
+# kernels run slower and round differently in the last bits (-O2 fuses multiply-adds), so a
+# result compared with this session's to the bit must come from the same level (the
+# multi-process launcher passes it on). Runs "as a user runs them" (the console-script jobs,
+# ``tests.train.helpers.single_device_env``) drop it.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " " + FAST_COMPILE_FLAG).strip()

@@ -67,8 +67,15 @@ def worker_env(port: int, process_id: int, num_processes: int, local_devices: in
     """The environment of one worker: explicit ``JAX_*`` cluster variables, CPU devices, and
     nothing inherited that could make JAX auto-detect another cluster."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED_ENV)}
+    # The session's LLVM level (tests/conftest.py) too: the workers' results are compared
+    # with programs this session compiled, and LLVM's levels round differently (FMAs).
+    flags = [f"--xla_force_host_platform_device_count={local_devices}"] + [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if f.startswith("--xla_backend_optimization_level")
+    ]
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+        XLA_FLAGS=" ".join(flags),
         JAX_PLATFORMS="cpu",
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(num_processes),

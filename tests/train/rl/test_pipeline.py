@@ -222,7 +222,7 @@ def _overlap(run_dir, first_step: int = 2) -> float:
     )
 
 
-# Set to 1 to resume the two-process run in a second launch (about 20 s more).
+# Set to 0 to skip resuming the two-process run in a second launch (about 20 s; CI runs it).
 REMOTE_RESUME_ENV = "JAXRL_REMOTE_RESUME_CHECK"
 
 
@@ -248,7 +248,7 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
     """``mesh.rollout_devices=4`` on two processes of 4 devices: process 1 only samples, process
     0 trains, weights cross device to device and batches through the coordination service. Run
     for 2 steps, it samples and trains what the one-process job on 8 devices does and saves the
-    batch in flight. With ``JAXRL_REMOTE_RESUME_CHECK=1`` (off in CI for its time budget) it is
+    batch in flight. Unless ``JAXRL_REMOTE_RESUME_CHECK=0`` (a quicker local run) it is
     then resumed to 4 steps in a second launch (the batch in flight restored, the sampler's data
     position sent back) and must match the one-process run's 4 rows and exported weights."""
     from jaxrl_llm import models
@@ -263,7 +263,7 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
     # Batch 1 was generated on the other process while step 0's log-probs and update ran.
     assert _overlap(run_dir, first_step=1) > 0, "no rollout ran while the trainer updated"
 
-    resume = os.environ.get(REMOTE_RESUME_ENV) == "1"
+    resume = os.environ.get(REMOTE_RESUME_ENV) != "0"
     if resume:
         resumed = _two_process_train(
             tmp_path, f"run_dir={run_dir}", "trainer.max_steps=4", "resume=true"
@@ -289,8 +289,10 @@ def test_sampler_on_another_process_trains_what_one_process_does(async_run, tmp_
     if resume:
         _, params = models.load_pretrained(run_dir / "hf", dtype=np.float32)
         _, single = models.load_pretrained(single_dir / "hf", dtype=np.float32)
+        # Adam's normalised steps carry the float noise of near-zero gradients into the
+        # weights: up to ~0.3% of one step (lr 2e-4) measured; 1% allowed.
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(single), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.slow
