@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _checks
+from jaxrl_llm import masked_stats as ms
 
 Array = jax.Array
 
@@ -46,54 +47,7 @@ MODES = ("decoupled", "bypass")
 TOKEN_CRITERIA = ("token_k1", "token_k2", "token_k3")
 _SEQ = tuple(f"seq_{stat}_k{n}" for stat in ("sum", "mean") for n in (1, 2, 3))
 CRITERIA = (*TOKEN_CRITERIA, *_SEQ, "seq_max_k2", "seq_max_k3")
-_EPS = 1e-8
-
-
-# -- masked reductions (verl_F semantics: Σ v·m / (Σ m + 1e-8)) ---------------------------------
-
-
-def _sum(values: Array, mask: Array, axis=None) -> Array:
-    return jnp.sum(jnp.where(mask > 0, values, 0.0) * mask, axis=axis)
-
-
-def _mean(values: Array, mask: Array, axis=None) -> Array:
-    return _sum(values, mask, axis) / (jnp.sum(mask, axis=axis) + _EPS)
-
-
-def _extreme(values: Array, mask: Array, reduce, fill: float) -> Array:
-    """``reduce`` over the entries where ``mask``; 0 when there are none."""
-    out = reduce(jnp.where(mask > 0, values, fill))
-    return jnp.where(jnp.any(mask > 0), out, 0.0)
-
-
-def _row_mean(values: Array, rows: Array, empty: float = 0.0) -> Array:
-    """Mean of the per-row ``values`` over ``rows`` (those with a valid token); ``empty``
-    when there are none. verl averages over every row: it never meets one without a valid
-    token, but a dynamic-sampling filler row here has none, and counting it would pull every
-    per-row statistic towards "no mismatch"."""
-    mean = jnp.sum(jnp.where(rows, values, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
-    return jnp.where(jnp.any(rows), mean, empty)
-
-
-def _inverse(x: Array) -> Array:
-    """``1 / x``, 0 where ``x`` is 0 (an ESS over no valid token)."""
-    return jnp.where(x > 0, 1.0 / jnp.where(x > 0, x, 1.0), 0.0)
-
-
-def _std(values: Array, valid: Array) -> Array:
-    """Sample std (ddof 1) over the ``valid`` entries of a vector; 0 with fewer than two."""
-    n = jnp.sum(valid)
-    mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(n, 1.0)
-    var = jnp.sum(jnp.where(valid, (values - mean) ** 2, 0.0)) / jnp.maximum(n - 1.0, 1.0)
-    return jnp.where(n > 1, jnp.sqrt(var), 0.0)
-
-
-def _clamped_std(values: Array, mask: Array, low: float, high: float) -> Array:
-    """verl's token std: of ``values`` clamped to ``[low, high]``; 0 with one valid token."""
-    clamped = jnp.clip(values, low, high)
-    mean = _mean(clamped, mask)
-    var = _mean(clamped**2, mask) - mean**2
-    return jnp.where(jnp.sum(mask) > 1, jnp.sqrt(jnp.maximum(var, 0.0)), 0.0)
+_EPS = ms.EPS
 
 
 def _inputs(log_ratio: Array, mask: Array) -> tuple[Array, Array]:
@@ -154,7 +108,7 @@ def is_weights(
         log_for_metrics = log_ratio
         raw = jnp.exp(jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
     else:
-        log_for_metrics = _sum(log_ratio, mask, axis=-1)[:, None]
+        log_for_metrics = ms.masked_sum(log_ratio, mask, axis=-1)[:, None]
         raw = jnp.broadcast_to(
             jnp.exp(jnp.clip(log_for_metrics, -SAFETY_BOUND, SAFETY_BOUND)), log_ratio.shape
         )
@@ -165,14 +119,16 @@ def is_weights(
         weights = jnp.where((raw >= lower) & (raw <= upper), raw, 0.0)
     metrics = _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower)
     if lower is not None:
-        metrics["rollout_is_oob_ratio"] = _mean(((raw < lower) | (raw > upper)) * 1.0, mask)
+        metrics["rollout_is_oob_ratio"] = ms.masked_mean(
+            ((raw < lower) | (raw > upper)) * 1.0, mask
+        )
     weights = jax.lax.stop_gradient(weights)
     if batch_normalize:
         if level == "token":
-            mean = _mean(weights, mask)
+            mean = ms.masked_mean(weights, mask)
         else:
             rows = jnp.sum(mask, axis=-1) > 0
-            seq = _mean(weights, mask, axis=-1)
+            seq = ms.masked_mean(weights, mask, axis=-1)
             mean = jnp.sum(seq * rows) / jnp.maximum(jnp.sum(rows), _EPS)
         ok = mean > _EPS
         weights = jnp.where(ok, weights / jnp.where(ok, mean, 1.0), weights)
@@ -184,33 +140,33 @@ def _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower) -> dic
     """verl's ``compute_is_metrics``: statistics of the applied and the raw weights."""
     low = 1.0 / upper if lower is None else lower
     rows = jnp.any(mask > 0, axis=-1)  # per-row statistics skip rows without a valid token
-    m: dict[str, Array] = {"rollout_is_mean": _mean(weights, mask)}
+    m: dict[str, Array] = {"rollout_is_mean": ms.masked_mean(weights, mask)}
     if level == "sequence":
         seq_log = log_for_metrics[:, 0]
         m["rollout_is_max"] = jnp.exp(
-            jnp.minimum(_extreme(seq_log, rows, jnp.max, -jnp.inf), SAFETY_BOUND)
+            jnp.minimum(ms.extreme(seq_log, rows, jnp.max, -jnp.inf), SAFETY_BOUND)
         )
-        m["rollout_is_min"] = jnp.exp(_extreme(seq_log, rows, jnp.min, jnp.inf))
-        m["rollout_is_ratio_fraction_high"] = _row_mean(seq_log > math.log(upper), rows)
-        m["rollout_is_ratio_fraction_low"] = _row_mean(seq_log < math.log(low), rows)
+        m["rollout_is_min"] = jnp.exp(ms.extreme(seq_log, rows, jnp.min, jnp.inf))
+        m["rollout_is_ratio_fraction_high"] = ms.row_mean(seq_log > math.log(upper), rows)
+        m["rollout_is_ratio_fraction_low"] = ms.row_mean(seq_log < math.log(low), rows)
     else:
-        m["rollout_is_ratio_fraction_high"] = _mean((raw > upper) * 1.0, mask)
-        m["rollout_is_ratio_fraction_low"] = _mean((raw < low) * 1.0, mask)
-        m["rollout_is_max"] = _extreme(weights, mask, jnp.max, -jnp.inf)
-        m["rollout_is_min"] = _extreme(weights, mask, jnp.min, jnp.inf)
-    m["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)
+        m["rollout_is_ratio_fraction_high"] = ms.masked_mean((raw > upper) * 1.0, mask)
+        m["rollout_is_ratio_fraction_low"] = ms.masked_mean((raw < low) * 1.0, mask)
+        m["rollout_is_max"] = ms.extreme(weights, mask, jnp.max, -jnp.inf)
+        m["rollout_is_min"] = ms.extreme(weights, mask, jnp.min, jnp.inf)
+    m["rollout_is_std"] = ms.clamped_std(weights, mask, 0.0, upper)
     clamped = jnp.clip(weights, 0.0, upper)
-    normalized = clamped / (_mean(clamped, mask) + _EPS)
-    m["rollout_is_eff_sample_size"] = _inverse(_mean(normalized**2, mask))
-    seq = _mean(weights, mask, axis=-1)
-    m["rollout_is_seq_mean"] = _row_mean(seq, rows)
-    m["rollout_is_seq_std"] = _std(seq, rows)
-    m["rollout_is_seq_max"] = _extreme(seq, rows, jnp.max, -jnp.inf)
-    m["rollout_is_seq_min"] = _extreme(seq, rows, jnp.min, jnp.inf)
-    m["rollout_is_seq_max_deviation"] = _extreme(jnp.abs(seq - 1.0), rows, jnp.max, -jnp.inf)
-    raw_seq = _mean(raw, mask, axis=-1)
-    m["rollout_is_seq_fraction_high"] = _row_mean(raw_seq > upper, rows)
-    m["rollout_is_seq_fraction_low"] = _row_mean(raw_seq < low, rows)
+    normalized = clamped / (ms.masked_mean(clamped, mask) + _EPS)
+    m["rollout_is_eff_sample_size"] = ms.inverse(ms.masked_mean(normalized**2, mask))
+    seq = ms.masked_mean(weights, mask, axis=-1)
+    m["rollout_is_seq_mean"] = ms.row_mean(seq, rows)
+    m["rollout_is_seq_std"] = ms.std(seq, rows)
+    m["rollout_is_seq_max"] = ms.extreme(seq, rows, jnp.max, -jnp.inf)
+    m["rollout_is_seq_min"] = ms.extreme(seq, rows, jnp.min, jnp.inf)
+    m["rollout_is_seq_max_deviation"] = ms.extreme(jnp.abs(seq - 1.0), rows, jnp.max, -jnp.inf)
+    raw_seq = ms.masked_mean(raw, mask, axis=-1)
+    m["rollout_is_seq_fraction_high"] = ms.row_mean(raw_seq > upper, rows)
+    m["rollout_is_seq_fraction_low"] = ms.row_mean(raw_seq < low, rows)
     return m
 
 
@@ -295,9 +251,9 @@ def rejection_mask(
             keep = (stat >= low) & (stat <= high) if k1 else stat <= high
         else:
             if name.startswith("seq_sum"):
-                seq_stat = _sum(stat, mask, axis=-1)
+                seq_stat = ms.masked_sum(stat, mask, axis=-1)
             elif name.startswith("seq_mean"):
-                seq_stat = _mean(stat, mask, axis=-1)
+                seq_stat = ms.masked_mean(stat, mask, axis=-1)
             else:
                 seq_stat = jnp.max(jnp.where(valid, stat, -jnp.inf), axis=-1)
                 seq_stat = jnp.where(valid_rows, seq_stat, 0.0)  # an empty row: 0
@@ -308,14 +264,14 @@ def rejection_mask(
         keep = keep.astype(jnp.float32)
         keep_all = keep_all * keep
         prefix = f"rollout_rs_{name}"
-        metrics[f"{prefix}_masked_fraction"] = _mean(1.0 - keep, mask)
+        metrics[f"{prefix}_masked_fraction"] = ms.masked_mean(1.0 - keep, mask)
         row_kept = jnp.all(~((keep == 0) & valid), axis=-1)
         metrics[f"{prefix}_seq_masked_fraction"] = jnp.sum((~row_kept) & valid_rows) / jnp.maximum(
             jnp.sum(valid_rows), 1
         )
-    metrics["rollout_rs_masked_fraction"] = _mean(1.0 - keep_all, mask)
+    metrics["rollout_rs_masked_fraction"] = ms.masked_mean(1.0 - keep_all, mask)
     dropped = (keep_all <= 0.5) & valid
-    metrics["rollout_rs_seq_masked_fraction"] = _row_mean(jnp.any(dropped, axis=-1), valid_rows)
+    metrics["rollout_rs_seq_masked_fraction"] = ms.row_mean(jnp.any(dropped, axis=-1), valid_rows)
     return mask * keep_all, metrics
 
 
@@ -323,30 +279,30 @@ def _rs_metrics(name, stat, seq_stat, mask, valid_rows, low, high, k1) -> dict[s
     """verl's ``compute_rs_metrics`` for one criterion."""
     p = f"rollout_rs_{name}"
     n_rows = jnp.maximum(jnp.sum(valid_rows), 1)
-    seq = _mean(stat, mask, axis=-1) if seq_stat is None else seq_stat
-    m: dict[str, Array] = {f"{p}_mean": _mean(stat, mask)}
-    token_max = _extreme(stat, mask, jnp.max, -jnp.inf)
-    token_min = _extreme(stat, mask, jnp.min, jnp.inf)
-    rows_max = _extreme(seq, valid_rows, jnp.max, -jnp.inf)
-    rows_min = _extreme(seq, valid_rows, jnp.min, jnp.inf)
+    seq = ms.masked_mean(stat, mask, axis=-1) if seq_stat is None else seq_stat
+    m: dict[str, Array] = {f"{p}_mean": ms.masked_mean(stat, mask)}
+    token_max = ms.extreme(stat, mask, jnp.max, -jnp.inf)
+    token_min = ms.extreme(stat, mask, jnp.min, jnp.inf)
+    rows_max = ms.extreme(seq, valid_rows, jnp.max, -jnp.inf)
+    rows_min = ms.extreme(seq, valid_rows, jnp.min, jnp.inf)
     any_rows = jnp.any(valid_rows)
     seq_high = jnp.sum((seq > high) & valid_rows) / n_rows
     seq_low = jnp.sum((seq < low) & valid_rows) / n_rows
     if seq_stat is None:  # a token criterion: token statistics
         m[f"{p}_max"], m[f"{p}_min"] = token_max, token_min
-        m[f"{p}_fraction_high"] = _mean((stat > high) * 1.0, mask)
-        m[f"{p}_fraction_low"] = _mean((stat < low) * 1.0, mask) if k1 else jnp.float32(0)
+        m[f"{p}_fraction_high"] = ms.masked_mean((stat > high) * 1.0, mask)
+        m[f"{p}_fraction_low"] = ms.masked_mean((stat < low) * 1.0, mask) if k1 else jnp.float32(0)
     else:
         m[f"{p}_max"] = jnp.where(any_rows, rows_max, token_max)
         m[f"{p}_min"] = jnp.where(any_rows, rows_min, token_min)
         m[f"{p}_fraction_high"] = seq_high
         m[f"{p}_fraction_low"] = seq_low if k1 else jnp.float32(0)
-    m[f"{p}_std"] = _clamped_std(stat, mask, low, high)
+    m[f"{p}_std"] = ms.clamped_std(stat, mask, low, high)
     m[f"{p}_seq_mean"] = jnp.sum(jnp.where(valid_rows, seq, 0.0)) / n_rows
-    m[f"{p}_seq_std"] = _std(seq, valid_rows)
+    m[f"{p}_seq_std"] = ms.std(seq, valid_rows)
     m[f"{p}_seq_max"] = rows_max
     m[f"{p}_seq_min"] = rows_min
-    m[f"{p}_seq_max_deviation"] = _extreme(jnp.abs(seq), valid_rows, jnp.max, -jnp.inf)
+    m[f"{p}_seq_max_deviation"] = ms.extreme(jnp.abs(seq), valid_rows, jnp.max, -jnp.inf)
     m[f"{p}_seq_fraction_high"] = seq_high
     if k1:
         m[f"{p}_seq_fraction_low"] = seq_low
@@ -381,30 +337,30 @@ def offpolicy_metrics(
     d = train - rollout
     clipped = jnp.clip(d, -SAFETY_BOUND, SAFETY_BOUND)
     rho = jnp.exp(clipped)
-    lp_train = _mean(train, mask, axis=-1)
-    lp_rollout = _mean(rollout, mask, axis=-1)
+    lp_train = ms.masked_mean(train, mask, axis=-1)
+    lp_rollout = ms.masked_mean(rollout, mask, axis=-1)
     diff = lp_rollout - lp_train
-    seq_log = jnp.clip(_sum(d, mask, axis=-1), -SAFETY_BOUND, SAFETY_BOUND)
+    seq_log = jnp.clip(ms.masked_sum(d, mask, axis=-1), -SAFETY_BOUND, SAFETY_BOUND)
     rows = jnp.any(mask > 0, axis=-1)  # per-row statistics skip rows without a valid token
     return {
-        "training_ppl": _row_mean(jnp.exp(-lp_train), rows, empty=1.0),
-        "training_log_ppl": _row_mean(-lp_train, rows),
-        "kl": _mean(rollout - train, mask),
-        "k3_kl": _mean(jnp.expm1(clipped) - clipped, mask),
-        "rollout_ppl": _row_mean(jnp.exp(-lp_rollout), rows, empty=1.0),
-        "rollout_log_ppl": _row_mean(-lp_rollout, rows),
-        "log_ppl_diff": _row_mean(diff, rows),
-        "log_ppl_abs_diff": _row_mean(jnp.abs(diff), rows),
-        "log_ppl_diff_max": _extreme(diff, rows, jnp.max, -jnp.inf),
-        "log_ppl_diff_min": _extreme(diff, rows, jnp.min, jnp.inf),
-        "ppl_ratio": _row_mean(
+        "training_ppl": ms.row_mean(jnp.exp(-lp_train), rows, empty=1.0),
+        "training_log_ppl": ms.row_mean(-lp_train, rows),
+        "kl": ms.masked_mean(rollout - train, mask),
+        "k3_kl": ms.masked_mean(jnp.expm1(clipped) - clipped, mask),
+        "rollout_ppl": ms.row_mean(jnp.exp(-lp_rollout), rows, empty=1.0),
+        "rollout_log_ppl": ms.row_mean(-lp_rollout, rows),
+        "log_ppl_diff": ms.row_mean(diff, rows),
+        "log_ppl_abs_diff": ms.row_mean(jnp.abs(diff), rows),
+        "log_ppl_diff_max": ms.extreme(diff, rows, jnp.max, -jnp.inf),
+        "log_ppl_diff_min": ms.extreme(diff, rows, jnp.min, jnp.inf),
+        "ppl_ratio": ms.row_mean(
             jnp.exp(jnp.clip(diff, -SAFETY_BOUND, SAFETY_BOUND)), rows, empty=1.0
         ),
-        "chi2_token": _mean(rho**2, mask) - 1.0,
-        "chi2_seq": _row_mean(jnp.expm1(2.0 * seq_log), rows),
-        "ess": _inverse(_mean((rho / (_mean(rho, mask) + _EPS)) ** 2, mask)),
-        "ratio_fraction_high": _mean((rho > threshold) * 1.0, mask),
-        "ratio_fraction_low": _mean((rho < 1.0 / threshold) * 1.0, mask),
+        "chi2_token": ms.masked_mean(rho**2, mask) - 1.0,
+        "chi2_seq": ms.row_mean(jnp.expm1(2.0 * seq_log), rows),
+        "ess": ms.inverse(ms.masked_mean((rho / (ms.masked_mean(rho, mask) + _EPS)) ** 2, mask)),
+        "ratio_fraction_high": ms.masked_mean((rho > threshold) * 1.0, mask),
+        "ratio_fraction_low": ms.masked_mean((rho < 1.0 / threshold) * 1.0, mask),
     }
 
 
