@@ -47,7 +47,6 @@ MODES = ("decoupled", "bypass")
 TOKEN_CRITERIA = ("token_k1", "token_k2", "token_k3")
 _SEQ = tuple(f"seq_{stat}_k{n}" for stat in ("sum", "mean") for n in (1, 2, 3))
 CRITERIA = (*TOKEN_CRITERIA, *_SEQ, "seq_max_k2", "seq_max_k3")
-_EPS = ms.EPS
 
 
 def _inputs(log_ratio: Array, mask: Array) -> tuple[Array, Array]:
@@ -128,9 +127,8 @@ def is_weights(
             mean = ms.masked_mean(weights, mask)
         else:
             rows = jnp.sum(mask, axis=-1) > 0
-            seq = ms.masked_mean(weights, mask, axis=-1)
-            mean = jnp.sum(seq * rows) / jnp.maximum(jnp.sum(rows), _EPS)
-        ok = mean > _EPS
+            mean = ms.row_mean(ms.masked_mean(weights, mask, axis=-1), rows)
+        ok = mean > ms.EPS
         weights = jnp.where(ok, weights / jnp.where(ok, mean, 1.0), weights)
         metrics["rollout_is_batch_norm_factor"] = jnp.where(ok, mean, 1.0)
     return weights, metrics
@@ -156,7 +154,7 @@ def _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower) -> dic
         m["rollout_is_min"] = ms.extreme(weights, mask, jnp.min, jnp.inf)
     m["rollout_is_std"] = ms.clamped_std(weights, mask, 0.0, upper)
     clamped = jnp.clip(weights, 0.0, upper)
-    normalized = clamped / (ms.masked_mean(clamped, mask) + _EPS)
+    normalized = clamped / (ms.masked_mean(clamped, mask) + ms.EPS)
     m["rollout_is_eff_sample_size"] = ms.inverse(ms.masked_mean(normalized**2, mask))
     seq = ms.masked_mean(weights, mask, axis=-1)
     m["rollout_is_seq_mean"] = ms.row_mean(seq, rows)
@@ -266,9 +264,7 @@ def rejection_mask(
         prefix = f"rollout_rs_{name}"
         metrics[f"{prefix}_masked_fraction"] = ms.masked_mean(1.0 - keep, mask)
         row_kept = jnp.all(~((keep == 0) & valid), axis=-1)
-        metrics[f"{prefix}_seq_masked_fraction"] = jnp.sum((~row_kept) & valid_rows) / jnp.maximum(
-            jnp.sum(valid_rows), 1
-        )
+        metrics[f"{prefix}_seq_masked_fraction"] = ms.row_mean(~row_kept, valid_rows)
     metrics["rollout_rs_masked_fraction"] = ms.masked_mean(1.0 - keep_all, mask)
     dropped = (keep_all <= 0.5) & valid
     metrics["rollout_rs_seq_masked_fraction"] = ms.row_mean(jnp.any(dropped, axis=-1), valid_rows)
@@ -278,7 +274,6 @@ def rejection_mask(
 def _rs_metrics(name, stat, seq_stat, mask, valid_rows, low, high, k1) -> dict[str, Array]:
     """verl's ``compute_rs_metrics`` for one criterion."""
     p = f"rollout_rs_{name}"
-    n_rows = jnp.maximum(jnp.sum(valid_rows), 1)
     seq = ms.masked_mean(stat, mask, axis=-1) if seq_stat is None else seq_stat
     m: dict[str, Array] = {f"{p}_mean": ms.masked_mean(stat, mask)}
     token_max = ms.extreme(stat, mask, jnp.max, -jnp.inf)
@@ -286,8 +281,8 @@ def _rs_metrics(name, stat, seq_stat, mask, valid_rows, low, high, k1) -> dict[s
     rows_max = ms.extreme(seq, valid_rows, jnp.max, -jnp.inf)
     rows_min = ms.extreme(seq, valid_rows, jnp.min, jnp.inf)
     any_rows = jnp.any(valid_rows)
-    seq_high = jnp.sum((seq > high) & valid_rows) / n_rows
-    seq_low = jnp.sum((seq < low) & valid_rows) / n_rows
+    seq_high = ms.row_mean(seq > high, valid_rows)
+    seq_low = ms.row_mean(seq < low, valid_rows)
     if seq_stat is None:  # a token criterion: token statistics
         m[f"{p}_max"], m[f"{p}_min"] = token_max, token_min
         m[f"{p}_fraction_high"] = ms.masked_mean((stat > high) * 1.0, mask)
@@ -298,7 +293,7 @@ def _rs_metrics(name, stat, seq_stat, mask, valid_rows, low, high, k1) -> dict[s
         m[f"{p}_fraction_high"] = seq_high
         m[f"{p}_fraction_low"] = seq_low if k1 else jnp.float32(0)
     m[f"{p}_std"] = ms.clamped_std(stat, mask, low, high)
-    m[f"{p}_seq_mean"] = jnp.sum(jnp.where(valid_rows, seq, 0.0)) / n_rows
+    m[f"{p}_seq_mean"] = ms.row_mean(seq, valid_rows)
     m[f"{p}_seq_std"] = ms.std(seq, valid_rows)
     m[f"{p}_seq_max"] = rows_max
     m[f"{p}_seq_min"] = rows_min
@@ -358,7 +353,7 @@ def offpolicy_metrics(
         ),
         "chi2_token": ms.masked_mean(rho**2, mask) - 1.0,
         "chi2_seq": ms.row_mean(jnp.expm1(2.0 * seq_log), rows),
-        "ess": ms.inverse(ms.masked_mean((rho / (ms.masked_mean(rho, mask) + _EPS)) ** 2, mask)),
+        "ess": ms.inverse(ms.masked_mean((rho / (ms.masked_mean(rho, mask) + ms.EPS)) ** 2, mask)),
         "ratio_fraction_high": ms.masked_mean((rho > threshold) * 1.0, mask),
         "ratio_fraction_low": ms.masked_mean((rho < 1.0 / threshold) * 1.0, mask),
     }

@@ -186,13 +186,7 @@ def hidden_dtype(params: Any, config: Any, *, rows: int = 1) -> Any:
     batch axes). Remembered per (config, parameter shapes and dtypes, rows): the RL loop asks
     once per step with the same weights' structure."""
     leaves, treedef = jax.tree.flatten(params)
-    try:
-        specs = tuple(
-            (tuple(x.shape), jnp.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves
-        )
-        hash((config, treedef, specs))
-    except (AttributeError, TypeError):  # an unhashable config or a leaf without shape/dtype
-        return _traced_hidden_dtype(params, config, rows)
+    specs = tuple((x.shape, jnp.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves)
     return _remembered_hidden_dtype(config, treedef, specs, rows)
 
 

@@ -43,14 +43,6 @@ log = logging.getLogger(__name__)
 _REFERENCE_DIR = "reference"
 
 
-def _key_name(key: Any) -> str:
-    """One path entry as orbax names it in a leaf's metadata (``params.embed``)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 class Checkpointer:
     """Saves and restores ``TrainState`` checkpoints, optionally asynchronously.
 
@@ -312,7 +304,7 @@ class Checkpointer:
         except (AttributeError, KeyError, TypeError, ValueError):
             return
         for path, leaf in jax.tree_util.tree_leaves_with_path(target):
-            name = ".".join(_key_name(k) for k in path)
+            name = jax.tree_util.keystr(path, simple=True, separator=".")  # as orbax names it
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # saved as its key data
                 leaf = jax.eval_shape(jax.random.key_data, leaf)
             if name in saved and tuple(leaf.shape) != saved[name]:
