@@ -13,10 +13,11 @@ timing ends with ``block_until_ready``, figures are medians.
   (127 single-token forwards), i.e. the same split including generate's own per-step work.
 
 Each decode step is then set against two floors: the bytes it must stream (weights read by the
-step, i.e. without the embedding table, plus the whole K/V cache: the loop attends over every
-slot) at the streaming bandwidth of an in-place jitted ``x + 1`` on 256 MiB, measured between
-the repeats; and the matmul FLOPs of the step (``2 * B * params read``) at the best f32 rate one
-matmul of the step's own shape reaches here. Run::
+step, i.e. without the embedding table, plus the K/V of the slots it attends to: the prompt and
+the tokens before it, on average ``P + (T + 1) / 2`` slots a step) at the streaming bandwidth
+of an in-place jitted ``x + 1`` on 256 MiB, measured between the repeats; and the matmul FLOPs
+of the step (``2 * B * params read``) at the best f32 rate one matmul of the step's own shape
+reaches here. Run::
 
     python benchmarks/bench_decode.py                 # both sizes, ~5-10 min on 2 CPU cores
     python benchmarks/bench_decode.py --quick         # the small model only, fewer repeats
@@ -216,10 +217,11 @@ def bench_size(
         )
 
     # What one decode step must read: every weight but the embedding table (a gather of B rows),
-    # and the whole cache (attention runs over all P + T slots every step).
+    # and the K/V of the slots it attends to (step t: the prompt and t + 1 tokens; on average
+    # P + (T + 1) / 2 slots).
     read = sum(x.size for x in jax.tree.leaves(params)) - params["embed"].size
     itemsize = jnp.dtype(dtype).itemsize
-    cache_bytes = 2 * config.num_hidden_layers * batch * (prompt + new) * config.head_dim
+    cache_bytes = 2 * config.num_hidden_layers * batch * (prompt + (new + 1) / 2) * config.head_dim
     cache_bytes *= config.num_key_value_heads * itemsize
     rate = matmul_rate(batch, config.hidden_size, config.intermediate_size, dtype)
     for row in rows:
@@ -259,7 +261,8 @@ def render(results: list, *, args, repeats: dict, load_before: float) -> str:
     lines += [
         "",
         "decode-step floors: bytes = weights read per step (not the embedding table) + the "
-        "whole K/V cache, at the streaming bandwidth of an in-place jitted x + 1 on 256 MiB "
+        "K/V of the slots a step attends to (on average P + (T + 1) / 2), at the streaming "
+        "bandwidth of an in-place jitted x + 1 on 256 MiB "
         "(read + write); FLOPs = 2 * B * weights read, at the best rate of one "
         f"[B, D] @ [D, F] {args.dtype} matmul here",
     ]

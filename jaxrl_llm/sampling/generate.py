@@ -95,9 +95,8 @@ def _decode_step(
     config: Any,
     top_k: int,
     mesh: Any,
+    prompt_len: int,
 ) -> SamplingState:
-    max_new_tokens = state.tokens.shape[1]
-    prompt_len = state.cache.mask.shape[1] - max_new_tokens
     sampled = strategies.sample_tokens(
         state.logits,
         jax.random.fold_in(key, state.step),
@@ -135,7 +134,9 @@ def _decode_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "top_k", "mesh", "unroll"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("config", "top_k", "mesh", "unroll", "windows"),
+    donate_argnames=("state",),
 )
 def _decode(
     params: Any,
@@ -147,14 +148,16 @@ def _decode(
     top_k: int,
     mesh: Any,
     unroll: bool,
+    windows: tuple[int, ...] = (),
 ) -> SamplingState:
     max_new_tokens = state.tokens.shape[1]
+    prompt_len = state.cache.mask.shape[1] - max_new_tokens
+    windows = windows or (max_new_tokens,)
+    if list(windows) != sorted(set(windows)) or windows[0] < 1 or windows[-1] != max_new_tokens:
+        raise ValueError(f"windows must rise to max_new_tokens={max_new_tokens}, got {windows}")
     # Cast once per call: the loop then reads compute-dtype weights (the casts in forward are
     # no-ops on them).
     params = cast_params(params, config)
-
-    def not_finished(carry: SamplingState) -> Array:
-        return (carry.step < max_new_tokens) & jnp.any(~carry.done)
 
     if unroll:
         # Split once per call, outside the loop (see jaxrl_llm.sampling.layout):
@@ -162,10 +165,47 @@ def _decode(
         params = layout.unstack_layers(params)
         state = state._replace(cache=layout.unstack_cache(state.cache))
     body = functools.partial(
-        _decode_step, params, key=key, sampling=sampling, config=config, top_k=top_k, mesh=mesh
+        _decode_step,
+        params,
+        key=key,
+        sampling=sampling,
+        config=config,
+        top_k=top_k,
+        mesh=mesh,
+        prompt_len=prompt_len,
     )
-    state = jax.lax.while_loop(not_finished, body, state)
+    # One loop per window: the loop up to step ``end`` attends over (and carries) a cache of
+    # its first ``P + end`` slots, all a step can read; the next window pads it, once.
+    for end in windows:
+        state = state._replace(cache=_window(state.cache, prompt_len + end))
+
+        def not_finished(carry: SamplingState, end: int = end) -> Array:
+            return (carry.step < end) & jnp.any(~carry.done)
+
+        state = jax.lax.while_loop(not_finished, body, state)
     return state._replace(cache=layout.stack_cache(state.cache))
+
+
+def _window(cache: Any, slots: int) -> Any:
+    """The cache cut to its first ``slots`` slots, or padded with empty ones to ``slots``
+    (k, v: the slot axis is the second last, stacked or per layer; mask: ``[B, S]``)."""
+    size = cache.mask.shape[1]
+    if size == slots:
+        return cache
+
+    def fit(x: Array, axis: int) -> Array:
+        axis = axis % x.ndim
+        if size > slots:
+            return jax.lax.slice_in_dim(x, 0, slots, axis=axis)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, slots - size)
+        return jnp.pad(x, widths)
+
+    return cache._replace(
+        k=jax.tree.map(lambda x: fit(x, -2), cache.k),
+        v=jax.tree.map(lambda x: fit(x, -2), cache.v),
+        mask=fit(cache.mask, 1),
+    )
 
 
 def default_cache_dtype(params: Any, config: Any) -> Any:
@@ -265,7 +305,8 @@ def decode(
     mesh: Any = None,
     decode_layers: str = "auto",
 ) -> SamplingState:
-    """Samples until every row is done or all ``T`` columns are filled (``state`` is donated).
+    """Samples until every row is done or all ``T`` columns are filled (``state``: as
+    ``prefill`` returns it, at step 0; it is donated).
 
     ``while step < T and any(~done)``: draw column ``step`` from ``state.logits`` with
     ``jax.random.fold_in(key, step)`` (``pad_id``, log-prob 0 and mask 0 on rows already done),
@@ -274,7 +315,10 @@ def decode(
 
     On CPU (``layout.worth_unstacking``; ``decode_layers``: ``auto``, ``stacked`` or
     ``per_layer``) the loop runs on per-layer copies of the weights and cache, made once per
-    call, so that each step reads them in place; the returned cache is stacked again.
+    call, so that each step reads them in place; the returned cache is stacked again. There,
+    with ``T >= 64``, it also runs as up to 4 loops over growing windows of the cache
+    (``layout.decode_windows``), each attending over the slots filled by its last step only;
+    the results are the same.
 
     Returns:
       The final ``SamplingState``; ``state.step`` is the number of loop iterations run.
@@ -291,6 +335,7 @@ def decode(
         top_k=top_k,
         mesh=mesh,
         unroll=layout.worth_unstacking(params, decode_layers),
+        windows=layout.decode_windows(params, state.tokens.shape[1], decode_layers),
     )
 
 

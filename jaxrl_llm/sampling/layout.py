@@ -5,7 +5,8 @@ compile time flat in depth. On CPU, XLA copies each layer's slice out of a stack
 the matmuls that read it: every decode step would copy all the weights and the whole cache once
 more than it reads them. Split into per-layer arrays (one copy per ``decode`` call, outside its
 loop), ``forward`` runs the layers unrolled and every step reads weights and cache in place;
-the cache is also updated in place, one slot per layer.
+the cache is also updated in place, one slot per layer. Longer calls also decode in windows
+(``decode_windows``): each of a few loops carries only the cache slots its steps can attend to.
 """
 
 from __future__ import annotations
@@ -78,10 +79,41 @@ def worth_unstacking(params: Params, mode: str = "auto") -> bool:
         raise ValueError(f"rollout.decode_layers must be one of {DECODE_LAYERS}, got {mode!r}")
     if mode != "auto":
         return mode == "per_layer"
+    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params["layers"]))
+    return _on_cpu(params) and size <= UNROLL_MAX_BYTES
+
+
+def _on_cpu(params: Params) -> bool:
+    """Whether ``params`` live on CPU devices (traced params: the default backend)."""
     leaf = jax.tree.leaves(params)[0]
     if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-        on_cpu = jax.default_backend() == "cpu"
-    else:
-        on_cpu = all(device.platform == "cpu" for device in leaf.sharding.device_set)
-    size = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params["layers"]))
-    return on_cpu and size <= UNROLL_MAX_BYTES
+        return jax.default_backend() == "cpu"
+    return all(device.platform == "cpu" for device in leaf.sharding.device_set)
+
+
+# A decode window covers at least this many steps; a call runs at most this many windows.
+WINDOW_MIN_STEPS = 32
+MAX_WINDOWS = 4
+
+
+def decode_windows(params: Params, max_new_tokens: int, mode: str = "auto") -> tuple[int, ...]:
+    """The steps at which ``decode``'s windows end (``()``: one loop over the whole cache).
+
+    A step at column ``t`` attends to the prompt and the ``t`` tokens before it, but a loop
+    over a ``P + T``-slot cache reads all of it every step. Split into ``n`` loops ending at
+    steps ``ceil(T * i / n)``, the ``i``-th carries and attends over the first
+    ``P + ceil(T * i / n)`` slots (the cache is padded by the next window's slots between
+    loops, once), so a call reads ``(n + 1) / (2n)`` of the K/V it did, plus the pads. Each
+    window is another loop body to compile: ``n = min(MAX_WINDOWS, T // WINDOW_MIN_STEPS)``,
+    none below two.
+
+    Only where the loop runs per layer on CPU (``worth_unstacking``): a stacked cache's pad
+    would hold two copies of it at once, and ``jaxrl-llm plan`` estimates one loop on
+    accelerators.
+    """
+    if not (worth_unstacking(params, mode) and _on_cpu(params)):
+        return ()
+    count = min(MAX_WINDOWS, max_new_tokens // WINDOW_MIN_STEPS)
+    if count < 2:
+        return ()
+    return tuple(-(-max_new_tokens * i // count) for i in range(1, count + 1))

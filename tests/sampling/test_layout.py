@@ -37,12 +37,12 @@ def setup():
     return params, tokens, mask
 
 
-def _decode(setup, *, unroll, temperature):
+def _decode(setup, *, unroll, temperature, windows=(), new=NEW, eos_ids=()):
     params, tokens, mask = setup
-    sampling = gen.sampling_params(temperature=temperature, eos_ids=(), pad_id=0)
-    state = gen.prefill(params, CONFIG, tokens, mask, max_new_tokens=NEW, pad_id=0)
+    sampling = gen.sampling_params(temperature=temperature, eos_ids=eos_ids, pad_id=0)
+    state = gen.prefill(params, CONFIG, tokens, mask, max_new_tokens=new, pad_id=0)
     args = (params, state, jax.random.key(7), sampling)
-    static = dict(config=CONFIG, top_k=0, mesh=None, unroll=unroll)
+    static = dict(config=CONFIG, top_k=0, mesh=None, unroll=unroll, windows=windows)
     return gen._decode(*args, **static), gen._decode.lower(*args, **static)
 
 
@@ -90,15 +90,17 @@ def _loop_instructions(hlo: str) -> list[str]:
     return lines
 
 
-def test_decode_loop_reads_weights_and_cache_in_place(setup):
-    """No weight or cache slice is copied inside the loop; the cache is only updated in place.
+@pytest.mark.parametrize("windows", [(), (2, NEW)])
+def test_decode_loop_reads_weights_and_cache_in_place(setup, windows):
+    """No weight or cache slice is copied inside the loop(s); the cache is only updated in place.
 
     Before the per-layer layout, every step copied each layer's weights out of the stacked
     arrays and a transposed copy of each layer's cache before the attention.
     """
-    _, lowered = _decode(setup, unroll=True, temperature=1.0)
+    _, lowered = _decode(setup, unroll=True, temperature=1.0, windows=windows)
     hlo = lowered.compile().as_text()
-    layer_cache = ROWS * CONFIG.num_key_value_heads * (PROMPT + NEW) * CONFIG.head_dim
+    slots = PROMPT + (windows or (NEW,))[0]  # the smallest cache a loop carries
+    layer_cache = ROWS * CONFIG.num_key_value_heads * slots * CONFIG.head_dim
     smallest_weight = CONFIG.hidden_size * CONFIG.num_key_value_heads * CONFIG.head_dim
     big = min(layer_cache, smallest_weight)
     offenders = []
@@ -164,3 +166,95 @@ def test_generate_decodes_stacked_or_per_layer_as_asked(setup, monkeypatch):
     assert seen == [False, True]
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5)
+
+
+def test_decode_windows_rule(setup, monkeypatch):
+    """Window ends ``ceil(T * i / n)`` with ``n = min(4, T // 32)``, none below two windows; only
+    for per-layer decoding on CPU."""
+    params = setup[0]
+    assert layout.decode_windows(params, 63) == ()
+    assert layout.decode_windows(params, 64) == (32, 64)
+    assert layout.decode_windows(params, 100) == (34, 67, 100)
+    assert layout.decode_windows(params, 128) == (32, 64, 96, 128)
+    assert layout.decode_windows(params, 1001) == (251, 501, 751, 1001)
+    assert layout.decode_windows(params, 128, "stacked") == ()
+    monkeypatch.setattr(layout, "UNROLL_MAX_BYTES", 1000)
+    assert layout.decode_windows(params, 128) == ()
+    assert layout.decode_windows(params, 128, "per_layer") == (32, 64, 96, 128)
+    monkeypatch.setattr(layout, "_on_cpu", lambda p: False)
+    assert layout.decode_windows(params, 128, "per_layer") == ()
+
+
+WINDOWED_NEW = 11
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+@pytest.mark.parametrize(
+    "temperature, eos_ids",
+    [(0.0, ()), (1.0, (5, 9, 17, 23, 31, 40, 52, 60)), (1.0, tuple(range(CONFIG.vocab_size)))],
+    ids=["greedy", "sampled-some-rows-stop", "sampled-all-stop-at-once"],
+)
+def test_windowed_decode_equals_one_loop(setup, unroll, temperature, eos_ids):
+    """Loops over windows of 3, 7 and 11 steps sample what one loop over the whole cache does
+    (tokens, log-probs, masks, finished rows, steps run) and return the whole ``P + T`` cache.
+    Rows stop at their EOS inside and across windows; when all stop in the first window, the
+    later loops run no step."""
+    one, one_lowered = _decode(
+        setup, unroll=unroll, temperature=temperature, new=WINDOWED_NEW, eos_ids=eos_ids
+    )
+    windowed, lowered = _decode(
+        setup,
+        unroll=unroll,
+        temperature=temperature,
+        new=WINDOWED_NEW,
+        eos_ids=eos_ids,
+        windows=(3, 7, WINDOWED_NEW),
+    )
+    np.testing.assert_array_equal(windowed.tokens, one.tokens)
+    np.testing.assert_array_equal(windowed.mask, one.mask)
+    np.testing.assert_array_equal(windowed.done, one.done)
+    np.testing.assert_allclose(windowed.logprobs, one.logprobs, atol=1e-5)
+    assert int(windowed.step) == int(one.step)
+    lengths = np.asarray(one.mask).sum(axis=1)
+    if len(eos_ids) == CONFIG.vocab_size:
+        assert int(one.step) == 1  # every row stopped at its first token
+    elif eos_ids:
+        assert lengths.min() <= 7 < lengths.max()  # rows stop in different windows
+    assert windowed.cache.k.shape == one.cache.k.shape  # [L, B, K, P + T, H]
+    assert windowed.cache.k.shape[3] == PROMPT + WINDOWED_NEW
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+        windowed.cache,
+        one.cache,
+    )
+    # The loops carry caches of P + 3, P + 7 and P + 11 slots; the one loop only P + 11.
+    text, one_text = lowered.as_text(), one_lowered.as_text()
+    for end in (3, 7, WINDOWED_NEW):
+        cache = f"{ROWS}x{CONFIG.num_key_value_heads}x{PROMPT + end}x{CONFIG.head_dim}xf32>"
+        assert cache in text, cache
+        assert (cache in one_text) == (end == WINDOWED_NEW), cache
+
+
+@pytest.mark.parametrize("windows", [(3, 7), (7, 3, WINDOWED_NEW), (0, WINDOWED_NEW)])
+def test_windows_must_rise_to_the_last_column(setup, windows):
+    with pytest.raises(ValueError, match="windows must rise to max_new_tokens=11"):
+        _decode(setup, unroll=True, temperature=0.0, new=WINDOWED_NEW, windows=windows)
+
+
+def test_decode_runs_the_windows_of_its_length(setup, monkeypatch):
+    """``decode`` (as ``generate`` calls it) passes ``decode_windows``' windows to the program:
+    64 new tokens on CPU decode in two windows, per layer."""
+    params, tokens, mask = setup
+    seen = []
+    real = gen._decode
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["unroll"], kwargs["windows"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "_decode", recording)
+    out = gen.generate(
+        params, CONFIG, tokens, mask, key=jax.random.key(3), max_new_tokens=64, eos_ids=(), pad_id=0
+    )
+    assert seen == [(True, (32, 64))]
+    assert out.tokens.shape == (ROWS, 64) and bool(np.all(out.mask))
