@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models import logical_axes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
-from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling import generate, layout
 from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
@@ -53,6 +53,29 @@ def test_sharded_generation_matches_single_device(setup):
         np.testing.assert_array_equal(multi.tokens, single.tokens)
         np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
         _assert_spec(multi.tokens, mesh, ROWS, None)
+
+
+def test_sharded_generation_over_decode_windows(setup):
+    """64 new tokens decode in two windows of the cache on the mesh as on one device; the
+    returned cache is whole and keeps the sampling rules' sharding."""
+    config, params, sharded, mesh, tokens, mask = setup
+    assert layout.decode_windows(sharded, 64) == (32, 64)
+    kwargs = dict(key=jax.random.key(2), max_new_tokens=64, eos_ids=(), pad_id=PAD)
+    single = generate(params, config, tokens, mask, temperature=1.0, **kwargs)
+    multi = generate(sharded, config, tokens, mask, temperature=1.0, mesh=mesh, **kwargs)
+    np.testing.assert_array_equal(multi.tokens, single.tokens)
+    np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
+    sampling = gen.sampling_params(temperature=1.0, eos_ids=(), pad_id=PAD)
+    padded = gen.pad_prompts(tokens, mask, pad_id=PAD)
+    with jax.set_mesh(mesh):
+        state = gen.prefill(sharded, config, *padded, max_new_tokens=64, pad_id=PAD, mesh=mesh)
+        state = gen.decode(
+            sharded, config, state, key=jax.random.key(2), sampling=sampling, mesh=mesh
+        )
+    assert state.cache.k.shape[3] == padded[0].shape[1] + 64
+    _assert_spec(state.cache.k, mesh, None, ROWS, "tensor", None, None)
+    _assert_spec(state.cache.mask, mesh, ROWS, None)
+    np.testing.assert_array_equal(state.tokens, single.tokens)
 
 
 def test_state_follows_sampling_rules(setup):
