@@ -18,7 +18,7 @@ the tokens before it, on average ``P + (T + 1) / 2`` slots a step) at the stream
 of an in-place jitted ``x + 1`` on 256 MiB; and the matmul FLOPs of the step
 (``2 * B * params read``) at the f32 rate of a ``[B, D] @ [D, F]`` matmul of the step's own
 shape. Both rates are probed between the repeats, and the best of the run counts (a probe
-caught by machine noise would lower the floor). Run::
+slowed by machine noise would make the floor slower, hence easier to reach). Run::
 
     python benchmarks/bench_decode.py                 # both sizes, ~5-10 min on 2 CPU cores
     python benchmarks/bench_decode.py --quick         # the small model only, fewer repeats

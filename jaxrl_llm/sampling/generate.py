@@ -305,8 +305,7 @@ def decode(
     mesh: Any = None,
     decode_layers: str = "auto",
 ) -> SamplingState:
-    """Samples until every row is done or all ``T`` columns are filled (``state``: as
-    ``prefill`` returns it, at step 0; it is donated).
+    """Samples until every row is done or all ``T`` columns are filled (``state`` is donated).
 
     ``while step < T and any(~done)``: draw column ``step`` from ``state.logits`` with
     ``jax.random.fold_in(key, step)`` (``pad_id``, log-prob 0 and mask 0 on rows already done),
@@ -318,7 +317,8 @@ def decode(
     call, so that each step reads them in place; the returned cache is stacked again. There,
     with ``T >= 64``, it also runs as up to 4 loops over growing windows of the cache
     (``layout.decode_windows``), each attending over the slots filled by its last step only;
-    the results are the same.
+    the results are equal up to rounding (the attention sums run over fewer empty slots). A
+    state already past step 0 decodes in one loop (a window would cut its filled slots).
 
     Returns:
       The final ``SamplingState``; ``state.step`` is the number of loop iterations run.
@@ -326,6 +326,10 @@ def decode(
     top_k = strategies.check_sampling_args(
         temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0, vocab_size=config.vocab_size
     )
+    windows = layout.decode_windows(params, state.tokens.shape[1], decode_layers)
+    traced = isinstance(state.step, jax.core.Tracer)
+    if windows and not traced and int(state.step) != 0:  # CPU only: waiting on the prefill is cheap
+        windows = ()
     return _decode(
         params,
         state,
@@ -335,7 +339,7 @@ def decode(
         top_k=top_k,
         mesh=mesh,
         unroll=layout.worth_unstacking(params, decode_layers),
-        windows=layout.decode_windows(params, state.tokens.shape[1], decode_layers),
+        windows=windows,
     )
 
 

@@ -14,21 +14,21 @@ MAX_NEW = 12
 PAD = 0
 
 
-def _hf_greedy(model, tokens, mask, *, eos_ids, max_new=MAX_NEW):
-    """transformers greedy completions, right-padded with PAD to ``max_new`` columns."""
+def _hf_greedy(model, tokens, mask, *, eos_ids):
+    """transformers greedy completions, right-padded with PAD to MAX_NEW columns."""
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.as_tensor(tokens, dtype=torch.long),
             attention_mask=torch.as_tensor(mask, dtype=torch.long),
             do_sample=False,
-            max_new_tokens=max_new,
+            max_new_tokens=MAX_NEW,
             min_new_tokens=0,
             eos_token_id=list(eos_ids) if eos_ids else None,
             pad_token_id=PAD,
             use_cache=True,
         ).numpy()
     completion = out[:, tokens.shape[1] :]
-    return np.pad(completion, ((0, 0), (0, max_new - completion.shape[1])), constant_values=PAD)
+    return np.pad(completion, ((0, 0), (0, MAX_NEW - completion.shape[1])), constant_values=PAD)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
@@ -74,7 +74,6 @@ def test_greedy_matches_transformers_generate(tmp_path, variant):
         length = hits[0] + 1 if hits else MAX_NEW
         assert ours.mask[row].tolist() == [True] * length + [False] * (MAX_NEW - length)
     assert not bool(ours.mask.all()), "at least one row must have stopped early"
-
 
 
 def test_greedy_and_logprobs_match_transformers_over_decode_windows(tmp_path):

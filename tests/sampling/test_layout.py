@@ -258,3 +258,16 @@ def test_decode_runs_the_windows_of_its_length(setup, monkeypatch):
     )
     assert seen == [(True, (32, 64))]
     assert out.tokens.shape == (ROWS, 64) and bool(np.all(out.mask))
+
+
+def test_a_state_past_step_0_keeps_its_cache(setup):
+    """``decode`` on a state it already ran (step 64 of 64) decodes in one loop: no window cuts
+    the slots it filled, and the state comes back unchanged."""
+    params, tokens, mask = setup
+    sampling = gen.sampling_params(temperature=1.0, eos_ids=(), pad_id=0)
+    state = gen.prefill(params, CONFIG, tokens, mask, max_new_tokens=64, pad_id=0)
+    state = gen.decode(params, CONFIG, state, key=jax.random.key(1), sampling=sampling)
+    before = jax.tree.map(np.asarray, state)  # the next call donates it
+    again = gen.decode(params, CONFIG, state, key=jax.random.key(1), sampling=sampling)
+    assert int(again.step) == 64
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, again), before)
