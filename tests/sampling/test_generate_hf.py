@@ -31,6 +31,21 @@ def _hf_greedy(model, tokens, mask, *, eos_ids):
     return np.pad(completion, ((0, 0), (0, MAX_NEW - completion.shape[1])), constant_values=PAD)
 
 
+def _greedy(params, config, tokens, mask, *, max_new, eos_ids):
+    """Our greedy completions."""
+    return generate(
+        params,
+        config,
+        tokens,
+        mask,
+        key=jax.random.key(0),
+        max_new_tokens=max_new,
+        temperature=0.0,
+        eos_ids=eos_ids,
+        pad_id=PAD,
+    )
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_greedy_matches_transformers_generate(tmp_path, variant):
     torch_model = build_checkpoint(variant, str(tmp_path), seed=3)
@@ -39,34 +54,14 @@ def test_greedy_matches_transformers_generate(tmp_path, variant):
     # Left-padded, ragged, and wider than its bucket's minimum (13 columns -> bucket 16).
     tokens, mask = padded_batch(rng, [13, 4, 9], 13, vocab=config.vocab_size, side="left")
 
-    ours = generate(
-        params,
-        config,
-        tokens,
-        mask,
-        key=jax.random.key(0),
-        max_new_tokens=MAX_NEW,
-        temperature=0.0,
-        eos_ids=(),
-        pad_id=PAD,
-    )
+    ours = _greedy(params, config, tokens, mask, max_new=MAX_NEW, eos_ids=())
     want = _hf_greedy(torch_model, tokens, mask, eos_ids=())
     np.testing.assert_array_equal(ours.tokens, want)
     assert bool(ours.mask.all())
 
     # Two EOS ids, taken from the free-running output so that rows stop at different steps.
     eos = (int(want[0, 3]), int(want[2, 6]))
-    ours = generate(
-        params,
-        config,
-        tokens,
-        mask,
-        key=jax.random.key(0),
-        max_new_tokens=MAX_NEW,
-        temperature=0.0,
-        eos_ids=eos,
-        pad_id=PAD,
-    )
+    ours = _greedy(params, config, tokens, mask, max_new=MAX_NEW, eos_ids=eos)
     want = _hf_greedy(torch_model, tokens, mask, eos_ids=eos)
     np.testing.assert_array_equal(ours.tokens, want)
     for row in range(tokens.shape[0]):
@@ -102,16 +97,6 @@ def test_greedy_and_logprobs_match_transformers_over_decode_windows(tmp_path):
     logits -= logits.max(axis=-1, keepdims=True)
     log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     want_logprobs = np.take_along_axis(log_probs, want[..., None], axis=-1)[..., 0]
-    ours = generate(
-        params,
-        config,
-        tokens,
-        mask,
-        key=jax.random.key(0),
-        max_new_tokens=64,
-        temperature=0.0,
-        eos_ids=(),
-        pad_id=PAD,
-    )
+    ours = _greedy(params, config, tokens, mask, max_new=64, eos_ids=())
     np.testing.assert_array_equal(ours.tokens, want)
     np.testing.assert_allclose(ours.logprobs, want_logprobs, atol=2e-5)
