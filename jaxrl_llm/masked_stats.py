@@ -1,6 +1,6 @@
 """Masked reductions over ``[B, T]`` / ``[B]`` arrays with verl_F's semantics (``Σ v·m / (Σ m +
-1e-8)``), and the guarded statistics (extremes, std, inverse) ``jaxrl_llm.correction`` builds
-its metrics from: every one is finite on all-masked input."""
+1e-8)``), and the guarded statistics (extremes, std, inverse) ``jaxrl_llm.correction`` and the loss
+metrics are built from: every one is finite on all-masked input."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ the full-batch metric (``*_min`` / ``*_max`` keys reduce by min / max instead).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -22,9 +20,3 @@ def masked_sum(values: Array, mask: Array) -> Array:
 def token_mean(values: Array, mask: Array, num_tokens: Array) -> Array:
     """``Σ v·m / max(N_tok, 1)``, the normaliser of every additive metric."""
     return masked_sum(values, mask) / jnp.maximum(num_tokens, 1)
-
-
-def masked_extreme(values: Array, mask: Array, reduce: Callable, fill: float) -> Array:
-    """``reduce`` (``jnp.min`` / ``jnp.max``) over valid entries; 0 for an all-masked batch."""
-    value = reduce(jnp.where(mask > 0, values, fill))
-    return jnp.where(jnp.any(mask > 0), value, 0.0)

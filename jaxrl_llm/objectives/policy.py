@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, aggregation, correction, kl
+from jaxrl_llm import _checks, aggregation, correction, kl, masked_stats
 from jaxrl_llm.objectives import _metrics, surrogate_registry
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
@@ -157,8 +157,8 @@ def policy_loss(
     ratio = jnp.exp(jnp.clip(log_ratio, -objective.ratio_clamp, objective.ratio_clamp))
     metrics["approx_kl"] = inputs.token_mean(-(logprobs - old_logprobs))
     metrics["ratio_mean"] = inputs.token_mean(ratio)
-    metrics["ratio_min"] = _metrics.masked_extreme(ratio, mask, jnp.min, jnp.inf)
-    metrics["ratio_max"] = _metrics.masked_extreme(ratio, mask, jnp.max, -jnp.inf)
+    metrics["ratio_min"] = masked_stats.extreme(ratio, mask, jnp.min, jnp.inf)
+    metrics["ratio_max"] = masked_stats.extreme(ratio, mask, jnp.max, -jnp.inf)
 
     if batch.ref_logprobs is not None and objective.kl_kind is not None:
         _checks.check_batch_time("ref_logprobs", batch.ref_logprobs, mask)

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import objectives
-from jaxrl_llm.objectives import _metrics
+from jaxrl_llm import masked_stats, objectives
 from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.step import LossFn, Step, Totals, make_step
@@ -54,7 +53,7 @@ def sampler_mismatch(
     denom = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
     return {
         "rollout/logprob_diff_mean": jnp.sum(jnp.abs(diff) * mask) / denom,
-        "rollout/logprob_diff_max": _metrics.masked_extreme(jnp.abs(diff), mask, jnp.max, 0.0),
+        "rollout/logprob_diff_max": masked_stats.extreme(jnp.abs(diff), mask, jnp.max, 0.0),
         "rollout/k3": jnp.sum((jnp.expm1(clipped) - clipped) * mask) / denom,
     }
 
