@@ -198,6 +198,9 @@ def check_staleness(cfg: Any, objective: Any) -> None:
 class RolloutSide:
     """``RLTrainer``'s rollout methods (a mixin over its ``cfg``, ``run``, ``serving`` ...)."""
 
+    #: The data sampler's state before each recent step's draws, by step.
+    draw_starts: dict[int, Any] = {}
+
     def sampler_params(self, timer: PhaseTimer | None = None):
         """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``); a
         LoRA run's merged into one base copy with ``model.lora.sampler=merged``."""
@@ -254,8 +257,19 @@ class RolloutSide:
         except Exception as err:
             if step < self.cfg.trainer.max_steps:
                 raise
-            # Rollouts past the run's end only serve a longer resumed run, which redraws them.
-            log.warning("rollouts past the last step failed (%s); not saved with it", err)
+            # Rollouts past the run's end only serve a longer resumed run: it draws their
+            # prompts again when the data position goes back to where the first one started.
+            first = self.pipeline.pending[0][0] if self.pipeline.pending else None
+            start = self.draw_starts.get(first)
+            if start is not None:
+                self.sampler.restore(start)
+            log.warning(
+                "rollouts past the last step failed (%s); not saved with it, %s",
+                err,
+                f"the data position back to step {first}'s first prompt"
+                if start is not None
+                else "their prompts are skipped by a longer resumed run",
+            )
             return
         path = self._in_flight_file(step)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +303,12 @@ class RolloutSide:
         (``RunContext.finish_scoring``). ``updates``, ``version``: partial rollouts."""
         r = self.cfg.rollout
         step_key = jax.random.fold_in(self.key, step)
+        # The data position this step's draws start from (on the rollout thread, which runs
+        # the steps in order): where a failed rollout past the run's end is drawn again.
+        self.draw_starts = {
+            s: v for s, v in self.draw_starts.items() if s >= step - r.max_staleness
+        }
+        self.draw_starts[step] = self.sampler.state()
 
         # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
         # the scoring workers run while those are dispatched (``train_step``).

@@ -424,6 +424,38 @@ def test_async_stop_and_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_failed_rollout_past_the_end_leaves_its_prompts_to_a_longer_run(
+    tmp_path, monkeypatch, caplog
+):
+    """One step off, steps 0 and 1: the rollout of step 2 (past the end, in flight at the
+    final checkpoint) fails. The run still ends and saves, without it, at the data position
+    where step 2's draw started (2 batches in), not past its prompts: a longer resumed run
+    draws them."""
+    from jaxrl_llm.data import PromptSampler
+
+    produce = RLTrainer.rollout_from
+
+    def failing_past_the_end(self, step, params, timer, **partial):
+        out = produce(self, step, params, timer, **partial)  # draws step's prompts
+        if step >= 2:
+            raise RuntimeError("reward server down")
+        return out
+
+    monkeypatch.setattr(RLTrainer, "rollout_from", failing_past_the_end)
+    cfg = _config(tmp_path, "rollout.max_staleness=1", "trainer.max_steps=2")
+    trainer = RLTrainer(cfg)
+    with caplog.at_level("WARNING", logger="jaxrl_llm"):
+        trainer.fit()
+    assert "rollouts past the last step failed (reward server down)" in caplog.text
+    assert "back to step 2's first prompt" in caplog.text
+    _, extra = trainer.checkpointer.restore_raw(2)
+    fresh = PromptSampler(trainer.sampler._examples, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    for _ in range(2):
+        fresh.next_batch(cfg.rollout.prompts_per_step)
+    assert extra["sampler"] == fresh.state()
+    assert not (tmp_path / "rollouts_in_flight" / "2-process0.pkl").exists()
+
+
 def test_staleness_is_refused_across_processes_and_warned_uncorrected(
     tmp_path, monkeypatch, caplog
 ):
