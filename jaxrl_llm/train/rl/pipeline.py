@@ -120,13 +120,28 @@ class RolloutPipeline:
     def drain(self, finish: Callable[[Any, PhaseTimer], Any]) -> list[tuple]:
         """Waits for the rollouts in flight and returns ``(step, samples, info, version,
         timer)`` for each, their scoring finished by ``finish(samples, timer)``; they stay
-        queued, done."""
+        queued, done. Raises the first one's error."""
+        items, failure = self.drain_until_failure(finish)
+        if failure is not None:
+            raise failure[1]
+        return items
+
+    def drain_until_failure(
+        self, finish: Callable[[Any, PhaseTimer], Any]
+    ) -> tuple[list[tuple], tuple[int, Exception] | None]:
+        """:meth:`drain`, stopping at the first rollout that fails: ``(items before it,
+        (its step, its error))``. After a failure the pipeline is closed (the rollout thread
+        has stopped, so nothing draws prompts any more)."""
         items = []
         for step, future in self.pending:
-            samples, info, timer, version = future.result()
-            items.append((step, finish(samples, timer), info, version, timer))
+            try:
+                samples, info, timer, version = future.result()
+                items.append((step, finish(samples, timer), info, version, timer))
+            except Exception as err:
+                self.close()
+                return items, (step, err)
         self.preload(items)
-        return items
+        return items, None
 
     def preload(self, items) -> None:
         """Queues finished rollouts (a checkpoint's, on resume) in place of those in flight."""
@@ -252,25 +267,25 @@ class RolloutSide:
         drops those of checkpoints no longer kept."""
         if not self.cfg.rollout.max_staleness:
             return
-        try:
-            items = self.pipeline.drain(self.run.finish_scoring)
-        except Exception as err:
+        items, failure = self.pipeline.drain_until_failure(self.run.finish_scoring)
+        if failure is not None:
+            failed, err = failure
             if step < self.cfg.trainer.max_steps:
-                raise
-            # Rollouts past the run's end only serve a longer resumed run: it draws their
-            # prompts again when the data position goes back to where the first one started.
-            first = self.pipeline.pending[0][0] if self.pipeline.pending else None
-            start = self.draw_starts.get(first)
-            if start is not None:
-                self.sampler.restore(start)
+                raise err
+            # Rollouts past the run's end only serve a longer resumed run. The checkpoint keeps
+            # those before the failed one, and the data position where the failed one started
+            # drawing, so a longer run draws its prompts again. (A sampler process's batches
+            # carry their position: the trainer's follows the last one received.)
+            if failed in self.draw_starts:
+                self.sampler.restore(self.draw_starts[failed])
             log.warning(
-                "rollouts past the last step failed (%s); not saved with it, %s",
+                "the rollout of step %d (past the last step) failed (%s): checkpoint %d keeps "
+                "the %d before it; a longer resumed run draws its prompts again",
+                failed,
                 err,
-                f"the data position back to step {first}'s first prompt"
-                if start is not None
-                else "their prompts are skipped by a longer resumed run",
+                step,
+                len(items),
             )
-            return
         path = self._in_flight_file(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -241,13 +241,24 @@ class RemotePipeline:
 
     def drain(self, finish) -> list[tuple]:
         """The batches in flight after the current step (received now), kept for later."""
+        items, failure = self.drain_until_failure(finish)
+        if failure is not None:
+            raise failure[1]
+        return items
+
+    def drain_until_failure(self, finish) -> tuple[list[tuple], tuple[int, Exception] | None]:
+        """:meth:`drain`, stopping at the first batch that failed: ``(items before it, (its
+        step, its error))``. ``prompts`` stays at the last batch received."""
         items = []
         for step in range(self.step + 1, self.step + 1 + self.max_staleness):
-            if step not in self.ready:
-                self.ready[step] = self._receive(step)
-            samples, info, timer, version = self.ready[step]
-            items.append((step, finish(samples, timer), info, version, timer))
-        return items
+            try:
+                if step not in self.ready:
+                    self.ready[step] = self._receive(step)
+                samples, info, timer, version = self.ready[step]
+                items.append((step, finish(samples, timer), info, version, timer))
+            except Exception as err:
+                return items, (step, err)
+        return items, None
 
     def preload(self, items) -> None:
         self.ready = {step: (s, info, timer, version) for step, s, info, version, timer in items}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import threading
 import time
 import types
@@ -128,6 +129,52 @@ def test_drain_and_preload_keep_the_rollouts_in_flight():
     assert [step for step, _ in resumed.pending] == [3, 4]  # 4 launched from version 2
     resumed.close()
     assert continued == [2, 3]
+
+
+def test_a_failed_batch_from_a_sampler_process_past_the_end_keeps_those_before_it(tmp_path):
+    """The trainer's side of a job whose sampler runs on processes of its own: batches 2 and 3
+    are in flight after step 1 (k = 2), 3 failed on the sampler. The final checkpoint keeps
+    batch 2 and the data position it carried (not past it), and does not fail."""
+    from jaxrl_llm.train.rl import remote
+    from jaxrl_llm.train.rl.pipeline import RolloutSide
+
+    class FakeMessages:
+        def receive(self, name):
+            step = int(name.split("/")[1])
+            if step == 3:
+                raise RuntimeError("the other side of the job failed: reward server down")
+            return {"step": step}, {}, PhaseTimer(), step - 2, {"after": step}, 0.0
+
+    prompts = types.SimpleNamespace(position=None)
+    prompts.restore = lambda state: setattr(prompts, "position", state)
+    pipe = object.__new__(remote.RemotePipeline)  # no coordination service here
+    pipe.max_staleness, pipe.prompts, pipe.messages = 2, prompts, FakeMessages()
+    pipe.ready, pipe.started, pipe.step = {}, True, 1
+    items, failure = pipe.drain_until_failure(lambda samples, timer: samples)
+    assert [item[0] for item in items] == [2] and failure[0] == 3
+    assert prompts.position == {"after": 2}
+    with pytest.raises(RuntimeError, match="reward server down"):
+        pipe.drain(lambda samples, timer: samples)
+
+    pipe.ready = {}
+    trainer = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            rollout=types.SimpleNamespace(max_staleness=2),
+            trainer=types.SimpleNamespace(max_steps=2),
+        ),
+        pipeline=pipe,
+        run=types.SimpleNamespace(finish_scoring=lambda samples, timer: samples),
+        draw_starts={},  # the trainer draws nothing itself
+        sampler=prompts,
+        checkpointer=types.SimpleNamespace(all_steps=lambda: [2]),
+        _in_flight_file=lambda step: tmp_path / f"{step}-process0.pkl",
+    )
+    RolloutSide.save_in_flight(trainer, 2)
+    saved = pickle.loads((tmp_path / "2-process0.pkl").read_bytes())
+    assert [item[0] for item in saved] == [2] and prompts.position == {"after": 2}
+    trainer.cfg.trainer.max_steps = 3  # the same failure before the last step is the run's
+    with pytest.raises(RuntimeError, match="reward server down"):
+        RolloutSide.save_in_flight(trainer, 2)
 
 
 def test_timer_merges_the_rollout_threads_spans():
@@ -424,36 +471,59 @@ def test_async_stop_and_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(("staleness", "fails_at"), [(1, 2), (2, 3)])
 def test_a_failed_rollout_past_the_end_leaves_its_prompts_to_a_longer_run(
-    tmp_path, monkeypatch, caplog
+    tmp_path, monkeypatch, caplog, staleness, fails_at
 ):
-    """One step off, steps 0 and 1: the rollout of step 2 (past the end, in flight at the
-    final checkpoint) fails. The run still ends and saves, without it, at the data position
-    where step 2's draw started (2 batches in), not past its prompts: a longer resumed run
-    draws them."""
+    """Steps 0 and 1, ``k`` rollouts in flight past the end (steps 2 .. 1 + k); the rollout of
+    step ``fails_at`` fails. The run still ends and saves: the rollouts before the failed one
+    beside the checkpoint, the data position where the failed one started drawing (as many
+    batches in as steps 0 .. fails_at - 1 drew), not past its prompts. Resumed to more steps,
+    the run trains on the saved ones and draws the failed one's prompts again."""
     from jaxrl_llm.data import PromptSampler
+    from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR
 
     produce = RLTrainer.rollout_from
+    fail = {"at": fails_at}
 
     def failing_past_the_end(self, step, params, timer, **partial):
         out = produce(self, step, params, timer, **partial)  # draws step's prompts
-        if step >= 2:
+        if step == fail["at"]:
             raise RuntimeError("reward server down")
         return out
 
     monkeypatch.setattr(RLTrainer, "rollout_from", failing_past_the_end)
-    cfg = _config(tmp_path, "rollout.max_staleness=1", "trainer.max_steps=2")
+    cfg = _config(tmp_path, f"rollout.max_staleness={staleness}", "trainer.max_steps=2")
     trainer = RLTrainer(cfg)
     with caplog.at_level("WARNING", logger="jaxrl_llm"):
         trainer.fit()
-    assert "rollouts past the last step failed (reward server down)" in caplog.text
-    assert "back to step 2's first prompt" in caplog.text
+    assert (
+        f"the rollout of step {fails_at} (past the last step) failed (reward server down): "
+        f"checkpoint 2 keeps the {fails_at - 2} before it" in caplog.text
+    )
+
+    def position_after(batches: int) -> dict:
+        fresh = PromptSampler(trainer.sampler._examples, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        for _ in range(batches):
+            fresh.next_batch(cfg.rollout.prompts_per_step)
+        return fresh.state()
+
     _, extra = trainer.checkpointer.restore_raw(2)
-    fresh = PromptSampler(trainer.sampler._examples, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    for _ in range(2):
-        fresh.next_batch(cfg.rollout.prompts_per_step)
-    assert extra["sampler"] == fresh.state()
-    assert not (tmp_path / "rollouts_in_flight" / "2-process0.pkl").exists()
+    assert extra["sampler"] == position_after(fails_at)
+    saved = pickle.loads((tmp_path / IN_FLIGHT_DIR / "2-process0.pkl").read_bytes())
+    assert [item[0] for item in saved] == list(range(2, fails_at))
+    if staleness == 1:
+        return
+    fail["at"] = None
+    longer = dataclasses.replace(
+        cfg, resume=True, trainer=dataclasses.replace(cfg.trainer, max_steps=4)
+    )
+    resumed = RLTrainer(longer)
+    resumed.fit()
+    assert resumed.draw_starts[fails_at] == position_after(fails_at)  # drawn again
+    rows = rl_helpers.read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert resumed.checkpointer.restore_raw(4)[1]["sampler"] == position_after(4 + staleness)
 
 
 def test_staleness_is_refused_across_processes_and_warned_uncorrected(
