@@ -118,7 +118,8 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
 
 def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxrl-llm eval`` (exit 0; 2 on bad input, with the reason)."""
-    args = _parser().parse_args(argv)
+    # Overrides may follow the options (``RUN --k 4 data.eval_size=512``), as in ``plan``.
+    args = _parser().parse_intermixed_args(argv)
     try:
         cfg = load_eval_config(args.target, args.overrides)
         temperature = cfg.rollout.temperature if args.temperature is None else args.temperature

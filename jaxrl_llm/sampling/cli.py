@@ -142,7 +142,8 @@ def _stop_ids(tokenizer: Any, text: str) -> list[int]:
 def generate_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``jaxrl-llm generate``; returns the process exit status."""
     parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Prompts may follow the options (``MODEL --temperature 0 PROMPT``).
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if bool(args.prompt) == bool(args.prompts):
         parser.error("give prompts as arguments or --prompts FILE.jsonl (one of the two)")
     if not os.path.isdir(args.model_dir):

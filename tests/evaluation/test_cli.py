@@ -50,6 +50,14 @@ def test_greedy_eval_equals_the_trainers_accuracy(run_dir, tmp_path, capsys):
     assert "pass@4" in out and "[" in out
 
 
+def test_overrides_may_follow_the_options(run_dir, tmp_path, capsys):
+    out_json = tmp_path / "eval.json"
+    argv = (run_dir, "--k", 1, "--temperature", 0, "data.eval_size=8", "--json", out_json)
+    code, _, err = _eval(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out_json.read_text())["summary"]["problems"] == 8
+
+
 def test_sampled_pass_at_k_follows_the_per_prompt_counts(run_dir, tmp_path, capsys):
     out_json = tmp_path / "eval.json"
     code, _, err = _eval(capsys, run_dir, "--k", 4, "--samples", 6, "--json", out_json)

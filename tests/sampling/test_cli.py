@@ -87,6 +87,9 @@ def test_generate_main_prints_greedy_completions(model_dir, capsys):
         want = " ".join(vocab[i] for i in ids if i > 3)
         assert printed[header] == want
         assert want, "a completion of only special tokens would make this test vacuous"
+    # The prompts may follow the options.
+    assert generate_main([model_dir, "--max-new-tokens", "6", "--temperature", "0", *prompts]) == 0
+    assert _blocks(capsys.readouterr().out) == printed
 
 
 def test_generate_subcommand_samples_groups(model_dir, capsys):
