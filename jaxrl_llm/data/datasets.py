@@ -10,8 +10,10 @@ the prompts an uninterrupted run would have drawn.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -96,8 +98,12 @@ def answer_text(value: Any, where: str, field: str) -> str:
     """Answers may be numbers in the source (``"answer": 72``); bools and nulls are mistakes."""
     if isinstance(value, str):
         return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    if isinstance(value, float):  # positional, never "1e-05": the answer parsers read no exponents
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: field {field!r} must be a finite number, got {value!r}")
+        return format(decimal.Decimal(repr(value)), "f")
     raise ValueError(f"{where}: field {field!r} must be a string or a number, got {value!r}")
 
 
@@ -158,9 +164,12 @@ def load_jsonl(
     Raises:
       FileNotFoundError: if ``path`` is not a file.
       ValueError: naming ``path:line`` for invalid JSON, a line that is not an object, a
-        missing field or a field of the wrong type; or if the file holds no record.
+        missing field or a field of the wrong type; if the file holds no record; or if the two
+        field names are equal.
     """
     examples = []
+    if prompt_field == answer_field:
+        raise ValueError(f"prompt_field and answer_field must differ, both are {prompt_field!r}")
     for where, record in jsonl_records(path, (prompt_field, answer_field)):
         prompt = record.pop(prompt_field)
         if not isinstance(prompt, str):

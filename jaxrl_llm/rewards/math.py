@@ -3,7 +3,9 @@
 Extraction from a completion, first that applies:
 
 1. the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces included;
-2. what follows the last GSM8K ``####`` marker on its line;
+2. the number that follows the last GSM8K ``####`` marker on its line (a line of text instead,
+   such as a ``#### Step 2`` heading, counts only when nothing follows it: ``#### B`` at the
+   end; otherwise the marker is passed over);
 3. the last number in the text (a sign counts only where it cannot be a binary minus, so
    ``"12-7=5"`` ends in ``5`` and ``"x = -3"`` in ``-3``).
 
@@ -17,7 +19,8 @@ Comparison, ``backend``:
   decimals, thousands separators (``1,234`` and LaTeX ``1{,}234``), ``$`` signs, ``%``, trailing
   ``.0``, Unicode minus signs, ``\\frac{a}{b}`` / ``\\dfrac`` / ``\\frac12`` and ``a/b`` all
   normalise, so ``\\boxed{\\frac{1}{2}}`` matches ``0.5`` and ``$5.00`` matches ``5``; ``0.333``
-  does not match ``1/3``. Answers that are not numbers are compared as strings after removing
+  does not match ``1/3``; a unit in ``\\text{}`` after a number is dropped (``18 \\text{ dollars}``
+  matches ``18``). Answers that are not numbers are compared as strings after removing
   whitespace, ``$`` and ``\\text{}`` wrappers; there is no symbolic algebra (``2^{10}`` does
   not match ``1024``).
 * ``math_verify``: what ``builtin`` accepts, plus what ``math-verify`` proves equal
@@ -83,21 +86,45 @@ def _clean(text: str) -> str:
         text = unwrapped
 
 
+# Longer numbers are not answers (a degenerate completion repeating digits): no value, rather
+# than Python's int-from-string limit (4,300 digits) raising.
+_MAX_DIGITS = 1000
+
+
+class _TooLong(Exception):
+    pass
+
+
 def _signed(sign: str, digits: str) -> Fraction:
+    if len(digits) > _MAX_DIGITS:
+        raise _TooLong
     value = Fraction(digits.replace(",", ""))
     return -value if sign == "-" else value
 
 
+def _matching(text: str, open_: str, close: str) -> dict[int, int]:
+    """``{i: j}``: the ``close`` at ``j`` that balances the ``open_`` at ``i`` (one pass)."""
+    stack, pairs = [], {}
+    for i, char in enumerate(text):
+        if char == open_:
+            stack.append(i)
+        elif char == close and stack:
+            pairs[stack.pop()] = i
+    return pairs
+
+
 def _strip_enclosing(text: str) -> str:
-    """``{5}`` / ``(−3)`` → inner text, when the outer pair encloses everything."""
-    while len(text) >= 2 and (text[0], text[-1]) in (("{", "}"), ("(", ")")):
-        depth = 0
-        for i, char in enumerate(text):
-            depth += {text[0]: 1, text[-1]: -1}.get(char, 0)
-            if depth == 0 and i < len(text) - 1:
-                return text
-        text = text[1:-1].strip()
-    return text
+    """``{5}`` / ``(−3)`` → inner text, when the outer pair encloses everything (in linear time:
+    a degenerate completion may nest thousands of them)."""
+    pairs = {"{": _matching(text, "{", "}"), "(": _matching(text, "(", ")")}
+    lo, hi = 0, len(text) - 1  # text[lo : hi + 1], stripped
+    while lo < hi and text[lo] in pairs and pairs[text[lo]].get(lo) == hi:
+        lo, hi = lo + 1, hi - 1
+        while lo <= hi and text[lo].isspace():
+            lo += 1
+        while hi >= lo and text[hi].isspace():
+            hi -= 1
+    return text[lo : hi + 1]
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -110,6 +137,13 @@ def parse_number(text: str) -> Fraction | None:
     text = _clean(text).strip().rstrip(".").strip()
     text = text.removesuffix("\\%").removesuffix("%").strip()
     text = _strip_enclosing(text)
+    try:
+        return _value(text)
+    except _TooLong:
+        return None
+
+
+def _value(text: str) -> Fraction | None:
     if match := _WHOLE_DECIMAL.fullmatch(text):
         return _signed(*match.groups())
     if match := _WHOLE_SLASH.fullmatch(text):
@@ -132,18 +166,18 @@ def _boxed_content(text: str) -> str | None:
         (m.end() for cmd in _BOX_COMMANDS for m in re.finditer(re.escape(cmd), text)),
         reverse=True,
     )
+    pairs = _matching(text, "{", "}") if starts else {}
     for start in starts:
-        rest = text[start:].lstrip()
-        if not rest.startswith("{"):
-            bare = re.match(r"[^\s$]+", rest)
+        brace = start
+        while brace < len(text) and text[brace].isspace():
+            brace += 1
+        if not text.startswith("{", brace):
+            bare = re.match(r"[^\s$]+", text[brace:])
             if bare:
                 return bare.group()
             continue
-        depth = 0
-        for i, char in enumerate(rest):
-            depth += {"{": 1, "}": -1}.get(char, 0)
-            if depth == 0:
-                return rest[1:i]
+        if brace in pairs:
+            return text[brace + 1 : pairs[brace]]
     return None
 
 
@@ -162,21 +196,32 @@ def extract_answer(text: str) -> str | None:
         return boxed
     marker = text.rfind("####")
     if marker >= 0:
-        line = text[marker + 4 :].split("\n", 1)[0].strip()
+        line, _, after = text[marker + 4 :].partition("\n")
+        line = line.strip()
         if line and parse_number(line) is not None:
             return line
         numbers = _numbers(line)
-        if numbers:
-            return numbers[0]
-        if line:
-            return line
+        if numbers and _clean(line).lstrip().startswith(numbers[0]):
+            return numbers[0]  # "#### 42 apples"
+        if line and not numbers and not after.strip():
+            return line  # a text answer ending the completion: "#### B"
     numbers = _numbers(text)
     return numbers[-1] if numbers else None
 
 
+# A number followed by a unit in a text wrapper: ``18 \text{ dollars}``, ``5\,\mbox{cm}``.
+_TRAILING_UNIT = re.compile(
+    r"(.*?\S)\s*\\(?:text|mbox|mathrm|textrm)\s*\{\s*[A-Za-z][A-Za-z .]*\}\s*\.?\s*", re.S
+)
+
+
 def answer_value(answer: str) -> Fraction | str:
-    """A comparable form of an extracted answer: its exact value, else normalised text."""
+    """A comparable form of an extracted answer: its exact value (a number followed by a unit
+    in ``\text{}``, ``18 \text{ dollars}``, is the number, as verl's ``strip_string`` and
+    math-verify read it), else normalised text."""
     number = parse_number(answer)
+    if number is None and (unit := _TRAILING_UNIT.fullmatch(answer)):
+        number = parse_number(unit.group(1))
     if number is not None:
         return number
     return re.sub(r"\s+", "", _clean(answer)).rstrip(".")

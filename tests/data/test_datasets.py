@@ -15,6 +15,7 @@ from jaxrl_llm.data import (
     load_jsonl,
     split_eval,
 )
+from jaxrl_llm.rewards import is_correct
 
 
 def _examples(n):
@@ -87,6 +88,26 @@ def test_load_jsonl_missing_field_names_line_and_field(tmp_path):
 def test_load_jsonl_wrong_types(tmp_path, line, message):
     with pytest.raises(ValueError, match=message):
         load_jsonl(_write(tmp_path / "d.jsonl", [line]))
+
+
+def test_float_answers_keep_their_decimal_form(tmp_path):
+    """A JSON or Parquet column of floats: ``str`` would give ``1e-05`` and ``1e+16``, which no
+    answer parser reads (a completion "0.00001" would never match)."""
+    values = [1e-05, 1e16, 72.0, 0.1, 2.5e-3]
+    lines = [json.dumps({"prompt": f"p{i}", "answer": v}) for i, v in enumerate(values)]
+    answers = [e.answer for e in load_jsonl(_write(tmp_path / "d.jsonl", lines))]
+    assert answers == ["0.00001", "10000000000000000", "72.0", "0.1", "0.0025"]
+    assert is_correct("so 0.00001", Example("p", answers[0]))
+    for bad in ("NaN", "Infinity"):
+        line = f'{{"prompt": "p", "answer": {bad}}}'
+        with pytest.raises(ValueError, match="'answer' must be a finite number"):
+            load_jsonl(_write(tmp_path / "e.jsonl", [line]))
+
+
+def test_load_jsonl_refuses_one_field_for_prompt_and_answer(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [json.dumps({"q": "p"})])
+    with pytest.raises(ValueError, match="prompt_field and answer_field must differ, both are 'q'"):
+        load_jsonl(path, prompt_field="q", answer_field="q")
 
 
 def test_load_jsonl_empty_file(tmp_path):

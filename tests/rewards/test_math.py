@@ -84,6 +84,12 @@ def test_parse_number_rejects_non_numbers(text):
         ("#### 1,234", "1,234"),
         ("work 3+4=7\n#### 7\nextra 9", "7"),  # #### beats the last number
         ("#### The answer is 12 apples", "12"),
+        ("#### 42 apples\nok", "42"),
+        ("#### $18 dollars", "18"),
+        ("6*7 = 42.\n\n#### Final Answer\nThe answer is 42.", "42"),  # a heading: passed over
+        ("#### Step 2: Double\n7*6 = 42\nThe answer is 42.", "42"),
+        ("the choice is\n#### B", "B"),  # a text answer ending the completion
+        ("#### B\nbecause 7 > 3", "3"),
         ("3 apples and 4 pears make 7", "7"),  # several numbers: the last
         ("12-7=5", "5"),
         ("x = -3", "-3"),
@@ -119,6 +125,10 @@ def test_extract_answer(text, answer):
         ("0.333", "1/3", False),  # exact comparison, no tolerance
         ("\\boxed{x + 1}", "x+1", True),  # text answers compare without whitespace
         ("\\boxed{\\text{yes}}", "yes", True),
+        ("\\boxed{18 \\text{ dollars}}", "18", True),  # a unit after the number
+        ("\\boxed{5\\,\\mbox{cm}}", "5", True),
+        ("\\boxed{\\frac{1}{2} \\text{ hour}}", "0.5", True),
+        ("\\boxed{18 \\text{ dollars}}", "19", False),
         ("\\boxed{2^{10}}", "1024", False),  # no symbolic evaluation
         ("I cannot say", "0", False),
         ("", "0", False),
@@ -148,6 +158,20 @@ def test_is_correct_reads_examples_and_mappings():
         is_correct("19", {"solution": "19"})
     with pytest.raises(ValueError, match="reference answer"):
         is_correct("19", None)
+
+
+@pytest.mark.parametrize("backend", ["builtin", "auto"])
+def test_a_number_of_thousands_of_digits_is_no_answer_and_no_error(backend):
+    """A degenerate completion repeating a digit: past Python's int-from-string limit (4,300
+    digits) a parse would raise and stop the run; it scores incorrect."""
+    digits = "9" * 5000
+    example = Example("p", "5")
+    for completion in (f"The answer is {digits}", f"\\boxed{{{digits}}}", f"#### {digits}"):
+        assert not answers_match(completion, "5")
+        assert not is_correct(completion, example)
+        assert MathMatch(backend=backend)(RewardInput("p", completion, example)) == 0.0
+    assert parse_number(digits) is None and parse_number("9" * 1000) == int("9" * 1000)
+    assert answers_match(f"\\boxed{{{digits}}}", digits)  # equal as text
 
 
 def test_math_match_reward_values():
