@@ -7,7 +7,8 @@ one core). The tool-using policy's held-out accuracy must be ``MIN_GAIN`` above 
 task gives without the tool: 0% (``env.name=null``, the demonstrations the bare answers, 10
 tokens): 0% → 0% on the full schedule, and 0% → 0% on this one (measured 2026-11-27 with
 the overrides below plus ``env.name=null rollout.max_new_tokens=10``, 28 s; the test ran that
-control itself until then). This schedule gives 44-47% with the tool;
+control itself until then). This schedule gives 44-47% with the tool (34% on 2026-11-29
+on the 2-core AMD EPYC: where the warm-up lands moves with the machine's floats);
 700 steps of 16 land near 20%, 1400 steps of 16 beat 700 of 64 at half the cost. The full
 config (1500 warm-up steps, 40 GRPO steps, 128 prompts) gives 100% → 99.2% with the tool
 (benchmarks/RESULTS.md).
