@@ -239,16 +239,10 @@ class RemotePipeline:
         timer.merge(produced)
         return samples, {**info, **staleness_info(samples, step, version)}
 
-    def drain(self, finish) -> list[tuple]:
-        """The batches in flight after the current step (received now), kept for later."""
-        items, failure = self.drain_until_failure(finish)
-        if failure is not None:
-            raise failure[1]
-        return items
-
     def drain_until_failure(self, finish) -> tuple[list[tuple], tuple[int, Exception] | None]:
-        """:meth:`drain`, stopping at the first batch that failed: ``(items before it, (its
-        step, its error))``. ``prompts`` stays at the last batch received."""
+        """The batches in flight after the current step (received now, kept for later), up to
+        the first that failed: ``(items before it, (its step, its error) or None)``.
+        ``prompts`` stays at the last batch received."""
         items = []
         for step in range(self.step + 1, self.step + 1 + self.max_staleness):
             try:
