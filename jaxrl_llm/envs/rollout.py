@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrl_llm import sampling
 from jaxrl_llm.envs.base import Environment, Episode, Message, check_messages
-from jaxrl_llm.train.setup import fetch
+from jaxrl_llm.parallel import fetch
 
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 

@@ -27,6 +27,7 @@ from jaxrl_llm.parallel.distributed import (
     set_trainer_processes,
     trainer_processes,
 )
+from jaxrl_llm.parallel.host import fetch, replicate
 from jaxrl_llm.parallel.mesh import MESH_AXES, current_platform, make_mesh, resolve_mesh_shape
 from jaxrl_llm.parallel.rules import (
     ACTIVATION_RULES,
@@ -54,6 +55,7 @@ __all__ = [
     "batch_mesh_axes",
     "batch_shards",
     "detect_cluster",
+    "fetch",
     "first_slurm_host",
     "initialize_distributed",
     "is_primary",
@@ -65,6 +67,7 @@ __all__ = [
     "make_mesh",
     "mesh_axes_of",
     "process_local_slice",
+    "replicate",
     "resolve_mesh_shape",
     "shard_batch",
     "spec_entry",

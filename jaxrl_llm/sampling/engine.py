@@ -185,8 +185,6 @@ class Engine:
         if mesh is not None:
             from jaxrl_llm.parallel import batch_shards  # noqa: PLC0415
 
-            if jax.process_count() > 1:
-                raise ValueError("the engine runs in one process for now (jax.process_count() > 1)")
             self.shards = batch_shards(mesh)
             if slots % self.shards:
                 raise ValueError(

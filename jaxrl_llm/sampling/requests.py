@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from jaxrl_llm import parallel
 
 FINISH_REASONS = ("stop", "length")
 
@@ -133,14 +134,13 @@ def harvest(
     """Moves an engine's finished slots' completions (``state``: its ``EngineState``) to
     ``results`` (each token's weight version from the slot's ``marks``) and empties their
     ``occupant`` entries; returns how many, and the host copy of every slot's count."""
-    done, all_counts = (np.array(x) for x in jax.device_get((state.done, state.count)))
+    done, all_counts = (np.array(parallel.fetch(x)) for x in (state.done, state.count))
     ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
     if not ready:
         return 0, all_counts
-    index = jnp.asarray(ready, jnp.int32)
+    index = np.asarray(ready, np.int32)
     count = all_counts[ready]
-    tokens = np.asarray(state.tokens[index])
-    logprobs = np.asarray(state.logprobs[index])
+    tokens, logprobs = (parallel.fetch(x) for x in _rows(state.tokens, state.logprobs, index))
     for i, s in enumerate(ready):
         n = int(count[i])
         row = tokens[i, :n]
@@ -151,6 +151,11 @@ def harvest(
         results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions)
         occupant[s] = None
     return len(ready), all_counts
+
+
+@jax.jit
+def _rows(tokens: jax.Array, logprobs: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return tokens[index], logprobs[index]
 
 
 def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:

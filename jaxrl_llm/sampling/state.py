@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import parallel
 from jaxrl_llm.models import CACHE_AXES, KVCache
 from jaxrl_llm.sampling import strategies
 
@@ -107,11 +108,10 @@ def replicate(tree: Any, mesh: Any) -> Any:
 
     Small host-made inputs (the PRNG key, ``SamplingParams``) may carry another mesh's
     sharding, e.g. the trainer's when the sampler runs on its serving layout
-    (``jaxrl_llm.sampling.serving``); a jitted program needs all its inputs on one mesh.
+    (``jaxrl_llm.sampling.serving``); a jitted program needs all its inputs on one mesh. A
+    mesh may span processes (``parallel.replicate``).
     """
-    if mesh is None:
-        return tree
-    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return parallel.replicate(tree, mesh)
 
 
 def grow_cache(cache: KVCache, num_samples: int, extra_slots: int) -> KVCache:

@@ -21,6 +21,7 @@ import numpy as np
 from jaxrl_llm import data, models, parallel, sampling
 from jaxrl_llm.data import char_tokenizer
 from jaxrl_llm.models import lora
+from jaxrl_llm.parallel import fetch  # noqa: F401 (re-exported: its old home)
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -275,15 +276,6 @@ def to_device(host, mesh):
         rows = parallel.process_local_slice(jax.tree.leaves(host)[0].shape[0], mesh)
         host = jax.tree.map(lambda x: x[rows], host)
     return parallel.shard_batch(host, mesh)
-
-
-def fetch(x: jax.Array) -> np.ndarray:
-    """A global array as a host NumPy array on every process."""
-    if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
 
 
 def copy_fn(shardings):

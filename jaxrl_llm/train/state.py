@@ -158,5 +158,8 @@ def create_train_state(
     if params is None:
         state = jax.jit(lambda: init(None), out_shardings=shardings)()
     else:
-        state = jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+        # No in_shardings: the given parameters keep whatever layout they come in and the
+        # program reshards them. A multi-process jit refuses (rather than moves) an argument
+        # whose sharding differs from its in_shardings, e.g. a replicated fresh value head.
+        state = jax.jit(init, out_shardings=shardings)(params)
     return state, shardings

@@ -63,9 +63,9 @@ def reserved_port(*, shared: bool = True) -> Iterator[int]:
         sock.close()
 
 
-def worker_env(port: int, process_id: int, num_processes: int, local_devices: int) -> dict:
-    """The environment of one worker: explicit ``JAX_*`` cluster variables, CPU devices, and
-    nothing inherited that could make JAX auto-detect another cluster."""
+def single_process_env(local_devices: int) -> dict:
+    """The environment of a process with ``local_devices`` CPU devices and no cluster: nothing
+    inherited that could make JAX auto-detect one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED_ENV)}
     # The session's LLVM level (tests/conftest.py) too: the workers' results are compared
     # with programs this session compiled, and LLVM's levels round differently (FMAs).
@@ -74,9 +74,15 @@ def worker_env(port: int, process_id: int, num_processes: int, local_devices: in
         for f in os.environ.get("XLA_FLAGS", "").split()
         if f.startswith("--xla_backend_optimization_level")
     ]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    return env
+
+
+def worker_env(port: int, process_id: int, num_processes: int, local_devices: int) -> dict:
+    """The environment of one worker: explicit ``JAX_*`` cluster variables, CPU devices, and
+    nothing inherited that could make JAX auto-detect another cluster."""
+    env = single_process_env(local_devices)
     env.update(
-        XLA_FLAGS=" ".join(flags),
-        JAX_PLATFORMS="cpu",
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(num_processes),
         JAX_PROCESS_ID=str(process_id),

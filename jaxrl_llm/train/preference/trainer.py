@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import data, models
+from jaxrl_llm import data, models, parallel
 from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
@@ -241,8 +241,8 @@ class PreferenceTrainer(Trainer):
         for start in range(0, len(order), batch_size):
             host = take(split, order[start : start + batch_size], None, self.unpaired)
             first, second = self.reference_fn(params, setup.to_device(host, self.mesh))
-            firsts.append(setup.fetch(first))
-            seconds.append(setup.fetch(second))
+            firsts.append(parallel.fetch(first))
+            seconds.append(parallel.fetch(second))
         return {"first": np.concatenate(firsts)[:n], "second": np.concatenate(seconds)[:n]}
 
     def setup(self) -> None:
@@ -352,7 +352,7 @@ class PreferenceTrainer(Trainer):
         if self.reference is not None:
             self.reference = tree
         else:
-            self.ref_logps = jax.tree.map(setup.fetch, tree)
+            self.ref_logps = jax.tree.map(parallel.fetch, tree)
 
     def save_extra(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state()}

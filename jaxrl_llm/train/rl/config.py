@@ -117,7 +117,7 @@ class RolloutSection:
         rewards are all equal; groups still missing after that are kept with a zero mask.
       engine: ``static`` (one batch: every row decodes until the longest finishes) or
         ``continuous`` (``sampling.engine``: ``slots`` decode slots refilled as completions
-        finish, the rest moved to smaller programs as the batch drains; one process for now).
+        finish, the rest moved to smaller programs as the batch drains).
       slots: the continuous engine's decode slots (default: every row of the draw).
       burst: the continuous engine's decode steps per host round trip.
       logprobs: the update's behaviour log-probs: ``recompute`` (a trainer forward, skipped when

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import data, objectives, rewards
+from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
@@ -274,7 +274,7 @@ class RunContext:
             samples.completion_tokens,
             samples.completion_mask,
         )
-        scores = setup.fetch(score_fn(rm_params, self.to_device(seqs)))
+        scores = parallel.fetch(score_fn(rm_params, self.to_device(seqs)))
         scores = normalize_scores(scores, section.normalize)
         components = dict(samples.components)
         components["reward_model"] = scores

@@ -317,7 +317,7 @@ class PPOTrainer(RLTrainer):
         adv, returns = self.advantage_fn(
             rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, values=values
         )
-        host_values, host_returns = setup.fetch(values), setup.fetch(returns)
+        host_values, host_returns = parallel.fetch(values), parallel.fetch(returns)
         mask = samples.completion_mask
         valid = np.asarray(mask, bool)
         metrics = {

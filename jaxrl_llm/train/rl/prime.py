@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import implicit_prm, objectives
+from jaxrl_llm import implicit_prm, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
@@ -160,7 +160,7 @@ class PRIMETrainer(RLTrainer):
         adv, _ = self.advantage_fn(rewards, seqs.completion_mask, process_rewards=dense)
         if self.cfg.prime.update == "after":
             metrics.update(self._update_prm(seqs, ref, labels))
-        host_dense = setup.fetch(dense)
+        host_dense = parallel.fetch(dense)
         valid = np.asarray(samples.completion_mask, bool)
         metrics["prm/process_reward_mean"] = float(host_dense[valid].mean()) if valid.any() else 0.0
         return self.rollout_batch(seqs, old, ref, rewards, adv), metrics

@@ -21,9 +21,9 @@ import numpy as np
 
 from jaxrl_llm import sampling
 from jaxrl_llm.data.encoding import decode_completions, encode_prompts, pad_id
+from jaxrl_llm.parallel import fetch
 from jaxrl_llm.rewards import RewardInput, compute_rewards, is_correct
 from jaxrl_llm.sampling.engine import Engine, Request
-from jaxrl_llm.train.setup import fetch
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -106,8 +106,8 @@ def sample_and_score(
 
     ``engine``: ``static`` runs ``sampling.generate`` (one batch); ``continuous`` the
     continuous-batching ``sampling.engine.Engine`` with ``slots`` slots (default: every row;
-    a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip, in
-    one process. ``timer`` (a
+    a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip (on
+    several processes each runs the same host loop over the whole draw). ``timer`` (a
     ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
     ``scoring``. ``scorer``: a ``rewards.ScoringPool`` that scores the rows in worker
     processes instead of ``compute_rewards(reward_fn, .)`` in this one. ``defer`` (with a

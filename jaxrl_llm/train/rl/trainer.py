@@ -381,7 +381,7 @@ class RLTrainer(RolloutSide, Trainer):
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
             batch, corrected = correct_batch(run.objective, batch)
-            adv = setup.fetch(batch.advantages)
+            adv = parallel.fetch(batch.advantages)
         with timer.phase("update"):
             updates = []
             rows = mask.shape[0]
