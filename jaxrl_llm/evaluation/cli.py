@@ -71,13 +71,13 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
     """``(summary, per_prompt)`` of ``cfg``'s policy on its held-out prompts (see module)."""
     from jaxrl_llm import data  # noqa: PLC0415
     from jaxrl_llm.train import setup  # noqa: PLC0415
-    from jaxrl_llm.train.rl.config import check_config  # noqa: PLC0415
     from jaxrl_llm.train.rl.context import (  # noqa: PLC0415
         RunContext,
         load_examples,
         task_reward,
     )
     from jaxrl_llm.train.rl.episodes import make_run_env  # noqa: PLC0415
+    from jaxrl_llm.train.rl.spec import resolve  # noqa: PLC0415
 
     if samples < k:
         raise ValueError(f"--samples {samples} must be at least --k {k}")
@@ -86,7 +86,7 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
             "eval needs trained weights: give a run directory or a config with model.path (the "
             "built-in tiny model would be evaluated at its random initialisation)"
         )
-    objective = check_config(cfg)
+    objective = resolve(cfg, training=False).objective
     # A run's sampler-only devices (mesh.rollout_devices) are the evaluation's too.
     mesh = setup.make_run_mesh(dataclasses.replace(cfg.mesh, rollout_devices=0))
     tokenizer, model_config, params = setup.build_policy(cfg, mesh)

@@ -109,7 +109,9 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     frozen = None
     try:
         if model_config.lora is None:
-            state, shardings = abstract_train_state(model_config, optimizer, mesh, param_dtype)
+            state, shardings = abstract_train_state(
+                model_config, optimizer, mesh=mesh, param_dtype=param_dtype
+            )
         else:  # LoRA: the adapters' state; the base frozen beside it
             state, shardings, frozen = abstract_lora_state(
                 model_config, optimizer, mesh, param_dtype

@@ -37,15 +37,13 @@ from jaxrl_llm.models import heads, lora
 from jaxrl_llm.plan._job import (
     PlanError,
     StateBytes,
-    _abstract_state,
     _optimizer_bytes,
-    abstract_train_state,
     shard_bytes,
 )
 from jaxrl_llm.plan._reward import scalar_model_config
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.train.state import TrainState, abstract_train_state
 from jaxrl_llm.train.step import merge_trees
 
 ASSUMPTIONS = (
@@ -138,11 +136,11 @@ def abstract_critic_state(
 ) -> tuple[TrainState, TrainState]:
     """PPO's critic state (``PPOTrainer``: ``model_config``'s backbone with a scalar head, its
     own optimizer), shapes only, with its shardings."""
-    return _abstract_state(
-        lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
-        optimizer,
+    return abstract_train_state(
         model_config,
-        mesh,
+        optimizer,
+        mesh=mesh,
+        init_params=lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
         params_axes=heads.scalar_logical_axes(model_config),
     )
 
@@ -167,7 +165,9 @@ def abstract_joint_state(
         "policy": models.logical_axes(model_config),
         "value": heads.scalar_logical_axes(value_config),
     }
-    return _abstract_state(init, optimizer, model_config, mesh, params_axes=axes)
+    return abstract_train_state(
+        model_config, optimizer, mesh=mesh, init_params=init, params_axes=axes
+    )
 
 
 def policy_view(tree: TrainState) -> TrainState:
@@ -200,13 +200,13 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=
             prime = cfg.prime
             own = make_optimizer(prime.learning_rate, max_grad_norm=prime.max_grad_norm)
             if policy_frozen is None:
-                state = abstract_train_state(model_config, own, mesh, dtype)
+                state = abstract_train_state(model_config, own, mesh=mesh, param_dtype=dtype)
                 return Aux(own, *state, model_config)
-            state = _abstract_state(  # LoRA: its own adapters over the policy's base
-                lambda key: lora.init_adapters(model_config, key, dtype=dtype),
-                own,
+            state = abstract_train_state(  # LoRA: its own adapters over the policy's base
                 model_config,
-                mesh,
+                own,
+                mesh=mesh,
+                init_params=lambda key: lora.init_adapters(model_config, key, dtype=dtype),
                 params_axes=lora.split(models.logical_axes(model_config))[1],
             )
             return Aux(
@@ -244,17 +244,17 @@ def _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen) -> A
     )
     extra = {"source": source, "own_frozen": own_bytes}
     if not joint:
-        state = _abstract_state(init, own, config, mesh, params_axes=axes)
+        state = abstract_train_state(config, own, mesh=mesh, init_params=init, params_axes=axes)
         return Aux(own, *state, config, frozen=frozen, frozen_shardings=frozen_shardings, **extra)
     policy_axes = lora.split(models.logical_axes(model_config))[1]
-    state = _abstract_state(
-        lambda key: {
+    state = abstract_train_state(
+        model_config,
+        optimizer,
+        mesh=mesh,
+        init_params=lambda key: {
             "policy": lora.init_adapters(model_config, key, dtype=dtype),
             "value": init(key),
         },
-        optimizer,
-        model_config,
-        mesh,
         params_axes={"policy": policy_axes, "value": axes},
     )
     return Aux(

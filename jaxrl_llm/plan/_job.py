@@ -15,12 +15,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.plan.topology import TopologySpec
-from jaxrl_llm.sampling.prompts import bucket_length
-from jaxrl_llm.train import adapters, setup
-from jaxrl_llm.train.rl.config import TrainConfig, check_config, micro_batching
+from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.spec import JobShape, RunSpec, resolve
 from jaxrl_llm.train.rl.updates import batch_corrected
-from jaxrl_llm.train.state import TrainState, state_shardings
-from jaxrl_llm.train.step import TokenBudget
+from jaxrl_llm.train.state import (  # noqa: F401 (abstract_train_state re-exported)
+    TrainState,
+    abstract_train_state,
+    with_shardings,
+)
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 PyTree = Any
@@ -77,99 +80,38 @@ class PlanError(ValueError):
 # -- the job's shape -------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class JobShape:
-    """The sizes of one RL step, as the trainer runs it.
-
-    Attributes:
-      prompts: N, ``rollout.prompts_per_step``.
-      group_size: G, completions per prompt.
-      rows: ``B = N x G``, the rollout batch.
-      epochs, minibatches, micro_batches: ``trainer.*``.
-      minibatch_rows: ``B / minibatches``, rows of one update step.
-      prompt_len: P, ``bucket_length(data.max_prompt_tokens)`` (what the trainer pads to).
-      completion_len: T, ``rollout.max_new_tokens``.
-      remat, chunk_size: ``model.remat``, ``model.chunk_size``.
-      needs_reference: the objective keeps a reference policy (a second log-prob forward).
-      reference_mode: ``reference.mode``.
-    """
-
-    prompts: int
-    group_size: int
-    rows: int
-    epochs: int
-    minibatches: int
-    micro_batches: int
-    minibatch_rows: int
-    prompt_len: int
-    completion_len: int
-    remat: str
-    chunk_size: int | None
-    needs_reference: bool
-    reference_mode: str
-
-    @property
-    def seq_len(self) -> int:
-        """``P + T``: the positions a log-prob forward runs over, the KV cache's slots."""
-        return self.prompt_len + self.completion_len
-
-    @property
-    def updates_per_step(self) -> int:
-        """Optimizer steps per RL step: ``epochs x minibatches``."""
-        return self.epochs * self.minibatches
-
-
 def job_shape(cfg: TrainConfig, objective: objectives.Objective, mesh=None) -> JobShape:
-    """The ``JobShape`` of an RL config (``check_config`` has passed).
+    """The ``JobShape`` of an RL config (``spec.resolve``'s; ``objective`` is the resolved
+    one, kept for callers that pass it).
 
     With ``mesh``, ``micro_batches`` is what the trainer would run on that mesh's devices
     (``trainer.micro_batch_tokens`` resolved for the planned batch shape); without, the
     configured ``trainer.micro_batches``.
     """
-    r, t = cfg.rollout, cfg.trainer
-    rows = r.prompts_per_step * r.group_size
-    shape = JobShape(
-        prompts=r.prompts_per_step,
-        group_size=r.group_size,
-        rows=rows,
-        epochs=t.epochs,
-        minibatches=t.minibatches,
-        micro_batches=t.micro_batches,
-        minibatch_rows=rows // t.minibatches,
-        prompt_len=bucket_length(cfg.data.max_prompt_tokens),
-        completion_len=r.max_new_tokens,
-        remat=cfg.model.remat,
-        chunk_size=cfg.model.chunk_size,
-        needs_reference=objective.needs_reference,
-        reference_mode=cfg.reference.mode,
-    )
-    if mesh is None:
-        return shape
-    micro = micro_batching(t, parallel.current_platform(mesh)[0])
-    if isinstance(micro, TokenBudget):
-        micro = micro.micro_batches(
-            shape.minibatch_rows, shape.seq_len, parallel.batch_shards(mesh)
-        )
-    return dataclasses.replace(shape, micro_batches=micro)
+    run = resolve_plan(cfg)
+    return run.shape if mesh is None else run.shape_on(mesh)
+
+
+def resolve_plan(cfg: TrainConfig) -> RunSpec:
+    """``spec.resolve(cfg)`` for the TPU backend ``plan`` compiles for: the very checks and
+    values of ``jaxrl-llm train``.
+
+    Raises:
+      PlanError: a config ``resolve`` refuses (naming the key).
+    """
+    try:
+        return resolve(cfg, backend="tpu")
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def plannable_objective(cfg: TrainConfig) -> objectives.Objective:
-    """``check_config(cfg)``, refusing what ``plan`` does not model yet.
+    """The objective of a config ``resolve_plan`` accepts.
 
     Raises:
-      PlanError: a config ``check_config`` refuses, or ``model.lora`` where the trainer
-        refuses it (``train.adapters.check_lora_job``), or an unknown ``model.remat``.
+      PlanError: a config ``spec.resolve`` refuses (the trainer refuses it too).
     """
-    try:
-        objective = check_config(cfg)
-        adapters.check_lora_job(cfg, "rl", objective)
-    except ValueError as err:
-        raise PlanError(str(err)) from None
-    if cfg.model.remat not in models.REMAT_POLICIES:
-        raise PlanError(
-            f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
-        )
-    return objective
+    return resolve_plan(cfg).objective
 
 
 def plan_model_config(section) -> models.ModelConfig:
@@ -247,44 +189,6 @@ def shard_bytes(tree: PyTree) -> int:
         shape = tuple(leaf.shape) if sharding is None else sharding.shard_shape(tuple(leaf.shape))
         total += math.prod(shape) * leaf.dtype.itemsize
     return total
-
-
-def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
-    """``ShapeDtypeStruct``s of ``abstract`` carrying ``shardings`` (same structure)."""
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-
-
-def _abstract_state(init_params, optimizer, model_config, mesh: Mesh, params_axes=None):
-    """``(abstract state with shardings, shardings)`` of a ``TrainState`` around
-    ``init_params(key)``: shapes only (``jax.eval_shape``; nothing is allocated)."""
-
-    def init():
-        params = init_params(jax.random.key(0))
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=optimizer.init(params),
-            rng=jax.random.key(1),
-        )
-
-    abstract = jax.eval_shape(init)
-    shardings = state_shardings(abstract, model_config, mesh, params_axes=params_axes)
-    return with_shardings(abstract, shardings), shardings
-
-
-def abstract_train_state(
-    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
-) -> tuple[TrainState, TrainState]:
-    """``(abstract state with shardings, shardings)``: ``create_train_state``'s state, shapes
-    only (``jax.eval_shape`` of its init; nothing is allocated)."""
-    return _abstract_state(
-        lambda key: models.init_params(model_config, key, dtype=param_dtype),
-        optimizer,
-        model_config,
-        mesh,
-    )
 
 
 @dataclasses.dataclass(frozen=True)

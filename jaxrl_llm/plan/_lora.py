@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from jaxrl_llm import models
 from jaxrl_llm.models import lora
 from jaxrl_llm.plan import flops as flops_lib
-from jaxrl_llm.plan._job import Program, _abstract_state, shard_bytes
+from jaxrl_llm.plan._job import Program, shard_bytes
 from jaxrl_llm.train import adapters
-from jaxrl_llm.train.state import TrainState
+from jaxrl_llm.train.state import TrainState, abstract_train_state
 
 PyTree = Any
 
@@ -62,11 +62,11 @@ def abstract_lora_state(
     """
     base_shardings, _ = adapters.shardings_of(model_config, mesh)
     adapter_axes = lora.split(models.logical_axes(model_config))[1]
-    state, shardings = _abstract_state(
-        lambda key: lora.init_adapters(model_config, key, dtype=param_dtype),
-        optimizer,
+    state, shardings = abstract_train_state(
         model_config,
-        mesh,
+        optimizer,
+        mesh=mesh,
+        init_params=lambda key: lora.init_adapters(model_config, key, dtype=param_dtype),
         params_axes=adapter_axes,
     )
     dtype = adapters.base_dtype(model_config, param_dtype)

@@ -155,7 +155,7 @@ def lower_sampler_programs(
     cache_dtype = jnp.dtype(model_config.compute_dtype)
     top_k = strategies.check_sampling_args(
         temperature=1.0,
-        top_k=r.top_k if r.temperature > 0 else 0,
+        top_k=strategies.effective_top_k(r.top_k, r.temperature),
         top_p=1.0,
         min_p=0.0,
         vocab_size=model_config.vocab_size,

@@ -63,6 +63,12 @@ def check_sampling_args(
     return _check_static_top_k(top_k, vocab_size)
 
 
+def effective_top_k(top_k: int, temperature: float) -> int:
+    """The top-k a sampler call uses: ``top_k``, or 0 for a greedy call (``temperature == 0``
+    takes the argmax; a top-k there would only compile another program)."""
+    return top_k if temperature > 0 else 0
+
+
 def effective_temperature(temperature: Scalar) -> Array:
     """``T_eff = T if T > 0 else 1``: greedy rows report log-probs under the unscaled softmax."""
     temperature = f32(temperature)

@@ -106,6 +106,65 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
+    """``ShapeDtypeStruct``s of ``abstract`` carrying ``shardings`` (same structure)."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def _state_init(model_config, optimizer, param_dtype, init_params, key: Array):
+    """``params or None -> TrainState``: the init ``create_train_state`` runs (``None``: fresh
+    parameters from ``init_params``, else the model's initialiser)."""
+    init_key, state_key = jax.random.split(key)
+
+    def init(params):
+        if params is None and init_params is not None:
+            params = init_params(init_key)
+        elif params is None:
+            params = models.init_params(model_config, init_key, dtype=param_dtype)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=state_key,
+        )
+
+    return init
+
+
+def abstract_train_state(
+    model_config,
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    params: PyTree | None = None,
+    param_dtype=jnp.float32,
+    rules=None,
+    init_params: Callable[[Array], PyTree] | None = None,
+    params_axes: PyTree | None = None,
+) -> tuple[TrainState, TrainState]:
+    """The state ``create_train_state`` makes with these arguments, shapes only.
+
+    ``jax.eval_shape`` of its init: nothing is allocated, so ``params`` may be abstract
+    (``ShapeDtypeStruct``s) and ``mesh`` a deviceless topology's (``jaxrl-llm plan``).
+
+    Returns:
+      ``(abstract state, shardings)``: ``ShapeDtypeStruct``s carrying their shardings, and
+      the matching pytree of ``NamedSharding``s.
+
+    Raises:
+      ValueError: ``init_params`` without ``params_axes``, or a dimension that does not
+        divide its mesh axis (naming the leaf).
+    """
+    if init_params is not None and params_axes is None:
+        raise ValueError("create_train_state with init_params also needs params_axes")
+    init = _state_init(model_config, optimizer, param_dtype, init_params, jax.random.key(0))
+    abstract = jax.eval_shape(init, params)
+    shardings = state_shardings(abstract, model_config, mesh, rules, params_axes)
+    return with_shardings(abstract, shardings), shardings
+
+
 def create_train_state(
     model_config,
     optimizer: optax.GradientTransformation,
@@ -137,24 +196,17 @@ def create_train_state(
       ``(state, shardings)``: the state and the matching pytree of ``NamedSharding``s, to be
       used as ``in_shardings`` / ``out_shardings`` of the jitted step.
     """
-    init_key, state_key = jax.random.split(key)
-
-    def init(params):
-        if params is None and init_params is not None:
-            params = init_params(init_key)
-        elif params is None:
-            params = models.init_params(model_config, init_key, dtype=param_dtype)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=optimizer.init(params),
-            rng=state_key,
-        )
-
-    abstract = jax.eval_shape(init, params)
-    if init_params is not None and params_axes is None:
-        raise ValueError("create_train_state with init_params also needs params_axes")
-    shardings = state_shardings(abstract, model_config, mesh, rules, params_axes)
+    _, shardings = abstract_train_state(
+        model_config,
+        optimizer,
+        mesh=mesh,
+        params=params,
+        param_dtype=param_dtype,
+        rules=rules,
+        init_params=init_params,
+        params_axes=params_axes,
+    )
+    init = _state_init(model_config, optimizer, param_dtype, init_params, key)
     if params is None:
         state = jax.jit(lambda: init(None), out_shardings=shardings)()
     else:

@@ -375,6 +375,11 @@ def forward_micro_batching(trainer: TrainerSection, platform: str) -> int | Toke
     return TokenBudget(micro.tokens) if isinstance(micro, TokenBudget) else 1
 
 
+def rollout_rows(rollout: RolloutSection) -> int:
+    """``B``, the rows of one rollout batch: ``prompts_per_step x group_size``."""
+    return rollout.prompts_per_step * rollout.group_size
+
+
 def make_objective(section: ObjectiveSection) -> objectives.Objective:
     """Imports ``objective.imports`` (user registrations), then builds the objective."""
     for module in section.imports:
@@ -446,7 +451,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
             f"trainer.micro_batch_tokens must be 'auto', null or an integer >= 1 (positions "
             f"per device per micro-batch), got {tokens!r}"
         )
-    rows = r.prompts_per_step * r.group_size
+    rows = rollout_rows(r)
     if rows % t.minibatches:
         raise ValueError(
             f"trainer.minibatches={t.minibatches} does not divide the rollout batch "

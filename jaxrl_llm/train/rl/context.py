@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
+from jaxrl_llm.sampling import strategies
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import episodes, tasks
 from jaxrl_llm.train.rl import rollout as rollout_lib
@@ -235,7 +236,7 @@ class RunContext:
             temperature=temperature,
             stop_ids=self.stop_ids,
             add_special_tokens=not self.cfg.data.chat_template,
-            top_k=r.top_k if temperature > 0 else 0,
+            top_k=strategies.effective_top_k(r.top_k, temperature),
             top_p=r.top_p,
             min_p=r.min_p,
             mesh=self.mesh if mesh is None else mesh,

@@ -19,6 +19,7 @@ import numpy as np
 from jaxrl_llm import data, envs
 from jaxrl_llm.data.encoding import pad_id
 from jaxrl_llm.rewards import is_correct
+from jaxrl_llm.sampling import strategies
 from jaxrl_llm.train.rl.rollout import Samples
 from jaxrl_llm.types import MaskedSequences, Sequences
 
@@ -71,7 +72,7 @@ def sample_episodes(
         pad_id=pad_id(context.tokenizer),
         mesh=mesh,
         temperature=temperature,
-        top_k=r.top_k if temperature > 0 else 0,
+        top_k=strategies.effective_top_k(r.top_k, temperature),
         top_p=r.top_p,
         min_p=r.min_p,
     )

@@ -39,6 +39,7 @@ from jaxrl_llm.sampling.requests import WeightUpdates
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl import rollout as rollout_lib
+from jaxrl_llm.train.rl.spec import check_staleness  # noqa: F401 (re-exported: its old home)
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -175,39 +176,6 @@ def staleness_info(samples: Any, step: int, version: int) -> dict[str, float]:
         "rollout/stale_token_frac": float((lag > 0).mean()),
         "rollout/token_staleness_mean": float(lag.mean()),
     }
-
-
-def check_staleness(cfg: Any, objective: Any) -> None:
-    """Refuses what the asynchronous loop cannot run yet; warns of an uncorrected one.
-
-    Raises:
-      ValueError: ``rollout.max_staleness >= 1`` in a multi-process job whose processes all
-        sample and train (each would interleave its rollout and update programs in its own
-        order: collectives could hang); the sampler on processes of its own
-        (``mesh.rollout_devices``, ``train.rl.remote``) runs it.
-    """
-    r = cfg.rollout
-    if r.partial and (not r.max_staleness or r.engine != "continuous"):
-        raise ValueError(
-            "rollout.partial (partial rollouts: weights taken between decode bursts) needs "
-            f"rollout.max_staleness >= 1 and rollout.engine=continuous; got max_staleness="
-            f"{r.max_staleness}, engine={r.engine!r}"
-        )
-    if not cfg.rollout.max_staleness:
-        return
-    if jax.process_count() > 1 and not cfg.mesh.rollout_devices:
-        raise ValueError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness}: on {jax.process_count()} "
-            "processes the asynchronous loop needs the sampler on processes of its own "
-            "(mesh.rollout_devices); set one of them"
-        )
-    if objective.rollout_correction is None and cfg.rollout.logprobs == "recompute":
-        log.warning(
-            "rollout.max_staleness=%d without a rollout_correction: the stale batches' old "
-            "log-probs are recomputed by the current weights (ratio 1 at the first update); "
-            "set objective.overrides.rollout_correction or rollout.logprobs=sampler",
-            cfg.rollout.max_staleness,
-        )
 
 
 class RolloutSide:

@@ -25,6 +25,7 @@ from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
+from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import create_train_state
@@ -145,7 +146,7 @@ def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray
 class PPOTrainer(RLTrainer):
     """The RL loop plus a critic (objective with ``advantage="gae"``, e.g. the ``ppo`` preset)."""
 
-    SUPPLIES = (*RLTrainer.SUPPLIES, "values")
+    SUPPLIES = TRAINER_SUPPLIES["ppo"]
 
     def check_objective(self, objective: objectives.Objective) -> None:
         if not objective.needs_critic:

@@ -20,6 +20,7 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step
@@ -62,7 +63,7 @@ def make_prm_loss_fn(
 class PRIMETrainer(RLTrainer):
     """The RL loop plus PRIME's implicit PRM (objective with ``advantage="prime"``)."""
 
-    SUPPLIES = (*RLTrainer.SUPPLIES, "process_rewards")
+    SUPPLIES = TRAINER_SUPPLIES["prime"]
 
     def check_objective(self, objective: objectives.Objective) -> None:
         if not objective.needs_process_rewards:

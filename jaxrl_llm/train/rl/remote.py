@@ -41,10 +41,10 @@ from jax.sharding import Mesh, NamedSharding
 from jaxrl_llm import data, models, parallel
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.core import PhaseTimer
-from jaxrl_llm.train.rl.config import check_config
 from jaxrl_llm.train.rl.context import make_run_context
-from jaxrl_llm.train.rl.pipeline import RolloutSide, check_staleness, staleness_info
+from jaxrl_llm.train.rl.pipeline import RolloutSide, staleness_info
 from jaxrl_llm.train.rl.serving import trainer_sampler
+from jaxrl_llm.train.rl.spec import resolve
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -274,8 +274,7 @@ class SamplerProcess(RolloutSide):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
-        objective = check_config(cfg)
-        check_staleness(cfg, objective)
+        objective = resolve(cfg).objective
         check_remote(cfg)
         trainer_mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config = _policy(cfg, trainer_mesh)

@@ -18,18 +18,16 @@ from jaxrl_llm.train.rl import remote
 from jaxrl_llm.train.rl.config import TrainConfig, make_objective
 from jaxrl_llm.train.rl.ppo import PPOTrainer
 from jaxrl_llm.train.rl.prime import PRIMETrainer
+from jaxrl_llm.train.rl.spec import trainer_kind
 from jaxrl_llm.train.rl.trainer import RLTrainer
+
+TRAINERS = {"policy": RLTrainer, "ppo": PPOTrainer, "prime": PRIMETrainer}
 
 
 def trainer_class(objective: objectives.Objective) -> type[RLTrainer]:
-    """The trainer class that supplies every input ``objective``'s estimator requires."""
-    for cls in (RLTrainer, PPOTrainer, PRIMETrainer):
-        if set(objective.estimator_requires) <= set(cls.SUPPLIES):
-            return cls
-    raise ValueError(
-        f"objective {objective.name!r}: no trainer supplies the inputs its advantage "
-        f"estimator {objective.advantage!r} requires {objective.estimator_requires}"
-    )
+    """The trainer class that supplies every input ``objective``'s estimator requires
+    (``spec.trainer_kind``)."""
+    return TRAINERS[trainer_kind(objective)]
 
 
 def trainer_for(cfg: TrainConfig) -> RLTrainer:

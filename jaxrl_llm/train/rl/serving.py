@@ -11,6 +11,7 @@ from typing import Any
 from jaxrl_llm import parallel
 from jaxrl_llm.sampling import serving
 from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl.config import rollout_rows
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def rollout_layout(
     ``budget_bytes`` (per device, what the resident state leaves; None: unknown).
     """
     r = cfg.rollout
-    rows = r.prompts_per_step * r.group_size
+    rows = rollout_rows(r)
     counts = (r.prompts_per_step, rows, cfg.data.eval_size) + ((r.slots,) if r.slots else ())
     return serving.serving_layout(
         model_config,

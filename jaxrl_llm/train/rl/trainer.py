@@ -29,14 +29,14 @@ from jaxrl_llm.train.rl import remote, warmup
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
-    check_config,
     forward_micro_batching,
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import load_reward_model, make_run_context
-from jaxrl_llm.train.rl.pipeline import RolloutSide, check_staleness
+from jaxrl_llm.train.rl.pipeline import RolloutSide
 from jaxrl_llm.train.rl.policy import make_policy_step
 from jaxrl_llm.train.rl.serving import trainer_sampler
+from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
 from jaxrl_llm.train.rl.updates import (
     correct_batch,
     ema,
@@ -104,11 +104,10 @@ class RLTrainer(RolloutSide, Trainer):
                 "`jaxrl-llm train` does, which runs this process's sampler loop"
             )
         super().__init__(cfg)
-        objective = check_config(cfg)
-        check_staleness(cfg, objective)
+        self.spec = resolve(cfg)
+        objective = self.spec.objective
         if remote.is_remote(cfg):
             remote.check_remote(cfg)
-        adapters.check_lora_job(cfg, "rl", objective)
         self.check_objective(objective)
         mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh)
@@ -122,10 +121,10 @@ class RLTrainer(RolloutSide, Trainer):
             reward_model=load_reward_model(cfg, model_config, mesh),
         )
         train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
-        rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        rows = self.spec.shape.rows
         sizes = {
             "rollout batch (prompts_per_step x group_size)": rows,
-            "minibatch": rows // cfg.trainer.minibatches,
+            "minibatch": self.spec.shape.minibatch_rows,
             "data.eval_size": cfg.data.eval_size,
         }
         if self.sft_steps:
@@ -162,7 +161,7 @@ class RLTrainer(RolloutSide, Trainer):
 
     #: The optional advantage-estimator inputs this trainer computes (``objectives``'
     #: ``OPTIONAL_INPUTS``); subclasses add theirs.
-    SUPPLIES: tuple[str, ...] = ("old_logprobs", "ref_logprobs")
+    SUPPLIES: tuple[str, ...] = TRAINER_SUPPLIES["policy"]
 
     def check_objective(self, objective: objectives.Objective) -> None:
         missing = sorted(set(objective.estimator_requires) - set(self.SUPPLIES))
