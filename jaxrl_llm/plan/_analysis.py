@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm import models, parallel
-from jaxrl_llm.models import lora
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
@@ -29,10 +28,9 @@ from jaxrl_llm.plan._job import (
     abstract_rollout_batch,
     abstract_sequences,
     abstract_train_state,
-    job_shape,
     plan_mesh,
     plan_model_config,
-    plannable_objective,
+    resolve_plan,
     shard_bytes,
     state_bytes,
 )
@@ -40,7 +38,6 @@ from jaxrl_llm.plan._lora import (
     Frozen,
     abstract_lora_state,
     policy,
-    policy_shardings,
     serving_trees,
 )
 from jaxrl_llm.plan._reward import lower_reward_program, reward_model_state
@@ -58,13 +55,9 @@ from jaxrl_llm.plan.topology import TopologySpec, get_devices
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
 # function ``sampling.generate``, hence the direct import).
 from jaxrl_llm.train import setup
-from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
-from jaxrl_llm.train.rl.config import TrainConfig, forward_micro_batching
-from jaxrl_llm.train.rl.policy import make_policy_step
-from jaxrl_llm.train.rl.trainer import on_policy_update
-from jaxrl_llm.train.rl.updates import update_objective
-from jaxrl_llm.train.step import jit_step
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs
 
 PyTree = Any
 
@@ -82,14 +75,15 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
       PlanError: what ``plannable_objective`` / ``plan_model_config`` / ``plan_mesh`` refuse,
         or sizes the mesh does not divide (naming the config key).
     """
-    objective = plannable_objective(cfg)
+    run = resolve_plan(cfg)
+    objective = run.objective
     model_config = plan_model_config(cfg.model)
     devices = get_devices(spec) if devices is None else list(devices)
     split = split_job(cfg, devices)
     mesh = plan_mesh(cfg.mesh, devices if split is None else split.trainer_devices)
     if split is not None:
         check_trainer_mesh(cfg, split, mesh)
-    shape = job_shape(cfg, objective, mesh)
+    shape = run.shape_on(mesh)
     try:
         setup.check_batch_sizes(
             {
@@ -157,7 +151,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         served_base = shard_bytes(serving_trees(model_config, layout)[0])
         sizes = dataclasses.replace(sizes, serving_base=served_base)
     programs = _lower_programs(
-        cfg,
+        run,
         mesh,
         model_config,
         objective,
@@ -183,7 +177,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
 
 
 def _lower_programs(
-    cfg,
+    run,
     mesh,
     model_config,
     objective,
@@ -200,7 +194,7 @@ def _lower_programs(
     sampler_free: int | None = None,
     split=None,
 ) -> dict[str, Program]:
-    r = cfg.rollout
+    cfg = run.config
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
     # What stays on device all step beside a program's own arguments: the reference and, for
     # PPO, the critic's state; for LoRA the serving copy of the base (the base itself is an
@@ -213,18 +207,20 @@ def _lower_programs(
         weights["frozen_base"] = sizes.base
     programs: dict[str, Program] = {}
 
+    # The very programs the trainer calls (``train.rl.programs``), lowered with abstract
+    # arguments: a LoRA run's base passed as frozen parameters.
+    built = policy_programs(
+        run,
+        model_config,
+        optimizer,
+        shardings,
+        frozen=frozen and frozen.base,
+        frozen_shardings=frozen and frozen.shardings,
+    )
     # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
     # update per rollout batch the trainer skips the behaviour forward (the update uses its own).
-    on_policy = on_policy_update(cfg, objective)
-    forward_fn = functools.partial(
-        make_logprob_fn,
-        temperature=r.temperature,
-        chunk_size=cfg.model.chunk_size,
-        micro_batches=forward_micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
-    )
-    logprob_fn = forward_fn(
-        model_config, param_shardings=policy_shardings(shardings.params, frozen)
-    )
+    on_policy = takes_own_logprobs(run)
+    logprob_fn = built["logprobs"].fn
     policy_params = policy(state.params, frozen)
     seqs = abstract_sequences(mesh, rows, p_len, t_len)
     logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs)
@@ -232,7 +228,8 @@ def _lower_programs(
     programs["logprobs"] = Program(
         name="logprobs",
         lowered=logprob_fn.lower(policy_params, seqs),
-        calls_per_step=0 if on_policy else 1,
+        calls_per_step=built["logprobs"].calls_per_step,
+        function=built["logprobs"].builder,
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,
@@ -247,14 +244,15 @@ def _lower_programs(
             "aux_model": sizes.aux,
             "inputs": shard_bytes(logprob_out),
         }
+        ref = built["ref_logprobs"]
         if frozen is not None:  # the base itself, adapters off (lora.base_config)
-            base_config = lora.base_config(model_config)
-            ref_fn = forward_fn(base_config, param_shardings=frozen.shardings)
+            base_config = ref.config
             ref_forward = flops_lib.forward_flops(base_config, rows, seq, logits_positions=t_len)
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=ref_fn.lower(frozen.base, seqs),
-                calls_per_step=1,
+                lowered=ref.fn.lower(frozen.base, seqs),
+                calls_per_step=ref.calls_per_step,
+                function=ref.builder,
                 flops=ref_forward,
                 model_flops=ref_forward,
                 tokens=rows * t_len,
@@ -265,8 +263,9 @@ def _lower_programs(
             same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=None if same else logprob_fn.lower(reference, seqs),
-                calls_per_step=1,
+                lowered=None if same else ref.fn.lower(reference, seqs),
+                calls_per_step=ref.calls_per_step,
+                function=ref.builder,
                 flops=forward,
                 model_flops=forward,
                 tokens=rows * t_len,
@@ -289,25 +288,12 @@ def _lower_programs(
             critic, cfg, model_config, objective, shape, sizes, minibatch, full_batch
         )
     else:
-        update_fn = jit_step(
-            make_policy_step(
-                model_config,
-                update_objective(objective),
-                optimizer,
-                micro_batches=shape.micro_batches,
-                temperature=r.temperature,
-                chunk_size=cfg.model.chunk_size,
-                remat=shape.remat,
-                param_shardings=shardings.params,
-            ),
-            shardings,
-            frozen=frozen and frozen.base,
-            frozen_shardings=frozen and frozen.shardings,
-        )
+        update_fn = built["update"].fn
         programs["update"] = Program(
             name="update",
             lowered=update_fn.lower(state, minibatch),
-            calls_per_step=shape.updates_per_step,
+            calls_per_step=built["update"].calls_per_step,
+            function=built["update"].builder,
             flops=flops_lib.train_flops(
                 model_config, m_rows, seq, remat=shape.remat, logits_positions=t_len
             ),

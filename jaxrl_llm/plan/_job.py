@@ -291,6 +291,8 @@ class Program:
         (counted in the compiled arguments, alive once).
       chips: the chips it runs on (its side's, with ``mesh.rollout_devices``; set by
         ``build_job``; None: the whole slice).
+      function: the public function that built the jitted function it lowered (the one
+        ``train`` calls; ``train.rl.programs``), when it is one of those; else None.
     """
 
     name: str
@@ -307,6 +309,7 @@ class Program:
     per_step_loop: bool = False
     shared_argument_bytes: int = 0
     chips: int | None = None
+    function: str | None = None
 
 
 @dataclasses.dataclass

@@ -68,6 +68,7 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
     total = sum(parts.values())
     out: dict[str, Any] = {
         "calls_per_step": program.calls_per_step,
+        "function": program.function,
         "compiled": compiled is not None,
         "compile_s": None if outcome is None else outcome.seconds,
         "shares_compile_of": program.same_as,

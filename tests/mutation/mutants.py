@@ -90,17 +90,17 @@ def _drop_temperature(real, *args, **kwargs):
 
 
 def _temperature_ignored_in_logprobs(patch: pytest.MonkeyPatch) -> None:
-    from jaxrl_llm.train.rl import trainer
+    from jaxrl_llm.train.rl import programs  # where the trainer's programs are built
 
-    real = trainer.make_logprob_fn
-    patch.setattr(trainer, "make_logprob_fn", functools.partial(_drop_temperature, real))
+    real = programs.make_logprob_fn
+    patch.setattr(programs, "make_logprob_fn", functools.partial(_drop_temperature, real))
 
 
 def _temperature_ignored_in_step(patch: pytest.MonkeyPatch) -> None:
-    from jaxrl_llm.train.rl import trainer
+    from jaxrl_llm.train.rl import programs
 
-    real = trainer.make_policy_step
-    patch.setattr(trainer, "make_policy_step", functools.partial(_drop_temperature, real))
+    real = programs.make_policy_step
+    patch.setattr(programs, "make_policy_step", functools.partial(_drop_temperature, real))
 
 
 def _old_logprobs_refreshed(patch: pytest.MonkeyPatch) -> None:
@@ -159,9 +159,9 @@ def _reward_model_scores_raw(patch: pytest.MonkeyPatch) -> None:
 
 
 def _on_policy_always(patch: pytest.MonkeyPatch) -> None:
-    from jaxrl_llm.train.rl import trainer
+    from jaxrl_llm.train.rl import programs
 
-    patch.setattr(trainer, "on_policy_update", lambda cfg, objective: True)
+    patch.setattr(programs, "on_policy_update", lambda cfg, objective: True)
 
 
 WIRING = "tests/train/rl/test_wiring.py"

@@ -10,7 +10,6 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -22,32 +21,28 @@ from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
-from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
 from jaxrl_llm.train.rl import remote, warmup
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
-    forward_micro_batching,
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import load_reward_model, make_run_context
 from jaxrl_llm.train.rl.pipeline import RolloutSide
-from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
-from jaxrl_llm.train.rl.updates import (
+from jaxrl_llm.train.rl.updates import (  # noqa: F401 (on_policy_update re-exported)
     correct_batch,
     ema,
     mean_metrics,
     on_policy_update,
     take_rows,
-    update_objective,
 )
 from jaxrl_llm.train.rl.warmup import SFT_WARMUP_STEPS_BUILTIN
 from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 log = logging.getLogger("jaxrl_llm")
@@ -139,7 +134,7 @@ class RLTrainer(RolloutSide, Trainer):
         self.open_run()
         self._initial_params = params
         self.sampler_logprobs = cfg.rollout.logprobs == "sampler"
-        self.on_policy = on_policy_update(cfg, objective) and not self.sampler_logprobs
+        self.on_policy = takes_own_logprobs(self.spec)
         self.start_lines(
             {
                 "mesh": str(dict(mesh.shape)),
@@ -259,36 +254,20 @@ class RLTrainer(RolloutSide, Trainer):
         return micro_batching(self.cfg.trainer, self.platform)
 
     def compile(self) -> None:
-        run, cfg = self.run, self.cfg
-        self.update_fn = jit_step(
-            make_policy_step(
-                run.model_config,
-                update_objective(run.objective),
-                self.optimizer,
-                micro_batches=self.micro_batches,
-                temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.chunk_size,
-                remat=cfg.model.remat,
-                param_shardings=self.shardings.params,
-            ),
+        run = self.run
+        self.programs = policy_programs(
+            self.spec,
+            run.model_config,
+            self.optimizer,
             self.shardings,
             frozen=self.base,
             frozen_shardings=self.base_shardings,
         )
-        forward = functools.partial(
-            make_logprob_fn,
-            temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.chunk_size,
-            micro_batches=forward_micro_batching(cfg.trainer, self.platform),
-        )
-        self.logprob_fn = forward(run.model_config, param_shardings=self.policy_shardings)
-        self.ref_logprob_fn = self.logprob_fn
-        if self.base is not None:  # the reference is the base: the model without adapters
-            self.ref_logprob_fn = forward(
-                lora.base_config(run.model_config), param_shardings=self.base_shardings
-            )
+        self.update_fn = self.programs["update"].fn
+        self.logprob_fn = self.programs["logprobs"].fn
+        self.ref_logprob_fn = self.programs.get("ref_logprobs", self.programs["logprobs"]).fn
         self.advantage_fn = objectives.advantage_fn(
-            run.objective, group_size=cfg.rollout.group_size
+            run.objective, group_size=self.spec.shape.group_size
         )
 
     @property

@@ -16,7 +16,7 @@ import pytest
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.rl.config import TrainConfig, check_config, make_objective
-from jaxrl_llm.train.rl.trainer import on_policy_update
+from jaxrl_llm.train.rl.updates import on_policy_update
 from jaxrl_llm.train.setup import build_policy
 from tests.train.helpers import (  # noqa: F401  (re-exported for the RL tests)
     CONFIGS,

@@ -269,15 +269,19 @@ def test_old_logprobs_stay_fixed_across_epochs(tmp_path):
             id="kl-in-reward",
         ),
         pytest.param(("objective.overrides={kl_coef: 0.0}",), True, id="no-kl"),
+        # The sampler's log-probs are the behaviour log-probs: the update does not take its own.
+        pytest.param(("rollout.logprobs=sampler",), False, id="sampler-logprobs"),
     ],
 )
 def test_on_policy_rule(tmp_path, overrides, on_policy):
-    """The behaviour forward is skipped exactly when the update cannot have moved the policy
-    since the rollout and the advantages do not need the behaviour log-probs."""
-    from jaxrl_llm.train.rl.trainer import on_policy_update
+    """The update takes its own forward's log-probs (no behaviour forward, none in its batch)
+    exactly when it cannot have moved the policy since the rollout, the advantages do not need
+    the behaviour log-probs and the sampler's are not used: the rule the trainer's programs
+    follow (``train.rl.programs.takes_own_logprobs``)."""
+    from jaxrl_llm.train.rl import programs, spec
 
     cfg = rl_helpers.tiny_config(GRPO, tmp_path, *overrides)
-    assert on_policy_update(cfg, check_config(cfg)) is on_policy
+    assert programs.takes_own_logprobs(spec.resolve(cfg)) is on_policy
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])

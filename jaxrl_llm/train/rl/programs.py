@@ -1,0 +1,153 @@
+"""The policy's programs of an RL step, built once as data for their two consumers.
+
+``policy_programs`` builds the jitted functions ``RLTrainer`` calls every step, the way MaxText's
+``train_compile`` lowers the very ``train_step`` its trainer runs: ``jaxrl-llm train`` calls
+them on real batches, ``jaxrl-llm plan`` lowers the same functions with abstract arguments on a
+deviceless topology and only does the accounting. Nothing here knows which consumer it serves.
+
+* ``update``: one policy step on a minibatch (``make_policy_step`` under ``jit_step``; a LoRA
+  run's frozen base passed to every call), ``epochs x minibatches`` calls a step;
+* ``logprobs``: the behaviour policy's log-probs over the rollout batch (``make_logprob_fn``),
+  skipped (0 calls) when the update is on-policy and takes its own;
+* ``ref_logprobs``: the reference's, when the objective keeps one (a LoRA run's reference is
+  its base: the same forward with the adapters off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxrl_llm import parallel
+from jaxrl_llm.models import lora
+from jaxrl_llm.train.forward import make_logprob_fn
+from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching
+from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.spec import RunSpec
+from jaxrl_llm.train.rl.updates import on_policy_update, update_objective
+from jaxrl_llm.train.step import jit_step
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """One program of an RL step.
+
+    Attributes:
+      name: what ``plan`` reports it as (``update``, ``logprobs``, ``ref_logprobs``).
+      fn: the jitted function ``train`` calls (and ``plan`` lowers).
+      calls_per_step: how often one RL step calls it.
+      builder: the public function that built ``fn`` (``plan --json`` names it).
+      config: the model config the program runs (a LoRA reference: the base's).
+    """
+
+    name: str
+    fn: Callable
+    calls_per_step: int
+    builder: str
+    config: Any
+
+
+def takes_own_logprobs(run: RunSpec) -> bool:
+    """The update's behaviour log-probs are its own forward's (``updates.on_policy_update``:
+    one update per rollout batch, nothing needing them before) and not the sampler's: its
+    batch holds no old log-probs and no behaviour forward runs."""
+    return on_policy_update(run.config, run.objective) and run.sampler.logprobs != "sampler"
+
+
+def _name(builder: Callable) -> str:
+    return f"{builder.__module__}.{builder.__qualname__}"
+
+
+def policy_programs(
+    run: RunSpec,
+    model_config: Any,
+    optimizer: Any,
+    shardings: Any,
+    *,
+    frozen: PyTree | None = None,
+    frozen_shardings: PyTree | None = None,
+) -> dict[str, ProgramSpec]:
+    """The policy's ``update``, ``logprobs`` and ``ref_logprobs`` programs (see module).
+
+    Args:
+      run: the resolved job (``spec.resolve``).
+      model_config: the policy's ``ModelConfig`` (computing in the job's compute dtype).
+      optimizer: the policy's optax transformation.
+      shardings: the train state's ``NamedSharding``s (its mesh is the trainer's).
+      frozen: a LoRA run's frozen base (concrete, or abstract for ``plan``); with
+        ``frozen_shardings``, their shardings. None: every weight is trained.
+
+    Returns:
+      ``{name: ProgramSpec}``; ``ref_logprobs`` only when the objective keeps a reference.
+    """
+    cfg = run.config
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    platform = parallel.current_platform(mesh)[0]
+    temperature, chunk = cfg.rollout.temperature, cfg.model.chunk_size
+    update = jit_step(
+        make_policy_step(
+            model_config,
+            update_objective(run.objective),
+            optimizer,
+            micro_batches=micro_batching(cfg.trainer, platform),
+            temperature=temperature,
+            chunk_size=chunk,
+            remat=cfg.model.remat,
+            param_shardings=shardings.params,
+        ),
+        shardings,
+        frozen=frozen,
+        frozen_shardings=frozen_shardings,
+    )
+    forward = functools.partial(
+        make_logprob_fn,
+        temperature=temperature,
+        chunk_size=chunk,
+        micro_batches=forward_micro_batching(cfg.trainer, platform),
+    )
+    policy_shardings = (
+        shardings.params
+        if frozen_shardings is None
+        else lora.combine(frozen_shardings, shardings.params)
+    )
+    # The behaviour forward is skipped when the update takes its own log-probs (on-policy)
+    # or the sampler's (rollout.logprobs=sampler).
+    sampler = run.sampler.logprobs == "sampler"
+    behaviour = not (takes_own_logprobs(run) or sampler)
+    programs = {
+        "update": ProgramSpec(
+            "update", update, run.shape.updates_per_step, _name(make_policy_step), model_config
+        ),
+        "logprobs": ProgramSpec(
+            "logprobs",
+            forward(model_config, param_shardings=policy_shardings),
+            int(behaviour),
+            _name(make_logprob_fn),
+            model_config,
+        ),
+    }
+    if run.objective.needs_reference:
+        if frozen_shardings is None:
+            reference = programs["logprobs"]
+        else:  # the base, adapters off
+            base = lora.base_config(model_config)
+            reference = ProgramSpec(
+                "ref_logprobs",
+                forward(base, param_shardings=frozen_shardings),
+                1,
+                _name(make_logprob_fn),
+                base,
+            )
+        programs["ref_logprobs"] = dataclasses.replace(
+            reference, name="ref_logprobs", calls_per_step=1
+        )
+    return programs
+
+
+__all__ = ["ProgramSpec", "policy_programs", "takes_own_logprobs"]

@@ -1,0 +1,130 @@
+"""``train`` and ``plan`` run one description of the policy's programs (``train.rl.programs``).
+
+A short real job on CPU records every call of its ``update``, ``logprobs`` and ``ref_logprobs``
+programs (argument shapes and dtypes, calls in its one RL step); ``plan`` of the same config on
+the same mesh shape (deviceless TPU where libtpu is installed, else the CPU devices) must lower
+the same programs with the same argument shapes and dtypes, count the same calls per step, and
+name the function that built each (what ``plan --json`` reports as ``function``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import pytest
+
+from jaxrl_llm.plan import programs as plan_programs
+from jaxrl_llm.plan.topology import get_devices, libtpu_available, resolve_topology
+from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.trainer import RLTrainer
+
+pytestmark = pytest.mark.needs_devices(4)
+
+# Both sides must compute alike: a stated dtype (``auto`` is float32 on CPU, bfloat16 on TPU),
+# no CPU token budget for the micro-batches, and prompts whose bucket (the trainer pads a
+# batch's prompts to the bucket of its longest) is data.max_prompt_tokens's, which plan lowers:
+# 4-digit operands make prompts of 10 tokens ("1234+5678="), padded to 16.
+SMALL = (
+    "data.digits=[4]",
+    "data.max_prompt_tokens=16",
+    "seed=0",
+    "sft_warmup.steps=0",
+    "trainer.max_steps=1",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "data.eval_size=4",
+    "mesh.data=1",
+    "mesh.fsdp=4",
+    "model.compute_dtype=float32",
+    "trainer.micro_batch_tokens=null",
+    "checkpoint.every_steps=1000",
+)
+ATTRIBUTES = {"update": "update_fn", "logprobs": "logprob_fn", "ref_logprobs": "ref_logprob_fn"}
+VARIANTS = {
+    "grpo off-policy (two minibatches)": ("trainer.minibatches=2",),
+    "the sampler's log-probs": ("rollout.logprobs=sampler",),
+    "lora": ("model.lora={rank: 4, alpha: 8.0}",),
+}
+
+
+def _signature(tree):
+    return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+
+
+class RecordingTrainer(RLTrainer):
+    """Records the argument signature of each program's first call and counts its calls."""
+
+    def compile(self):
+        super().compile()
+        self.seen, self.calls = {}, collections.Counter()
+        for name, attribute in ATTRIBUTES.items():
+            setattr(self, attribute, self._recorded(name, getattr(self, attribute)))
+
+    def _recorded(self, name, fn):
+        @functools.wraps(fn)
+        def call(*args):
+            self.seen.setdefault(name, _signature(args))
+            self.calls[name] += 1
+            return fn(*args)
+
+        return call
+
+
+def _train(tmp_path, *overrides) -> RecordingTrainer:
+    cfg = load_config(TrainConfig, None, [*SMALL, f"run_dir={tmp_path / 'run'}", *overrides])
+    trainer = RecordingTrainer(cfg)
+    trainer.fit()
+    return trainer
+
+
+def _plan(*overrides):
+    cfg = load_config(TrainConfig, None, [*SMALL, *overrides])
+    spec = resolve_topology("v5litepod-4")
+    devices = get_devices(spec) if libtpu_available() else jax.devices()[:4]
+    return plan_programs.build_job(cfg, spec, devices=devices)
+
+
+def _check_same_programs(trainer: RecordingTrainer, job) -> None:
+    expected = {"update", "logprobs"} | (
+        {"ref_logprobs"} if trainer.reference is not None else set()
+    )
+    assert set(trainer.programs) == expected
+    for name, program in trainer.programs.items():
+        planned = job.programs[name]
+        assert planned.function == program.builder
+        assert planned.calls_per_step == program.calls_per_step == trainer.calls[name], name
+        if not program.calls_per_step:
+            continue
+        lowered = planned.lowered or job.programs[planned.same_as].lowered
+        recorded = trainer.seen[name]
+        # A LoRA update is lowered with its frozen base as a third argument the trainer's
+        # call binds (``train.step.jit_step``).
+        planned_args = _signature(lowered.args_info[0][: len(recorded)])
+        assert planned_args == recorded, name
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    """The default objective (on-policy: no behaviour forward) on the built-in task; its
+    exported policy is the other jobs' model."""
+    path = tmp_path_factory.mktemp("grpo")
+    return _train(path), path / "run" / "hf"
+
+
+@pytest.mark.slow
+def test_plan_lowers_what_the_grpo_job_ran(grpo):
+    trainer, hf = grpo
+    assert trainer.calls["logprobs"] == 0 and trainer.calls["update"] == 1
+    _check_same_programs(trainer, _plan(f"model.path={hf}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_plan_lowers_what_the_job_ran(variant, grpo, tmp_path):
+    _, hf = grpo
+    overrides = (f"model.path={hf}", *VARIANTS[variant])
+    trainer = _train(tmp_path, *overrides)
+    _check_same_programs(trainer, _plan(*overrides))
