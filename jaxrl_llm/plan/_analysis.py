@@ -307,7 +307,7 @@ def _lower_programs(
         lower_aux_programs(
             programs,
             critic,
-            cfg,
+            run,
             mesh,
             model_config,
             objective,
@@ -317,6 +317,7 @@ def _lower_programs(
             logprob_out,
             minibatch,
             full_batch,
+            built["logprobs"],
         )
 
     # (c) the reshard into the sampler's layout, the rollout's prefill and (d) one decode step.

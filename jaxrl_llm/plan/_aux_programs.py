@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxrl_llm import parallel
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._aux import Aux
 from jaxrl_llm.plan._job import Program, _rows, shard_bytes
-from jaxrl_llm.train import adapters
-from jaxrl_llm.train.rl.config import micro_batching
-from jaxrl_llm.train.rl.ppo import make_joint_step, make_value_fn, make_value_step
-from jaxrl_llm.train.rl.prime import make_prm_loss_fn
+from jaxrl_llm.train.rl.ppo import critic_programs, make_joint_step
+from jaxrl_llm.train.rl.prime import prm_programs
 from jaxrl_llm.train.rl.updates import update_objective
-from jaxrl_llm.train.step import jit_step, make_step
+from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch
 
 
@@ -100,7 +97,7 @@ def _policy_resident(sizes) -> dict[str, int]:
 def lower_aux_programs(
     programs,
     aux,
-    cfg,
+    run,
     mesh,
     model_config,
     objective,
@@ -110,17 +107,19 @@ def lower_aux_programs(
     logprob_out,
     minibatch,
     full_batch,
+    logprobs,
 ) -> None:
-    """Adds the auxiliary model's programs to ``programs``."""
+    """Adds the auxiliary model's programs to ``programs`` (``run``: the resolved job;
+    ``logprobs``: the policy's log-prob program, ``train.rl.programs``)."""
     if objective.needs_process_rewards:
         _lower_prm_programs(
-            programs, aux, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+            programs, aux, run, mesh, model_config, shape, sizes, seqs, logprob_out, logprobs
         )
     else:
         _lower_critic_programs(
             programs,
             aux,
-            cfg,
+            run,
             mesh,
             model_config,
             objective,
@@ -133,7 +132,7 @@ def lower_aux_programs(
 
 
 def _lower_critic_programs(
-    programs, critic, cfg, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
+    programs, critic, run, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
 ) -> None:
     """PPO's rollout-time ``values`` forward and, with its own optimizer, its
     ``critic_update`` (``PPOTrainer``; a joint critic trains in the ``update``)."""
@@ -143,13 +142,21 @@ def _lower_critic_programs(
     value_config = critic.config
     # The scalar head's 2·D FLOPs a position are left out (under 0.01% of the backbone's).
     forward = flops_lib.forward_flops(value_config, rows, seq, logits_positions=0)
-    values_fn = make_value_fn(
-        value_config, param_shardings=critic.full(critic.param_shardings, shardings=True)
+    built = critic_programs(
+        run,
+        value_config,
+        critic.optimizer,
+        critic.shardings,
+        value_param_shardings=critic.full(critic.param_shardings, shardings=True),
+        frozen=critic.frozen,
+        frozen_shardings=critic.frozen_shardings,
+        joint=critic.joint,
     )
     programs["values"] = Program(
         name="values",
-        lowered=values_fn.lower(critic.full(critic.params), seqs),
-        calls_per_step=1,
+        lowered=built["values"].fn.lower(critic.full(critic.params), seqs),
+        calls_per_step=built["values"].calls_per_step,
+        function=built["values"].builder,
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,
@@ -158,24 +165,13 @@ def _lower_critic_programs(
     )
     if critic.joint:
         return
-    step = jit_step(
-        make_value_step(
-            value_config,
-            objective,
-            critic.optimizer,
-            micro_batches=shape.micro_batches,
-            remat=shape.remat,
-            param_shardings=critic.param_shardings,
-        ),
-        critic.shardings,
-        frozen=critic.frozen,
-        frozen_shardings=critic.frozen_shardings,
-    )
+    step = built["critic_update"]
     m_rows = shape.minibatch_rows
     programs["critic_update"] = Program(
         name="critic_update",
-        lowered=step.lower(critic.state, minibatch),
-        calls_per_step=shape.updates_per_step,
+        lowered=step.fn.lower(critic.state, minibatch),
+        calls_per_step=step.calls_per_step,
+        function=step.builder,
         flops=flops_lib.train_flops(
             value_config, m_rows, seq, remat=shape.remat, logits_positions=0
         ),
@@ -187,7 +183,7 @@ def _lower_critic_programs(
 
 
 def _lower_prm_programs(
-    programs, prm, cfg, mesh, model_config, objective, shape, sizes, seqs, logprob_out
+    programs, prm, run, mesh, model_config, shape, sizes, seqs, logprob_out, logprobs
 ) -> None:
     """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
     (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
@@ -208,28 +204,21 @@ def _lower_prm_programs(
         completion_tokens=seqs.completion_tokens,
         rewards=labels,
     )
-    step = jit_step(
-        make_step(
-            make_prm_loss_fn(
-                model_config,
-                beta=objective.prime_beta,
-                temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.chunk_size,
-                remat=shape.remat,
-            ),
-            optimizer,
-            micro_batches=micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
-            param_shardings=shardings.params,
-            loss_takes_key=adapters.has_dropout(model_config),
-        ),
+    built = prm_programs(
+        run,
+        model_config,
+        optimizer,
         shardings,
+        logprobs=logprobs,
         frozen=prm.frozen,
         frozen_shardings=prm.frozen_shardings,
     )
+    step = built["prm_update"]
     programs["prm_update"] = Program(
         name="prm_update",
-        lowered=step.lower(state, batch),
-        calls_per_step=1,
+        lowered=step.fn.lower(state, batch),
+        calls_per_step=step.calls_per_step,
+        function=step.builder,
         flops=flops_lib.train_flops(
             model_config, rows, seq, remat=shape.remat, logits_positions=t_len
         ),
@@ -242,7 +231,8 @@ def _lower_prm_programs(
     programs["prm_logprobs"] = Program(
         name="prm_logprobs",
         lowered=None,  # the policy's log-prob program, on the PRM's parameters
-        calls_per_step=1,
+        calls_per_step=built["prm_logprobs"].calls_per_step,
+        function=built["prm_logprobs"].builder,
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,

@@ -24,8 +24,10 @@ from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
-from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES
+from jaxrl_llm.train.rl.programs import ProgramSpec
+from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import create_train_state
@@ -126,6 +128,63 @@ def make_value_fn(model_config, *, param_shardings=None):
     if param_shardings is None:
         return jax.jit(fn)
     return jax.jit(fn, in_shardings=(param_shardings, None))
+
+
+def critic_programs(
+    run: RunSpec,
+    value_config,
+    optimizer,
+    shardings,
+    *,
+    value_param_shardings,
+    frozen=None,
+    frozen_shardings=None,
+    joint: bool = False,
+) -> dict[str, ProgramSpec]:
+    """PPO's critic programs, built once for ``train`` and ``plan`` (``train.rl.programs``).
+
+    * ``values``: the rollout-time values forward (``make_value_fn``), once a step;
+    * ``critic_update``: the critic's own step (``make_value_step`` under ``jit_step``),
+      ``epochs x minibatches`` calls a step; absent with ``joint`` (``critic.optimizer=joint``,
+      where the critic trains in the policy's update).
+
+    Args:
+      run: the resolved job.
+      value_config: the critic's ``ModelConfig``.
+      optimizer, shardings: the critic's own optimizer and train-state shardings (unused with
+        ``joint``).
+      value_param_shardings: the shardings of the parameters ``values`` takes (a LoRA critic's
+        frozen backbone merged in).
+      frozen, frozen_shardings: a LoRA critic's frozen backbone (its step's third argument).
+    """
+    cfg = run.config
+    platform = parallel.current_platform(jax.tree.leaves(value_param_shardings)[0].mesh)[0]
+    programs = {
+        "values": ProgramSpec(
+            "values",
+            make_value_fn(value_config, param_shardings=value_param_shardings),
+            1,
+            f"{make_value_fn.__module__}.{make_value_fn.__qualname__}",
+            value_config,
+        )
+    }
+    if not joint:
+        step = make_value_step(
+            value_config,
+            run.objective,
+            optimizer,
+            micro_batches=micro_batching(cfg.trainer, platform),
+            remat=cfg.model.remat,
+            param_shardings=shardings.params,
+        )
+        programs["critic_update"] = ProgramSpec(
+            "critic_update",
+            jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
+            run.shape.updates_per_step,
+            f"{make_value_step.__module__}.{make_value_step.__qualname__}",
+            value_config,
+        )
+    return programs
 
 
 def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray) -> float:
@@ -294,24 +353,23 @@ class PPOTrainer(RLTrainer):
                 self.joint_value_fn = jit_step(
                     joint_step(value_only=True), self.joint_shardings, **frozen
                 )
-            value_shardings = self.joint_shardings.params["value"]
-        else:
-            self.value_fn_step = jit_step(
-                make_value_step(
-                    self.value_config,
-                    run.objective,
-                    self.value_optimizer,
-                    param_shardings=self.value_shardings.params,
-                    **common,
-                ),
-                self.value_shardings,
-                frozen=self.value_frozen,
-                frozen_shardings=self.value_frozen_shardings,
-            )
-            value_shardings = self.value_shardings.params
-        self.values_fn = make_value_fn(
-            self.value_config, param_shardings=self._value_shardings(value_shardings)
+        value_shardings = (
+            self.joint_shardings.params["value"] if self.joint else self.value_shardings.params
         )
+        critic = critic_programs(
+            self.spec,
+            self.value_config,
+            None if self.joint else self.value_optimizer,
+            None if self.joint else self.value_shardings,
+            value_param_shardings=self._value_shardings(value_shardings),
+            frozen=self.value_frozen,
+            frozen_shardings=self.value_frozen_shardings,
+            joint=self.joint,
+        )
+        self.programs.update(critic)
+        self.values_fn = critic["values"].fn
+        if not self.joint:
+            self.value_fn_step = critic["critic_update"].fn
 
     def score(self, step, samples, seqs, old, ref, rewards):
         values = self.values_fn(self.value_params, seqs)
@@ -357,6 +415,7 @@ class PPOTrainer(RLTrainer):
 
 
 __all__ = [
+    "critic_programs",
     "PPOTrainer",
     "explained_variance",
     "make_joint_step",

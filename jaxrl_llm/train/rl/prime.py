@@ -10,6 +10,7 @@ plus RLOO over the outcome rewards, summed into returns (``objectives.compute_ad
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,7 +21,9 @@ from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES
+from jaxrl_llm.train.rl.config import micro_batching
+from jaxrl_llm.train.rl.programs import ProgramSpec
+from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step
@@ -58,6 +61,55 @@ def make_prm_loss_fn(
         return out.loss, out.metrics
 
     return loss_fn
+
+
+def prm_programs(
+    run: RunSpec,
+    model_config,
+    optimizer,
+    shardings,
+    *,
+    logprobs: ProgramSpec,
+    frozen=None,
+    frozen_shardings=None,
+) -> dict[str, ProgramSpec]:
+    """PRIME's implicit-PRM programs, built once for ``train`` and ``plan``
+    (``train.rl.programs``): ``prm_update`` (``make_prm_loss_fn`` through ``make_step``, on
+    the whole rollout batch, once a step) and ``prm_logprobs`` (the policy's ``logprobs``
+    program on the PRM's parameters, once a step).
+
+    Args:
+      run: the resolved job.
+      model_config: the policy's (and so the PRM's) ``ModelConfig``.
+      optimizer, shardings: the PRM's optimizer and train-state shardings.
+      logprobs: the policy's ``logprobs`` program (``policy_programs``).
+      frozen, frozen_shardings: a LoRA run's frozen base (the PRM's adapters train over it).
+    """
+    cfg = run.config
+    platform = parallel.current_platform(jax.tree.leaves(shardings)[0].mesh)[0]
+    step = make_step(
+        make_prm_loss_fn(
+            model_config,
+            beta=run.objective.prime_beta,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.model.chunk_size,
+            remat=cfg.model.remat,
+        ),
+        optimizer,
+        micro_batches=micro_batching(cfg.trainer, platform),
+        param_shardings=shardings.params,
+        loss_takes_key=adapters.has_dropout(model_config),
+    )
+    return {
+        "prm_update": ProgramSpec(
+            "prm_update",
+            jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
+            1,
+            f"{make_prm_loss_fn.__module__}.{make_prm_loss_fn.__qualname__}",
+            model_config,
+        ),
+        "prm_logprobs": dataclasses.replace(logprobs, name="prm_logprobs", calls_per_step=1),
+    }
 
 
 class PRIMETrainer(RLTrainer):
@@ -114,26 +166,18 @@ class PRIMETrainer(RLTrainer):
 
     def compile(self) -> None:
         super().compile()
-        run, cfg = self.run, self.cfg
-        beta = run.objective.prime_beta
-        self.prm_step = jit_step(
-            make_step(
-                make_prm_loss_fn(
-                    run.model_config,
-                    beta=beta,
-                    temperature=cfg.rollout.temperature,
-                    chunk_size=cfg.model.chunk_size,
-                    remat=cfg.model.remat,
-                ),
-                self.prm_optimizer,
-                micro_batches=self.micro_batches,
-                param_shardings=self.prm_shardings.params,
-                loss_takes_key=adapters.has_dropout(run.model_config),
-            ),
+        built = prm_programs(
+            self.spec,
+            self.run.model_config,
+            self.prm_optimizer,
             self.prm_shardings,
+            logprobs=self.programs["logprobs"],
             frozen=self.base,
             frozen_shardings=self.base_shardings,
         )
+        self.programs.update(built)
+        self.prm_step = built["prm_update"].fn
+        self.prm_logprob_fn = built["prm_logprobs"].fn
 
     def _update_prm(self, seqs, ref, labels) -> dict[str, float]:
         batch = RolloutBatch(
@@ -154,7 +198,7 @@ class PRIMETrainer(RLTrainer):
         labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
         if self.cfg.prime.update == "before":
             metrics.update(self._update_prm(seqs, ref, labels))
-        prm_lp = self.logprob_fn(self.prm_params, seqs)
+        prm_lp = self.prm_logprob_fn(self.prm_params, seqs)
         dense = implicit_prm.process_rewards(
             prm_lp, ref, seqs.completion_mask, beta=self.run.objective.prime_beta
         )
@@ -167,4 +211,4 @@ class PRIMETrainer(RLTrainer):
         return self.rollout_batch(seqs, old, ref, rewards, adv), metrics
 
 
-__all__ = ["PRIMETrainer", "make_prm_loss_fn"]
+__all__ = ["PRIMETrainer", "make_prm_loss_fn", "prm_programs"]
