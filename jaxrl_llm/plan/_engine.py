@@ -22,7 +22,7 @@ from jaxrl_llm import parallel
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._job import PlanError, Program, _replicated, _rows, shard_bytes, with_shardings
 from jaxrl_llm.sampling import slots as slots_lib
-from jaxrl_llm.sampling.engine import _pow2
+from jaxrl_llm.sampling.admission import pow2
 from jaxrl_llm.sampling.paging import blocks_for, paged_pool
 
 PyTree = Any
@@ -113,8 +113,8 @@ def lower_engine_programs(
         state = with_shardings(state, slots_lib.shardings(state, smesh))
         cache = shard_bytes(state.cache)
         # A refill of every slot: the G samples of a prompt share its prefill row.
-        prompts = shards * _pow2(-(-math.ceil(eng.slots / group) // shards))
-        admitted = _pow2(eng.slots)
+        prompts = shards * pow2(-(-math.ceil(eng.slots / group) // shards))
+        admitted = pow2(eng.slots)
         index = _replicated(smesh, (admitted,), jnp.int32)
         table = paged = None
         if eng.paged is not None:

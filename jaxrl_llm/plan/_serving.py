@@ -25,7 +25,7 @@ from jaxrl_llm.plan._job import (
 from jaxrl_llm.plan._lora import Frozen, policy, reshard_programs, serving_trees
 from jaxrl_llm.plan._split import lower_split_programs
 from jaxrl_llm.sampling import serving, strategies
-from jaxrl_llm.sampling.generate import _decode, _prefill
+from jaxrl_llm.sampling.generate import decode_program, prefill_program
 from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.rl.serving import rollout_layout
@@ -193,14 +193,16 @@ def lower_sampler_programs(
     )
     with jax.set_mesh(smesh):
         prefill_args = (params, prompts.prompt_tokens, prompts.prompt_mask, pad_id)
-        sampling_state = jax.eval_shape(lambda *a: _prefill(*a, **prefill_kwargs), *prefill_args)
+        sampling_state = jax.eval_shape(
+            lambda *a: prefill_program(*a, **prefill_kwargs), *prefill_args
+        )
         sampling_state = with_shardings(
             sampling_state, _sampling_state_shardings(sampling_state, smesh)
         )
         cache = shard_bytes(sampling_state.cache)
         programs["prefill"] = Program(
             name="prefill",
-            lowered=_prefill.lower(*prefill_args, **prefill_kwargs),
+            lowered=prefill_program.lower(*prefill_args, **prefill_kwargs),
             calls_per_step=1,
             flops=prefill_flops,
             model_flops=prefill_flops,
@@ -209,7 +211,7 @@ def lower_sampler_programs(
             resident=resident,
             inner_parts={**inner, "kv_cache": cache},
         )
-        # The decode loop itself (``_decode``, as ``generate`` calls it on TPU: layers
+        # The decode loop itself (``decode_program``, as ``generate`` calls it on TPU: layers
         # stacked, or per layer with ``rollout.decode_layers=per_layer``); its loop body is one
         # decode step.
         decode_args = (params, sampling_state, key, _sampling_params(smesh))
@@ -218,7 +220,7 @@ def lower_sampler_programs(
         decode = flops_lib.decode_flops(model_config, rows, shape.seq_len)
         programs["decode_step"] = Program(
             name="decode_step",
-            lowered=_decode.lower(*decode_args, **decode_kwargs),
+            lowered=decode_program.lower(*decode_args, **decode_kwargs),
             calls_per_step=t_len,
             flops=decode,
             model_flops=decode,

@@ -9,9 +9,9 @@ the trainer's mesh (``mesh.data/fsdp/tensor`` over the slice's compile-only devi
   ``model.chunk_size`` as configured), run ``trainer.epochs x trainer.minibatches`` times a step;
 * ``logprobs``: ``make_logprob_fn`` (the behaviour policy's log-probs) over all ``B`` rows, and
   ``ref_logprobs`` (the same program on the reference) when the objective needs a reference;
-* ``prefill``: ``sampling.generate``'s jitted ``_prefill`` of ``prompts_per_step`` prompts,
+* ``prefill``: ``sampling.generate``'s jitted ``prefill_program`` of ``prompts_per_step`` prompts,
   its cache grown to ``group_size`` rows each of ``P + T`` slots in the compute dtype;
-* ``decode_step``: the jitted decode loop ``_decode`` itself (layers stacked, as on TPU; the
+* ``decode_step``: the jitted decode loop ``decode_program`` itself (layers stacked, as on TPU; the
   weights cast once to the compute dtype); one trip of its ``while`` loop is one decode step,
   run ``T = rollout.max_new_tokens`` times a step.
 

@@ -22,7 +22,8 @@ from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import Request
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): the engine's program sizes."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -84,7 +85,7 @@ def admission(
         else:  # only the partial last block is written: copied from the holder's
             full = len(requests[r].prompt) // pager.block_size
             copies.append((pager.global_id(holder, full), pager.global_id(slot, full)))
-    n = _pow2(len(admitted))
+    n = pow2(len(admitted))
     pad = n - len(admitted)
     arrays: dict[str, np.ndarray | None] = dict(
         prompt_tokens=None,
@@ -98,7 +99,7 @@ def admission(
     )
     if prompts:
         width = bucket_length(max(len(p) for p in prompts))
-        count = shards * _pow2(-(-len(prompts) // shards))  # the prefill's rows split over shards
+        count = shards * pow2(-(-len(prompts) // shards))  # the prefill's rows split over shards
         tokens = np.full((count, width), pad_id, np.int32)
         mask = np.zeros((count, width), bool)
         for i in range(count):
@@ -111,11 +112,11 @@ def admission(
         if writes:
             arrays["dest"] = pager.prefill_writes(writes)
         if copies:
-            pairs = np.full((2, _pow2(len(copies))), pager.blocks, np.int32)
+            pairs = np.full((2, pow2(len(copies))), pager.blocks, np.int32)
             pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
             arrays["copies"] = (pairs[0], pairs[1])
     reused = sum(s != engine_slots for s in source)
     return arrays, dict(prefill_rows=len(prompts), reused_prompts=reused)
 
 
-__all__ = ["admission", "holders"]
+__all__ = ["admission", "holders", "pow2"]

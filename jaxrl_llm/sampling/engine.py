@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.sampling import layout, strategies
-from jaxrl_llm.sampling.admission import admission, holders
+from jaxrl_llm.sampling.admission import admission, holders, pow2
 from jaxrl_llm.sampling.generate import default_cache_dtype, hidden_dtype
 from jaxrl_llm.sampling.paging import BlockAllocator, paged_pool
 from jaxrl_llm.sampling.prompts import bucket_length
@@ -88,10 +88,6 @@ from jaxrl_llm.sampling.state import replicate, sampling_params
 Array = jax.Array
 
 ENGINES = ("continuous", "static")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class Engine:
@@ -169,7 +165,7 @@ class Engine:
             )
         # [N, L] right-aligned, -1 padded; both sizes powers of two (few compiled programs).
         longest = max(map(len, self.stop_sequences), default=1)
-        stops = np.full((_pow2(max(len(self.stop_sequences), 1)), _pow2(longest)), -1, np.int32)
+        stops = np.full((pow2(max(len(self.stop_sequences), 1)), pow2(longest)), -1, np.int32)
         for i, s in enumerate(self.stop_sequences):
             stops[i, stops.shape[1] - len(s) :] = s
         self.config, self.pad_id = config, int(pad_id)
@@ -316,7 +312,7 @@ class Engine:
                     keep = pager.drain(occupant)
                 else:
                     busy = [s for s, r in enumerate(occupant) if r is not None]
-                    size = self.shards * _pow2(-(-len(busy) // self.shards))
+                    size = self.shards * pow2(-(-len(busy) // self.shards))
                     keep = busy + free[: size - len(busy)] if size <= len(occupant) // 2 else None
                 if keep is not None:
                     state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)

@@ -46,7 +46,7 @@ Array = jax.Array
 @functools.partial(
     jax.jit, static_argnames=("config", "max_new_tokens", "num_samples", "cache_dtype", "mesh")
 )
-def _prefill(
+def prefill_program(
     params: Any,
     prompt_tokens: Array,
     prompt_mask: Array,
@@ -138,7 +138,7 @@ def _decode_step(
     static_argnames=("config", "top_k", "mesh", "unroll", "windows"),
     donate_argnames=("state",),
 )
-def _decode(
+def decode_program(
     params: Any,
     state: SamplingState,
     key: Array,
@@ -281,7 +281,7 @@ def prefill(
     _check_positive_int("max_new_tokens", max_new_tokens)
     _check_positive_int("num_samples", num_samples)
     check_prompts(prompt_tokens, prompt_mask)
-    return _prefill(
+    return prefill_program(
         params,
         jnp.asarray(prompt_tokens, jnp.int32),
         jnp.asarray(prompt_mask).astype(bool),
@@ -330,7 +330,7 @@ def decode(
     traced = isinstance(state.step, jax.core.Tracer)
     if windows and not traced and int(state.step) != 0:  # CPU only: waiting on the prefill is cheap
         windows = ()
-    return _decode(
+    return decode_program(
         params,
         state,
         key,
@@ -425,6 +425,8 @@ def generate(
 
 
 __all__ = [
+    "decode_program",
+    "prefill_program",
     "MIN_BUCKET",
     "SamplingParams",
     "SamplingState",

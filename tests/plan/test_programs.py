@@ -610,14 +610,14 @@ def test_decode_layers_are_planned_as_train_decodes(tiny_path, monkeypatch):
     from jaxrl_llm.plan import _serving
 
     seen = []
-    real = _serving._decode
+    real = _serving.decode_program
 
     class Recording:
         def lower(self, *args, **kwargs):
             seen.append(kwargs["unroll"])
             return real.lower(*args, **kwargs)
 
-    monkeypatch.setattr(_serving, "_decode", Recording())
+    monkeypatch.setattr(_serving, "decode_program", Recording())
     layers = {}
     for mode in ("auto", "stacked", "per_layer"):
         job = _job(tiny_path, f"rollout.decode_layers={mode}")

@@ -188,13 +188,13 @@ def test_logprobs_match_completion_logprobs(model, prompts, full_logits, score):
 
 def test_same_key_same_output_and_scalars_do_not_recompile(model, prompts):
     a = _run(model, prompts, temperature=1.0, key=jax.random.key(11))
-    sizes = (gen._prefill._cache_size(), gen._decode._cache_size())
+    sizes = (gen.prefill_program._cache_size(), gen.decode_program._cache_size())
     b = _run(model, prompts, temperature=1.0, key=jax.random.key(11))
     c = _run(model, prompts, temperature=1.0, key=jax.random.key(12))
     d = _run(model, prompts, temperature=0.3, top_p=0.5, min_p=0.1, eos_ids=(1, 2, 3), pad_id=1)
     # A narrower batch lands in the same 16-column bucket.
     narrower = _run(model, (prompts[0][:, -9:], prompts[1][:, -9:]), temperature=0.5)
-    assert (gen._prefill._cache_size(), gen._decode._cache_size()) == sizes
+    assert (gen.prefill_program._cache_size(), gen.decode_program._cache_size()) == sizes
     assert narrower.tokens.shape == a.tokens.shape
     for field in ("tokens", "logprobs", "mask"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
@@ -231,8 +231,8 @@ def test_groups_are_contiguous_independent_and_prefilled_once(
     # `forward` is only called while tracing: start from empty jit caches, so that the traces
     # below happen whatever ran before in this process (another test, or this one, may have
     # compiled the same programs already).
-    gen._prefill.clear_cache()
-    gen._decode.clear_cache()
+    gen.prefill_program.clear_cache()
+    gen.decode_program.clear_cache()
     groups = 3
     out = _run(model, prompts, temperature=1.0, num_samples=groups, key=jax.random.key(2))
     # One trace of the prefill on the N prompts (not N*G rows), one of the decode step.

@@ -43,7 +43,7 @@ def _decode(setup, *, unroll, temperature, windows=(), new=NEW, eos_ids=()):
     state = gen.prefill(params, CONFIG, tokens, mask, max_new_tokens=new, pad_id=0)
     args = (params, state, jax.random.key(7), sampling)
     static = dict(config=CONFIG, top_k=0, mesh=None, unroll=unroll, windows=windows)
-    return gen._decode(*args, **static), gen._decode.lower(*args, **static)
+    return gen.decode_program(*args, **static), gen.decode_program.lower(*args, **static)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -142,13 +142,13 @@ def test_generate_decodes_stacked_or_per_layer_as_asked(setup, monkeypatch):
     same completions."""
     params, tokens, mask = setup
     seen = []
-    real = gen._decode
+    real = gen.decode_program
 
     def recording(*args, **kwargs):
         seen.append(kwargs["unroll"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen, "_decode", recording)
+    monkeypatch.setattr(gen, "decode_program", recording)
     outs = [
         gen.generate(
             params,
@@ -246,13 +246,13 @@ def test_decode_runs_the_windows_of_its_length(setup, monkeypatch):
     64 new tokens on CPU decode in two windows, per layer."""
     params, tokens, mask = setup
     seen = []
-    real = gen._decode
+    real = gen.decode_program
 
     def recording(*args, **kwargs):
         seen.append((kwargs["unroll"], kwargs["windows"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen, "_decode", recording)
+    monkeypatch.setattr(gen, "decode_program", recording)
     out = gen.generate(
         params, CONFIG, tokens, mask, key=jax.random.key(3), max_new_tokens=64, eos_ids=(), pad_id=0
     )

@@ -147,7 +147,7 @@ def _decode_collectives(config, params, mesh, prompts, mask):
         state = gen.prefill(params, config, prompts, mask, max_new_tokens=4, pad_id=0, mesh=mesh)
         sampling = gen.sampling_params(temperature=1.0, eos_ids=(), pad_id=0)
         key = jax.random.key(0)
-        lowered = gen._decode.lower(
+        lowered = gen.decode_program.lower(
             params, state, key, sampling, config=config, top_k=0, mesh=mesh, unroll=False
         )
     # The whole call: XLA:CPU hoists the trainer layout's gathers out of the loop (once per

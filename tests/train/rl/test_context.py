@@ -406,13 +406,13 @@ def test_rollouts_decode_with_the_configured_layer_layout(tmp_path, monkeypatch)
 
     generate = importlib.import_module("jaxrl_llm.sampling.generate")
     seen = []
-    real = generate._decode
+    real = generate.decode_program
 
     def recording(*args, **kwargs):
         seen.append(kwargs["unroll"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "_decode", recording)
+    monkeypatch.setattr(generate, "decode_program", recording)
     for mode, unrolled in (("stacked", False), ("auto", True)):
         cfg = load_config(
             TrainConfig,
