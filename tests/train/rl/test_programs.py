@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 
 import jax
 import pytest
@@ -42,7 +43,11 @@ SMALL = (
     "model.compute_dtype=float32",
     "trainer.micro_batch_tokens=null",
     "checkpoint.every_steps=1000",
+    # The decode loop as on accelerators (CPU's auto decodes on per-layer copies).
+    "rollout.decode_layers=stacked",
 )
+# The sampler's programs (``sampling.generate``), named as plan reports them.
+SAMPLER_PROGRAMS = {"prefill": "prefill_program", "decode_step": "decode_program"}
 ATTRIBUTES = {
     "update": "update_fn",
     "logprobs": "logprob_fn",
@@ -94,7 +99,19 @@ def _train(tmp_path, *overrides) -> RLTrainer:
     cfg = load_config(TrainConfig, None, [*SMALL, f"run_dir={tmp_path / 'run'}", *overrides])
     trainer_cls = trainer_class(make_objective(cfg.objective))
     trainer = type(f"Recording{trainer_cls.__name__}", (Recording, trainer_cls), {})(cfg)
-    trainer.fit()
+    sampled = {}
+    module = importlib.import_module("jaxrl_llm.sampling.generate")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, attribute in SAMPLER_PROGRAMS.items():
+            real = getattr(module, attribute)
+
+            def call(*args, _real=real, _name=name, **kwargs):
+                sampled.setdefault(_name, []).append(_signature(args))
+                return _real(*args, **kwargs)
+
+            patch.setattr(module, attribute, call)
+        trainer.fit()
+    trainer.sampled = sampled
     return trainer
 
 
@@ -136,7 +153,14 @@ def grpo(tmp_path_factory):
 def test_plan_lowers_what_the_grpo_job_ran(grpo):
     trainer, hf = grpo
     assert trainer.calls["logprobs"] == 0 and trainer.calls["update"] == 1
-    _check_same_programs(trainer, _plan(f"model.path={hf}"))
+    job = _plan(f"model.path={hf}")
+    _check_same_programs(trainer, job)
+    # The sampler's prefill and decode loop, on the layout both chose: the rollout's calls
+    # (the evaluations' greedy calls draw one sample a prompt).
+    assert job.serving.mesh.shape == trainer.serving.mesh.shape
+    assert set(trainer.sampled) == set(SAMPLER_PROGRAMS)
+    for name, recorded in trainer.sampled.items():
+        assert _signature(job.programs[name].lowered.args_info[0]) in recorded, name
 
 
 @pytest.mark.slow
