@@ -138,7 +138,11 @@ def lower_engine_programs(
         )
         programs["prefill"] = Program(
             name="prefill",
-            lowered=slots_lib.admit.lower(*admit_args, config=model_config, mesh=smesh),
+            # Each admitted request's holder slot and prompt length: the engine always passes
+            # them (a prompt a live slot holds is copied from it, not prefilled again).
+            lowered=slots_lib.admit.lower(
+                *admit_args, source=index, length=index, config=model_config, mesh=smesh
+            ),
             calls_per_step=eng.waves,
             flops=prefill_flops,
             model_flops=prefill_flops,

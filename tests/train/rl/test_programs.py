@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import inspect
 
 import jax
 import pytest
@@ -46,8 +47,15 @@ SMALL = (
     # The decode loop as on accelerators (CPU's auto decodes on per-layer copies).
     "rollout.decode_layers=stacked",
 )
-# The sampler's programs (``sampling.generate``), named as plan reports them.
-SAMPLER_PROGRAMS = {"prefill": "prefill_program", "decode_step": "decode_program"}
+# The sampler's programs, named as plan reports them: the static engine's (``sampling.generate``)
+# and the continuous engine's (``sampling.slots``, called from ``sampling.engine``).
+SAMPLER_PROGRAMS = {
+    "static": (
+        "jaxrl_llm.sampling.generate",
+        {"prefill": "prefill_program", "decode_step": "decode_program"},
+    ),
+    "continuous": ("jaxrl_llm.sampling.engine", {"prefill": "admit", "decode_step": "burst"}),
+}
 ATTRIBUTES = {
     "update": "update_fn",
     "logprobs": "logprob_fn",
@@ -67,11 +75,22 @@ VARIANTS = {
         "critic.warmup_steps=0",
     ),
     "prime": ("objective.name=prime",),
+    "the continuous engine": ("rollout.engine=continuous",),
+    "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
 }
 
 
 def _signature(tree):
     return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+
+
+def _arguments(fn, args, kwargs) -> dict:
+    """The traced arguments of a call of jitted ``fn`` by parameter name (positional or
+    keyword alike), as shapes and dtypes; static and absent (None) ones left out."""
+    bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    static = {"config", "mesh", "top_k", "max_new_tokens", "num_samples", "cache_dtype"}
+    static |= {"unroll", "windows"}
+    return {k: _signature(v) for k, v in bound.items() if k not in static and v is not None}
 
 
 class Recording:
@@ -100,13 +119,14 @@ def _train(tmp_path, *overrides) -> RLTrainer:
     trainer_cls = trainer_class(make_objective(cfg.objective))
     trainer = type(f"Recording{trainer_cls.__name__}", (Recording, trainer_cls), {})(cfg)
     sampled = {}
-    module = importlib.import_module("jaxrl_llm.sampling.generate")
+    module_name, names = SAMPLER_PROGRAMS[cfg.rollout.engine]
+    module = importlib.import_module(module_name)
     with pytest.MonkeyPatch.context() as patch:
-        for name, attribute in SAMPLER_PROGRAMS.items():
+        for name, attribute in names.items():
             real = getattr(module, attribute)
 
             def call(*args, _real=real, _name=name, **kwargs):
-                sampled.setdefault(_name, []).append(_signature(args))
+                sampled.setdefault(_name, []).append(_arguments(_real, args, kwargs))
                 return _real(*args, **kwargs)
 
             patch.setattr(module, attribute, call)
@@ -141,6 +161,20 @@ def _check_same_programs(trainer: RLTrainer, job) -> None:
         assert planned_args == recorded, name
 
 
+def _check_same_sampler_programs(trainer: RLTrainer, job) -> None:
+    """The sampler's prefill and decode loop, on the layout both chose: plan lowers them with
+    arguments one of the job's calls passed (the rollout's; the evaluations' greedy calls draw
+    one sample a prompt, and a continuous engine's admissions and drained bursts are smaller)."""
+    assert job.serving.mesh.shape == trainer.serving.mesh.shape
+    module_name, names = SAMPLER_PROGRAMS[trainer.cfg.rollout.engine]
+    assert set(trainer.sampled) == set(names)
+    module = importlib.import_module(module_name)
+    for name, recorded in trainer.sampled.items():
+        positional, keywords = job.programs[name].lowered.args_info
+        planned = _arguments(getattr(module, names[name]), positional, keywords)
+        assert planned in recorded, name
+
+
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory):
     """The default objective (on-policy: no behaviour forward) on the built-in task; its
@@ -155,12 +189,7 @@ def test_plan_lowers_what_the_grpo_job_ran(grpo):
     assert trainer.calls["logprobs"] == 0 and trainer.calls["update"] == 1
     job = _plan(f"model.path={hf}")
     _check_same_programs(trainer, job)
-    # The sampler's prefill and decode loop, on the layout both chose: the rollout's calls
-    # (the evaluations' greedy calls draw one sample a prompt).
-    assert job.serving.mesh.shape == trainer.serving.mesh.shape
-    assert set(trainer.sampled) == set(SAMPLER_PROGRAMS)
-    for name, recorded in trainer.sampled.items():
-        assert _signature(job.programs[name].lowered.args_info[0]) in recorded, name
+    _check_same_sampler_programs(trainer, job)
 
 
 @pytest.mark.slow
@@ -169,4 +198,7 @@ def test_plan_lowers_what_the_job_ran(variant, grpo, tmp_path):
     _, hf = grpo
     overrides = (f"model.path={hf}", *VARIANTS[variant])
     trainer = _train(tmp_path, *overrides)
-    _check_same_programs(trainer, _plan(*overrides))
+    job = _plan(*overrides)
+    _check_same_programs(trainer, job)
+    if trainer.cfg.rollout.engine == "continuous":
+        _check_same_sampler_programs(trainer, job)
