@@ -24,7 +24,7 @@ from jaxrl_llm.train.rl.config import TrainConfig, make_objective
 from jaxrl_llm.train.rl.run import trainer_class
 from jaxrl_llm.train.rl.trainer import RLTrainer
 
-pytestmark = pytest.mark.needs_devices(4)
+pytestmark = pytest.mark.needs_devices(8)
 
 # Both sides must compute alike: a stated dtype (``auto`` is float32 on CPU, bfloat16 on TPU),
 # no CPU token budget for the micro-batches, and prompts whose bucket (the trainer pads a
@@ -77,6 +77,7 @@ VARIANTS = {
     "prime": ("objective.name=prime",),
     "the continuous engine": ("rollout.engine=continuous",),
     "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
+    "sampler devices of their own": ("mesh.rollout_devices=4", "rollout.max_staleness=1"),
 }
 
 
@@ -137,8 +138,9 @@ def _train(tmp_path, *overrides) -> RLTrainer:
 
 def _plan(*overrides):
     cfg = load_config(TrainConfig, None, [*SMALL, *overrides])
-    spec = resolve_topology("v5litepod-4")
-    devices = get_devices(spec) if libtpu_available() else jax.devices()[:4]
+    chips = 4 + cfg.mesh.rollout_devices  # the trainer's mesh, and the sampler's own chips
+    spec = resolve_topology(f"v5litepod-{chips}")
+    devices = get_devices(spec) if libtpu_available() else jax.devices()[:chips]
     return plan_programs.build_job(cfg, spec, devices=devices)
 
 
@@ -200,5 +202,5 @@ def test_plan_lowers_what_the_job_ran(variant, grpo, tmp_path):
     trainer = _train(tmp_path, *overrides)
     job = _plan(*overrides)
     _check_same_programs(trainer, job)
-    if trainer.cfg.rollout.engine == "continuous":
+    if trainer.cfg.rollout.engine == "continuous" or trainer.cfg.mesh.rollout_devices:
         _check_same_sampler_programs(trainer, job)
