@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import logging
 import sys
 
 from jaxrl_llm import __version__
+from jaxrl_llm.console import log_to_stderr
 
 # subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -31,7 +31,7 @@ def _register_optional() -> None:
             "write a Hugging Face checkpoint of a run's policy",
         ),
         "eval": (
-            "jaxrl_llm.evaluation.cli",
+            "jaxrl_llm.train.rl.evaluate",
             "eval_main",
             "pass@k, maj@k, mean@k of a run's policy on held-out prompts",
         ),
@@ -48,13 +48,6 @@ def _register_optional() -> None:
             found = False
         if found:
             SUBCOMMANDS[name] = (module, func, help_text)
-
-
-def log_to_stderr() -> None:
-    """Our INFO lines on stderr with their time, unless logging is configured already. Called
-    before a subcommand's module is imported: importing orbax logs through absl, whose first
-    record configures the root logger at WARNING (and this call would then do nothing)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
-"""Package structure: no import cycle among ``jaxrl_llm`` modules, no module over 500 lines.
+"""Package structure: no import cycle among ``jaxrl_llm`` modules, and no import against the
+declared layers (``LAYERS``: lower layers never import higher ones, lazy imports included).
 
-Both rules come from the house style ("one concept per module; a module past ~500 lines is two
-modules"; lower layers never import higher ones). The import graph is read statically with
-``ast`` from every ``.py`` file under ``jaxrl_llm/``, so nothing is imported to check it.
+The import graph is read statically with ``ast`` from every ``.py`` file under ``jaxrl_llm/``,
+so nothing is imported to check it. (The old 500-line rule is retired: a module is one
+concept, whatever its length.)
 
 Which imports are edges of the graph
 ------------------------------------
@@ -47,7 +48,34 @@ import pytest
 
 PACKAGE = "jaxrl_llm"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
-MAX_LINES = 500
+# The package's layers, lowest first: a module may import its own layer and those below it,
+# never one above (lazy imports included). A module of a listed package belongs to its layer.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # Containers, checks and the console toolkit everything shares.
+    ("jaxrl_llm.types", "jaxrl_llm._checks", "jaxrl_llm.masked_stats", "jaxrl_llm.console"),
+    ("jaxrl_llm.parallel",),
+    ("jaxrl_llm.models",),
+    # The loss layer: pure functions over arrays (log-probs over a model's hidden states).
+    (
+        "jaxrl_llm.advantages",
+        "jaxrl_llm.ratios",
+        "jaxrl_llm.kl",
+        "jaxrl_llm.aggregation",
+        "jaxrl_llm.surrogates",
+        "jaxrl_llm.value",
+        "jaxrl_llm.correction",
+        "jaxrl_llm.logprobs",
+        "jaxrl_llm.preference",
+        "jaxrl_llm.implicit_prm",
+        "jaxrl_llm.objectives",
+    ),
+    ("jaxrl_llm.data", "jaxrl_llm.rewards"),
+    ("jaxrl_llm.sampling",),
+    ("jaxrl_llm.envs", "jaxrl_llm.evaluation"),
+    ("jaxrl_llm.train",),
+    ("jaxrl_llm.plan", "jaxrl_llm.bench"),
+    ("jaxrl_llm.cli", "jaxrl_llm"),
+)
 
 
 class Edge(NamedTuple):
@@ -236,10 +264,26 @@ def describe_cycle(cycle: list[str], edges: list[Edge], modules: dict[str, Path]
     return "\n".join(lines)
 
 
-def long_modules(modules: dict[str, Path], max_lines: int) -> list[tuple[Path, int]]:
-    """``(file, line count)`` of every module longer than ``max_lines``, longest first."""
-    counts = [(path, len(path.read_text().splitlines())) for path in modules.values()]
-    return sorted(((p, n) for p, n in counts if n > max_lines), key=lambda pn: -pn[1])
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    """The index of the layer holding ``module`` (a listed module or package, or a module
+    inside a listed package; the longest match wins), or None."""
+    best, index = -1, None
+    for i, members in enumerate(layers):
+        for member in members:
+            if (module == member or module.startswith(member + ".")) and len(member) > best:
+                best, index = len(member), i
+    return index
+
+
+def layer_violations(edges: list[Edge], layers: tuple[tuple[str, ...], ...]) -> list[Edge]:
+    """The edges from a module to a module of a higher layer (within a layer, any import)."""
+    return [
+        e
+        for e in edges
+        if layer_of(e.source, layers) is not None
+        and layer_of(e.target, layers) is not None
+        and layer_of(e.target, layers) > layer_of(e.source, layers)
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -256,16 +300,23 @@ def test_no_import_cycle_among_jaxrl_llm_modules():
         pytest.fail(f"{len(cycles)} import cycle(s) among {PACKAGE} modules:\n{report}", False)
 
 
-def test_no_module_over_500_lines():
-    offenders = long_modules(find_modules(PACKAGE_DIR, PACKAGE), MAX_LINES)
-    if offenders:
+def test_no_import_against_the_layers():
+    modules = find_modules(PACKAGE_DIR, PACKAGE)
+    against = layer_violations(import_edges(modules, PACKAGE), LAYERS)
+    if against:
         root = PACKAGE_DIR.parent
-        report = "\n".join(f"    {p.relative_to(root)}: {n} lines" for p, n in offenders)
-        pytest.fail(
-            f"{len(offenders)} module(s) over {MAX_LINES} lines (one concept per module; split "
-            f"along a real seam):\n{report}",
-            False,
+        report = "\n".join(
+            f"    {modules[e.source].relative_to(root)}:{e.line} ({e.where}): {e.source} "
+            f"(layer {layer_of(e.source, LAYERS)}) imports {e.target} "
+            f"(layer {layer_of(e.target, LAYERS)})"
+            for e in against
         )
+        pytest.fail(f"{len(against)} import(s) against the declared layers:\n{report}", False)
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in find_modules(PACKAGE_DIR, PACKAGE) if layer_of(m, LAYERS) is None]
+    assert not unplaced, f"modules in no layer of LAYERS: {unplaced}"
 
 
 # --------------------------------------------------------------------------------------
@@ -380,8 +431,17 @@ def test_cycle_report_names_files_and_lines(tmp_path):
     ]
 
 
-def test_long_modules_are_counted(tmp_path):
-    modules = _write_package(
-        tmp_path, {"__init__.py": "", "short.py": "x = 1\n" * 3, "long.py": "x = 1\n" * 4}
-    )
-    assert [(p.name, n) for p, n in long_modules(modules, 3)] == [("long.py", 4)]
+def test_an_import_of_a_higher_layer_is_found(tmp_path):
+    files = {
+        "__init__.py": "",
+        "low.py": "def f():\n    from pkg.high import g  # lazy: still an edge\n",
+        "mid/__init__.py": "",
+        "mid/m.py": "from pkg import low\nfrom pkg.mid import n\n",
+        "mid/n.py": "",
+        "high.py": "from pkg.mid import m\n",
+    }
+    modules = _write_package(tmp_path, files)
+    layers = (("pkg.low",), ("pkg.mid",), ("pkg.high", "pkg"))
+    assert layer_of("pkg.mid.m", layers) == 1 and layer_of("pkg", layers) == 2
+    against = layer_violations(import_edges(modules, "pkg"), layers)
+    assert [(e.source, e.target, e.where) for e in against] == [("pkg.low", "pkg.high", "in f()")]

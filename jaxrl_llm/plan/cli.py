@@ -97,7 +97,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     if "=" in config_path and not os.path.isfile(config_path):
         config_path, overrides = None, [config_path, *overrides]
     _deviceless()
-    from jaxrl_llm.train.cli import USER_ERRORS, quiet_start  # noqa: PLC0415
+    from jaxrl_llm.console import USER_ERRORS, quiet_start  # noqa: PLC0415
 
     quiet_start()
     from jaxrl_llm.plan.programs import plan_job  # noqa: PLC0415

@@ -12,22 +12,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import pathlib
 import shutil
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from jaxrl_llm.cli import log_to_stderr
+from jaxrl_llm.console import (  # noqa: F401 (USER_ERRORS, quiet_start re-exported)
+    USER_ERRORS,
+    log_to_stderr,
+    quiet_start,
+)
 from jaxrl_llm.train.config_io import load_config, parse_yaml
 
 JOBS = ("rl", "preference", "reward_model")
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, KeyError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,23 +84,6 @@ def config_class(job: str) -> type:
     from jaxrl_llm.train.preference.config import PreferenceConfig  # noqa: PLC0415
 
     return PreferenceConfig
-
-
-def quiet_start() -> None:
-    """Logging for a CLI run: our INFO lines, nobody else's advisories.
-
-    A CPU run otherwise opens with JAX's note that no GPU/TPU backend was found, and, without
-    PyTorch, transformers' note that only tokenizers are available; neither means anything to
-    a JAX training run. Real warnings from our own code still show.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    log_to_stderr()
-    for name in ("jax", "absl", "transformers", "orbax", "tensorboardX", "matplotlib"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="transformers")
-    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def _load(config_path, overrides):
