@@ -53,10 +53,13 @@ def _replicated(x: Any, target: NamedSharding) -> Any:
     if target.is_fully_addressable:
         return jax.device_put(x, target)
     if isinstance(x, jax.Array):
-        if not x.is_fully_addressable and not x.sharding.is_fully_replicated:
+        if x.is_fully_addressable:  # all of it on this process's devices, split or not
+            x = np.asarray(x)
+        elif x.sharding.is_fully_replicated:
+            x = x.addressable_data(0)
+        else:
             raise ValueError(
                 f"a {x.shape} array sharded as {x.sharding.spec} across processes cannot be "
                 "replicated from this process's shards"
             )
-        x = x.addressable_data(0)
     return jax.make_array_from_process_local_data(target, np.asarray(x))

@@ -100,7 +100,8 @@ def resolve_plan(cfg: TrainConfig) -> RunSpec:
       PlanError: a config ``resolve`` refuses (naming the key).
     """
     try:
-        return resolve(cfg, backend="tpu")
+        # No training warnings: plan only compiles the job (it refuses what train refuses).
+        return resolve(cfg, backend="tpu", training=False)
     except ValueError as err:
         raise PlanError(str(err)) from None
 

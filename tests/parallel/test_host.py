@@ -3,6 +3,8 @@ processes they run in ``tests/train/rl/test_multihost.py``'s two-process jobs.""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,3 +41,24 @@ def test_replicate_moves_keys_arrays_and_host_values_onto_the_mesh():
     assert float(out["t"]) == 0.5 and int(out["n"]) == 7
     np.testing.assert_array_equal(np.asarray(out["ids"]), [1, 2])
     assert parallel.replicate(tree, None) is tree
+
+
+@pytest.mark.slow
+def test_replicate_and_fetch_across_two_processes(tmp_path):
+    """Two processes of 4 CPU devices (``host_worker``): a typed key committed to a mesh that
+    spans them, a scalar, host values and an array split over this process's devices are
+    replicated onto another such mesh; an array sharded across the processes is fetched whole
+    on each, and refused by ``replicate`` (no process holds all of it)."""
+    from tests.parallel import launcher
+
+    outputs = launcher.launch("tests.parallel.host_worker", log_dir=tmp_path, timeout_s=600)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    key_data = np.asarray(jax.random.key_data(jax.random.key(3))).tolist()
+    for index, result in enumerate(results):
+        assert result["process"] == index
+        assert result["on_target"] and result["key_impl_kept"]
+        assert result["key_data"] == key_data
+        assert (result["t"], result["ids"], result["n"]) == (0.5, [1, 2], 7)
+        assert result["local_whole"] == np.arange(8).tolist()
+        assert result["rows_fetched"] == np.arange(16).reshape(8, 2).tolist()
+        assert "across processes cannot be replicated" in result["refused"]
