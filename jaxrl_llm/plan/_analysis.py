@@ -285,7 +285,7 @@ def _lower_programs(
     m_rows = shape.minibatch_rows
     if critic is not None and critic.joint:
         programs["update"] = joint_update_program(
-            critic, cfg, model_config, objective, shape, sizes, minibatch, full_batch
+            critic, run, model_config, objective, shape, sizes, minibatch, full_batch
         )
     else:
         update_fn = built["update"].fn

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._aux import Aux
 from jaxrl_llm.plan._job import Program, _rows, shard_bytes
-from jaxrl_llm.train.rl.ppo import critic_programs, make_joint_step
+from jaxrl_llm.train.rl.ppo import critic_programs, joint_update
 from jaxrl_llm.train.rl.prime import prm_programs
-from jaxrl_llm.train.rl.updates import update_objective
-from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch
 
 
@@ -28,23 +26,17 @@ def _base_share(aux: Aux, sizes) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def joint_update_program(
-    aux: Aux, cfg, model_config, objective, shape, sizes, minibatch, full_batch
+    aux: Aux, run, model_config, objective, shape, sizes, minibatch, full_batch
 ) -> Program:
     """``critic.optimizer=joint``: the update is ``PPOTrainer``'s ``joint_fn``
-    (``jit_step(make_joint_step(...))`` on the joint state), both models' forward and backward
-    on one minibatch; it takes the whole state, the critic's share included."""
-    step = jit_step(
-        make_joint_step(
-            model_config,
-            update_objective(objective),
-            aux.optimizer,
-            micro_batches=shape.micro_batches,
-            temperature=cfg.rollout.temperature,
-            chunk_size=cfg.model.chunk_size,
-            remat=shape.remat,
-            param_shardings=aux.shardings.params,
-            value_config=aux.config,
-        ),
+    (``ppo.joint_update``: ``jit_step(make_joint_step(...))`` on the joint state), both models'
+    forward and backward on one minibatch; it takes the whole state, the critic's share
+    included."""
+    built = joint_update(
+        run,
+        model_config,
+        aux.config,
+        aux.optimizer,
         aux.shardings,
         frozen=aux.frozen,
         frozen_shardings=aux.frozen_shardings,
@@ -60,8 +52,9 @@ def joint_update_program(
 
     return Program(
         name="update",
-        lowered=step.lower(aux.state, minibatch),
-        calls_per_step=shape.updates_per_step,
+        lowered=built.fn.lower(aux.state, minibatch),
+        calls_per_step=built.calls_per_step,
+        function=built.builder,
         flops=flops(shape.remat),
         model_flops=flops("none"),
         tokens=m_rows * t_len,

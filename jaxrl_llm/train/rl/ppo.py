@@ -130,6 +130,51 @@ def make_value_fn(model_config, *, param_shardings=None):
     return jax.jit(fn, in_shardings=(param_shardings, None))
 
 
+def joint_update(
+    run: RunSpec,
+    model_config,
+    value_config,
+    optimizer,
+    shardings,
+    *,
+    frozen=None,
+    frozen_shardings=None,
+    value_only: bool = False,
+) -> ProgramSpec:
+    """``critic.optimizer=joint``: the ``update`` program (``make_joint_step`` under
+    ``jit_step``: one optimizer over ``{"policy", "value"}``, both models' forward and backward
+    on one minibatch), built once for ``train`` and ``plan``; ``value_only``: the critic's
+    warm-up step (``critic.warmup_steps``).
+
+    Args:
+      run: the resolved job.
+      model_config, value_config: the policy's and the critic's ``ModelConfig``.
+      optimizer, shardings: the joint state's optimizer and shardings.
+      frozen, frozen_shardings: a LoRA run's ``{"policy": base, "value": backbone}``.
+    """
+    cfg = run.config
+    platform = parallel.current_platform(jax.tree.leaves(shardings)[0].mesh)[0]
+    step = make_joint_step(
+        model_config,
+        update_objective(run.objective),
+        optimizer,
+        micro_batches=micro_batching(cfg.trainer, platform),
+        temperature=cfg.rollout.temperature,
+        chunk_size=cfg.model.chunk_size,
+        remat=cfg.model.remat,
+        param_shardings=shardings.params,
+        value_config=value_config,
+        value_only=value_only,
+    )
+    return ProgramSpec(
+        "update",
+        jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
+        run.shape.updates_per_step,
+        f"{make_joint_step.__module__}.{make_joint_step.__qualname__}",
+        model_config,
+    )
+
+
 def critic_programs(
     run: RunSpec,
     value_config,
@@ -326,19 +371,7 @@ class PPOTrainer(RLTrainer):
     def compile(self) -> None:
         super().compile()
         run, cfg = self.run, self.cfg
-        common = {"micro_batches": self.micro_batches, "remat": cfg.model.remat}
         if self.joint:
-            joint_step = functools.partial(
-                make_joint_step,
-                run.model_config,
-                update_objective(run.objective),
-                self.optimizer,
-                temperature=cfg.rollout.temperature,
-                chunk_size=cfg.model.chunk_size,
-                param_shardings=self.joint_shardings.params,
-                value_config=self.value_config,
-                **common,
-            )
             frozen = {}
             if self.base is not None:
                 frozen = {
@@ -348,11 +381,19 @@ class PPOTrainer(RLTrainer):
                         "value": self.value_frozen_shardings,
                     },
                 }
-            self.joint_fn = jit_step(joint_step(), self.joint_shardings, **frozen)
+            joint = functools.partial(
+                joint_update,
+                self.spec,
+                run.model_config,
+                self.value_config,
+                self.optimizer,
+                self.joint_shardings,
+                **frozen,
+            )
+            self.programs["update"] = joint()  # the joint step replaces the policy's
+            self.joint_fn = self.programs["update"].fn
             if cfg.critic.warmup_steps:
-                self.joint_value_fn = jit_step(
-                    joint_step(value_only=True), self.joint_shardings, **frozen
-                )
+                self.joint_value_fn = joint(value_only=True).fn
         value_shardings = (
             self.joint_shardings.params["value"] if self.joint else self.value_shardings.params
         )
@@ -416,6 +457,7 @@ class PPOTrainer(RLTrainer):
 
 __all__ = [
     "critic_programs",
+    "joint_update",
     "PPOTrainer",
     "explained_variance",
     "make_joint_step",

@@ -74,6 +74,11 @@ VARIANTS = {
         "critic.optimizer=separate",
         "critic.warmup_steps=0",
     ),
+    "ppo, one optimizer over policy and critic": (
+        "objective.name=ppo",
+        "critic.optimizer=joint",
+        "critic.warmup_steps=0",
+    ),
     "prime": ("objective.name=prime",),
     "the continuous engine": ("rollout.engine=continuous",),
     "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
@@ -102,6 +107,8 @@ class Recording:
         super().compile()
         self.seen, self.calls = {}, collections.Counter()
         for name, attribute in ATTRIBUTES.items():
+            if name == "update" and getattr(self, "joint", False):
+                attribute = "joint_fn"  # PPO's joint step is the update
             if name in self.programs:
                 setattr(self, attribute, self._recorded(name, getattr(self, attribute)))
 
