@@ -26,7 +26,7 @@ from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
-from jaxrl_llm.train.rl.programs import ProgramSpec
+from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.rl.updates import update_objective
@@ -170,7 +170,7 @@ def joint_update(
         "update",
         jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
         run.shape.updates_per_step,
-        f"{make_joint_step.__module__}.{make_joint_step.__qualname__}",
+        builder_name(make_joint_step),
         model_config,
     )
 
@@ -209,7 +209,7 @@ def critic_programs(
             "values",
             make_value_fn(value_config, param_shardings=value_param_shardings),
             1,
-            f"{make_value_fn.__module__}.{make_value_fn.__qualname__}",
+            builder_name(make_value_fn),
             value_config,
         )
     }
@@ -226,7 +226,7 @@ def critic_programs(
             "critic_update",
             jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
             run.shape.updates_per_step,
-            f"{make_value_step.__module__}.{make_value_step.__qualname__}",
+            builder_name(make_value_step),
             value_config,
         )
     return programs

@@ -22,7 +22,7 @@ from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.config import micro_batching
-from jaxrl_llm.train.rl.programs import ProgramSpec
+from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.state import create_train_state
@@ -105,7 +105,7 @@ def prm_programs(
             "prm_update",
             jit_step(step, shardings, frozen=frozen, frozen_shardings=frozen_shardings),
             1,
-            f"{make_prm_loss_fn.__module__}.{make_prm_loss_fn.__qualname__}",
+            builder_name(make_prm_loss_fn),
             model_config,
         ),
         "prm_logprobs": dataclasses.replace(logprobs, name="prm_logprobs", calls_per_step=1),

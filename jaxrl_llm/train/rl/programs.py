@@ -60,7 +60,8 @@ def takes_own_logprobs(run: RunSpec) -> bool:
     return on_policy_update(run.config, run.objective) and run.sampler.logprobs != "sampler"
 
 
-def _name(builder: Callable) -> str:
+def builder_name(builder: Callable) -> str:
+    """``module.qualname`` of a program's builder (``ProgramSpec.builder``)."""
     return f"{builder.__module__}.{builder.__qualname__}"
 
 
@@ -122,13 +123,17 @@ def policy_programs(
     behaviour = not (takes_own_logprobs(run) or sampler)
     programs = {
         "update": ProgramSpec(
-            "update", update, run.shape.updates_per_step, _name(make_policy_step), model_config
+            "update",
+            update,
+            run.shape.updates_per_step,
+            builder_name(make_policy_step),
+            model_config,
         ),
         "logprobs": ProgramSpec(
             "logprobs",
             forward(model_config, param_shardings=policy_shardings),
             int(behaviour),
-            _name(make_logprob_fn),
+            builder_name(make_logprob_fn),
             model_config,
         ),
     }
@@ -141,7 +146,7 @@ def policy_programs(
                 "ref_logprobs",
                 forward(base, param_shardings=frozen_shardings),
                 1,
-                _name(make_logprob_fn),
+                builder_name(make_logprob_fn),
                 base,
             )
         programs["ref_logprobs"] = dataclasses.replace(
@@ -150,4 +155,4 @@ def policy_programs(
     return programs
 
 
-__all__ = ["ProgramSpec", "policy_programs", "takes_own_logprobs"]
+__all__ = ["ProgramSpec", "builder_name", "policy_programs", "takes_own_logprobs"]
