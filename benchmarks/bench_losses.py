@@ -3,7 +3,8 @@
 For B in {64, 256} and T in {1024, 4096}: compile time, median step time (p10-p90 spread),
 effective GB/s against a jitted copy measured in the same run, and the speed-up over the same
 math in eager PyTorch (``benchmarks/torch_losses.py``) on the same arrays. Prints a Markdown
-table and appends it, with the machine, device kind and versions, to ``benchmarks/RESULTS.md``.
+table and writes it, with the machine, device kind and versions, as the "Loss presets" section
+of ``benchmarks/RESULTS.md`` (replacing the previous run's).
 
 Usage::
 

@@ -269,16 +269,30 @@ def test_bench_main_rejects_bad_options(capsys):
     assert "unknown preset" in capsys.readouterr().err
 
 
-def test_results_file_gets_dated_sections(tmp_path):
+def test_a_run_rewrites_the_loss_presets_section(tmp_path):
+    """``--results`` writes the run's table as the file's one ``## Loss presets`` section: a
+    second run replaces the first's figures (no dated sections appended), and the sections
+    around it are kept."""
     results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "# Benchmark results\n\n## Before\n\nkept\n\n"
+        "## Loss presets\n\nold\n\n## After\n\nkept too\n"
+    )
     script = _load("bench_losses")
     argv = ["--presets", "gpg", "--shapes", "2x8", "--repeats", "1", "--quiet", "--no-torch"]
     assert script.main([*argv, "--results", str(results)]) == 0
+    text = results.read_text()
+    assert text.count("## Loss presets") == 1 and "\nold\n" not in text
+    assert "- command: python benchmarks/bench_losses.py --presets gpg" in text
+    assert "| gpg | 2 | 8 |" in text
+    assert text.index("## Before") < text.index("## Loss presets") < text.index("## After")
+    assert "kept\n" in text and "kept too" in text
     assert bench.bench_main([*TINY, "--no-torch", "--results", str(results)]) == 0
     text = results.read_text()
-    assert text.startswith("# Benchmark results")
-    assert text.count("## Loss presets — ") == 2
-    assert "- command: python benchmarks/bench_losses.py --presets gpg" in text
+    assert text.count("## Loss presets") == 1 and "| gpg | 2 | 8 |" not in text
     assert "- command: jaxrl-llm bench losses --presets grpo" in text
-    assert "| gpg | 2 | 8 |" in text and "| grpo | 4 | 16 |" in text
-    assert text.count("- versions: python") == 2
+    assert "| grpo | 4 | 16 |" in text
+    assert text.count("- versions: python") == 1 and "kept too" in text
+    fresh = tmp_path / "new.md"
+    assert bench.bench_main([*TINY, "--no-torch", "--results", str(fresh)]) == 0
+    assert fresh.read_text().startswith("# Benchmark results\n\n## Loss presets\n")

@@ -31,11 +31,11 @@ from jaxrl_llm.bench.cli import (
 )
 from jaxrl_llm.bench.report import (
     BenchRow,
-    append_results,
     environment,
     format_report,
     format_table,
     num_cores,
+    write_results,
 )
 from jaxrl_llm.bench.timing import (
     TOKEN_ADVANTAGE_ESTIMATORS,
@@ -58,7 +58,7 @@ __all__ = [
     "BenchRow",
     "LossFn",
     "LossTiming",
-    "append_results",
+    "write_results",
     "bench_main",
     "copy_bandwidth",
     "environment",

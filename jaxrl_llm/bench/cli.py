@@ -13,11 +13,11 @@ from typing import Any
 from jaxrl_llm import objectives
 from jaxrl_llm.bench.report import (
     BenchRow,
-    append_results,
     environment,
     format_report,
     format_table,
     num_cores,
+    write_results,
 )
 from jaxrl_llm.bench.timing import (
     copy_bandwidth,
@@ -102,7 +102,9 @@ def _parser(prog: str, defaults: dict[str, Any] | None) -> argparse.ArgumentPars
         "--repeats": dict(type=int, help="timed calls per figure (default: ~1 s worth, 5-100)"),
         "--seed": dict(type=int, default=0, help="seed of the random batch"),
         "--markdown": dict(action="store_true", help="print a Markdown table"),
-        "--results": dict(help="append a dated section to this Markdown file ('' = none)"),
+        "--results": dict(
+            help="write the table as this Markdown file's 'Loss presets' section ('' = none)"
+        ),
         "--quiet": dict(action="store_true", help="no per-row progress on stderr"),
     }
     for flag, kwargs in options.items():
@@ -122,7 +124,7 @@ def bench_main(
     [--torch/--no-torch] [--repeats N] [--markdown] [--results FILE]``.
 
     Prints the table (machine, device kind and versions above it); with ``--results``
-    appends it as a dated section to a Markdown file.
+    writes it as a Markdown file's ``Loss presets`` section (replacing the previous run's).
 
     Args:
       argv: arguments after ``bench`` (``sys.argv[1:]`` when None).
@@ -170,5 +172,5 @@ def bench_main(
     print(format_report(env, rows, command=command, markdown=args.markdown))
     if args.results:
         report = format_report(env, rows, command=command, markdown=True)
-        append_results(args.results, report, date=env["date"])
+        write_results(args.results, report)
     return 0

@@ -137,10 +137,23 @@ def format_report(
     return "\n".join([*header, "", format_table(rows, markdown=markdown), "", note])
 
 
-def append_results(path: str | os.PathLike, report: str, *, date: str) -> None:
-    """Appends a dated section holding ``report`` to a Markdown file (created if missing)."""
+RESULTS_SECTION = "## Loss presets"
+
+
+def write_results(path: str | os.PathLike, report: str) -> None:
+    """Writes ``report`` as the ``## Loss presets`` section of a Markdown results file: the
+    section's current figures replace the previous run's (the rest of the file is kept; the
+    section is added at the end when missing, the file created when it does not exist)."""
     path = Path(path)
-    text = "" if not path.exists() else path.read_text()
-    if not text:
-        text = "# Benchmark results\n\nFigures appended by `jaxrl-llm bench` runs, newest last.\n"
-    path.write_text(f"{text.rstrip()}\n\n## Loss presets — {date}\n\n{report}\n")
+    text = path.read_text() if path.exists() else ""
+    if not text.strip():
+        text = "# Benchmark results\n"
+    section = f"{RESULTS_SECTION}\n\n{report.strip()}\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == RESULTS_SECTION), None)
+    if start is None:
+        path.write_text(f"{text.rstrip()}\n\n{section}")
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    after = "".join(lines[end:])
+    path.write_text("".join(lines[:start]) + section + ("\n" + after if after else ""))
