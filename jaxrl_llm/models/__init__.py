@@ -8,11 +8,19 @@ from jaxrl_llm.models.architectures import (
     param_count,
 )
 from jaxrl_llm.models.checkpoint import load_config, load_pretrained, save_pretrained
-from jaxrl_llm.models.config import ARCHITECTURES, LORA_TARGETS, ROPE_TYPES, LoraSpec, ModelConfig
+from jaxrl_llm.models.config import (
+    ARCHITECTURES,
+    COMPUTE_DTYPES,
+    LORA_TARGETS,
+    ROPE_TYPES,
+    LoraSpec,
+    ModelConfig,
+)
 from jaxrl_llm.models.heads import (
     ScalarParams,
     init_scalar_params,
     load_scalar_model,
+    read_scalar_config,
     save_scalar_model,
     scalar_logical_axes,
     scalar_param_shapes,
@@ -38,6 +46,7 @@ from jaxrl_llm.models.transformer import (
 )
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "ARCHITECTURES",
     "ARCHITECTURE_DIR",
     "CACHE_AXES",
@@ -62,6 +71,7 @@ __all__ = [
     "load_config",
     "load_pretrained",
     "load_scalar_model",
+    "read_scalar_config",
     "load_tokenizer",
     "lora",
     "logical_axes",

@@ -25,7 +25,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 # Keys whose presence (with a truthy value) means a mixture-of-experts model.
@@ -120,8 +120,8 @@ class ModelConfig:
       bos_token_id: beginning-of-sequence id or None.
       eos_token_ids: end-of-sequence ids (a tuple: several are allowed).
       pad_token_id: padding id or None.
-      compute_dtype: dtype of the matmuls and activations (``"bfloat16"``, ``"float32"``,
-        ``"float16"``), or None to compute in the parameters' own dtype. The model casts its
+      compute_dtype: dtype of the matmuls and activations (``"bfloat16"``, ``"float32"``),
+        or None to compute in the parameters' own dtype. The model casts its
         floating parameters to it at the start of each forward, so f32 master weights train
         through bf16 compute (the gradient of the cast is the cast back to f32); log-softmax,
         log-probs, norms' statistics and losses stay f32. Not part of the HF ``config.json``.

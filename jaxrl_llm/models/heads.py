@@ -356,8 +356,16 @@ def _add_tensor(path: str, name: str, value: np.ndarray) -> None:
             json.dump(index, f, indent=2)
 
 
-def _read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """The ``ModelConfig`` (causal architecture) of a seq-cls or causal-LM directory."""
+def read_scalar_config(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """``(ModelConfig, config.json)`` of a scalar-model directory (``load_scalar_model``'s,
+    no weights read): the causal architecture of a one-label ``*ForSequenceClassification``,
+    or a causal LM's own.
+
+    Raises:
+      FileNotFoundError: no directory or no config.json.
+      ValueError: a classifier with more than one label, or an unsupported config.
+    """
+    path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"scalar model directory {path!r} does not exist")
     file = os.path.join(path, _ckpt.CONFIG_FILE)
@@ -426,7 +434,7 @@ def load_scalar_model(
         tensors (named), ``score.weight`` missing without ``init_score_key``.
     """
     path = os.fspath(path)
-    config, hf = _read_config(path)
+    config, hf = read_scalar_config(path)
     bconfig = backbone_config(config)
     shapes = scalar_param_shapes(config, dtype)
     target = _target_shardings(config, shapes, mesh, rules)
@@ -485,6 +493,7 @@ __all__ = [
     "check_scalar_params",
     "init_scalar_params",
     "load_scalar_model",
+    "read_scalar_config",
     "save_scalar_model",
     "scalar_logical_axes",
     "scalar_param_shapes",

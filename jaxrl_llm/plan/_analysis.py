@@ -23,8 +23,10 @@ from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
     PROGRAMS,
     Job,
+    Lowering,
     PlanError,
     Program,
+    StepInputs,
     abstract_rollout_batch,
     abstract_sequences,
     abstract_train_state,
@@ -35,7 +37,6 @@ from jaxrl_llm.plan._job import (
     state_bytes,
 )
 from jaxrl_llm.plan._lora import (
-    Frozen,
     abstract_lora_state,
     policy,
     serving_trees,
@@ -151,50 +152,36 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         served_base = shard_bytes(serving_trees(model_config, layout)[0])
         sizes = dataclasses.replace(sizes, serving_base=served_base)
     programs = _lower_programs(
-        run,
-        mesh,
-        model_config,
-        objective,
-        optimizer,
-        shape,
-        state,
-        shardings,
-        reference,
-        sizes,
-        critic,
-        layout,
-        frozen,
-        rm,
-        sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
-        split=split,
+        Lowering(
+            run,
+            mesh,
+            model_config,
+            shape,
+            optimizer,
+            state,
+            shardings,
+            sizes,
+            reference=reference,
+            aux=critic,
+            layout=layout,
+            frozen=frozen,
+            reward_model=rm,
+            split=split,
+            sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
+        )
     )
     for name, program in programs.items():  # the chips each program runs on
         on_sampler = split is not None and name in SAMPLER_PROGRAMS
         program.chips = len(split.sampler_devices) if on_sampler else mesh.size
-    return Job(
-        cfg, spec, mesh, model_config, objective, shape, sizes, programs, layout, critic, rm, split
-    )
+    return Job(run, spec, mesh, model_config, shape, sizes, programs, layout, critic, rm, split)
 
 
-def _lower_programs(
-    run,
-    mesh,
-    model_config,
-    objective,
-    optimizer,
-    shape,
-    state,
-    shardings,
-    reference,
-    sizes,
-    critic=None,
-    layout=None,
-    frozen: Frozen | None = None,
-    rm=None,
-    sampler_free: int | None = None,
-    split=None,
-) -> dict[str, Program]:
-    cfg = run.config
+def _lower_programs(low: Lowering) -> dict[str, Program]:
+    """The step's programs: the policy's (``train.rl.programs``), the auxiliary model's, the
+    sampler's and a learned reward model's, lowered from ``low``."""
+    run, mesh, model_config, objective = low.run, low.mesh, low.model_config, low.objective
+    shape, state, sizes, frozen, critic = low.shape, low.state, low.sizes, low.frozen, low.aux
+    reference = low.reference
     rows, seq, p_len, t_len = shape.rows, shape.seq_len, shape.prompt_len, shape.completion_len
     # What stays on device all step beside a program's own arguments: the reference and, for
     # PPO, the critic's state; for LoRA the serving copy of the base (the base itself is an
@@ -212,8 +199,8 @@ def _lower_programs(
     built = policy_programs(
         run,
         model_config,
-        optimizer,
-        shardings,
+        low.optimizer,
+        low.shardings,
         frozen=frozen and frozen.base,
         frozen_shardings=frozen and frozen.shardings,
     )
@@ -283,10 +270,9 @@ def _lower_programs(
         mesh, objective, shape, rows, logprob_out.dtype, on_policy=on_policy
     )
     m_rows = shape.minibatch_rows
+    inputs = StepInputs(seqs, logprob_out, minibatch, full_batch)
     if critic is not None and critic.joint:
-        programs["update"] = joint_update_program(
-            critic, run, model_config, objective, shape, sizes, minibatch, full_batch
-        )
+        programs["update"] = joint_update_program(low, inputs)
     else:
         update_fn = built["update"].fn
         programs["update"] = Program(
@@ -304,40 +290,17 @@ def _lower_programs(
             resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
         )
     if critic is not None:
-        lower_aux_programs(
-            programs,
-            critic,
-            run,
-            mesh,
-            model_config,
-            objective,
-            shape,
-            sizes,
-            seqs,
-            logprob_out,
-            minibatch,
-            full_batch,
-            built["logprobs"],
-        )
+        lower_aux_programs(programs, low, inputs, built["logprobs"])
 
     # (c) the reshard into the sampler's layout, the rollout's prefill and (d) one decode step.
     lower_sampler_programs(
         programs,
-        cfg,
-        mesh,
-        model_config,
-        shape,
-        state,
-        sizes,
+        low,
         {"reference": sizes.reference, "aux_model": sizes.aux},
-        layout,
         functools.partial(decode_hbm_bytes_per_chip, model_config),
-        frozen,
-        sampler_free,
-        split,
     )
-    if rm is not None:  # (e) a learned reward model: resident all run, scoring each rollout
-        lower_reward_program(programs, rm, cfg, mesh, objective, shape, sizes, seqs)
+    if low.reward_model is not None:  # (e) a learned reward model, scoring each rollout
+        lower_reward_program(programs, low, inputs)
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
 
@@ -399,7 +362,7 @@ def decode_hbm_bytes_per_chip(
       tensor);
     * logits: the ``[rows, V]`` f32 logits written and read back by the sampler, over ``s x t``.
     """
-    c = jnp.dtype(config.compute_dtype or "bfloat16").itemsize
+    c = jnp.dtype(config.compute_dtype).itemsize
     sizes = dict(mesh.shape)
     fsdp, tensor = sizes["fsdp"], sizes["tensor"]
     shards = parallel.batch_shards(mesh)

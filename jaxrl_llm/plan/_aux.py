@@ -42,7 +42,7 @@ from jaxrl_llm.plan._job import (
 )
 from jaxrl_llm.plan._reward import scalar_model_config
 from jaxrl_llm.train import adapters, setup
-from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.optim import make_model_optimizer
 from jaxrl_llm.train.state import TrainState, abstract_train_state
 from jaxrl_llm.train.step import merge_trees
 
@@ -198,7 +198,7 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=
             return _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen)
         if objective.needs_process_rewards:  # PRIME: a trainable copy of the policy
             prime = cfg.prime
-            own = make_optimizer(prime.learning_rate, max_grad_norm=prime.max_grad_norm)
+            own = make_model_optimizer(prime)
             if policy_frozen is None:
                 state = abstract_train_state(model_config, own, mesh=mesh, param_dtype=dtype)
                 return Aux(own, *state, model_config)
@@ -230,9 +230,7 @@ def _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen) -> A
     config = critic_config(cfg, model_config)
     source = critic.path if critic.init == "reward_model" else None
     joint = critic.optimizer == "joint"
-    own = (
-        None if joint else make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
-    )
+    own = None if joint else make_model_optimizer(critic)
     if policy_frozen is None:
         if joint:
             state = abstract_joint_state(model_config, config, optimizer, mesh, dtype)

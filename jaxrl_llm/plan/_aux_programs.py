@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._aux import Aux
-from jaxrl_llm.plan._job import Program, _rows, shard_bytes
+from jaxrl_llm.plan._job import Lowering, Program, StepInputs, _rows, shard_bytes
 from jaxrl_llm.train.rl.ppo import critic_programs, joint_update
 from jaxrl_llm.train.rl.prime import prm_programs
 from jaxrl_llm.types import RolloutBatch
@@ -25,13 +27,12 @@ def _base_share(aux: Aux, sizes) -> tuple[dict[str, int], dict[str, int]]:
     return {"frozen_base": taken}, {"frozen_base": sizes.base - taken}
 
 
-def joint_update_program(
-    aux: Aux, run, model_config, objective, shape, sizes, minibatch, full_batch
-) -> Program:
+def joint_update_program(low: Lowering, inputs: StepInputs) -> Program:
     """``critic.optimizer=joint``: the update is ``PPOTrainer``'s ``joint_fn``
     (``ppo.joint_update``: ``jit_step(make_joint_step(...))`` on the joint state), both models'
     forward and backward on one minibatch; it takes the whole state, the critic's share
     included."""
+    aux, run, model_config, shape, sizes = low.aux, low.run, low.model_config, low.shape, low.sizes
     built = joint_update(
         run,
         model_config,
@@ -52,7 +53,7 @@ def joint_update_program(
 
     return Program(
         name="update",
-        lowered=built.fn.lower(aux.state, minibatch),
+        lowered=built.fn.lower(aux.state, inputs.minibatch),
         calls_per_step=built.calls_per_step,
         function=built.builder,
         flops=flops(shape.remat),
@@ -67,7 +68,7 @@ def joint_update_program(
         resident={
             "reference": sizes.reference,
             **({"sampler_weights": sizes.serving_base} if sizes.serving_base else {}),
-            "inputs": shard_bytes(full_batch),
+            "inputs": shard_bytes(inputs.full_batch),
         },
         # A LoRA critic over the policy's base takes the base's arrays a second time.
         shared_argument_bytes=_base_share(aux, sizes)[0].get("frozen_base", 0),
@@ -88,47 +89,20 @@ def _policy_resident(sizes) -> dict[str, int]:
 
 
 def lower_aux_programs(
-    programs,
-    aux,
-    run,
-    mesh,
-    model_config,
-    objective,
-    shape,
-    sizes,
-    seqs,
-    logprob_out,
-    minibatch,
-    full_batch,
-    logprobs,
+    programs: dict[str, Program], low: Lowering, inputs: StepInputs, logprobs: Any
 ) -> None:
-    """Adds the auxiliary model's programs to ``programs`` (``run``: the resolved job;
-    ``logprobs``: the policy's log-prob program, ``train.rl.programs``)."""
-    if objective.needs_process_rewards:
-        _lower_prm_programs(
-            programs, aux, run, mesh, model_config, shape, sizes, seqs, logprob_out, logprobs
-        )
+    """Adds the auxiliary model's (``low.aux``) programs to ``programs`` (``logprobs``: the
+    policy's log-prob program, ``train.rl.programs``)."""
+    if low.objective.needs_process_rewards:
+        _lower_prm_programs(programs, low, inputs, logprobs)
     else:
-        _lower_critic_programs(
-            programs,
-            aux,
-            run,
-            mesh,
-            model_config,
-            objective,
-            shape,
-            sizes,
-            seqs,
-            minibatch,
-            full_batch,
-        )
+        _lower_critic_programs(programs, low, inputs)
 
 
-def _lower_critic_programs(
-    programs, critic, run, mesh, model_config, objective, shape, sizes, seqs, minibatch, full_batch
-) -> None:
+def _lower_critic_programs(programs: dict[str, Program], low: Lowering, inputs: StepInputs) -> None:
     """PPO's rollout-time ``values`` forward and, with its own optimizer, its
     ``critic_update`` (``PPOTrainer``; a joint critic trains in the ``update``)."""
+    critic, run, shape, sizes = low.aux, low.run, low.shape, low.sizes
     base_args, base_rest = _base_share(critic, sizes)
     policy = {**_policy_resident(sizes), **base_rest}
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
@@ -147,7 +121,7 @@ def _lower_critic_programs(
     )
     programs["values"] = Program(
         name="values",
-        lowered=built["values"].fn.lower(critic.full(critic.params), seqs),
+        lowered=built["values"].fn.lower(critic.full(critic.params), inputs.seqs),
         calls_per_step=built["values"].calls_per_step,
         function=built["values"].builder,
         flops=forward,
@@ -162,7 +136,7 @@ def _lower_critic_programs(
     m_rows = shape.minibatch_rows
     programs["critic_update"] = Program(
         name="critic_update",
-        lowered=step.fn.lower(critic.state, minibatch),
+        lowered=step.fn.lower(critic.state, inputs.minibatch),
         calls_per_step=step.calls_per_step,
         function=step.builder,
         flops=flops_lib.train_flops(
@@ -171,16 +145,18 @@ def _lower_critic_programs(
         model_flops=flops_lib.train_flops(value_config, m_rows, seq, logits_positions=0),
         tokens=m_rows * t_len,
         argument_parts={"aux_model": sizes.aux, **base_args},
-        resident={**policy, "inputs": shard_bytes(full_batch)},
+        resident={**policy, "inputs": shard_bytes(inputs.full_batch)},
     )
 
 
 def _lower_prm_programs(
-    programs, prm, run, mesh, model_config, shape, sizes, seqs, logprob_out, logprobs
+    programs: dict[str, Program], low: Lowering, inputs: StepInputs, logprobs: Any
 ) -> None:
     """PRIME's implicit-PRM update on the whole rollout batch and its log-probs forward
     (``PRIMETrainer.score``: ``make_prm_loss_fn`` through ``make_step``, then the same
     log-prob program as the policy's on the PRM's parameters)."""
+    prm, run, mesh, model_config = low.aux, low.run, low.mesh, low.model_config
+    shape, sizes, seqs, logprob_out = low.shape, low.sizes, inputs.seqs, inputs.logprob_out
     optimizer, state, shardings = prm.optimizer, prm.state, prm.shardings
     base_args, base_rest = _base_share(prm, sizes)
     policy = {**_policy_resident(sizes), **base_rest}

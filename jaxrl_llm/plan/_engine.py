@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl_llm import parallel
 from jaxrl_llm.plan import flops as flops_lib
@@ -24,6 +25,7 @@ from jaxrl_llm.plan._job import PlanError, Program, _replicated, _rows, shard_by
 from jaxrl_llm.sampling import slots as slots_lib
 from jaxrl_llm.sampling.admission import pow2
 from jaxrl_llm.sampling.paging import blocks_for, paged_pool
+from jaxrl_llm.sampling.state import SamplingParams
 
 PyTree = Any
 
@@ -75,6 +77,28 @@ def engine_shape(cfg, shape, mesh) -> EngineShape:
     return EngineShape(slots, width, math.ceil(shape.rows / slots), paged)
 
 
+# Slots of SamplingParams.eos_ids the sampler pads to (sampling.state pads to >= 4).
+_EOS_SLOTS = 4
+
+
+def abstract_key(mesh: Mesh) -> Any:
+    """A typed PRNG key replicated over ``mesh`` (the sampler's draw key)."""
+    return _replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+
+
+def abstract_sampling_params(mesh: Mesh) -> SamplingParams:
+    """The sampler's traced ``SamplingParams`` (temperature, top-p, min-p, stop and pad ids),
+    replicated over ``mesh``."""
+    scalar = lambda dtype: _replicated(mesh, (), dtype)  # noqa: E731
+    return SamplingParams(
+        temperature=scalar(jnp.float32),
+        top_p=scalar(jnp.float32),
+        min_p=scalar(jnp.float32),
+        eos_ids=_replicated(mesh, (_EOS_SLOTS,), jnp.int32),
+        pad_id=scalar(jnp.int32),
+    )
+
+
 def lower_engine_programs(
     programs: dict[str, Program],
     cfg,
@@ -84,8 +108,6 @@ def lower_engine_programs(
     shape,
     *,
     top_k: int,
-    sampling: Any,
-    key: Any,
     weights_arg: dict[str, int],
     resident: dict[str, int],
     inner: dict[str, int],
@@ -93,10 +115,11 @@ def lower_engine_programs(
 ) -> None:
     """Adds the engine's ``prefill`` (one refill of every slot) and ``decode_step`` (its
     decode loop, one step a trip) to ``programs``."""
+    key, sampling = abstract_key(smesh), abstract_sampling_params(smesh)
     eng = engine_shape(cfg, shape, smesh)
     p_len, t_len, group = shape.prompt_len, shape.completion_len, shape.group_size
     shards = parallel.batch_shards(smesh)
-    cache_dtype = jnp.dtype(model_config.compute_dtype or jnp.float32)
+    cache_dtype = jnp.dtype(model_config.compute_dtype)
     with jax.set_mesh(smesh):
         state = jax.eval_shape(
             lambda: slots_lib.init_state(

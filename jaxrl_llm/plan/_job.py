@@ -136,26 +136,24 @@ def plan_model_config(section) -> models.ModelConfig:
             "(model.path=<the base checkpoint> or model.architecture) with model.lora.rank, "
             "model.lora.alpha and model.lora.targets set as in its adapter_config.json"
         )
-    if section.path is not None:
-        config = models.load_config(section.path)
-    elif section.architecture is not None:
-        try:
-            config = models.architecture_config(section.architecture)
-        except ValueError as err:
-            raise PlanError(f"model.architecture: {err}") from None
-    else:
+    if section.path is None and section.architecture is None:
         raise PlanError(
             "plan needs a model: set model.architecture (one of "
             f"{', '.join(models.available_architectures())}, or a path to a Hugging Face "
             "config.json) or model.path (a checkpoint directory; only its config.json is read)"
         )
     try:
-        setup.param_dtype(section)
-        compute = setup.compute_dtype(section, backend="tpu")
+        precision = setup.resolve_precision(section, backend="tpu")
         spec = setup.lora_spec(section)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    return dataclasses.replace(config, compute_dtype=compute, lora=spec)
+    if section.path is not None:  # as ``train`` loads it (``setup.load_model``), no weights
+        return setup.load_model(section.path, precision, lora=spec, weights=False)[0]
+    try:
+        config = models.architecture_config(section.architecture)
+    except ValueError as err:
+        raise PlanError(f"model.architecture: {err}") from None
+    return setup.job_model(config, precision, lora=spec)
 
 
 def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
@@ -313,15 +311,82 @@ class Program:
     function: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What a plan lowers the step's programs from: the resolved job and what was built for
+    it on the plan's mesh (abstract arrays with their shardings).
+
+    Attributes:
+      run: the resolved job (``spec.resolve``).
+      mesh: the trainer's mesh.
+      model_config: the policy's, computing in the job's compute dtype.
+      shape: the job's shape on ``mesh`` (``RunSpec.shape_on``).
+      optimizer: the policy's optax transformation.
+      state, shardings: the policy's abstract train state and its shardings (a joint PPO
+        critic's: the policy's view of the joint state).
+      sizes: the per-chip bytes resident all step (``StateBytes``).
+      reference: the reference policy's abstract parameters (None: none, or a LoRA base).
+      aux: PPO's critic or PRIME's PRM (``plan._aux.Aux``), or None.
+      layout: the sampler's ``ServingLayout``.
+      frozen: a LoRA run's frozen base (``plan._lora.Frozen``), or None.
+      reward_model: ``reward_model.path``'s ``plan._reward.RewardModel``, or None.
+      split: the sampler's own chips (``plan._split.Split``), or None.
+      sampler_free: the chip's usable HBM less the resident state.
+    """
+
+    run: RunSpec
+    mesh: Mesh
+    model_config: models.ModelConfig
+    shape: JobShape
+    optimizer: Any
+    state: Any
+    shardings: Any
+    sizes: StateBytes
+    reference: Any = None
+    aux: Any = None
+    layout: Any = None
+    frozen: Any = None
+    reward_model: Any = None
+    split: Any = None
+    sampler_free: int | None = None
+
+    @property
+    def cfg(self) -> TrainConfig:
+        """The job's config."""
+        return self.run.config
+
+    @property
+    def objective(self) -> objectives.Objective:
+        """The job's objective, resolved."""
+        return self.run.objective
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The step's abstract device inputs, as the trainer puts them on device.
+
+    Attributes:
+      seqs: the rollout batch's ``Sequences``.
+      logprob_out: the log-prob forward's output over it (its shape and dtype).
+      minibatch: one update's ``RolloutBatch``.
+      full_batch: the whole rollout batch's (alive while its minibatches are drawn).
+    """
+
+    seqs: Any
+    logprob_out: Any
+    minibatch: Any
+    full_batch: Any
+
+
 @dataclasses.dataclass
 class Job:
-    """Everything built for one plan: config, topology, mesh, sizes, state bytes, programs."""
+    """Everything built for one plan: the resolved job, topology, mesh, sizes, state bytes,
+    programs. ``shape`` is the job's on ``mesh`` (``RunSpec.shape_on``)."""
 
-    cfg: TrainConfig
+    run: RunSpec
     spec: TopologySpec
     mesh: Mesh
     model_config: models.ModelConfig
-    objective: objectives.Objective
     shape: JobShape
     state: StateBytes
     programs: dict[str, Program]
@@ -329,6 +394,16 @@ class Job:
     aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
     reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        """The job's config."""
+        return self.run.config
+
+    @property
+    def objective(self) -> objectives.Objective:
+        """The job's objective, resolved."""
+        return self.run.objective
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

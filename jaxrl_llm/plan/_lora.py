@@ -92,7 +92,7 @@ def policy_shardings(shardings: PyTree, frozen: Frozen | None) -> PyTree:
 def serving_trees(model_config: models.ModelConfig, layout) -> tuple[PyTree, PyTree]:
     """``(serving base, served adapters)``: the sampler's compute-dtype copies on a serving
     ``layout`` (``RLTrainer.sampler_params``: ``lora.combine`` of the two is decoded)."""
-    compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
+    compute = jnp.dtype(model_config.compute_dtype)
     base_shardings, adapter_shardings = lora.split(layout.shardings)
     base_shapes, adapter_shapes = lora.split(models.param_shapes(model_config))
 

@@ -21,7 +21,6 @@ loads and runs it (``train.rl.context.load_reward_model``, ``RunContext.add_lear
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -30,8 +29,18 @@ import jax.numpy as jnp
 from jaxrl_llm import models, parallel
 from jaxrl_llm.models import heads
 from jaxrl_llm.plan import flops as flops_lib
-from jaxrl_llm.plan._job import PlanError, Program, _rows, shard_bytes, with_shardings
+from jaxrl_llm.plan._job import (
+    Lowering,
+    PlanError,
+    Program,
+    StepInputs,
+    _rows,
+    shard_bytes,
+    with_shardings,
+)
 from jaxrl_llm.train import setup
+from jaxrl_llm.train.rl.context import reward_model_program
+from jaxrl_llm.train.rl.programs import builder_name
 
 PyTree = Any
 
@@ -64,23 +73,21 @@ def scalar_model_config(
 ) -> models.ModelConfig:
     """The ``ModelConfig`` of a scalar-head directory's ``config.json`` (a
     ``*ForSequenceClassification`` with one label, or a causal LM), computing in
-    ``model.compute_dtype`` on TPU (``setup.with_compute_dtype``, as ``train`` sets it).
+    ``model.compute_dtype`` on TPU (``setup.load_model``, as ``train`` loads it).
 
     Raises:
       PlanError: no directory or config.json, an unsupported config, more than one label, or
         a vocabulary other than the policy's (``train`` refuses it: they share the tokenizer).
     """
     try:
-        config, _ = heads._read_config(os.fspath(path))
-    except (FileNotFoundError, ValueError) as err:
-        raise PlanError(f"{key}: {err}") from None
-    if config.vocab_size != policy_config.vocab_size:
-        raise PlanError(
-            f"{key} {path} has vocab_size {config.vocab_size}, the policy "
-            f"{policy_config.vocab_size}: they must share the tokenizer"
+        precision = setup.resolve_precision(model_section, backend="tpu")
+        config, _ = setup.load_model(
+            path, precision, head="scalar", policy=policy_config, key=key, weights=False
         )
-    compute = setup.compute_dtype(model_section, backend="tpu")
-    return dataclasses.replace(config, compute_dtype=compute)
+    except (FileNotFoundError, ValueError) as err:
+        message = str(err)
+        raise PlanError(message if message.startswith(key) else f"{key}: {message}") from None
+    return config
 
 
 def scalar_params(config: models.ModelConfig, dtype, mesh, key: str) -> PyTree:
@@ -114,20 +121,18 @@ def scores_in_rollout(cfg, objective) -> bool:
     return cfg.rollout.reward_workers == 0 or objective.dynamic_sampling
 
 
-def lower_reward_program(
-    programs: dict[str, Program], rm: RewardModel, cfg, mesh, objective, shape, sizes, seqs
-) -> None:
+def lower_reward_program(programs: dict[str, Program], low: Lowering, inputs: StepInputs) -> None:
     """Adds ``rm_scores`` (after the policy's, auxiliary and sampler programs) and the reward
-    model's weights to every other program's resident bytes."""
+    model's (``low.reward_model``) weights to every other program's resident bytes."""
+    rm, cfg, mesh, objective = low.reward_model, low.cfg, low.mesh, low.objective
+    shape, sizes, seqs = low.shape, low.sizes, inputs.seqs
     for program in programs.values():  # a fresh dict: programs may share one
         program.resident = {**program.resident, "reward_model": sizes.reward_model}
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
 
-    def score_fn(params, seqs):  # ``load_reward_model``'s jitted scoring function
-        return heads.sequence_scores(params, rm.config, *seqs)
-
+    score_fn = reward_model_program(rm.config)  # the trainer's, as ``load_reward_model`` builds
     with jax.set_mesh(mesh):  # ``Trainer.fit`` runs under the trainer's mesh
-        lowered = jax.jit(score_fn).lower(rm.params, seqs)
+        lowered = score_fn.lower(rm.params, seqs)
     around = {
         "parameters": sizes.params,
         "optimizer_state": sizes.optimizer,
@@ -151,6 +156,7 @@ def lower_reward_program(
         name="rm_scores",
         lowered=lowered,
         calls_per_step=1,
+        function=builder_name(reward_model_program),
         flops=forward,
         model_flops=forward,
         tokens=rows * t_len,

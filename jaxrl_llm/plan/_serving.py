@@ -14,25 +14,29 @@ from jax.sharding import Mesh
 from jaxrl_llm import parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.plan import flops as flops_lib
-from jaxrl_llm.plan._engine import engine_shape, lower_engine_programs
+from jaxrl_llm.plan._engine import (
+    abstract_key,
+    abstract_sampling_params,
+    engine_shape,
+    lower_engine_programs,
+)
 from jaxrl_llm.plan._job import (
+    Lowering,
     Program,
     _replicated,
     abstract_sequences,
     shard_bytes,
     with_shardings,
 )
-from jaxrl_llm.plan._lora import Frozen, policy, reshard_programs, serving_trees
+from jaxrl_llm.plan._lora import policy, reshard_programs, serving_trees
 from jaxrl_llm.plan._split import lower_split_programs
 from jaxrl_llm.sampling import serving, strategies
 from jaxrl_llm.sampling.generate import decode_program, prefill_program
-from jaxrl_llm.sampling.state import SamplingParams, state_logical_axes
+from jaxrl_llm.sampling.state import state_logical_axes
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.rl.serving import rollout_layout
 
 PyTree = Any
-# Slots of SamplingParams.eos_ids the sampler pads to (sampling.state pads to >= 4).
-_EOS_SLOTS = 4
 
 
 def choose_layout(cfg, model_config, mesh, shape, spec, sizes) -> serving.ServingLayout:
@@ -54,18 +58,9 @@ def roofline_mesh(job) -> Any:
 
 def lower_sampler_programs(
     programs: dict[str, Program],
-    cfg,
-    mesh,
-    model_config,
-    shape,
-    state,
-    sizes,
+    low: Lowering,
     ref_bytes: dict[str, int],
-    layout: serving.ServingLayout,
     decode_hbm_bytes: Any,
-    frozen: Frozen | None = None,
-    free_bytes: int | None = None,
-    split=None,
 ) -> None:
     """Adds ``reshard`` (unless the sampler runs on the trainer's layout), ``prefill`` and
     ``decode_step`` to ``programs``; for a LoRA job (``frozen``: its base) the sampler decodes
@@ -82,6 +77,9 @@ def lower_sampler_programs(
     merged copy fits (as ``train`` checks the devices' free memory). ``split``
     (``plan._split.Split``): the sampler on chips of its own, where it holds nothing else.
     """
+    cfg, mesh, model_config, shape = low.cfg, low.mesh, low.model_config, low.shape
+    state, sizes, layout, frozen, split = low.state, low.sizes, low.layout, low.frozen, low.split
+    free_bytes = low.sampler_free
     r = cfg.rollout
     p_len, t_len, rows = shape.prompt_len, shape.completion_len, shape.rows
     resident = {"optimizer_state": sizes.optimizer, **ref_bytes}
@@ -106,7 +104,7 @@ def lower_sampler_programs(
         inner = {}
         hbm = None
         if frozen is None:
-            compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
+            compute = jnp.dtype(model_config.compute_dtype)
             params = jax.tree.map(
                 lambda p, s: jax.ShapeDtypeStruct(
                     p.shape,
@@ -160,7 +158,7 @@ def lower_sampler_programs(
         min_p=0.0,
         vocab_size=model_config.vocab_size,
     )
-    key = _replicated(smesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    key = abstract_key(smesh)
     if r.engine == "continuous":
         engine = engine_shape(cfg, shape, smesh)
         lower_engine_programs(
@@ -171,8 +169,6 @@ def lower_sampler_programs(
             smesh,
             shape,
             top_k=top_k,
-            sampling=_sampling_params(smesh),
-            key=key,
             weights_arg=weights_arg,
             resident=resident,
             inner=inner,
@@ -214,7 +210,7 @@ def lower_sampler_programs(
         # The decode loop itself (``decode_program``, as ``generate`` calls it on TPU: layers
         # stacked, or per layer with ``rollout.decode_layers=per_layer``); its loop body is one
         # decode step.
-        decode_args = (params, sampling_state, key, _sampling_params(smesh))
+        decode_args = (params, sampling_state, key, abstract_sampling_params(smesh))
         unroll = r.decode_layers == "per_layer"  # ``auto`` keeps the scan on accelerators
         decode_kwargs = dict(config=model_config, top_k=top_k, mesh=smesh, unroll=unroll)
         decode = flops_lib.decode_flops(model_config, rows, shape.seq_len)
@@ -257,17 +253,6 @@ def _merge_program(
         inner_parts={"sampler_weights": merged},
     )
     return lora.base_config(model_config), base, merged
-
-
-def _sampling_params(mesh: Mesh) -> SamplingParams:
-    scalar = lambda dtype: _replicated(mesh, (), dtype)  # noqa: E731
-    return SamplingParams(
-        temperature=scalar(jnp.float32),
-        top_p=scalar(jnp.float32),
-        min_p=scalar(jnp.float32),
-        eos_ids=_replicated(mesh, (_EOS_SLOTS,), jnp.int32),
-        pad_id=scalar(jnp.int32),
-    )
 
 
 def _sampling_state_shardings(state: PyTree, mesh: Mesh) -> PyTree:

@@ -184,7 +184,7 @@ def weight_sync(
 
 def compute_weight_bytes(params: PyTree, model_config) -> int:
     """``W``: the whole model's floating weights in the compute dtype (integers as they are)."""
-    compute = jnp.dtype(model_config.compute_dtype or jnp.float32)
+    compute = jnp.dtype(model_config.compute_dtype)
     total = 0
     for leaf in jax.tree.leaves(params):
         floating = jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -256,7 +256,7 @@ def lower_split_programs(
 def split_report(job, programs: Mapping[str, dict], step_key: str = "step_s") -> dict[str, Any]:
     """The RL step of a split job: rollout (sampler chips), trainer and weight-sync seconds,
     how they combine (``rollout.max_staleness``), and each side's idle share."""
-    split, k = job.split, job.cfg.rollout.max_staleness
+    split, k = job.split, job.run.sampler.max_staleness
     rollout = trainer = 0.0
     for name, p in programs.items():
         seconds = p["calls_per_step"] * p["times"][step_key]

@@ -90,6 +90,32 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """The optimizer of a trainer section (``trainer.*`` of every job): AdamW after
+    global-norm gradient clipping (``train.optim.make_trainer_optimizer``).
+
+    Attributes:
+      learning_rate: the peak learning rate.
+      schedule: ``constant``, ``linear`` or ``cosine`` decay after the warm-up.
+      warmup_steps: optimizer steps of linear warm-up from 0.
+      final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
+        learning rate (0: decay to 0).
+      weight_decay: AdamW's decoupled weight decay.
+      max_grad_norm: the global-norm clip.
+      optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
+        (halves their memory; the update is computed in f32 either way).
+    """
+
+    learning_rate: float = 2e-4
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    final_lr_fraction: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    optimizer_state_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
 class SFTWarmupSection:
     """Supervised warm-up before the main job: RL on the task's demonstrations, preference jobs
     on the chosen completions.

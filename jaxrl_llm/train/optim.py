@@ -115,6 +115,12 @@ def store_state_in(inner: optax.GradientTransformation, dtype) -> optax.Gradient
     return optax.GradientTransformation(init, update)
 
 
+def make_model_optimizer(section) -> optax.GradientTransformation:
+    """The constant-rate AdamW of an auxiliary model's section (``critic``, ``prime``: its
+    ``learning_rate`` and ``max_grad_norm``); the trainer and ``plan`` both build it here."""
+    return make_optimizer(section.learning_rate, max_grad_norm=section.max_grad_norm)
+
+
 def make_trainer_optimizer(section, total_steps: int) -> optax.GradientTransformation:
     """:func:`make_optimizer` from a job's ``trainer`` section (``learning_rate``,
     ``schedule``, ``warmup_steps``, ``final_lr_fraction``, ``weight_decay``,

@@ -8,7 +8,6 @@ size checks that turn a batch not dividing the mesh into a message naming the co
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -22,11 +21,17 @@ from jaxrl_llm import data, models, parallel, sampling
 from jaxrl_llm.data import char_tokenizer
 from jaxrl_llm.models import lora
 from jaxrl_llm.parallel import fetch  # noqa: F401 (re-exported: its old home)
+from jaxrl_llm.train.precision import (  # noqa: F401 (re-exported: their old home)
+    COMPUTE_DTYPES,
+    DTYPES,
+    Precision,
+    compute_dtype,
+    job_model,
+    param_dtype,
+    resolve_precision,
+)
 
 log = logging.getLogger("jaxrl_llm")
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-COMPUTE_DTYPES = ("auto", *DTYPES)
 
 
 def make_run_mesh(section) -> jax.sharding.Mesh:
@@ -98,30 +103,57 @@ def process_roles(
     return tuple(sampler), tuple(trainer)
 
 
-def param_dtype(section) -> Any:
-    """The master-weight dtype of ``model.param_dtype``."""
-    if section.param_dtype not in DTYPES:
+def load_model(
+    path: str,
+    precision: Precision,
+    *,
+    head: str = "causal",
+    frozen: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    lora: models.LoraSpec | None = None,
+    policy: models.ModelConfig | None = None,
+    key: str = "model.path",
+    weights: bool = True,
+) -> tuple[models.ModelConfig, Any]:
+    """``(config, params)`` of a checkpoint directory as a model of the job: every model a job
+    loads (the policy, a critic or reward model, the sampler's copy, ``plan``'s) comes through
+    here and computes in ``precision.compute_dtype`` (``precision.job_model``).
+
+    Args:
+      path: a Hugging Face directory (config.json and safetensors).
+      precision: the job's dtypes: a trained model's weights are read in ``param_dtype``, a
+        ``frozen`` one's (nothing updates it) in ``compute_dtype``.
+      head: ``causal`` (a language model) or ``scalar`` (a one-label sequence classifier, or
+        a causal LM's backbone under a fresh head: ``models.load_scalar_model``).
+      mesh: where the weights are placed (the parameter rules); None: one device.
+      lora: the adapters the model trains (None: none).
+      policy: the job's policy; a model whose vocabulary differs is refused (they share the
+        tokenizer).
+      key: the config key naming ``path`` (in errors).
+      weights: False reads only config.json (params None).
+
+    Raises:
+      ValueError: an unknown ``head``, or a vocabulary other than the policy's.
+      FileNotFoundError: no such directory or config.json.
+    """
+    if head not in ("causal", "scalar"):
+        raise ValueError(f"head must be 'causal' or 'scalar', got {head!r}")
+    dtype = precision.compute if frozen else precision.param
+    params = None
+    if head == "causal" and weights:
+        config, params = models.load_pretrained(path, dtype=dtype, mesh=mesh)
+    elif head == "causal":
+        config = models.load_config(path)
+    elif weights:
+        config, params = models.load_scalar_model(path, dtype=dtype, mesh=mesh)
+    else:
+        config, _ = models.read_scalar_config(path)
+    if policy is not None and config.vocab_size != policy.vocab_size:
         raise ValueError(
-            f"model.param_dtype must be one of {tuple(DTYPES)}, got {section.param_dtype!r}"
+            f"{key} {path} has vocab_size {config.vocab_size}, the policy "
+            f"{policy.vocab_size}: they must share the tokenizer"
         )
-    return DTYPES[section.param_dtype]
-
-
-def compute_dtype(section, backend: str | None = None) -> str:
-    """The compute dtype name of ``model.compute_dtype``; ``auto`` is ``bfloat16`` on TPU and
-    GPU, ``float32`` on CPU (``backend`` defaults to ``jax.default_backend()``)."""
-    name = section.compute_dtype
-    if name not in COMPUTE_DTYPES:
-        raise ValueError(f"model.compute_dtype must be one of {COMPUTE_DTYPES}, got {name!r}")
-    if name == "auto":
-        backend = jax.default_backend() if backend is None else backend
-        return "float32" if backend == "cpu" else "bfloat16"
-    return name
-
-
-def with_compute_dtype(model_config, section):
-    """``model_config`` computing in ``model.compute_dtype`` (every model of a job does)."""
-    return dataclasses.replace(model_config, compute_dtype=compute_dtype(section))
+    return job_model(config, precision, lora=lora), params
 
 
 def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
@@ -149,18 +181,20 @@ def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
-        compute_dtype=compute_dtype(section),
     )
 
 
-def build_policy(cfg, mesh):
+def build_policy(cfg, mesh, precision: Precision | None = None):
     """``(tokenizer, model_config, params or None)`` of ``cfg.model``; None = random init.
+
+    ``precision``: the job's (``resolve_precision``; default: ``cfg.model``'s on this backend).
 
     Raises:
       ValueError: an unknown ``model.param_dtype`` / ``model.compute_dtype`` / ``model.remat``.
       FileNotFoundError: ``model.path`` is not a checkpoint directory.
     """
-    dtype = param_dtype(cfg.model)
+    if precision is None:
+        precision = resolve_precision(cfg.model)
     if cfg.model.remat not in models.REMAT_POLICIES:
         raise ValueError(
             f"model.remat must be one of {models.REMAT_POLICIES}, got {cfg.model.remat!r}"
@@ -173,19 +207,18 @@ def build_policy(cfg, mesh):
         )
     spec = lora_spec(cfg.model)
     if cfg.model.path is not None and lora.is_adapter_dir(cfg.model.path):
-        model_config, params = lora.load_adapted(cfg.model.path, dtype=dtype, mesh=mesh)
+        model_config, params = lora.load_adapted(cfg.model.path, dtype=precision.param, mesh=mesh)
         if spec is not None and spec != model_config.lora:
             raise ValueError(
                 f"model.lora {spec} differs from the adapter at model.path ({model_config.lora})"
             )
-        model_config = with_compute_dtype(model_config, cfg.model)
+        model_config = job_model(model_config, precision, lora=model_config.lora)
         return models.load_tokenizer(cfg.model.path), model_config, params
     if cfg.model.path is not None:
-        model_config, params = models.load_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
-        model_config = dataclasses.replace(with_compute_dtype(model_config, cfg.model), lora=spec)
+        model_config, params = load_model(cfg.model.path, precision, mesh=mesh, lora=spec)
         return models.load_tokenizer(cfg.model.path), model_config, params
     tokenizer = data.build_char_tokenizer(tiny_alphabet(cfg))
-    model_config = dataclasses.replace(tiny_model_config(cfg.model, tokenizer, mesh), lora=spec)
+    model_config = job_model(tiny_model_config(cfg.model, tokenizer, mesh), precision, lora=spec)
     return tokenizer, model_config, None
 
 

@@ -161,7 +161,7 @@ def _reward_model_scores_raw(patch: pytest.MonkeyPatch) -> None:
 def _on_policy_always(patch: pytest.MonkeyPatch) -> None:
     from jaxrl_llm.train.rl import programs
 
-    patch.setattr(programs, "on_policy_update", lambda cfg, objective: True)
+    patch.setattr(programs, "on_policy_update", lambda run: True)
 
 
 WIRING = "tests/train/rl/test_wiring.py"

@@ -455,7 +455,8 @@ def test_a_slow_stacked_decode_with_room_for_a_weight_copy_gets_a_per_layer_hint
     assert pr.decode_hints(job, programs(4.0, usable - GiB // 2), usable) == []
     for change in ({"decode_layers": "per_layer"}, {"engine": "continuous"}):
         rollout = dataclasses.replace(job.cfg.rollout, **change)
-        other = dataclasses.replace(job, cfg=dataclasses.replace(job.cfg, rollout=rollout))
+        run = dataclasses.replace(job.run, config=dataclasses.replace(job.cfg, rollout=rollout))
+        other = dataclasses.replace(job, run=run)
         assert pr.decode_hints(other, programs(4.0, usable - 2 * GiB), usable) == []
     uncompiled = programs(4.0, 0)
     uncompiled["decode_step"]["compiled"] = False

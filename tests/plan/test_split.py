@@ -139,7 +139,7 @@ def test_the_step_model_by_hand():
     )
     for k, step in ((0, 2.5 + 0.5 + 2.75), (1, max(2.5, 0.5 + 2.75))):
         job = types.SimpleNamespace(
-            split=split, cfg=types.SimpleNamespace(rollout=types.SimpleNamespace(max_staleness=k))
+            split=split, run=types.SimpleNamespace(sampler=types.SimpleNamespace(max_staleness=k))
         )
         got = _split.split_report(job, programs)
         assert (got["rollout_s"], got["trainer_s"], got["weight_sync_s"]) == (2.5, 2.75, 0.5)

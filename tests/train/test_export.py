@@ -111,6 +111,17 @@ def test_export_cli_writes_an_older_step_and_bf16(run_dir, tmp_path, capsys):
     assert config["torch_dtype"] == "bfloat16"
 
 
+def test_the_policy_carries_the_prompt_format_it_was_trained_with(run_dir, tmp_path, capsys):
+    """``hf/`` (and an export of any step) records that the run prompted raw text, so
+    ``jaxrl-llm generate`` does not apply the char tokenizer's chat template (issue 46)."""
+    from jaxrl_llm.data.encoding import PromptFormat, read_prompt_format
+
+    assert read_prompt_format(run_dir / "hf") == PromptFormat(chat_template=False)
+    out = tmp_path / "step1"
+    assert cli.export_main([str(run_dir), "--step", "1", "--out", str(out)]) == 0
+    assert read_prompt_format(out) == PromptFormat(chat_template=False)
+
+
 def test_export_cli_user_errors_exit_2(tmp_path, capsys):
     assert cli.export_main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -120,4 +131,5 @@ def test_export_cli_user_errors_exit_2(tmp_path, capsys):
 def test_tiny_model_config_matches_build_policy():
     cfg = TrainConfig()
     tokenizer, config, _ = setup.build_policy(cfg, None)
-    assert setup.tiny_model_config(cfg.model, tokenizer, None) == config
+    tiny = setup.tiny_model_config(cfg.model, tokenizer, None)
+    assert setup.job_model(tiny, setup.resolve_precision(cfg.model)) == config

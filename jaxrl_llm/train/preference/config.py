@@ -23,6 +23,7 @@ from jaxrl_llm.train.config import (
     LoggingSection,
     MeshSection,
     ModelSection,
+    OptimizerSection,
     SFTWarmupSection,
 )
 
@@ -134,19 +135,15 @@ class PreferenceLossSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class PreferenceTrainerSection:
-    """The optimisation.
+class PreferenceTrainerSection(OptimizerSection):
+    """The optimisation: the optimizer's fields (``OptimizerSection``; learning rate 3e-4) and
+    these.
 
     Attributes:
       max_steps: optimizer steps.
       batch_size: pairs (KTO: examples) per optimizer step.
       micro_batches: gradient accumulation: the step averages the losses of K micro-batches of
         ``batch_size / K`` rows, as TRL's gradient accumulation does.
-      learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
-      final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
-        learning rate (0: decay to 0).
-      optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
-        (halves their memory; the update is computed in f32 either way).
       eval_every: evaluate on the held-out set every N steps (0 = only before / after).
       eval_batch_size: rows per evaluation batch (0 = ``batch_size``).
     """
@@ -155,12 +152,6 @@ class PreferenceTrainerSection:
     batch_size: int = 32
     micro_batches: int = 1
     learning_rate: float = 3e-4
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    final_lr_fraction: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    optimizer_state_dtype: str = "float32"
     eval_every: int = 0
     eval_batch_size: int = 0
 

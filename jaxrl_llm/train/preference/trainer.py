@@ -12,7 +12,6 @@ the sequence classifier, which the RL loop loads as ``reward_model.path``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -66,7 +65,8 @@ class PreferenceTrainer(Trainer):
         self.reward_model = cfg.job == "reward_model"
         self.unpaired = cfg.loss.name == "kto"
         self.needs_reference = cfg.loss.name not in REFERENCE_FREE
-        self.dtype = setup.param_dtype(cfg.model)
+        self.precision = setup.resolve_precision(cfg.model, cfg.trainer.optimizer_state_dtype)
+        self.dtype = self.precision.param
         self.mesh = setup.make_run_mesh(cfg.mesh)
         self._scalar_path = self.reward_model and is_scalar_model(cfg.model.path)
         if self._scalar_path and cfg.sft_warmup.steps:
@@ -75,16 +75,19 @@ class PreferenceTrainer(Trainer):
                 "classifier): set sft_warmup.steps=0"
             )
         if self._scalar_path:
-            model_config, self._initial = heads.load_scalar_model(
-                cfg.model.path, dtype=self.dtype, mesh=self.mesh
-            )
-            self.model_config = dataclasses.replace(
-                setup.with_compute_dtype(model_config, cfg.model), lora=setup.lora_spec(cfg.model)
+            self.model_config, self._initial = setup.load_model(
+                cfg.model.path,
+                self.precision,
+                head="scalar",
+                mesh=self.mesh,
+                lora=setup.lora_spec(cfg.model),
             )
             self.tokenizer = models.load_tokenizer(cfg.model.path)
         else:
             # build_policy reads only ``cfg.model``, which this config shares with the RL one.
-            self.tokenizer, self.model_config, self._initial = setup.build_policy(cfg, self.mesh)
+            self.tokenizer, self.model_config, self._initial = setup.build_policy(
+                cfg, self.mesh, self.precision
+            )
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
         if self._scalar_path:
             self.sft_steps = 0

@@ -19,6 +19,7 @@ from jaxrl_llm.train.config import (
     LoggingSection,
     MeshSection,
     ModelSection,
+    OptimizerSection,
     RLWarmupSection,
 )
 from jaxrl_llm.train.rl.tasks import DATA_TASKS, OVERLONG_PROMPTS, check_data  # noqa: F401
@@ -165,8 +166,8 @@ ROLLOUT_LOGPROBS = ("recompute", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainerSection:
-    """The optimisation.
+class TrainerSection(OptimizerSection):
+    """The optimisation: the optimizer's fields (``OptimizerSection``) and these.
 
     Attributes:
       max_steps: RL steps.
@@ -179,11 +180,6 @@ class TrainerSection:
         chosen per padded batch shape, ``train.step.TokenBudget``); the update is the same,
         only its schedule changes. ``auto``: 4096 on CPU, where smaller working sets run
         faster, and off elsewhere (``null``: exactly ``micro_batches``).
-      learning_rate, schedule, warmup_steps, weight_decay, max_grad_norm: optax AdamW.
-      final_lr_fraction: where the linear / cosine schedules end, as a fraction of the peak
-        learning rate (0: decay to 0).
-      optimizer_state_dtype: dtype of AdamW's moments: ``float32`` (default) or ``bfloat16``
-        (halves their memory; the update is computed in f32 either way).
       eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
       eval_k: besides greedy accuracy, each evaluation samples every held-out prompt
         ``eval_k`` times and reports ``pass@1``, ``pass@k``, ``mean@k``, ``maj@k`` with their
@@ -197,13 +193,6 @@ class TrainerSection:
     minibatches: int = 1
     micro_batches: int = 1
     micro_batch_tokens: int | str | None = "auto"
-    learning_rate: float = 2e-4
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    final_lr_fraction: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    optimizer_state_dtype: str = "float32"
     eval_every: int = 0
     eval_k: int = 1
     eval_temperature: float | None = None

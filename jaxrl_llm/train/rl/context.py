@@ -116,26 +116,32 @@ def _load_examples(cfg: TrainConfig) -> tuple[list, list]:
     return tasks.load_task(cfg.data, cfg.seed)
 
 
-def load_reward_model(cfg: TrainConfig, policy_config, mesh):
-    """``(score_fn, params)`` of ``reward_model.path`` (scored on device), or None."""
-    section = cfg.reward_model
-    if section.path is None:
-        return None
-    # Frozen: stored in the compute dtype, nothing updates it.
-    dtype = setup.DTYPES[setup.compute_dtype(cfg.model)]
-    rm_config, params = heads.load_scalar_model(section.path, dtype=dtype, mesh=mesh)
-    rm_config = setup.with_compute_dtype(rm_config, cfg.model)
-    if rm_config.vocab_size != policy_config.vocab_size:
-        raise ValueError(
-            f"reward_model.path {section.path} has vocab_size {rm_config.vocab_size}, the policy "
-            f"{policy_config.vocab_size}: the reward model must share the policy's tokenizer"
-        )
+def reward_model_program(rm_config) -> Any:
+    """The learned reward model's scoring program (``rm_scores``): ``heads.sequence_scores``
+    of ``rm_config`` jitted, ``(params, seqs) -> [B]``; the trainer calls it, ``plan`` lowers it."""
 
-    @jax.jit
     def score_fn(params, seqs: Sequences):
         return heads.sequence_scores(params, rm_config, *seqs)
 
-    return score_fn, params
+    return jax.jit(score_fn)
+
+
+def load_reward_model(cfg: TrainConfig, precision, policy_config, mesh):
+    """``(score_fn, params)`` of ``reward_model.path`` (scored on device), or None: frozen,
+    stored in the compute dtype (nothing updates it)."""
+    path = cfg.reward_model.path
+    if path is None:
+        return None
+    rm_config, params = setup.load_model(
+        path,
+        precision,
+        head="scalar",
+        frozen=True,
+        mesh=mesh,
+        policy=policy_config,
+        key="reward_model.path",
+    )
+    return reward_model_program(rm_config), params
 
 
 def normalize_scores(scores: np.ndarray, mode: str) -> np.ndarray:

@@ -10,6 +10,12 @@ report gives, for ``k`` in ``1`` and ``K``, the unbiased pass@k, mean@k and maj@
 final answer, ``rewards.math.extract_answer``) with their percentile-bootstrap intervals over
 the prompts (``jaxrl_llm.evaluation.estimators``); ``--json FILE`` writes them with the
 per-prompt counts and answers.
+
+The policy is prompted as it was trained: a ``model.path`` written by a run records its prompt
+format (``prompt_format.json``, ``data.encoding.PromptFormat``), which replaces the config's
+``data.chat_template`` and ``data.system_prompt``; ``--chat-template`` / ``--no-chat-template``
+(or a ``data.chat_template=`` override) choose instead, and a choice that differs from the
+training is said in one ``note:`` line.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
+from jaxrl_llm.console import USER_ERRORS, quiet_start
 from jaxrl_llm.evaluation.sampled import sampled_report
 
 
@@ -36,8 +44,52 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     parser.add_argument("--json", default=None, metavar="FILE")
+    template = parser.add_mutually_exclusive_group()
+    template.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="prompt through the tokenizer's chat template (default: as the policy was trained)",
+    )
+    template.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="prompt with raw text (default: as the policy was trained)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return parser
+
+
+def as_trained(cfg, *, asked: bool | None):
+    """``(cfg, note)``: ``cfg`` prompting ``model.path`` with the format it was trained with
+    (its ``prompt_format.json``) unless ``asked`` for the chat template (True) or raw text
+    (False); ``note``: one line when that differs from the config or from the training."""
+    from jaxrl_llm.data.encoding import read_prompt_format  # noqa: PLC0415
+
+    path = cfg.model.path
+    trained = read_prompt_format(path) if path is not None and os.path.isdir(path) else None
+    data = cfg.data
+    if asked is None and trained is None:
+        return cfg, None
+    if asked is None:
+        note = None
+        if (data.chat_template, data.system_prompt) != tuple(trained):
+            system = "" if trained.system_prompt is None else " and its system prompt"
+            note = (
+                f"note: {path} was trained {trained.describe()}{system}; evaluating it so, not "
+                f"as the config's data.chat_template={str(data.chat_template).lower()} says "
+                "(--chat-template / --no-chat-template to choose)"
+            )
+        chosen = dataclasses.replace(
+            data, chat_template=trained.chat_template, system_prompt=trained.system_prompt
+        )
+        return dataclasses.replace(cfg, data=chosen), note
+    system = data.system_prompt if asked else None  # a raw prompt has no roles
+    chosen = dataclasses.replace(data, chat_template=asked, system_prompt=system)
+    note = None
+    if trained is not None and trained.chat_template != asked:
+        flag = "--chat-template applies it" if asked else "--no-chat-template leaves it out"
+        note = f"note: {path} was trained {trained.describe()}; {flag} anyway"
+    return dataclasses.replace(cfg, data=chosen), note
 
 
 def load_eval_config(target: str, overrides: list[str]):
@@ -86,10 +138,11 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
             "eval needs trained weights: give a run directory or a config with model.path (the "
             "built-in tiny model would be evaluated at its random initialisation)"
         )
-    objective = resolve(cfg, training=False).objective
+    spec = resolve(cfg, training=False)
+    objective = spec.objective
     # A run's sampler-only devices (mesh.rollout_devices) are the evaluation's too.
     mesh = setup.make_run_mesh(dataclasses.replace(cfg.mesh, rollout_devices=0))
-    tokenizer, model_config, params = setup.build_policy(cfg, mesh)
+    tokenizer, model_config, params = setup.build_policy(cfg, mesh, spec.precision)
     _, examples = load_examples(cfg, tokenizer)
     reward_fn = task_reward(cfg)
     context = RunContext(
@@ -120,8 +173,19 @@ def eval_main(argv: list[str] | None = None) -> int:
     """Entry point of ``jaxrl-llm eval`` (exit 0; 2 on bad input, with the reason)."""
     # Overrides may follow the options (``RUN --k 4 data.eval_size=512``), as in ``plan``.
     args = _parser().parse_intermixed_args(argv)
+    quiet_start()
+    from jaxrl_llm.rewards import RewardError  # noqa: PLC0415
+
     try:
         cfg = load_eval_config(args.target, args.overrides)
+        asked = True if args.chat_template else False if args.no_chat_template else None
+        if asked is None and any(
+            o.split("=")[0].strip() == "data.chat_template" for o in args.overrides
+        ):
+            asked = cfg.data.chat_template
+        cfg, note = as_trained(cfg, asked=asked)
+        if note is not None:
+            print(note, file=sys.stderr)
         temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
         summary, per_prompt = evaluate(
             cfg,
@@ -131,8 +195,8 @@ def eval_main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             resamples=args.resamples,
         )
-    except (FileNotFoundError, ValueError) as err:
-        print(f"jaxrl-llm eval: {err}", file=sys.stderr)
+    except (*USER_ERRORS, RewardError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(
         f"{summary['problems']} prompts x {summary['samples']} samples at temperature "
@@ -148,4 +212,4 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["eval_main", "evaluate", "load_eval_config"]
+__all__ = ["as_trained", "eval_main", "evaluate", "load_eval_config"]

@@ -215,7 +215,7 @@ class RolloutSide:
         state's (which the update donates): what a rollout running beside it decodes."""
         params = self.sampler_params(timer)
         own = self.merge_sampler is not None or not self.serving.is_trainer_layout
-        if own or not self.cfg.rollout.max_staleness:
+        if own or not self.spec.sampler.max_staleness:
             return params
         with timer.phase("reshard") if timer else contextlib.nullcontext():
             if self.base is None:
@@ -223,8 +223,8 @@ class RolloutSide:
             return lora.combine(self.base, self.copy_params(self.policy_trained))
 
     def make_pipeline(self) -> RolloutPipeline:
-        r = self.cfg.rollout
-        return RolloutPipeline(self.rollout_from, r.max_staleness, self.run.mesh, r.partial)
+        s = self.spec.sampler
+        return RolloutPipeline(self.rollout_from, s.max_staleness, self.run.mesh, s.partial)
 
     def _in_flight_file(self, step: int) -> pathlib.Path:
         name = f"{step}-process{jax.process_index()}.pkl"
@@ -233,7 +233,7 @@ class RolloutSide:
     def save_in_flight(self, step: int) -> None:
         """Writes the rollouts in flight beside checkpoint ``step`` (waiting for them), and
         drops those of checkpoints no longer kept."""
-        if not self.cfg.rollout.max_staleness:
+        if not self.spec.sampler.max_staleness:
             return
         items, failure = self.pipeline.drain_until_failure(self.run.finish_scoring)
         if failure is not None:
@@ -267,7 +267,7 @@ class RolloutSide:
     def restore_in_flight(self, step: int) -> None:
         """Queues the rollouts checkpoint ``step`` had in flight (none: they start afresh)."""
         path = self._in_flight_file(step)
-        if self.cfg.rollout.max_staleness and path.exists():
+        if self.spec.sampler.max_staleness and path.exists():
             items = pickle.loads(path.read_bytes())
             for *_, timer in items:
                 timer.spans.clear()  # the saving process's clock
@@ -289,7 +289,9 @@ class RolloutSide:
         # The data position this step's draws start from (on the rollout thread, which runs
         # the steps in order): where a failed rollout past the run's end is drawn again.
         self.draw_starts = {
-            s: v for s, v in self.draw_starts.items() if s >= step - r.max_staleness
+            s: v
+            for s, v in self.draw_starts.items()
+            if s >= step - self.spec.sampler.max_staleness
         }
         self.draw_starts[step] = self.sampler.state()
 

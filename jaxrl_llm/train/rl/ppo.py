@@ -11,7 +11,6 @@ separate optimizers or with one optimizer over both (``pg + value_coef·vf``). D
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -23,7 +22,7 @@ from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.adapters import has_dropout
-from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.optim import make_model_optimizer
 from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
@@ -297,23 +296,20 @@ class PPOTrainer(RLTrainer):
         run, critic = self.run, self.cfg.critic
         key = jax.random.fold_in(self.key, 7)
         if critic.init == "reward_model":
-            config, params = heads.load_scalar_model(
-                critic.path, dtype=setup.param_dtype(self.cfg.model), mesh=run.mesh
+            return setup.load_model(
+                critic.path,
+                self.spec.precision,
+                head="scalar",
+                mesh=run.mesh,
+                lora=run.model_config.lora,
+                policy=run.model_config,
+                key="critic.path",
             )
-            config = dataclasses.replace(
-                setup.with_compute_dtype(config, self.cfg.model), lora=run.model_config.lora
-            )
-            if config.vocab_size != run.model_config.vocab_size:
-                raise ValueError(
-                    f"critic.path {critic.path} has vocab_size {config.vocab_size}, the policy "
-                    f"{run.model_config.vocab_size}: they must share the tokenizer"
-                )
-            return config, params
         if self.base is not None:  # LoRA: the policy's frozen base, shared (no copy)
             return run.model_config, None
         backbone = self.state.params if critic.init == "policy" else None
         params = heads.init_scalar_params(
-            run.model_config, key, backbone=backbone, dtype=setup.param_dtype(self.cfg.model)
+            run.model_config, key, backbone=backbone, dtype=self.spec.precision.param
         )
         return run.model_config, params
 
@@ -321,7 +317,7 @@ class PPOTrainer(RLTrainer):
         """A LoRA critic (``model.lora``): fresh adapters and a head trained over a frozen
         backbone — the policy's base itself (``critic.init=policy``: no copy) or the reward
         model's (``critic.init=reward_model``, in the compute dtype)."""
-        run, dtype = self.run, setup.param_dtype(self.cfg.model)
+        run, dtype = self.run, self.spec.precision.param
         score_key, adapter_key = jax.random.split(jax.random.fold_in(self.key, 10))
         if loaded is None:
             self.value_frozen = adapters.backbone_view(self.base)
@@ -357,7 +353,7 @@ class PPOTrainer(RLTrainer):
                 params_axes={"policy": policy_axes, "value": axes},
             )
             return
-        optimizer = make_optimizer(critic.learning_rate, max_grad_norm=critic.max_grad_norm)
+        optimizer = make_model_optimizer(critic)
         self.value_optimizer = optimizer
         self.value_state, self.value_shardings = create_train_state(
             self.value_config,

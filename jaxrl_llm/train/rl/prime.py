@@ -20,7 +20,7 @@ from jaxrl_llm import implicit_prm, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.forward import sequence_logprobs
-from jaxrl_llm.train.optim import make_optimizer
+from jaxrl_llm.train.optim import make_model_optimizer
 from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
@@ -133,9 +133,7 @@ class PRIMETrainer(RLTrainer):
 
     def setup_extra_networks(self) -> None:
         section = self.cfg.prime
-        self.prm_optimizer = make_optimizer(
-            section.learning_rate, max_grad_norm=section.max_grad_norm
-        )
+        self.prm_optimizer = make_model_optimizer(section)
         key = jax.random.fold_in(self.key, 9)
         if self.base is not None:
             # LoRA: its own adapters (B = 0: it starts as the policy) over the policy's base.
@@ -144,7 +142,7 @@ class PRIMETrainer(RLTrainer):
                 self.run.model_config,
                 key=adapter_key,
                 mesh=self.run.mesh,
-                param_dtype=setup.param_dtype(self.cfg.model),
+                param_dtype=self.spec.precision.param,
             )
         else:  # the PRM starts as a copy of the (warm-started) policy, as in the paper
             params, axes = self.copy_params(self.state.params), None

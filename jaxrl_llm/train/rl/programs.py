@@ -57,7 +57,7 @@ def takes_own_logprobs(run: RunSpec) -> bool:
     """The update's behaviour log-probs are its own forward's (``updates.on_policy_update``:
     one update per rollout batch, nothing needing them before) and not the sampler's: its
     batch holds no old log-probs and no behaviour forward runs."""
-    return on_policy_update(run.config, run.objective) and run.sampler.logprobs != "sampler"
+    return on_policy_update(run) and run.sampler.logprobs != "sampler"
 
 
 def builder_name(builder: Callable) -> str:

@@ -274,10 +274,11 @@ class SamplerProcess(RolloutSide):
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
-        objective = resolve(cfg).objective
+        self.spec = spec = resolve(cfg)
+        objective = spec.objective
         check_remote(cfg)
         trainer_mesh = setup.make_run_mesh(cfg.mesh)
-        tokenizer, model_config = _policy(cfg, trainer_mesh)
+        tokenizer, model_config = _policy(cfg, spec.precision, trainer_mesh)
         self.serving, _ = trainer_sampler(cfg, model_config, trainer_mesh)
         self.run = make_run_context(cfg, self.serving.mesh, tokenizer, model_config, objective)
         self.sampler = data.PromptSampler(
@@ -286,7 +287,7 @@ class SamplerProcess(RolloutSide):
         self.key = jax.random.key(cfg.seed)
         self.messages = Messages()
         # Placeholders of the trainer's cast parameters: this process's half of the transfer.
-        dtype = setup.param_dtype(cfg.model)
+        dtype = spec.precision.param
         shapes = jax.eval_shape(
             lambda p: _cast(p, model_config), models.param_shapes(model_config, dtype)
         )
@@ -311,7 +312,7 @@ class SamplerProcess(RolloutSide):
         """Samples until the trainer's last step (and the ``k`` batches after it, which a
         longer resumed run would train on); returns the rollouts' count."""
         cfg = self.cfg
-        k = cfg.rollout.max_staleness
+        k = self.spec.sampler.max_staleness
         start = self.messages.receive("start")
         self.sampler.restore(start["data"])
         first = max([start["step"] - 1, *start["in_flight"]]) + 1
@@ -336,12 +337,12 @@ class SamplerProcess(RolloutSide):
         return {"job": cfg.job, "role": "sampler", "rollouts": len(steps)}
 
 
-def _policy(cfg: Any, trainer_mesh: Mesh) -> tuple[Any, Any]:
+def _policy(cfg: Any, precision: Any, trainer_mesh: Mesh) -> tuple[Any, Any]:
     """``(tokenizer, model_config)`` as the trainer builds them (no weights loaded here)."""
     if cfg.model.path is None:
-        tokenizer, model_config, _ = setup.build_policy(cfg, trainer_mesh)
+        tokenizer, model_config, _ = setup.build_policy(cfg, trainer_mesh, precision)
         return tokenizer, model_config
-    config = setup.with_compute_dtype(models.load_config(cfg.model.path), cfg.model)
+    config, _ = setup.load_model(cfg.model.path, precision, weights=False)  # no LoRA (refused)
     return models.load_tokenizer(cfg.model.path), config
 
 

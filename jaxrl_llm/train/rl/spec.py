@@ -20,8 +20,8 @@ import jax
 from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.strategies import effective_top_k
-from jaxrl_llm.train import adapters, setup
-from jaxrl_llm.train.optim import STATE_DTYPES
+from jaxrl_llm.train import adapters
+from jaxrl_llm.train.precision import Precision, resolve_precision
 from jaxrl_llm.train.rl.config import TrainConfig, check_config, micro_batching, rollout_rows
 from jaxrl_llm.train.step import TokenBudget
 
@@ -34,24 +34,6 @@ TRAINER_SUPPLIES = {
     "ppo": ("old_logprobs", "ref_logprobs", "values"),
     "prime": ("old_logprobs", "ref_logprobs", "process_rewards"),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """Every dtype of a job, by name.
-
-    Attributes:
-      param_dtype: the master weights the optimizer updates (``model.param_dtype``).
-      compute_dtype: matmuls and activations of every model of the job (``model.compute_dtype``
-        with ``auto`` resolved for the backend: bfloat16 on TPU and GPU, float32 on CPU).
-      cache_dtype: the sampler's KV cache (the compute dtype).
-      optimizer_state_dtype: AdamW's moments (``trainer.optimizer_state_dtype``).
-    """
-
-    param_dtype: str
-    compute_dtype: str
-    cache_dtype: str
-    optimizer_state_dtype: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,24 +207,13 @@ def resolve(cfg: TrainConfig, *, backend: str | None = None, training: bool = Tr
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if m.remat not in models.REMAT_POLICIES:
         raise ValueError(f"model.remat must be one of {models.REMAT_POLICIES}, got {m.remat!r}")
-    setup.param_dtype(m)  # refuses an unknown name
-    compute = setup.compute_dtype(m, backend=backend)
-    if t.optimizer_state_dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"trainer.optimizer_state_dtype must be one of {STATE_DTYPES}, got "
-            f"{t.optimizer_state_dtype!r}"
-        )
+    precision = resolve_precision(m, t.optimizer_state_dtype, backend=backend)
     rows = rollout_rows(r)
     return RunSpec(
         config=cfg,
         objective=objective,
         kind=kind,
-        precision=Precision(
-            param_dtype=m.param_dtype,
-            compute_dtype=compute,
-            cache_dtype=compute,
-            optimizer_state_dtype=t.optimizer_state_dtype,
-        ),
+        precision=precision,
         shape=JobShape(
             prompts=r.prompts_per_step,
             group_size=r.group_size,

@@ -105,7 +105,7 @@ class RLTrainer(RolloutSide, Trainer):
             remote.check_remote(cfg)
         self.check_objective(objective)
         mesh = setup.make_run_mesh(cfg.mesh)
-        tokenizer, model_config, params = setup.build_policy(cfg, mesh)
+        tokenizer, model_config, params = setup.build_policy(cfg, mesh, self.spec.precision)
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
         self.run = make_run_context(
             cfg,
@@ -113,7 +113,7 @@ class RLTrainer(RolloutSide, Trainer):
             tokenizer,
             model_config,
             objective,
-            reward_model=load_reward_model(cfg, model_config, mesh),
+            reward_model=load_reward_model(cfg, self.spec.precision, model_config, mesh),
         )
         train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
         rows = self.spec.shape.rows
@@ -202,7 +202,7 @@ class RLTrainer(RolloutSide, Trainer):
                 key=init_key,
                 mesh=run.mesh,
                 params=params,
-                param_dtype=setup.param_dtype(cfg.model),
+                param_dtype=self.spec.precision.param,
             )
         else:
             self.state, self.shardings, self.base, self.base_shardings = adapters.setup_run(
@@ -420,7 +420,7 @@ class RLTrainer(RolloutSide, Trainer):
 
     def make_pipeline(self):
         if remote.is_remote(self.cfg):
-            return remote.RemotePipeline(self.cfg.rollout.max_staleness, self.sampler)
+            return remote.RemotePipeline(self.spec.sampler.max_staleness, self.sampler)
         return super().make_pipeline()
 
     def evaluate(self) -> dict[str, float]:

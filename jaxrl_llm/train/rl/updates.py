@@ -12,12 +12,13 @@ import jax
 import numpy as np
 
 from jaxrl_llm import correction, objectives
-from jaxrl_llm.train.rl.config import TrainConfig
+from jaxrl_llm.train.rl.spec import RunSpec
 from jaxrl_llm.types import RolloutBatch
 
 
-def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
-    """Whether the update can take its own forward's log-probs as the behaviour log-probs.
+def on_policy_update(run: RunSpec) -> bool:
+    """Whether the update of the resolved job ``run`` (``spec.resolve``) can take its own
+    forward's log-probs as the behaviour log-probs.
 
     True with one epoch and one minibatch per rollout batch (the parameters have not moved
     since the rollout when the single update runs) unless the advantages need the behaviour
@@ -25,13 +26,13 @@ def on_policy_update(cfg: TrainConfig, objective: objectives.Objective) -> bool:
     old-log-prob forward is skipped and the update uses ``stop_gradient(logprobs)`` (ratio 1),
     as TRL's ``GRPOTrainer`` does with one update per generation batch.
     """
+    objective = run.objective
     kl_in_reward = (
         objective.kl_placement == "reward" and objective.kl_kind is not None and objective.kl_coef
     )
     return (
-        cfg.trainer.epochs == 1
-        and cfg.trainer.minibatches == 1
-        and not cfg.rollout.max_staleness  # else sampled by older parameters
+        run.shape.updates_per_step == 1
+        and not run.sampler.max_staleness  # else sampled by older parameters
         and "old_logprobs" not in objective.estimator_requires
         and not kl_in_reward
         and not batch_corrected(objective)

@@ -6,6 +6,9 @@ The built-in tiny model knows nothing at first; its warm-up crosses a sharp tran
 accuracy from ~10% to ~80% within a few hundred steps) whose position moves with the seed, the
 device count and the floats' summation order, so a fixed step count starts RL anywhere between
 40% and 83% held-out accuracy; the probe starts it from a policy of a chosen skill instead.
+
+A stop signal (``train.core.stop_at_step_boundaries``) ends the warm-up at its next step with
+``core.Interrupted`` and nothing saved: its end is the run's first checkpoint (step 0).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.train import adapters, setup
+from jaxrl_llm.train import adapters, core, setup
 from jaxrl_llm.train.rl import episodes
 from jaxrl_llm.train.sft import sft_warmup
 
@@ -58,6 +61,20 @@ def make_probe(run, stop_at: float):
     return probe
 
 
+def stoppable(probe, *, check_every: int, steps: int):
+    """``probe`` (None: no accuracy probe) called every ``check_every`` steps, behind a check
+    at every step that raises ``core.Interrupted`` once a stop signal came."""
+
+    def checked(step: int, params) -> bool:
+        signum = core.stop_requested()
+        if signum is not None:
+            where = f"during the SFT warm-up (step {step} of {steps})"
+            raise core.Interrupted(signum, None, where)
+        return probe is not None and step % check_every == 0 and probe(step, params)
+
+    return checked
+
+
 def describe(cfg, steps: int) -> str:
     """The warm-up in words (the run's first lines and its log)."""
     stop_at = cfg.sft_warmup.stop_at_accuracy
@@ -75,8 +92,12 @@ def warm_up(cfg, run, params: Any, *, steps: int, key: jax.Array) -> tuple[Any, 
     section = cfg.sft_warmup
     stop_at = section.stop_at_accuracy
     log.warning("SFT warm-up: %s before RL (sft_warmup.steps=0 turns it off)", describe(cfg, steps))
+    model_config = adapters.sft_config(cfg, run.model_config)  # LoRA: it makes the base
+    # The probe sees the parameters an adapter-only warm-up merges: checked every step only
+    # where that costs nothing.
+    every = section.check_every if model_config.lora is not None else 1
     params, history = sft_warmup(
-        adapters.sft_config(cfg, run.model_config),  # LoRA: it makes the base
+        model_config,
         params,
         episodes.demonstration_batches(run, section.batch_size, cfg.seed),
         steps=steps,
@@ -87,7 +108,11 @@ def warm_up(cfg, run, params: Any, *, steps: int, key: jax.Array) -> tuple[Any, 
         chunk_size=cfg.model.chunk_size,
         remat=cfg.model.remat,
         param_dtype=setup.param_dtype(cfg.model),
-        probe=None if stop_at is None else make_probe(run, stop_at),
-        check_every=section.check_every,
+        probe=stoppable(
+            None if stop_at is None else make_probe(run, stop_at),
+            check_every=section.check_every,
+            steps=steps,
+        ),
+        check_every=every,
     )
     return params, len(history)

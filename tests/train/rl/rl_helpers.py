@@ -15,7 +15,8 @@ import pytest
 
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config
-from jaxrl_llm.train.rl.config import TrainConfig, check_config, make_objective
+from jaxrl_llm.train.rl.config import TrainConfig, make_objective
+from jaxrl_llm.train.rl.spec import resolve
 from jaxrl_llm.train.rl.updates import on_policy_update
 from jaxrl_llm.train.setup import build_policy
 from tests.train.helpers import (  # noqa: F401  (re-exported for the RL tests)
@@ -123,7 +124,7 @@ def _check_timing(row: dict[str, float], cfg: TrainConfig, reference: bool) -> N
     # seen once per epoch by the update.
     tokens = row["completion_length_mean"] * cfg.rollout.prompts_per_step * cfg.rollout.group_size
     # The behaviour forward is skipped for an on-policy update (one epoch, one minibatch).
-    behaviour = 0 if on_policy_update(cfg, check_config(cfg)) else 1
+    behaviour = 0 if on_policy_update(resolve(cfg, training=False)) else 1
     passes = {"rollout": 1, "logprobs": behaviour + reference, "update": cfg.trainer.epochs}
     for phase, count in passes.items():
         got = row[f"tokens_per_s/{phase}"] * row[f"time/{phase}"]

@@ -24,6 +24,7 @@ from jaxrl_llm.train import timeline
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl.config import check_config
 from jaxrl_llm.train.rl.pipeline import RolloutPipeline
+from jaxrl_llm.train.rl.spec import resolve
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from tests.train.rl import rl_helpers
 
@@ -156,10 +157,8 @@ def test_a_failed_batch_from_a_sampler_process_past_the_end_keeps_those_before_i
 
     pipe.ready = {}
     trainer = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(
-            rollout=types.SimpleNamespace(max_staleness=2),
-            trainer=types.SimpleNamespace(max_steps=2),
-        ),
+        cfg=types.SimpleNamespace(trainer=types.SimpleNamespace(max_steps=2)),
+        spec=types.SimpleNamespace(sampler=types.SimpleNamespace(max_staleness=2)),
         pipeline=pipe,
         run=types.SimpleNamespace(finish_scoring=lambda samples, timer: samples),
         draw_starts={},  # the trainer draws nothing itself
@@ -372,12 +371,11 @@ def test_stale_rollouts_are_never_trained_as_on_policy(tmp_path):
     """With one update per batch the old-log-prob forward is skipped (ratio 1) only when the
     sampler's parameters are the trainer's; a stale batch needs it."""
     cfg = _config(tmp_path, "trainer.epochs=1", "trainer.minibatches=1")
-    objective = check_config(cfg)
-    assert rl_helpers.on_policy_update(cfg, objective)
+    assert rl_helpers.on_policy_update(resolve(cfg, training=False))
     stale = _config(tmp_path, "rollout.max_staleness=1")
-    assert not rl_helpers.on_policy_update(stale, check_config(stale))
+    assert not rl_helpers.on_policy_update(resolve(stale, training=False))
     corrected = _config(tmp_path, "objective.overrides={rollout_correction: {is_level: token}}")
-    assert not rl_helpers.on_policy_update(corrected, check_config(corrected))
+    assert not rl_helpers.on_policy_update(resolve(corrected, training=False))
 
 
 def test_bad_rollout_devices_are_refused(tmp_path):
