@@ -5,7 +5,8 @@ weighted sum, ``compute_rewards`` scores a batch into a float32 ``[B]`` array pl
 per component, ``ScoringPool`` does the same in worker processes, and ``make_reward`` builds a
 registered reward from its config name. Verifiers: ``MathMatch`` (``math_match``: final-answer
 equivalence, builtin or math-verify) and ``CodeExec`` (``code_exec``: the completion's program
-run against the example's tests in a subprocess sandbox); see docs/rewards.md.
+run against the example's tests, in the OS sandbox of ``rewards.sandbox`` or a SandboxFusion
+service, the verdict made here by ``rewards.verdict``); see docs/rewards.md.
 """
 
 from jaxrl_llm.rewards.base import RewardError, RewardFn, RewardInput, reference_answer

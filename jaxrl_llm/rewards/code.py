@@ -5,131 +5,58 @@ The program is the completion's last fenced ```` ```python ```` block (also ``py
 ``incorrect``. The tests come from the example (``example.extra["tests"]`` for a
 ``jaxrl_llm.data.Example``, ``example["tests"]`` for a mapping), in one of two forms:
 
-* **asserts**, a list of Python snippets (``"assert add(2, 3) == 5"``): one process runs the
-  program, then each snippet in the program's namespace, in order, each in its own
-  ``try``, so a failing test does not hide the next one; a test passes when its snippet
-  raises nothing. A program that fails to load (syntax error, exception, ``sys.exit``) fails
-  every test. ``timeout_s`` bounds the whole process: tests not reported by then fail.
-* **stdin/stdout cases**, a list of ``{"input": str, "output": str}``: one process per case
-  runs the program as ``__main__`` with ``input`` on stdin; the case passes when it exits with
-  status 0 within ``timeout_s`` and its stdout equals ``output`` after stripping surrounding
-  whitespace and each line's trailing whitespace. All-or-nothing scoring stops at the first
+* **asserts**, a list of Python snippets (``"assert add(2, 3) == 5"``). The trainer splits each
+  (``rewards.verdict``): only the calls into the program (``add(2, 3)``) go to the sandbox, which
+  runs the program and prints each call's value as plain data; the comparison with the expected
+  values runs here, so the program never sees them and cannot report a pass. A program that
+  fails to load (syntax error, exception, ``sys.exit``) fails every test. ``timeout_s`` bounds
+  the whole process: tests whose calls were not reported by then fail. A snippet that cannot be
+  split this way is a ``ValueError`` naming it.
+* **stdin/stdout cases**, a list of ``{"input": str, "output": str}``: one run per case, the
+  program as ``__main__`` with ``input`` on stdin; the case passes when it exits with status 0
+  within ``timeout_s`` and its stdout equals ``output`` after stripping surrounding whitespace
+  and each line's trailing whitespace (compared here). All-or-nothing scoring stops at the first
   failing case.
 
 A JSON string holding such a list is decoded first; any other string is one assert snippet.
 
-The sandbox (``run_python``): a fresh temporary directory as the working directory (removed
-afterwards), ``python -I -X utf8`` (isolated: no user site, no ``PYTHON*`` variables), a
-minimal environment (``PATH``, ``HOME``/``TMPDIR`` = the directory, one BLAS/OpenMP thread;
-nothing inherited, so no tokens or keys), its own session and process group, killed as a group
-(``SIGKILL``) at the wall-clock limit and again when it ends, so children cannot outlive it. In
-the child, before the program runs, hard resource limits: address space ``memory_mb``
-(``RLIMIT_AS``), CPU time ``ceil(timeout_s) + 1`` s (``RLIMIT_CPU``), files it writes
-16 MiB (``RLIMIT_FSIZE``; stdout and stderr go to such files, so output is capped and never
-buffered in the parent), no core dumps, and a process count (``RLIMIT_NPROC``) of the tasks
-running now plus 64, which stops a fork bomb from growing without bound (root ignores it).
-The limits are set by the child itself rather than in a ``preexec_fn``, which is unsafe in a
-multi-threaded parent such as a JAX process.
-
-What it does NOT isolate: the network, reads (and writes within the size limit) anywhere the
-user may access on the filesystem, other processes of the same user, and the test snippets
-themselves, which run in the program's interpreter where the program can inspect them. It
-contains accidents (infinite loops, memory blow-ups, crashes, runaway output, stray child
-processes), not an adversary: run untrusted code in a container or VM as well. POSIX only.
+Where the program runs (``backend``): ``local``, the operating-system sandbox of
+``rewards.sandbox`` (namespaces, a private read-only filesystem view, an unprivileged user,
+cgroup limits; what this machine allows is logged once), or ``http``, a SandboxFusion service
+(``rewards.sandbox_http``). Either way the program only produces output; every verdict is made
+in the trainer's process. See docs/rewards.md for what each backend isolates.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
-import secrets
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
+from jaxrl_llm.rewards import sandbox
 from jaxrl_llm.rewards.base import RewardInput
+from jaxrl_llm.rewards.sandbox import RunResult, run_sandboxed
+from jaxrl_llm.rewards.sandbox_http import endpoint, run_remote
+from jaxrl_llm.rewards.verdict import TestPlan, harness_source, judge, split_tests
+
+__all__ = [
+    "BACKENDS",
+    "CodeExec",
+    "RunResult",
+    "example_tests",
+    "extract_code",
+    "run_assert_tests",
+    "run_python",
+]
 
 _FENCE = re.compile(r"```[ \t]*([\w+.#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = frozenset({"python", "py", "python3", "py3"})
-_MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE: stdout, stderr and any file the program writes
-_MAX_STDERR_CHARS = 64 << 10  # stderr kept in a RunResult (diagnostics only)
-_EXTRA_PROCESSES = 64  # RLIMIT_NPROC headroom over the tasks running at launch
+BACKENDS = ("local", "http")
 
-# Runs inside the sandboxed interpreter: sets the limits, then either runs main.py as __main__
-# ("run") or the program and its assert snippets from a JSON payload on stdin ("tests"),
-# reporting "<token> <index> pass|fail" lines on a private copy of stdout.
-_HARNESS = r"""
-import json, os, resource, runpy, sys
-
-def _limit(kind, value):
-    hard = resource.getrlimit(kind)[1]
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    try:
-        resource.setrlimit(kind, (value, value))
-    except (ValueError, OSError):
-        pass
-
-mode, memory, cpu, fsize, nproc = sys.argv[1], *map(int, sys.argv[2:6])
-_limit(resource.RLIMIT_AS, memory)
-_limit(resource.RLIMIT_CPU, cpu)
-_limit(resource.RLIMIT_FSIZE, fsize)
-_limit(resource.RLIMIT_CORE, 0)
-if nproc > 0:
-    _limit(resource.RLIMIT_NPROC, nproc)
-if mode == "run":
-    sys.argv = ["main.py"]
-    runpy.run_path("main.py", run_name="__main__")
-else:
-    payload = json.loads(sys.stdin.buffer.read())
-    token, code, tests = payload["token"], payload["code"], payload["tests"]
-    del payload
-    report = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    namespace = {"__name__": "__main__"}
-    try:
-        exec(compile(code, "main.py", "exec"), namespace)
-    except BaseException as err:
-        report.write(f"{token} load {type(err).__name__}\n")
-        report.flush()
-        os._exit(1)
-    for index, test in enumerate(tests):
-        try:
-            exec(compile(test, f"<test {index}>", "exec"), namespace)
-            outcome = "pass"
-        except BaseException:
-            outcome = "fail"
-        report.write(f"{token} {index} {outcome}\n")
-        report.flush()
-    os._exit(0)
-"""
-
-
-class RunResult(NamedTuple):
-    """What a sandboxed run left behind.
-
-    Attributes:
-      returncode: the exit status (negative: killed by that signal), ``None`` when it was
-        killed at the wall-clock limit.
-      stdout: its standard output (at most 16 MiB; UTF-8, undecodable bytes replaced).
-      stderr: the first 64 KiB characters of its standard error.
-      timed_out: whether it ran past the wall-clock limit.
-    """
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
+Runner = Callable[[str, str], RunResult]  # (source, stdin) -> result, limits bound
 
 
 def extract_code(text: str) -> str | None:
@@ -144,135 +71,58 @@ def extract_code(text: str) -> str | None:
     return chosen if chosen is not None and chosen.strip() else None
 
 
-def _task_count() -> int:
-    """Tasks (threads included) running on the machine now, from ``/proc/loadavg``; 0 unknown."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _read(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
-
-
-def _execute(
-    mode: str, files: Mapping[str, str], stdin: bytes, *, timeout_s: float, memory_mb: int
-) -> RunResult:
-    """Runs the harness in ``mode`` in a fresh directory holding ``files``; see the module."""
-    # The program's directory holds only its own files; its stdio files live elsewhere.
-    workdir = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
-    iodir = tempfile.mkdtemp(prefix="jaxrl-sandbox-io-")
-    try:
-        for name, text in files.items():
-            with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        paths = {n: os.path.join(iodir, n) for n in ("stdin", "stdout", "stderr")}
-        with open(paths["stdin"], "wb") as f:
-            f.write(stdin)
-        tasks = _task_count()
-        limits = [
-            memory_mb << 20,
-            math.ceil(timeout_s) + 1,
-            _MAX_FILE_BYTES,
-            tasks + _EXTRA_PROCESSES if tasks else 0,
-        ]
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-I", "-X", "utf8", "-c", _HARNESS, mode, *map(str, limits)]
-        with (
-            open(paths["stdin"], "rb") as fin,
-            open(paths["stdout"], "wb") as fout,
-            open(paths["stderr"], "wb") as ferr,
-        ):
-            process = subprocess.Popen(
-                command,
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                cwd=workdir,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
-            try:
-                returncode = process.wait(timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                _kill_group(process.pid)
-                process.wait()
-                returncode, timed_out = None, True
-            _kill_group(process.pid)  # children it left behind
-        stdout = _read(paths["stdout"], _MAX_FILE_BYTES)
-        stderr = _read(paths["stderr"], _MAX_STDERR_CHARS)
-        return RunResult(returncode, stdout, stderr, timed_out)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(iodir, ignore_errors=True)
-
-
 def run_python(
     source: str, *, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512
 ) -> RunResult:
-    """Runs ``source`` as a ``__main__`` script in the sandbox (module docstring).
+    """Runs ``source`` as a ``__main__`` script in the local sandbox (``rewards.sandbox``).
 
     Args:
-      source: the program text, saved as ``main.py`` in the run's directory.
+      source: the program text, saved as ``main.py`` in the run's private directory.
       stdin: its standard input.
       timeout_s: wall-clock limit, interpreter start included.
-      memory_mb: address-space limit.
+      memory_mb: address-space limit of its process.
 
     Returns:
       The run's ``RunResult``.
     """
-    return _execute(
-        "run",
-        {"main.py": source},
-        stdin.encode("utf-8"),
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
+    return run_sandboxed(
+        source, stdin=stdin.encode("utf-8"), timeout_s=timeout_s, memory_mb=memory_mb
     )
+
+
+def _assert_tests(run: Runner, source: str, plan: TestPlan) -> list[bool]:
+    """Runs ``plan``'s probes after ``source`` with ``run``; judges them here."""
+    result = run(harness_source(source, plan.probes), "")
+    if not result.timed_out and result.returncode != 0:
+        return [False] * len(plan.checks)  # did not load, crashed, or was stopped
+    if result.timed_out and not result.stdout:
+        return [False] * len(plan.checks)  # never got past loading
+    return judge(plan, result.stdout, timed_out=result.timed_out)
 
 
 def run_assert_tests(
     source: str, tests: Sequence[str], *, timeout_s: float = 5.0, memory_mb: int = 512
 ) -> list[bool]:
-    """Runs ``source`` then each test snippet in one sandboxed process; which passed.
+    """Runs ``source`` and each test's calls in the local sandbox; judges the tests here.
 
     Args:
       source: the program text.
-      tests: Python snippets run after it in its namespace, each on its own.
+      tests: assert snippets (see ``rewards.verdict`` for the forms accepted).
       timeout_s: wall-clock limit for the whole process.
       memory_mb: address-space limit.
 
     Returns:
-      One bool per test: it ran and raised nothing (tests not reached in time fail).
+      One bool per test (tests whose calls were not reported in time fail).
+
+    Raises:
+      ValueError: naming a test that cannot be judged outside the program.
     """
-    token = secrets.token_hex(16)
-    payload = json.dumps({"token": token, "code": source, "tests": list(tests)})
-    result = _execute(
-        "tests", {}, payload.encode("utf-8"), timeout_s=timeout_s, memory_mb=memory_mb
-    )
-    passed = [False] * len(tests)
-    for line in result.stdout.splitlines():
-        fields = line.split()
-        if len(fields) == 3 and fields[0] == token and fields[2] == "pass":
-            if fields[1].isdigit() and int(fields[1]) < len(tests):
-                passed[int(fields[1])] = True
-    return passed
+    plan = split_tests(tests)
+
+    def run(script: str, stdin: str) -> RunResult:
+        return run_python(script, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
+
+    return _assert_tests(run, source, plan)
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -329,17 +179,24 @@ class CodeExec:
 
     ``r = incorrect + (correct - incorrect) · passed / total`` with ``partial``, else
     ``correct`` when every test passes and ``incorrect`` otherwise (a completion without a
-    code block included). Tests and sandbox: see the module docstring.
+    code block included). Tests, verdicts and backends: see the module docstring.
 
     Attributes:
       timeout_s: wall-clock limit of one run: the asserts' process, or one stdin/stdout case.
-      memory_mb: address-space limit of the program's process.
+      memory_mb: memory limit of the program's process (local: ``RLIMIT_AS``; http:
+        ``memory_limit_MB``).
       partial: score the fraction of tests passed instead of all-or-nothing.
       correct: reward when every test passes.
       incorrect: reward when none does (or there is no program).
+      backend: ``"local"`` (the OS sandbox on this machine) or ``"http"`` (SandboxFusion).
+      url: the SandboxFusion service (``http://host:8080`` or its ``.../run_code``); http only.
+      retries: http: further tries of a failed request, with exponential backoff.
+      max_concurrency: http: requests in flight to ``url`` from one process.
 
     Raises:
-      ValueError: on a non-positive ``timeout_s`` or ``memory_mb``.
+      ValueError: on a non-positive ``timeout_s`` or ``memory_mb``, an unknown ``backend``, a
+        missing or malformed ``url`` for http, a ``url`` for local, a negative ``retries`` or a
+        ``max_concurrency`` below 1.
     """
 
     name: ClassVar[str] = "code_exec"
@@ -348,6 +205,10 @@ class CodeExec:
     partial: bool = False
     correct: float = 1.0
     incorrect: float = 0.0
+    backend: str = "local"
+    url: str | None = None
+    retries: int = 3
+    max_concurrency: int = 8
 
     def __post_init__(self):
         if not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s < math.inf:
@@ -358,35 +219,82 @@ class CodeExec:
             raise ValueError(f"code_exec memory_mb must be an int, got {self.memory_mb!r}")
         if self.memory_mb <= 0:
             raise ValueError(f"code_exec memory_mb must be positive, got {self.memory_mb}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"code_exec backend must be one of {list(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.backend == "http":
+            if self.url is None:
+                raise ValueError(
+                    "code_exec backend 'http' needs url: the SandboxFusion service, "
+                    "e.g. url: http://localhost:8080"
+                )
+            endpoint(self.url)  # a clear ValueError for a malformed one
+        elif self.url is not None:
+            raise ValueError(
+                f"code_exec url is only used with backend 'http' (backend is {self.backend!r})"
+            )
+        for field, low in (("retries", 0), ("max_concurrency", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"code_exec {field} must be an int >= {low}, got {value!r}")
+        if self.backend == "local":
+            sandbox.announce()  # the run's first lines say which protections are missing
+
+    def _runner(self) -> Runner:
+        limits = {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
+        if self.backend == "http":
+            url, retries, concurrency = endpoint(self.url), self.retries, self.max_concurrency
+
+            def remote(source: str, stdin: str) -> RunResult:
+                return run_remote(
+                    url, source, stdin=stdin, retries=retries, max_concurrency=concurrency, **limits
+                )
+
+            return remote
+
+        def local(source: str, stdin: str) -> RunResult:
+            return run_python(source, stdin=stdin, **limits)
+
+        return local
 
     def passed(self, code: str, example: Any) -> list[bool]:
         """Which of ``example``'s tests ``code`` passes (all-or-nothing stops at a failure).
 
         Raises:
-          ValueError: if the example's ``tests`` field is missing or malformed.
+          ValueError: if the example's ``tests`` field is missing or malformed, or an assert
+            cannot be judged outside the program.
         """
-        return self._run(code, *example_tests(example))
+        kind, tests = example_tests(example)
+        return self._run(code, kind, split_tests(tests) if kind == "asserts" else tests)
 
-    def _run(self, code: str, kind: str, tests: list) -> list[bool]:
-        limits = {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
+    def _run(self, code: str, kind: str, tests: Any) -> list[bool]:
+        run = self._runner()
         if kind == "asserts":
-            return run_assert_tests(code, tests, **limits)
+            return _assert_tests(run, code, tests)
         results: list[bool] = []
         for case in tests:
-            run = run_python(code, stdin=case["input"], **limits)
-            ok = run.returncode == 0 and _same_output(run.stdout, case["output"])
+            result = run(code, case["input"])
+            ok = (
+                result.returncode == 0
+                and not result.timed_out
+                and _same_output(result.stdout, case["output"])
+            )
             results.append(ok)
             if not ok and not self.partial:
                 break
         return results + [False] * (len(tests) - len(results))
 
     def __call__(self, inp: RewardInput) -> float:
-        kind, tests = example_tests(inp.example)  # a missing field is an error, code or not
+        # A missing or unsupported tests field is an error, code or not.
+        kind, tests = example_tests(inp.example)
+        plan = split_tests(tests) if kind == "asserts" else tests
         code = extract_code(inp.completion)
         if code is None:
             return float(self.incorrect)
-        passed = self._run(code, kind, tests)
+        passed = self._run(code, kind, plan)
+        total = len(passed)
         if self.partial:
-            fraction = sum(passed) / len(tests)
+            fraction = sum(passed) / total
             return float(self.incorrect + (self.correct - self.incorrect) * fraction)
         return float(self.correct if all(passed) else self.incorrect)

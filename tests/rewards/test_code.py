@@ -66,6 +66,8 @@ def test_each_assert_is_isolated():
     # A failure in the middle does not hide the tests after it.
     tests = ["assert add(1, 2) == 3", "assert add(1, 2) == 4", "raise KeyError", "add(0, 0)"]
     assert run_assert_tests(ADD, tests) == [True, False, False, True]
+    tests = ["assert add(1, 'x') == 3", "assert add(1, 1) == 2.0", "assert add(True, 0)"]
+    assert run_assert_tests(ADD, tests) == [False, True, True]  # Python's own == and truth
 
 
 @pytest.mark.parametrize(
@@ -102,9 +104,10 @@ def test_infinite_loop_is_stopped_at_the_timeout():
     assert score(fenced("while True:\n    pass\n"), ADD_TESTS, timeout_s=0.5) == 0.0
     assert time.monotonic() - start < 2.0
     # Tests reported before a hanging one keep their result.
-    tests = ["assert add(1, 2) == 3", "while True: pass", "assert add(2, 2) == 4"]
+    spin = ADD + "def spin():\n    while True:\n        pass\n"
+    tests = ["assert add(1, 2) == 3", "spin()", "assert add(2, 2) == 4"]
     start = time.monotonic()
-    partial = score(fenced(ADD), tests, timeout_s=0.5, partial=True)
+    partial = score(fenced(spin), tests, timeout_s=0.5, partial=True)
     assert partial == pytest.approx(1 / 3) and time.monotonic() - start < 2.0
 
 
@@ -114,29 +117,14 @@ def test_memory_limit():
     assert "MemoryError" in run_python(hog, memory_mb=128).stderr
 
 
-def test_environment_is_minimal_and_directory_fresh(monkeypatch):
+def test_environment_is_constant_and_directory_fresh(monkeypatch):
     monkeypatch.setenv("JAXRL_TEST_SECRET", "hunter2")
-    probe = "import os\nprint(sorted(os.environ).count('JAXRL_TEST_SECRET'), os.listdir('.'))\n"
+    probe = "import os\nprint(sorted(os.environ), os.listdir('.'))\n"
     run = run_python(probe)
     assert run.returncode == 0 and not run.timed_out
-    assert run.stdout.split() == ["0", "['main.py']"]
+    names = ["MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"]
+    assert run.stdout.strip() == f"{names} ['main.py']"
     assert os.getcwd() not in run_python("import os\nprint(os.getcwd())").stdout
-
-
-def test_children_do_not_outlive_the_run():
-    program = (
-        "import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(30)\n    os._exit(0)\n"
-        "print(pid)\n"
-    )
-    run = run_python(program)
-    pid = int(run.stdout)
-    time.sleep(0.2)
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z", "X"), state
 
 
 def test_output_is_capped():
