@@ -12,7 +12,7 @@ import importlib.util
 import sys
 
 from jaxrl_llm import __version__
-from jaxrl_llm.console import log_to_stderr
+from jaxrl_llm.console import log_to_stderr, quiet_start
 
 # subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None and not argv else 2
     module, func, _ = SUBCOMMANDS[argv[0]]
+    quiet_start()  # before the subcommand starts JAX: no backend probing on a CPU machine
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
 
 

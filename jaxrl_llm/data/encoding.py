@@ -1,8 +1,12 @@
-"""Prompt and completion encoding: text ↔ padded token arrays, and the stop-token rule.
+"""Prompt and completion encoding: text ↔ padded token arrays, the stop-token rule and the
+prompt format a policy was trained with.
 
 Host-side NumPy, no JAX. Prompts are left-padded (generation appends on the right),
 completions right-padded; masks are bool. One rule decides which ids end a completion, shared
-by training rollouts and ``jaxrl-llm generate``: :func:`stop_token_ids`.
+by training rollouts and ``jaxrl-llm generate``: :func:`stop_token_ids`. A trained policy
+carries its prompt format: the run writes a :class:`PromptFormat` (chat template or raw text,
+system prompt) as ``prompt_format.json`` beside the weights in ``hf/`` (its stop tokens are in
+``generation_config.json``), and ``jaxrl-llm generate`` and ``eval`` read it back.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +55,59 @@ def stop_token_ids(tokenizer, model_config: Any = None, model_dir: str | None = 
             "defines an EOS id"
         )
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+#: The file in a Hugging Face checkpoint directory that records how its policy was prompted.
+PROMPT_FORMAT_FILE = "prompt_format.json"
+
+
+class PromptFormat(NamedTuple):
+    """How a policy's prompts were written in training (``data.chat_template``,
+    ``data.system_prompt``): through the tokenizer's chat template (with this system message)
+    or as raw text."""
+
+    chat_template: bool
+    system_prompt: str | None = None
+
+    def describe(self) -> str:
+        """``with its chat template`` / ``without its chat template`` (notes' words)."""
+        return f"{'with' if self.chat_template else 'without'} its chat template"
+
+
+def write_prompt_format(directory, prompt_format: PromptFormat) -> None:
+    """Writes ``directory/prompt_format.json`` (a checkpoint directory that exists)."""
+    path = os.path.join(os.fspath(directory), PROMPT_FORMAT_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(prompt_format._asdict(), f, indent=2)
+        f.write("\n")
+
+
+def read_prompt_format(directory) -> PromptFormat | None:
+    """The prompt format recorded in ``directory`` (None: no record, as in any checkpoint not
+    written by a ``jaxrl-llm`` run).
+
+    Raises:
+      ValueError: an unreadable or malformed ``prompt_format.json``.
+    """
+    path = os.path.join(os.fspath(directory), PROMPT_FORMAT_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    system_prompt = record.get("system_prompt") if isinstance(record, dict) else None
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("chat_template"), bool)
+        or not (system_prompt is None or isinstance(system_prompt, str))
+    ):
+        raise ValueError(
+            f"{path} must hold {{'chat_template': true|false, 'system_prompt': str|null}}, "
+            f"got {record!r}"
+        )
+    return PromptFormat(record["chat_template"], system_prompt)
 
 
 def encode_prompts(

@@ -11,7 +11,8 @@ ones, once per process):
 * **a filesystem view of its own**: the root is an empty read-only tmpfs holding read-only binds
   of the system libraries (``/usr``, ``/lib*``, ``/bin``), the interpreter's prefix and its
   site-packages, ``/dev/{null,zero,full,random,urandom}``, a fresh ``/proc`` (its own PID
-  namespace only) and a writable, size-limited ``/tmp`` tmpfs, its working directory; nothing
+  namespace only) and a writable, size-limited ``/tmp`` tmpfs (its working directory a fresh
+  ``/tmp/run``; binds of an interpreter under ``/tmp`` lie on it, read-only); nothing
   else of the host (no datasets, checkpoints, home directories, other runs) is visible, and
   whatever it writes disappears with the mount namespace.
 * **an unprivileged user**: a fresh uid per run (from a range no account uses) when the trainer
@@ -198,19 +199,21 @@ if namespaces:
         mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
         for link, target in cfg["symlinks"]:
             os.symlink(target, root + link)
+        # The private /tmp first: a bind under /tmp (an interpreter or virtualenv there) then
+        # lands on it, read-only, instead of being hidden by it.
+        os.makedirs(root + "/tmp")
+        mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+              f"size={cfg['tmp_mb']}m,mode=1777")
         for path in cfg["binds"]:
             bind(path, root)
         os.makedirs(root + "/proc")
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        os.makedirs(root + "/tmp")
-        mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-              f"size={cfg['tmp_mb']}m,mode=1777")
         os.chdir(root)
         check(libc.syscall(cfg["pivot_root"], b".", b"."), "pivot_root")
         check(libc.umount2(b".", 2), "umount old root")
         os.chdir("/")
         mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-        workdir = "/tmp"
+        workdir = "/tmp/run"  # made by the program's user, below (/tmp may hold binds)
     except OSError:
         missing.append("private filesystem view")
         os.chdir("/")
@@ -268,6 +271,8 @@ try:
         check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     if sys.platform == "linux":
         check(prctl(38, 1, 0, 0, 0), "no_new_privs")
+    if namespaces and workdir == "/tmp/run":
+        os.mkdir(workdir, 0o700)
     os.chdir(workdir)
     with open("main.py", "w", encoding="utf-8") as f:
         f.write(cfg["source"])
@@ -660,7 +665,7 @@ def run_sandboxed(
     """Runs ``source`` as ``__main__`` in the local sandbox (module docstring).
 
     Args:
-      source: the program text (saved as ``main.py`` in the run's private ``/tmp``).
+      source: the program text (saved as ``main.py`` in ``/tmp/run`` of the run's private ``/tmp``).
       stdin: its standard input.
       timeout_s: wall-clock limit, interpreter start included.
       memory_mb: address-space limit of the program's process (the run's cgroup allows

@@ -14,8 +14,12 @@ Two ways to give prompts:
 ``--stop TEXT`` (repeatable) ends a completion once its tokens end with TEXT's tokens (matched
 as token ids on device, so TEXT must tokenize the same inside a completion).
 
-Prompts go through the checkpoint's chat template when it has one (``--no-chat-template``:
-raw text; ``--chat-template``: required, an error without one); ``messages`` always need it.
+Prompts are written as the policy was trained: a checkpoint written by a ``jaxrl-llm`` run
+records its prompt format (``prompt_format.json``: chat template or raw text, system prompt;
+``data.encoding.PromptFormat``); any other checkpoint's prompts go through its chat template
+when it has one. ``--chat-template`` / ``--no-chat-template`` override that (a one-line note
+says when it differs from the training); ``messages`` always need the template, and a
+checkpoint without one is bad input (exit 2, as every other bad input).
 Requests run through ``jaxrl_llm.sampling.engine`` (``--engine continuous``, the default, refills
 slots as completions finish; ``static`` decodes one batch of ``--slots`` requests at a time);
 the ``G`` samples of a prompt share its prefill, and each request's tokens depend only on
@@ -29,7 +33,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from jaxrl_llm.console import USER_ERRORS, quiet_start
+
+if TYPE_CHECKING:
+    from jaxrl_llm.data.encoding import PromptFormat
 
 _DTYPES = ("float32", "bfloat16")
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "id"}
@@ -38,25 +47,47 @@ _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "id"}
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxrl-llm generate",
-        description="Sample completions from a Hugging Face checkpoint directory.",
+        description="Sample completions from a Hugging Face checkpoint directory (a run's "
+        "hf/, prompted as it was trained).",
     )
     parser.add_argument("model_dir", help="directory with config.json, safetensors, tokenizer")
     parser.add_argument("prompt", nargs="*", help="prompts (or --prompts FILE.jsonl)")
     parser.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON request per line")
     parser.add_argument("--out", metavar="OUT.jsonl", help="write the completions as JSONL")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="tokens a completion (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature, 0 = greedy (default: %(default)s)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="(default: %(default)s = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="(default: %(default)s = off)")
+    parser.add_argument(
+        "--num-samples", type=int, default=1, help="completions per prompt (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument(
+        "--dtype", choices=_DTYPES, default="float32", help="parameter dtype (default: %(default)s)"
+    )
     parser.add_argument(
         "--slots", type=int, default=None, help="decode slots (default: min(64, requests))"
     )
-    parser.add_argument("--engine", choices=("continuous", "static"), default="continuous")
-    parser.add_argument("--burst", type=int, default=8, help="decode steps per host round trip")
+    parser.add_argument(
+        "--engine",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=8,
+        help="decode steps per host round trip (default: %(default)s)",
+    )
     parser.add_argument(
         "--kv-block-size",
         type=int,
@@ -78,10 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     template = parser.add_mutually_exclusive_group()
     template.add_argument(
-        "--chat-template", action="store_true", help="require and apply the chat template"
+        "--chat-template",
+        action="store_true",
+        help="apply the tokenizer's chat template (default: as the policy was trained, from its "
+        "prompt_format.json; without one, whenever the tokenizer has a template)",
     )
     template.add_argument(
-        "--no-chat-template", action="store_true", help="tokenize the prompts as raw text"
+        "--no-chat-template",
+        action="store_true",
+        help="tokenize the prompts as raw text (default: as the policy was trained)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -118,10 +154,34 @@ def read_prompts(path: str) -> list[dict]:
     return rows
 
 
-def _encode(tokenizer: Any, row: dict, *, chat: bool) -> list[int]:
+def choose_prompt_format(
+    trained: PromptFormat | None, *, asked: bool | None, has_template: bool, model_dir: str
+) -> tuple[PromptFormat, str | None]:
+    """``(format to prompt with, note)``: the format the policy was ``trained`` with unless
+    the user ``asked`` for the chat template (True) or raw text (False); a checkpoint without a
+    record uses its template when it has one. ``note``: one line when what was asked differs
+    from the training, else None."""
+    from jaxrl_llm.data.encoding import PromptFormat  # noqa: PLC0415
+
+    if asked is None:
+        return (trained if trained is not None else PromptFormat(has_template)), None
+    keep_system = trained is not None and trained.chat_template and asked
+    chosen = PromptFormat(asked, trained.system_prompt if keep_system else None)
+    if trained is None or trained.chat_template == asked:
+        return chosen, None
+    flag = "--chat-template applies it" if asked else "--no-chat-template leaves it out"
+    return chosen, f"note: {model_dir} was trained {trained.describe()}; {flag} anyway"
+
+
+def _encode(tokenizer: Any, row: dict, prompt_format: PromptFormat) -> list[int]:
     """The prompt's token ids (no padding)."""
-    if "messages" in row or chat:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    if "messages" in row or prompt_format.chat_template:
+        messages = [
+            dict(m) for m in row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        ]
+        system = prompt_format.system_prompt if prompt_format.chat_template else None
+        if system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})  # as in training
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already writes any BOS it wants.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -155,10 +215,11 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
 
+    quiet_start()
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_llm.data.encoding import stop_token_ids
+    from jaxrl_llm.data.encoding import read_prompt_format, stop_token_ids
     from jaxrl_llm.models import load_pretrained, load_tokenizer
     from jaxrl_llm.sampling.engine import Engine, Request
 
@@ -166,10 +227,18 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         rows = read_prompts(args.prompts) if args.prompts else [{"prompt": p} for p in args.prompt]
         tokenizer = load_tokenizer(args.model_dir)
         has_template = bool(getattr(tokenizer, "chat_template", None))
-        if (args.chat_template or any("messages" in r for r in rows)) and not has_template:
+        asked = True if args.chat_template else False if args.no_chat_template else None
+        prompt_format, note = choose_prompt_format(
+            read_prompt_format(args.model_dir),
+            asked=asked,
+            has_template=has_template,
+            model_dir=args.model_dir,
+        )
+        if (prompt_format.chat_template or any("messages" in r for r in rows)) and not has_template:
             raise ValueError(f"{args.model_dir} has no chat template (needed for chat prompts)")
-        chat = has_template and not args.no_chat_template
-        prompts = [_encode(tokenizer, row, chat=chat) for row in rows]
+        if note is not None:
+            print(note, file=sys.stderr)
+        prompts = [_encode(tokenizer, row, prompt_format) for row in rows]
         config, params = load_pretrained(args.model_dir, dtype=jnp.dtype(args.dtype))
         eos_ids = stop_token_ids(tokenizer, config, args.model_dir)
         pad_id = tokenizer.pad_token_id
@@ -210,9 +279,9 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         finally:
             if progress is not None:
                 progress.close()
-    except ValueError as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
 
     texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) for r in results]
     if args.out:

@@ -4,7 +4,12 @@ The config's top-level ``job`` (or a ``job=...`` override; default ``rl``) picks
 ``rl`` runs the RL trainer (``train.rl``), ``preference`` and ``reward_model`` run offline
 preference training (``train.preference``). A user error — an unknown key, a missing file, a
 bad record, a batch that does not divide the mesh — prints one ``error:`` line and exits 2,
-leaving no run directory behind that the run created.
+leaving no run directory behind that the run created. A reward function that fails (raises,
+returns NaN) is a user error too: its ``error:`` line shows the completion it failed on, and
+its traceback goes to ``RUN_DIR/error.log`` (``--debug``: every error raises, with its
+traceback). Ctrl-C (SIGINT) or SIGTERM stops the run at the end of its step with a checkpoint
+(``train.core``): one line says how to resume, and the exit status is 128 + the signal (130
+for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +49,42 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog="Overrides: run_dir=PATH seed=N trainer.max_steps=N checkpoint.every_steps=N "
         "resume=true mesh.data=2 mesh.fsdp=2 mesh.tensor=2 objective.name=dapo job=preference "
-        "loss.name=kto ...",
+        "loss.name=kto ... Ctrl-C (or SIGTERM) stops at the end of the current step with a "
+        "checkpoint, and resume=true continues from it.",
     )
     parser.add_argument("config", nargs="?", help="YAML config (default: the built-in task)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="errors raise with their traceback (default: one error: line; a failing reward's "
+        "traceback goes to RUN_DIR/error.log)",
+    )
     return parser
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that resumes the run ``jaxrl-llm train ARGV`` started."""
+    kept = [a for a in argv if a.partition("=")[0].strip() != "resume"]
+    return shlex.join(["jaxrl-llm", "train", *kept, "resume=true"])
+
+
+def _interrupted_line(stop, argv: Sequence[str]) -> str:
+    if stop.step is None:
+        return (
+            f"interrupted {stop.where}, before the first checkpoint: nothing to resume (the "
+            "same command starts over)"
+        )
+    return f"interrupted {stop.where}; resume with {resume_command(argv)}"
+
+
+def _log_traceback(run_dir: pathlib.Path, err: BaseException) -> str | None:
+    """Writes ``err``'s traceback to ``RUN_DIR/error.log``; its path (None: no run dir)."""
+    if not run_dir.is_dir():
+        return None
+    path = run_dir / "error.log"
+    path.write_text("".join(traceback.format_exception(err)), encoding="utf-8")
+    return os.fspath(path)
 
 
 def resolve_job(config_path: str | os.PathLike | None, overrides: Sequence[str]) -> str:
@@ -92,15 +130,23 @@ def _load(config_path, overrides):
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line, resolves the config and runs the job (exit 2: user error)."""
-    args = _parser().parse_args(argv)
+    """Parses the command line, resolves the config and runs the job (exit 2: user error;
+    128 + the signal: stopped by SIGINT / SIGTERM, with a checkpoint to resume from)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Options may come anywhere among the overrides (``train CONFIG --debug seed=1``).
+    args = _parser().parse_intermixed_args(argv)
     config_path, overrides = args.config, list(args.overrides)
     if config_path is not None and "=" in config_path:
         config_path, overrides = None, [config_path, *overrides]
     quiet_start()
+    from jaxrl_llm.rewards import RewardError  # noqa: PLC0415
+    from jaxrl_llm.train.core import Interrupted  # noqa: PLC0415
+
     try:
         job, cfg = _load(config_path, overrides)
     except USER_ERRORS as err:
+        if args.debug:
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     run_dir = pathlib.Path(cfg.run_dir)
@@ -111,7 +157,29 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         from jaxrl_llm.train.preference.run import run  # noqa: PLC0415
     try:
         summary = run(cfg)
+    except Interrupted as stop:
+        print(_interrupted_line(stop, argv), file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, mid-step
+        saved = (run_dir / "checkpoints").is_dir()
+        where = f"resume=true continues from the latest checkpoint: {resume_command(argv)}"
+        print(
+            f"interrupted mid-step; {where if saved else 'no checkpoint to resume from'}",
+            file=sys.stderr,
+        )
+        return 130
+    except RewardError as err:
+        # The run started: what it wrote (samples, metrics) shows what the reward saw.
+        if args.debug:
+            raise
+        logged = _log_traceback(run_dir, err)
+        print(f"error: {err}", file=sys.stderr)
+        if logged is not None:
+            print(f"  traceback: {logged} (--debug prints it here)", file=sys.stderr)
+        return 2
     except USER_ERRORS as err:
+        if args.debug:
+            raise
         # A run refused before its first checkpoint leaves nothing it created behind.
         if not existed and not (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -155,17 +223,17 @@ def _policy_params(job: str, state: dict) -> Any:
 def export_run(
     run_dir, *, step: int | None = None, dtype: str | None = None, out=None, merge: bool = False
 ) -> str:
-    """Writes a Hugging Face checkpoint of ``run_dir``'s policy at ``step`` (default: latest);
-    a LoRA run's is a PEFT adapter (``merge``: the merged full weights).
+    """Writes a Hugging Face checkpoint of ``run_dir``'s policy at ``step`` (default: latest),
+    with the prompt format the run trained it with (``prompt_format.json``); a LoRA run's is a
+    PEFT adapter (``merge``: the merged full weights).
 
     Raises:
       FileNotFoundError: not a run directory, or no such checkpoint.
       ValueError: ``merge`` for a run without adapters.
     """
-    import jax.numpy as jnp  # noqa: PLC0415
-
     from jaxrl_llm import data, models  # noqa: PLC0415
-    from jaxrl_llm.train import adapters, export, setup  # noqa: PLC0415
+    from jaxrl_llm.data.encoding import PromptFormat, write_prompt_format  # noqa: PLC0415
+    from jaxrl_llm.train import setup  # noqa: PLC0415
     from jaxrl_llm.train.checkpoint import Checkpointer  # noqa: PLC0415
 
     run_dir = pathlib.Path(run_dir)
@@ -185,6 +253,18 @@ def export_run(
     else:
         tokenizer = data.build_char_tokenizer(setup.tiny_alphabet(cfg))
     out = run_dir / f"hf-{step}" if out is None else pathlib.Path(out)
+    written = _export(job, cfg, run_dir, params, tokenizer, out, dtype=dtype, merge=merge)
+    write_prompt_format(written, PromptFormat(cfg.data.chat_template, cfg.data.system_prompt))
+    return written
+
+
+def _export(job, cfg, run_dir, params, tokenizer, out, *, dtype, merge) -> str:
+    """Writes the checkpoint ``export_run`` describes; returns its directory."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxrl_llm import data, models  # noqa: PLC0415
+    from jaxrl_llm.train import adapters, export, setup  # noqa: PLC0415
+
     if cfg.model.lora is not None and job == "reward_model":
         return _export_lora_reward_model(cfg, run_dir, params, tokenizer, out, dtype)
     if cfg.model.lora is not None:  # the checkpoint holds the adapters; the base is on disk

@@ -5,9 +5,17 @@ holds checkpoints unless ``resume=true`` (and then a config that changed in a wa
 exact resumption unless ``resume_force=true``), writes ``config.yaml`` only once every check has
 passed, runs the step loop with evaluation, ``metrics.jsonl`` rows, per-phase timings, the
 progress bar, orbax checkpoints and, with ``logging.wandb``, a W&B run, and ends with
-``summary.json``, ``plots/*.png`` and a Hugging Face checkpoint of the final policy in ``hf/``.
-A wing (``train.rl``, ``train.preference``) supplies the state, one step, the evaluation and
-what to export.
+``summary.json``, ``plots/*.png`` and a Hugging Face checkpoint of the final policy in ``hf/``
+(with the prompt format it was trained with, ``hf/prompt_format.json``). A wing
+(``train.rl``, ``train.preference``) supplies the state, one step, the evaluation and what to
+export.
+
+Interruption: SIGINT (Ctrl-C) or SIGTERM while a single-process run trains lets the current
+step finish, checkpoints it and raises :class:`Interrupted` (``jaxrl-llm train`` says where
+and how to resume in one line, and exits ``128 + signal``); a second signal stops at once. A
+wing whose setup trains before step 1 (the RL job's SFT warm-up) records the steps it ran in
+``extra[WARMUP_KEY]``, and a fresh run then checkpoints step 0, so a resumed run never redoes
+the warm-up; the warm-up itself stops on a signal with nothing saved.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import contextlib
 import logging
 import os
 import pathlib
+import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,6 +33,7 @@ from typing import Any
 import jax
 
 from jaxrl_llm import parallel
+from jaxrl_llm.data.encoding import PromptFormat, write_prompt_format
 from jaxrl_llm.train import plots, timeline
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config, save_config, to_dict
@@ -43,6 +54,67 @@ RESUME_SAFE_KEYS = (
     "checkpoint.async_save",
     "logging.",
 )
+# How a run was started, not what it computes: never a change worth a note.
+RESUME_FLAGS = ("resume", "resume_force")
+
+#: ``extra`` key under which a wing records the steps its setup trained before step 1 (the RL
+#: job's SFT warm-up): a fresh run with such steps checkpoints step 0.
+WARMUP_KEY = "sft_warmup_steps"
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_signals: list[int] = []  # received while a run trains (``stop_at_step_boundaries``)
+
+
+class Interrupted(Exception):
+    """A run stopped by a signal at a step boundary.
+
+    Attributes:
+      signum: the signal (``signal.SIGINT``, ``signal.SIGTERM``).
+      step: the checkpoint a resumed run continues from, or None when none was saved.
+      where: where it stopped, in words (``at step 7``).
+    """
+
+    def __init__(self, signum: int, step: int | None, where: str):
+        super().__init__(f"interrupted {where}")
+        self.signum, self.step, self.where = int(signum), step, where
+
+
+def stop_requested() -> int | None:
+    """The signal that asked the running job to stop at its next step boundary, or None."""
+    return _stop_signals[0] if _stop_signals else None
+
+
+@contextlib.contextmanager
+def stop_at_step_boundaries() -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM ask the run to stop at its next step boundary
+    (:func:`stop_requested`) instead of killing it mid-step; a second signal stops at once
+    (``KeyboardInterrupt``).
+
+    Only in the main thread (where Python runs signal handlers) of a single-process job: each
+    process of a multi-process job would stop at the step it happens to be on, and they would
+    never meet in one checkpoint.
+    """
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        yield
+        return
+
+    def handler(signum, frame):
+        if _stop_signals:
+            raise KeyboardInterrupt
+        _stop_signals.append(signum)
+        # A raw write: the handler may run inside a write to the buffered stderr (the bar's).
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name}: stopping at the end of this step (again: at once)\n".encode())
+
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, former in previous.items():
+            signal.signal(signum, former)
+        _stop_signals.clear()
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -129,6 +201,7 @@ class Trainer:
         self.is_main = parallel.is_primary()
         self.extra: dict[str, Any] = {}
         self.latest: int | None = None
+        self.saved_step: int | None = None  # the latest checkpoint this run wrote or resumed
         self.completed_steps = 0
         self.reference_dirty = False
         if self.is_main and cfg.logging.wandb is not None:
@@ -149,6 +222,11 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
         )
         self.latest = self.checkpointer.latest_step()
+        if self.latest is None and cfg.resume:
+            log.warning(
+                "resume=true: %s holds no checkpoint to resume from; starting from the beginning",
+                self.checkpointer.directory,
+            )
         if self.latest is not None and not cfg.resume:
             raise ValueError(
                 f"{self.run_dir} already holds checkpoints (latest step {self.latest}): pass "
@@ -175,6 +253,7 @@ class Trainer:
         changes = config_changes(
             to_dict(load_config(type(self.cfg), saved_path)), to_dict(self.cfg)
         )
+        changes = {k: v for k, v in changes.items() if k not in RESUME_FLAGS}
         if not changes:
             return
         described = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
@@ -239,6 +318,11 @@ class Trainer:
     def export(self, directory: pathlib.Path) -> None:
         raise NotImplementedError
 
+    def prompt_format(self) -> PromptFormat | None:
+        """How the policy's prompts were written, recorded beside it in ``hf/`` (None: no
+        record): the config's ``data.chat_template`` and ``data.system_prompt``."""
+        return PromptFormat(self.cfg.data.chat_template, self.cfg.data.system_prompt)
+
     def summary(self) -> dict[str, Any]:
         return {}
 
@@ -294,13 +378,54 @@ class Trainer:
             self.metrics_writer.log_plots(step, paths + ([drawn] if drawn else []))
 
     def fit(self) -> dict[str, Any]:
-        """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``."""
+        """Runs the job from its start (or the latest checkpoint) to ``trainer.max_steps``.
+
+        Raises:
+          Interrupted: SIGINT or SIGTERM stopped it at a step boundary (checkpointed there).
+        """
         # The model's activation constraints resolve against the job's mesh.
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
+        with stop_at_step_boundaries():
+            try:
+                self._start()
+                self._steps()
+            except Interrupted:
+                self._close()
+                raise
+        max_steps = cfg.trainer.max_steps
+        after = self.evaluate()
+        summary = {
+            "job": cfg.job,
+            "steps": max_steps,
+            self.eval_key: self.extra[self.eval_key],
+            self.eval_key.replace("before", "after"): after,
+            **self.summary(),
+        }
+        self.checkpointer.wait()
+        hf_dir = self.run_dir / "hf"
+        self.export(hf_dir)
+        prompt_format = self.prompt_format()
+        if self.is_main and prompt_format is not None:
+            write_prompt_format(hf_dir, prompt_format)
+        summary["hf"] = os.fspath(hf_dir)
+        if self.is_main:
+            self.metrics_writer.write_summary(summary)
+        self._plot(max_steps)
+        self._close()
+        log.info("evaluation after training: %s", after)
+        log.info("Hugging Face checkpoint of the final policy: %s", hf_dir)
+        return summary
+
+    def _close(self) -> None:
+        self.metrics_writer.close()
+        self.checkpointer.close()  # waits for the last save to commit
+
+    def _start(self) -> None:
+        """Setup, restore, the evaluation before training and the warm-up's checkpoint."""
         self.setup()
         if self.latest is None:
             self.metrics_writer.truncate(0)
@@ -309,6 +434,7 @@ class Trainer:
         else:
             self.restore(self.latest)
         self.completed_steps = self.start_step
+        self.saved_step = self.latest
         if self.eval_key not in self.extra:
             with_time = time.perf_counter()
             self.extra[self.eval_key] = self.evaluate()
@@ -317,11 +443,33 @@ class Trainer:
                 time.perf_counter() - with_time,
                 self.extra[self.eval_key],
             )
+        if self.latest is None and self.extra.get(WARMUP_KEY):
+            self.save(0)  # the warm-up's end: a resumed run starts here, not from scratch
+            self.saved_step = 0
+
+    def _stop_if_asked(self, bar: ProgressBar) -> None:
+        """At a step boundary: on a stop signal, checkpoints the steps done since the last
+        checkpoint and raises :class:`Interrupted`."""
+        signum = stop_requested()
+        if signum is None:
+            return
+        bar.close()
+        if self.completed_steps > 0 and self.completed_steps != self.saved_step:
+            self.save(self.completed_steps)
+            self.saved_step = self.completed_steps
+        where = f"at step {self.completed_steps}"
+        if self.completed_steps == 0 and self.saved_step == 0:
+            where += " (the end of the warm-up)"
+        raise Interrupted(signum, self.saved_step, where)
+
+    def _steps(self) -> None:
+        cfg = self.cfg
         max_steps = cfg.trainer.max_steps
         bar = ProgressBar(max_steps, initial=self.start_step, disable=not cfg.logging.progress)
         checkpoint_s = None
         try:
             for step in range(self.start_step, max_steps):
+                self._stop_if_asked(bar)
                 timer = PhaseTimer()
                 start = time.perf_counter()
                 metrics = self.train_step(step, timer)
@@ -342,30 +490,12 @@ class Trainer:
                 if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == max_steps:
                     saved = time.perf_counter()
                     self.save(step + 1)
+                    self.saved_step = step + 1
                     checkpoint_s = time.perf_counter() - saved
                 bar.update(self.progress_view(metrics))
                 if any(k.startswith("eval/") for k in metrics):
                     self._plot(step + 1)
+            self._stop_if_asked(bar)  # a signal in the last step: stop before the evaluation
         finally:
             self.end_steps()
         bar.close()
-        after = self.evaluate()
-        summary = {
-            "job": cfg.job,
-            "steps": max_steps,
-            self.eval_key: self.extra[self.eval_key],
-            self.eval_key.replace("before", "after"): after,
-            **self.summary(),
-        }
-        self.checkpointer.wait()
-        hf_dir = self.run_dir / "hf"
-        self.export(hf_dir)
-        summary["hf"] = os.fspath(hf_dir)
-        if self.is_main:
-            self.metrics_writer.write_summary(summary)
-        self._plot(max_steps)
-        self.metrics_writer.close()
-        self.checkpointer.close()
-        log.info("evaluation after training: %s", after)
-        log.info("Hugging Face checkpoint of the final policy: %s", hf_dir)
-        return summary

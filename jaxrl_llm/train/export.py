@@ -5,7 +5,10 @@ Hugging Face directory — ``config.json``, safetensors, the tokenizer and a
 ``generation_config.json`` holding the stop tokens the run sampled with — that
 ``transformers.AutoModelForCausalLM`` (``AutoModelForSequenceClassification``) loads with the
 same logits. ``jaxrl-llm export RUN_DIR [--step N] [--dtype D] [--out DIR]`` does the same for
-any kept checkpoint of a run (``train.cli``).
+any kept checkpoint of a run (``train.cli``). Beside the weights, ``prompt_format.json``
+(``data.encoding.PromptFormat``, written by the run core and by ``export``) records whether the
+run prompted through the chat template, so ``jaxrl-llm generate`` and ``eval`` prompt the
+policy as it was trained.
 """
 
 from __future__ import annotations

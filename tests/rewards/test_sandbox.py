@@ -418,3 +418,32 @@ def test_bad_backend_settings_are_one_line_errors(kwargs, message):
         with pytest.raises(ValueError, match=message) as info:
             build()
         assert "\n" not in str(info.value)
+
+
+def test_an_interpreter_under_tmp_keeps_every_protection(tmp_path):
+    """A virtualenv under ``/tmp`` (CI's, or a user's): its site-packages are bound into the
+    program's view on top of its private ``/tmp``, not hidden by it, so the full sandbox still
+    starts (it used to fall back to a plain process), the program imports from there, and its
+    working directory holds only its own file."""
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    (packages / "probe_mod.py").write_text("X = 'from the /tmp site-packages'\n")
+    script = f"""
+import sys, sysconfig
+packages = {str(packages)!r}
+paths = sysconfig.get_paths()
+sysconfig.get_paths = lambda *a, **k: {{**paths, "purelib": packages, "platlib": packages}}
+sys.path.append(packages)
+from jaxrl_llm.rewards import sandbox
+found = sandbox.protections()
+run = sandbox.run_sandboxed("import os, probe_mod\\nprint(probe_mod.X, os.listdir('.'))\\n")
+print(found.level, list(found.missing), run.returncode, run.stdout.strip())
+"""
+    assert str(packages).startswith("/tmp/")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    if os.geteuid() != 0 and sandbox.protections().level != "namespaces":
+        pytest.skip("no namespaces for this user here")
+    want = "namespaces [] 0 from the /tmp site-packages ['main.py']"
+    assert done.stdout.strip().splitlines()[-1] == want, done.stderr

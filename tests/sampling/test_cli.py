@@ -193,7 +193,7 @@ def test_generate_jsonl_static_engine_and_sampling(model_dir, tmp_path, capsys):
 def test_generate_jsonl_errors(model_dir, tmp_path, capsys, content, match):
     path = tmp_path / "in.jsonl"
     path.write_text(content)
-    assert generate_main([model_dir, "--prompts", str(path), "--no-progress"]) == 1
+    assert generate_main([model_dir, "--prompts", str(path), "--no-progress"]) == 2
     assert re.search(match, capsys.readouterr().err)
 
 
@@ -220,3 +220,78 @@ def test_generate_stop_text_ends_the_completion(model_dir, tmp_path):
     (line,) = [json.loads(x) for x in stopped.read_text().splitlines()]
     assert line["text"].split() == words[: cut + 1]
     assert line["finish_reason"] == "stop"
+
+
+# -- the prompt format a policy was trained with (issue 46) ------------------------------------
+
+
+def _trained(model_dir, tmp_path, *, chat_template, system_prompt=None):
+    """A copy of the checkpoint recording the prompt format a run trained it with."""
+    import shutil
+
+    from jaxrl_llm.data.encoding import PromptFormat, write_prompt_format
+
+    path = tmp_path / "policy"
+    shutil.copytree(model_dir, path)
+    write_prompt_format(
+        path, PromptFormat(chat_template=chat_template, system_prompt=system_prompt)
+    )
+    return str(path)
+
+
+def _tokens(capsys, argv, out):
+    assert generate_main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    return [json.loads(x)["tokens"] for x in out.read_text().splitlines()], notes
+
+
+def test_generate_prompts_a_policy_as_it_was_trained(model_dir, tmp_path, capsys):
+    """A policy trained on raw prompts is prompted raw although its tokenizer has a chat
+    template; ``--chat-template`` still applies it, with a one-line note of the mismatch."""
+    policy = _trained(model_dir, tmp_path, chat_template=False)
+    argv = [policy, "w3 w17 w5", "w40", "--max-new-tokens", "6", "--temperature", "0"]
+    default, notes = _tokens(capsys, argv, tmp_path / "default.jsonl")
+    assert notes == []
+    raw, notes = _tokens(capsys, [*argv, "--no-chat-template"], tmp_path / "raw.jsonl")
+    assert raw == default and notes == []
+    chat, notes = _tokens(capsys, [*argv, "--chat-template"], tmp_path / "chat.jsonl")
+    assert chat != raw, "the chat template must change the completions (else this is vacuous)"
+    assert len(notes) == 1 and "trained without its chat template" in notes[0], notes
+    # The same checkpoint without the record: the tokenizer's template, as before.
+    assert _tokens(capsys, [model_dir, *argv[1:]], tmp_path / "plain.jsonl") == (chat, [])
+
+
+def test_generate_applies_the_chat_template_and_system_prompt_it_was_trained_with(
+    model_dir, tmp_path, capsys
+):
+    policy = _trained(model_dir, tmp_path, chat_template=True, system_prompt="w7 w8")
+    argv = [policy, "w3 w17 w5", "--max-new-tokens", "6", "--temperature", "0"]
+    prompts = _write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "w7 w8"},
+                    {"role": "user", "content": "w3 w17 w5"},
+                ]
+            }
+        ],
+    )
+    by_hand = [model_dir, "--prompts", prompts, "--max-new-tokens", "6", "--temperature", "0"]
+    trained, notes = _tokens(capsys, argv, tmp_path / "trained.jsonl")
+    assert notes == []
+    assert trained == _tokens(capsys, [*by_hand, "--no-progress"], tmp_path / "hand.jsonl")[0]
+    _, notes = _tokens(capsys, [*argv, "--no-chat-template"], tmp_path / "raw.jsonl")
+    assert len(notes) == 1 and "trained with its chat template" in notes[0], notes
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    for default in ("--temperature TEMPERATURE", "--max-new-tokens"):
+        assert default in help_text
+    assert re.search(r"--temperature TEMPERATURE .*\(default: 1\.0\)", help_text)
+    assert re.search(r"--max-new-tokens MAX_NEW_TOKENS .*\(default: 128\)", help_text)
+    assert "(default: as the policy was trained" in help_text  # what the flags override

@@ -137,3 +137,35 @@ def test_an_existing_run_directory_is_kept_on_a_user_error(tmp_path, capsys):
     argv = [*rl_helpers.TINY, f"run_dir={run_dir}", "data.task=jsonl"]
     assert_user_error(capsys, ["train", *argv], r"data.task=jsonl needs data.train_path")
     assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def nan_reward(prompt, completion, example):
+    """A user's reward that returns NaN (the run must say so in one line, issue 46)."""
+    return float("nan")
+
+
+def test_a_failing_reward_is_one_error_line_and_its_traceback_goes_to_the_run_log(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    reward = f"{__name__}:nan_reward"
+    argv = [*rl_helpers.TINY, f"run_dir={run_dir}", "trainer.max_steps=1"]
+    capsys.readouterr()
+    assert cli.main(["train", *argv, f"rewards=[{{name: {reward}}}]"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, captured.err
+    assert re.fullmatch(
+        rf"error: reward '{reward}' on row \d+ returned nan, expected a finite real number",
+        errors[0],
+    )
+    # The rest is the completion it failed on, indented under it, and where the traceback is.
+    assert all(line.startswith("  ") for line in lines[lines.index(errors[0]) + 1 :])
+    log = run_dir / "error.log"
+    assert lines[-1] == f"  traceback: {log} (--debug prints it here)"
+    assert "Traceback" in log.read_text() and "RewardError" in log.read_text()
+
+
+def test_debug_shows_a_user_errors_traceback(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'trainer.max_step'"):
+        cli.main(["train", f"run_dir={tmp_path / 'run'}", "--debug", "trainer.max_step=2"])

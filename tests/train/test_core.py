@@ -76,6 +76,9 @@ class CountingTrainer(core.Trainer):
     def summary(self):
         return {"counting": True}
 
+    def prompt_format(self):
+        return None  # no text policy
+
 
 def _config(run_dir, **trainer) -> CountingConfig:
     return CountingConfig(
@@ -252,3 +255,27 @@ def test_resume_safe_keys_may_change(stopped_at_2, change, caplog):
     assert trainer.latest == 2
     assert "resuming with a changed config" in caplog.text
     assert isinstance(trainer.run_dir, pathlib.Path)
+
+
+def test_resuming_notes_no_change_for_the_resume_flag_itself(stopped_at_2, caplog):
+    """``resume=true`` is how a run is continued, not a config change (issue 46)."""
+    cfg = dataclasses.replace(_config(stopped_at_2, max_steps=2), resume=True)
+    with caplog.at_level(logging.WARNING, logger="jaxrl_llm"):
+        trainer = CountingTrainer(cfg)
+    trainer.checkpointer.close()
+    trainer.metrics_writer.close()
+    assert trainer.latest == 2
+    assert "resuming with a changed config" not in caplog.text
+
+
+def test_resume_with_nothing_to_resume_says_so_and_starts(tmp_path, caplog):
+    run_dir = tmp_path / "fresh"
+    cfg = dataclasses.replace(_config(run_dir), resume=True)
+    with caplog.at_level(logging.WARNING, logger="jaxrl_llm"):
+        summary = CountingTrainer(cfg).fit()
+    said = [r.getMessage() for r in caplog.records if "resume=true" in r.getMessage()]
+    assert said == [
+        f"resume=true: {run_dir / 'checkpoints'} holds no checkpoint to resume from; starting "
+        "from the beginning"
+    ]
+    assert summary["eval_after"] == {"w": 2.0}

@@ -289,9 +289,7 @@ class RolloutSide:
         # The data position this step's draws start from (on the rollout thread, which runs
         # the steps in order): where a failed rollout past the run's end is drawn again.
         self.draw_starts = {
-            s: v
-            for s, v in self.draw_starts.items()
-            if s >= step - self.spec.sampler.max_staleness
+            s: v for s, v in self.draw_starts.items() if s >= step - self.spec.sampler.max_staleness
         }
         self.draw_starts[step] = self.sampler.state()
 

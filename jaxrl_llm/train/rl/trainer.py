@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.models import lora
-from jaxrl_llm.train import adapters, export, setup
+from jaxrl_llm.train import adapters, core, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
@@ -144,7 +144,7 @@ class RLTrainer(RolloutSide, Trainer):
                 f"{len(eval_examples)} eval prompts",
                 "objective": f"{objective.name} ({objective.advantage} advantages, "
                 f"{objective.surrogate}), {rows} completions per step",
-                "sft warm-up": warmup.describe(cfg, self.sft_steps) if self.sft_steps else "off",
+                "sft warm-up": self._warmup_line(),
                 **adapters.start_line(model_config),
                 "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
                 if self.sampler_logprobs
@@ -187,12 +187,20 @@ class RLTrainer(RolloutSide, Trainer):
             return self.policy_trained
         return lora.combine(self.base, self.policy_trained)
 
+    def _warmup_line(self) -> str:
+        """The start line's ``sft warm-up``: what runs, or that a resumed run's is done."""
+        if not self.sft_steps:
+            return "off"
+        if self.latest is not None:
+            return f"done (resuming from step {self.latest})"
+        return warmup.describe(self.cfg, self.sft_steps)
+
     def setup(self) -> None:
         run, cfg = self.run, self.cfg
         init_key, sft_key = jax.random.split(self.key)
         params, self._initial_params = self._initial_params, None  # the state takes them over
         if self.latest is None and self.sft_steps > 0:
-            params, self.extra["sft_warmup_steps"] = warmup.warm_up(
+            params, self.extra[core.WARMUP_KEY] = warmup.warm_up(
                 cfg, run, params, steps=self.sft_steps, key=sft_key
             )
         if run.model_config.lora is None:
@@ -460,5 +468,5 @@ class RLTrainer(RolloutSide, Trainer):
         )
 
     def summary(self) -> dict[str, Any]:
-        warmed = {k: self.extra[k] for k in ("sft_warmup_steps",) if k in self.extra}
+        warmed = {k: self.extra[k] for k in (core.WARMUP_KEY,) if k in self.extra}
         return {"objective": self.run.objective.name, **warmed}
