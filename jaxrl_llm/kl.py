@@ -7,6 +7,8 @@ with tokens sampled from π_θ and ``x = ref − lp``,
 - ``k2 = ½·x²`` (biased, low variance; its gradient is the score-function KL gradient);
 - ``k3 = exp(x) − x − 1`` (unbiased and non-negative);
 - ``abs = |x|``.
+
+:func:`importance_weighted_estimate` reweights them for tokens sampled from an older policy.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 # verl's low_var_kl bounds: the log ratio before exp, and the estimate itself.
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0
+# exp(80) stays finite in f32: padding garbage must not turn a masked 0 into 0·inf.
+_MAX_LOG_WEIGHT = 80.0
 
 
 def _k2(x: Array) -> Array:
@@ -80,3 +84,38 @@ def estimate(
         return value
     k2 = _k2(x)
     return k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(value)
+
+
+def importance_weighted_estimate(
+    logprobs: Array,
+    ref_logprobs: Array,
+    log_ratio: Array,
+    *,
+    kind: str = "k3",
+    straight_through: bool = False,
+) -> Array:
+    """Per-token KL estimate of tokens sampled from ``π_old``: ``r·kl``, ``r = exp(log_ratio)``.
+
+    DeepSeek-AI 2025, "DeepSeek-V3.2" (arXiv:2512.02556, the unbiased KL estimate; TRL's
+    ``use_bias_correction_kl``): the estimators of :func:`estimate` are unbiased for tokens
+    drawn from ``π_θ``, but an off-policy step draws them from ``π_old``; weighting by
+    ``r = π_θ / π_old`` makes ``E_{π_old}[r·k3] = KL(π_θ ‖ π_ref)`` again. ``r`` keeps its
+    gradient (TRL's), so even on-policy (``r = 1``) the gradient is
+    ``∇k3 + k3·∇lp``, the score-function gradient of the reverse KL.
+
+    Args:
+      logprobs: ``[B, T]`` current log-probs (carry the gradient).
+      ref_logprobs: ``[B, T]`` reference-policy log-probs.
+      log_ratio: ``[B, T]`` ``log π_θ − log π_old`` (carries the gradient; already clamped,
+        e.g. :func:`jaxrl_llm.ratios.token_log_ratio`).
+      kind, straight_through: as in :func:`estimate`.
+
+    Returns:
+      ``[B, T]`` float32 (padding not masked).
+
+    Raises:
+      ValueError: as :func:`estimate`, or a ``log_ratio`` of another shape.
+    """
+    check_same_shape(logprobs=logprobs, log_ratio=log_ratio)
+    value = estimate(logprobs, ref_logprobs, kind=kind, straight_through=straight_through)
+    return jnp.exp(jnp.minimum(f32(log_ratio), _MAX_LOG_WEIGHT)) * value

@@ -23,7 +23,9 @@ from jaxrl_llm._checks import (
     as_mask,
     check_advantages,
     check_batch_time,
+    check_choice,
     check_clip_bounds,
+    check_non_negative,
     check_positive,
     check_rank,
     check_same_shape,
@@ -343,3 +345,367 @@ def reinforce(logprobs: Array, advantages: Array) -> Array:
     """
     adv = _token_advantages(advantages, logprobs, "logprobs")
     return -adv * f32(logprobs)
+
+
+# ----------------------------------------------------------------------------- DPPO
+
+DIVERGENCES = ("tv", "kl")
+# verl's guard inside the binary KL's logarithm of 1 − p.
+_BINARY_KL_EPS = 1e-8
+
+
+def binary_divergence(logprobs: Array, old_logprobs: Array, *, kind: str = "tv") -> Array:
+    """Divergence of the sampled token's Bernoulli ``(p, 1 − p)`` from ``(p_old, 1 − p_old)``.
+
+    DPPO's cheap stand-in for a divergence between the full next-token distributions
+    ("Rethinking the Trust Region in LLM Reinforcement Learning", 2026, arXiv:2602.04879),
+    with ``p = exp(lp)``, ``p_old = exp(old)``:
+
+    - ``"tv"``: the signed change ``p − p_old`` (its absolute value is the binary total
+      variation; the sign tells which side of the trust region a token is on);
+    - ``"kl"``: ``KL(Ber(p_old) ‖ Ber(p)) = p_old·(old − lp) + (1 − p_old)·log((1 − p_old +
+      1e-8) / (1 − p + 1e-8))`` (``1 − p`` as ``−expm1(lp)``, exact near ``p = 1``).
+
+    Args:
+      logprobs: ``[B, T]`` current log-probs of the sampled tokens.
+      old_logprobs: ``[B, T]`` behaviour log-probs.
+      kind: ``"tv"`` or ``"kl"``.
+
+    Returns:
+      ``[B, T]`` float32, no gradient.
+
+    Raises:
+      ValueError: on an unknown kind or mismatched shapes.
+    """
+    check_choice("DPPO divergence", kind, DIVERGENCES)
+    check_rank("logprobs", logprobs, 2)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs)
+    lp = jax.lax.stop_gradient(jnp.minimum(f32(logprobs), 0.0))
+    old = jax.lax.stop_gradient(jnp.minimum(f32(old_logprobs), 0.0))
+    prob, old_prob = jnp.exp(lp), jnp.exp(old)
+    if kind == "tv":
+        return prob - old_prob
+    tail = jnp.log(-jnp.expm1(old) + _BINARY_KL_EPS) - jnp.log(-jnp.expm1(lp) + _BINARY_KL_EPS)
+    return old_prob * (old - lp) + (1.0 - old_prob) * tail
+
+
+def dppo_trust_region(
+    logprobs: Array,
+    old_logprobs: Array,
+    advantages: Array,
+    *,
+    divergence: str = "tv",
+    delta_low: float = 0.15,
+    delta_high: float = 0.15,
+) -> Array:
+    """DPPO's trust-region mask: 1 where a token may still move in its advantage's direction.
+
+    With ``d`` from :func:`binary_divergence` (DPPO, arXiv:2602.04879; verl's
+    ``dppo_tv`` / ``dppo_kl``): for ``"tv"``, ``A > 0`` keeps ``p − p_old ≤ δ_high`` and
+    ``A ≤ 0`` keeps ``p − p_old ≥ −δ_low``; for ``"kl"``, ``A > 0`` keeps ``d ≤ δ_high or
+    p ≤ p_old`` and ``A ≤ 0`` keeps ``d ≤ δ_low or p ≥ p_old``. Unlike PPO's ratio clip, the
+    bound is on the probability mass moved, so a rare token may grow by a large ratio and a
+    likely one is stopped after a small one.
+
+    Args:
+      logprobs: ``[B, T]`` current log-probs.
+      old_logprobs: ``[B, T]`` behaviour log-probs.
+      advantages: ``[B]`` or ``[B, T]``.
+      divergence: ``"tv"`` or ``"kl"``.
+      delta_low: bound for ``A ≤ 0`` (``≥ 0``).
+      delta_high: bound for ``A > 0`` (``≥ 0``).
+
+    Returns:
+      ``[B, T]`` float32 0/1, no gradient.
+
+    Raises:
+      ValueError: on bad shapes, kind or bounds.
+    """
+    check_non_negative("delta_low", delta_low)
+    check_non_negative("delta_high", delta_high)
+    adv = _token_advantages(advantages, logprobs, "logprobs")
+    d = binary_divergence(logprobs, old_logprobs, kind=divergence)
+    if divergence == "tv":
+        up, down = d <= delta_high, d >= -delta_low
+    else:
+        change = binary_divergence(logprobs, old_logprobs, kind="tv")
+        up, down = (d <= delta_high) | (change <= 0), (d <= delta_low) | (change >= 0)
+    return jnp.where(adv > 0, up, down).astype(jnp.float32)
+
+
+def dppo(
+    log_ratio: Array,
+    logprobs: Array,
+    old_logprobs: Array,
+    advantages: Array,
+    *,
+    divergence: str = "tv",
+    delta_low: float = 0.15,
+    delta_high: float = 0.15,
+    ratio_cap: float | None = None,
+) -> Array:
+    """Divergence-trust-region policy gradient ``L = −A·sg(min(r, C))·lp·M``.
+
+    DPPO ("Rethinking the Trust Region in LLM Reinforcement Learning", 2026,
+    arXiv:2602.04879; verl's ``dppo_tv`` / ``dppo_kl``, prime-rl's default loss): ``M`` is
+    :func:`dppo_trust_region` (no gradient) and the detached IS weight ``r`` is truncated at
+    ``C = ratio_cap`` (TIS; ``None``: no cap — the paper recommends a large one, verl's
+    recipe sets 10⁴). Inside the region the gradient is the on-policy-corrected
+    ``−A·r·∇lp``, PPO's unclipped gradient; outside it is 0.
+
+    Args:
+      log_ratio: ``[B, T]`` log importance ratio (its weight carries no gradient).
+      logprobs: ``[B, T]`` current log-probs (carry the gradient).
+      old_logprobs: ``[B, T]`` behaviour log-probs.
+      advantages: ``[B]`` or ``[B, T]``.
+      divergence, delta_low, delta_high: as in :func:`dppo_trust_region`.
+      ratio_cap: ``C > 0`` or None.
+
+    Returns:
+      ``[B, T]`` float32 per-token loss.
+
+    Raises:
+      ValueError: on bad shapes, kind or bounds.
+    """
+    check_positive("ratio_cap", ratio_cap)
+    adv = _token_advantages(advantages, log_ratio)
+    check_same_shape(log_ratio=log_ratio, logprobs=logprobs, old_logprobs=old_logprobs)
+    inside = dppo_trust_region(
+        logprobs,
+        old_logprobs,
+        advantages,
+        divergence=divergence,
+        delta_low=delta_low,
+        delta_high=delta_high,
+    )
+    weight = _ratio(f32(log_ratio))
+    if ratio_cap is not None:
+        weight = jnp.minimum(weight, ratio_cap)
+    return -adv * jax.lax.stop_gradient(weight) * f32(logprobs) * inside
+
+
+def dppo_metrics(
+    log_ratio: Array,
+    logprobs: Array,
+    old_logprobs: Array,
+    advantages: Array,
+    *,
+    divergence: str = "tv",
+    delta_low: float = 0.15,
+    delta_high: float = 0.15,
+    ratio_cap: float | None = None,
+) -> dict[str, Array]:
+    """Per-token indicators of :func:`dppo` (verl's ``pg_clipfrac`` / ``pg_clipfrac_lower``):
+    ``"clipped"`` outside the trust region, ``"clipped_lower"`` inside it with the weight
+    truncated (``r > C``; zeros without a cap).
+
+    Returns:
+      dict of ``[B, T]`` float32 0/1 arrays, no gradient.
+    """
+    inside = dppo_trust_region(
+        logprobs,
+        old_logprobs,
+        advantages,
+        divergence=divergence,
+        delta_low=delta_low,
+        delta_high=delta_high,
+    )
+    capped = jnp.zeros_like(inside)
+    if ratio_cap is not None:
+        ratio = jax.lax.stop_gradient(_ratio(f32(log_ratio)))
+        capped = (ratio > ratio_cap).astype(jnp.float32) * inside
+    return {"clipped": 1.0 - inside, "clipped_lower": capped}
+
+
+# ----------------------------------------------------------------------------- KL-Cov, Clip-Cov
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def token_covariance(logprobs: Array, advantages: Array, mask: Array) -> Array:
+    """``cov_t = (A_t − mean(A))·(lp_t − mean(lp))``, means over the valid tokens.
+
+    The per-token covariance between log-probability and advantage that drives the change of
+    the policy's entropy (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning
+    for Reasoning Language Models", arXiv:2505.22617, Theorem 2); the means divide by
+    ``Σ m + 1e-8`` (verl's ``masked_mean``). Masked positions hold ``−inf``, so a selection
+    by the largest covariance never takes one.
+
+    Args:
+      logprobs: ``[B, T]`` current log-probs (no gradient flows).
+      advantages: ``[B]`` or ``[B, T]``.
+      mask: ``[B, T]`` completion mask.
+
+    Returns:
+      ``[B, T]`` float32, no gradient.
+    """
+    check_batch_time("logprobs", logprobs, mask)
+    adv = jnp.broadcast_to(_token_advantages(advantages, logprobs, "logprobs"), mask.shape)
+    valid = as_mask(mask) > 0
+    lp = jax.lax.stop_gradient(jnp.where(valid, f32(logprobs), 0.0))
+    adv = jnp.where(valid, adv, 0.0)
+    count = jnp.sum(valid, dtype=jnp.float32) + _SEQ_EPS
+    cov = (adv - jnp.sum(adv) / count) * (lp - jnp.sum(lp) / count)
+    return jnp.where(valid, cov, -jnp.inf)
+
+
+def _ranks(priority: Array) -> Array:
+    """Rank of each entry of ``priority`` in decreasing order (0 = largest), ties by index."""
+    flat = priority.reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    return jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+
+
+# ⌊fraction·N⌋ is taken in f32: a relative nudge keeps e.g. 0.7·10 at 7 (f32(0.7) < 0.7).
+_COUNT_NUDGE = 1.0 + 1e-6
+
+
+def _count(fraction: float, valid: Array) -> Array:
+    """``max(⌊fraction·N⌋, 1)`` tokens out of the ``N`` valid ones (verl's count)."""
+    n = jnp.sum(valid, dtype=jnp.int32).astype(jnp.float32)
+    return jnp.maximum(jnp.floor(fraction * n * _COUNT_NUDGE).astype(jnp.int32), 1)
+
+
+def kl_cov_selection(
+    logprobs: Array, advantages: Array, mask: Array, *, fraction: float = 2e-4
+) -> Array:
+    """KL-Cov's tokens: the ``max(⌊fraction·N⌋, 1)`` valid tokens of largest
+    :func:`token_covariance` (none when there is no valid token).
+
+    Returns:
+      ``[B, T]`` float32 0/1, no gradient.
+    """
+    _check_fraction("fraction", fraction)
+    cov = token_covariance(logprobs, advantages, mask)
+    valid = as_mask(mask) > 0
+    ranks = _ranks(cov).reshape(cov.shape)
+    return (valid & (ranks < _count(fraction, valid))).astype(jnp.float32)
+
+
+def kl_cov(
+    log_ratio: Array,
+    logprobs: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    fraction: float = 2e-4,
+    coef: float = 0.1,
+) -> Array:
+    """KL-Cov: ``L = −A·r + β·|Δ|·S`` with no ratio clip.
+
+    Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models" (arXiv:2505.22617; verl's ``kl_cov``): the entropy collapses through the few
+    tokens whose log-probability and advantage covary most, so only those — the selection
+    ``S`` of :func:`kl_cov_selection`, a ``fraction`` of the valid tokens of the batch — get a
+    KL penalty ``β·|log r|`` towards the behaviour policy; every other token has the plain
+    importance-sampled surrogate ``−A·r``.
+
+    Args:
+      log_ratio: ``[B, T]`` log importance ratio ``Δ``.
+      logprobs: ``[B, T]`` current log-probs (for the covariance; no gradient through it).
+      advantages: ``[B]`` or ``[B, T]``.
+      mask: ``[B, T]`` completion mask (the selection is over its valid tokens).
+      fraction: ``k`` of the paper, in ``(0, 1]`` (verl's ``kl_cov_ratio``).
+      coef: ``β >= 0`` (verl's ``ppo_kl_coef``).
+
+    Returns:
+      ``[B, T]`` float32 per-token loss.
+
+    Raises:
+      ValueError: on bad shapes or hyper-parameters.
+    """
+    check_non_negative("coef", coef)
+    adv = _token_advantages(advantages, log_ratio)
+    check_batch_time("log_ratio", log_ratio, mask)
+    selected = kl_cov_selection(logprobs, advantages, mask, fraction=fraction)
+    delta = f32(log_ratio)
+    return -adv * _ratio(delta) + coef * jnp.abs(delta) * selected
+
+
+def clip_cov_selection(
+    log_ratio: Array,
+    logprobs: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    key: Array,
+    fraction: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> Array:
+    """Clip-Cov's tokens: at most ``max(⌊fraction·N⌋, 1)`` drawn uniformly (``key``) among the
+    valid tokens with ``cov_low < cov < cov_high`` (:func:`token_covariance`) that PPO's clip
+    does not already hold.
+
+    Returns:
+      ``[B, T]`` float32 0/1, no gradient.
+    """
+    _check_fraction("fraction", fraction)
+    if not cov_low < cov_high:
+        raise ValueError(f"need cov_low < cov_high, got {cov_low!r}, {cov_high!r}")
+    cov = token_covariance(logprobs, advantages, mask)
+    valid = as_mask(mask) > 0
+    clipped = ppo_clip_metrics(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    candidate = valid & (clipped["clipped"] == 0) & (cov > cov_low) & (cov < cov_high)
+    priority = jnp.where(candidate, jax.random.uniform(key, cov.shape), -1.0)
+    ranks = _ranks(priority).reshape(cov.shape)
+    return (candidate & (ranks < _count(fraction, valid))).astype(jnp.float32)
+
+
+def clip_cov(
+    log_ratio: Array,
+    logprobs: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    key: Array,
+    fraction: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> Array:
+    """Clip-Cov: PPO's clipped surrogate with a few high-covariance tokens left out,
+    ``L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))·(1 − S)``.
+
+    Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models" (arXiv:2505.22617; verl's ``clip_cov``): ``S`` (:func:`clip_cov_selection`) is a
+    random ``fraction`` of the valid tokens whose :func:`token_covariance` lies in
+    ``(cov_low, cov_high)``, among those PPO's clip does not already hold; their loss and
+    gradient are 0. No dual clip.
+
+    Args:
+      log_ratio: ``[B, T]`` log importance ratio.
+      logprobs: ``[B, T]`` current log-probs (for the covariance; no gradient through it).
+      advantages: ``[B]`` or ``[B, T]``.
+      mask: ``[B, T]`` completion mask.
+      key: a ``jax.random`` key for the draw.
+      fraction: ``r`` of the paper, in ``(0, 1]`` (verl's ``clip_cov_ratio``).
+      cov_low, cov_high: the covariance window (verl's ``clip_cov_lb`` / ``clip_cov_ub``).
+      clip_low, clip_high: PPO's clip range.
+
+    Returns:
+      ``[B, T]`` float32 per-token loss.
+
+    Raises:
+      ValueError: on bad shapes or hyper-parameters.
+    """
+    selected = clip_cov_selection(
+        log_ratio,
+        logprobs,
+        advantages,
+        mask,
+        key=key,
+        fraction=fraction,
+        cov_low=cov_low,
+        cov_high=cov_high,
+        clip_low=clip_low,
+        clip_high=clip_high,
+    )
+    loss = ppo_clip(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    return loss * (1.0 - selected)

@@ -13,6 +13,7 @@ from jax.test_util import check_grads
 
 from jaxrl_llm import advantages as adv
 from tests.reference import advantages as ref
+from tests.reference import stabilisers as stab
 
 RTOL = 1e-5
 ATOL = 1e-4
@@ -550,3 +551,71 @@ def test_group_view_shape():
     x = jnp.arange(12.0).reshape(6, 2)
     chex.assert_shape(adv.group_view(x, 3), (2, 3, 2))
     np.testing.assert_array_equal(adv.group_view(jnp.arange(6), 2)[1], [2, 3])
+
+
+# ----------------------------------------------------------------------------- GDPO
+
+
+def _columns(rng, group_size, batch=8):
+    columns = np.stack(
+        [
+            rng.integers(0, 2, batch),  # 0/1 correctness
+            rng.normal(0.0, 10.0, batch),  # a wide-spread reward that GRPO's sum would favour
+            rng.uniform(0.0, 1.0, batch),
+        ],
+        axis=1,
+    ).astype(np.float32)
+    columns[:group_size, 0] = 1.0  # a constant group in column 0
+    return columns
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+@pytest.mark.parametrize("weights", [None, (1.0, 0.5, 2.0)])
+def test_gdpo_matches_trl_normalize_then_sum(rng, group_size, weights):
+    columns = _columns(rng, group_size)
+    out = adv.gdpo(columns, group_size=group_size, weights=weights, eps=1e-4)
+    chex.assert_shape(out, (8,))
+    _assert_close(out, stab.gdpo_trl(columns, group_size, weights, eps=1e-4), name="gdpo")
+    # Normalising then summing differs from GRPO on the summed reward.
+    summed = columns @ (np.ones(3) if weights is None else np.asarray(weights))
+    assert np.max(np.abs(out - adv.grpo(summed.astype(np.float32), group_size=group_size))) > 0.1
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_gdpo_token_whitening_matches_verl_formula(rng, group_size):
+    columns = _columns(rng, group_size)
+    mask = _random_mask(rng, 8, 5)
+    out = adv.gdpo(
+        columns, mask, group_size=group_size, weights=(1.0, 0.5, 2.0), batch_norm="token"
+    )
+    chex.assert_shape(out, (8, 5))
+    _assert_close(out, stab.gdpo_verl(columns, mask, group_size, (1.0, 0.5, 2.0)), name="gdpo")
+
+
+def test_gdpo_constant_rewards_give_exactly_zero():
+    columns = jnp.ones((6, 2)) * jnp.array([3.0, -1.0])
+    for group_size in (1, 3):
+        np.testing.assert_array_equal(adv.gdpo(columns, group_size=group_size), np.zeros(6))
+    # One column constant everywhere: GDPO is GRPO of the other one, renormalised.
+    rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    two = jnp.stack([rewards, jnp.full(6, 7.0)], axis=1)
+    np.testing.assert_allclose(
+        adv.gdpo(two, group_size=3),
+        adv.gdpo(rewards[:, None], group_size=3),
+        rtol=1e-6,
+    )
+    assert np.all(
+        np.isfinite(adv.gdpo(columns, jnp.zeros((6, 4)), group_size=3, batch_norm="token"))
+    )
+
+
+def test_gdpo_errors():
+    columns = jnp.ones((6, 2))
+    with pytest.raises(ValueError, match="weights"):
+        adv.gdpo(columns, group_size=3, weights=(1.0,))
+    with pytest.raises(ValueError, match="mask"):
+        adv.gdpo(columns, group_size=3, batch_norm="token")
+    with pytest.raises(ValueError, match="group_size"):
+        adv.gdpo(columns, group_size=4)
+    with pytest.raises(ValueError, match="rank"):
+        adv.gdpo(jnp.ones(6), group_size=3)

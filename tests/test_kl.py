@@ -9,6 +9,7 @@ from jax.test_util import check_grads
 
 from jaxrl_llm import kl
 from tests.reference import losses as ref
+from tests.reference import stabilisers as stab
 
 B, T = 4, 6
 
@@ -146,3 +147,43 @@ def test_errors(rng):
         kl.estimate(lp, ref_lp[:, :5])
     with pytest.raises(ValueError, match="rank 2"):
         kl.estimate(lp[0], ref_lp[0])
+
+
+# ----------------------------------------------------------------------------- importance-weighted
+
+
+def test_importance_weighted_k3_matches_reference(rng):
+    """DeepSeek-V3.2's unbiased KL (TRL's ``use_bias_correction_kl``): ``r·k3`` with the
+    ratio's gradient kept."""
+    lp = -rng.uniform(0.1, 3.0, (4, 6)).astype(np.float32)
+    ref_lp = (lp + rng.normal(0.0, 0.5, lp.shape)).astype(np.float32)
+    old = (lp + rng.normal(0.0, 0.3, lp.shape)).astype(np.float32)
+
+    def f(x):
+        return kl.importance_weighted_estimate(x, ref_lp, x - old, kind="k3")
+
+    want, want_grad = stab.importance_weighted_k3(lp, ref_lp, old)
+    np.testing.assert_allclose(f(lp), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(lp), want_grad, rtol=1e-5, atol=1e-6)
+    # On-policy the value is k3's, the gradient is not (the ratio's own gradient, k3·∇lp).
+    on = kl.importance_weighted_estimate(lp, ref_lp, jnp.zeros_like(lp))
+    np.testing.assert_allclose(on, kl.estimate(lp, ref_lp), rtol=1e-6)
+
+
+def test_importance_weighted_estimate_is_unbiased_off_policy():
+    """Tokens drawn from π_old: ``E_old[r·k3] = KL(π_θ‖π_ref)`` exactly, ``E_old[k3]`` not."""
+    old_p, theta, ref_p = np.array([0.6, 0.3, 0.1]), np.array([0.2, 0.5, 0.3]), np.full(3, 1 / 3)
+    lp, ref_lp, old = (jnp.log(jnp.asarray(p, jnp.float32))[None] for p in (theta, ref_p, old_p))
+    weighted = kl.importance_weighted_estimate(lp, ref_lp, lp - old)[0]
+    plain = kl.estimate(lp, ref_lp)[0]
+    exact = float(np.sum(theta * np.log(theta / ref_p)))
+    np.testing.assert_allclose(float(jnp.sum(old_p * weighted)), exact, rtol=1e-5)
+    assert abs(float(jnp.sum(old_p * plain)) - exact) > 1e-2
+
+
+def test_importance_weighted_estimate_errors(rng):
+    lp = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="shape"):
+        kl.importance_weighted_estimate(lp, lp, jnp.zeros((2, 2)))
+    with pytest.raises(ValueError, match="kind"):
+        kl.importance_weighted_estimate(lp, lp, lp, kind="k9")

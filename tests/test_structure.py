@@ -64,6 +64,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "jaxrl_llm.surrogates",
         "jaxrl_llm.value",
         "jaxrl_llm.correction",
+        "jaxrl_llm.token_selection",
         "jaxrl_llm.logprobs",
         "jaxrl_llm.preference",
         "jaxrl_llm.implicit_prm",

@@ -11,6 +11,7 @@ from jaxrl_llm import surrogates
 from jaxrl_llm.aggregation import MODES, aggregate, sequence_mean
 from jaxrl_llm.ratios import token_log_ratio
 from tests.reference import losses as ref
+from tests.reference import stabilisers as stab
 
 B, T = 6, 5
 PPO_CONFIGS = [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.2, 3.0)]
@@ -488,3 +489,209 @@ def test_errors(rng):
         surrogates.gmpo(log_ratio, adv, mask[:, :2])
     with pytest.raises(ValueError, match="advantages"):
         surrogates.reinforce(lp, adv[:, None])
+
+
+# ------------------------------------------------------------------ DPPO, KL-Cov, Clip-Cov
+# Float64 references of the peers' formulas in tests/reference/stabilisers.py.
+
+
+def _policy(rng, adv_rank=1):
+    """Log-probs spread over (0, 1] in probability, moves that cross both trust regions."""
+    old = np.log(rng.uniform(0.02, 0.98, (B, T))).astype(np.float32)
+    lp = np.log(np.clip(np.exp(old) + rng.normal(0.0, 0.25, (B, T)), 1e-3, 0.999))
+    lp = lp.astype(np.float32)
+    shape = (B,) if adv_rank == 1 else (B, T)
+    adv = rng.normal(size=shape).astype(np.float32)
+    adv[1] = 0.0
+    mask = ref.ragged_mask(rng, B, T, empty_rows=(4,), full_rows=(0,))
+    return lp, old, adv, mask
+
+
+def _dppo_loss(lp, old, adv, **kw):
+    return surrogates.dppo(token_log_ratio(lp, old), lp, old, adv, **kw)
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+@pytest.mark.parametrize(
+    "divergence,delta_low,delta_high,cap",
+    [("tv", 0.15, 0.15, None), ("tv", 0.1, 0.2, 1.5)]
+    + [("kl", 0.05, 0.05, None), ("kl", 0.02, 0.08, 1.5)],
+)
+def test_dppo_matches_reference(rng, adv_rank, divergence, delta_low, delta_high, cap):
+    lp, old, adv, _ = _policy(rng, adv_rank)
+    kw = {"divergence": divergence, "delta_low": delta_low, "delta_high": delta_high}
+    want_inside = stab.dppo_inside(lp, old, adv, divergence, delta_low, delta_high)
+    assert 0 < want_inside.mean() < 1  # both sides of the trust region are exercised
+    np.testing.assert_array_equal(surrogates.dppo_trust_region(lp, old, adv, **kw), want_inside)
+    want, want_grad = stab.dppo(lp, old, adv, divergence, delta_low, delta_high, cap)
+    out = _dppo_loss(lp, old, adv, ratio_cap=cap, **kw)
+    chex.assert_shape(out, (B, T))
+    chex.assert_type(out, jnp.float32)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: _dppo_loss(x, old, adv, ratio_cap=cap, **kw).sum())(lp)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    metrics = surrogates.dppo_metrics(token_log_ratio(lp, old), lp, old, adv, ratio_cap=cap, **kw)
+    np.testing.assert_array_equal(metrics["clipped"], 1.0 - want_inside)
+    if cap is not None:
+        capped = (np.exp(np.float64(lp) - old) > cap) * want_inside
+        np.testing.assert_array_equal(metrics["clipped_lower"], capped)
+        assert capped.any()
+
+
+# (p_old, p, A, divergence, inside): hand-checked against the definitions, δ = 0.15 (TV) and
+# 0.05 (KL). A rare token may grow by a large ratio; a likely one may not lose much mass.
+DPPO_CASES = [
+    (0.01, 0.10, 1.0, "tv", 1),  # ratio 10, TV 0.09 <= 0.15: PPO would clip, DPPO does not
+    (0.50, 0.70, 1.0, "tv", 0),  # +0.2 > 0.15
+    (0.99, 0.80, 1.0, "tv", 1),  # probability fell while A > 0: always inside
+    (0.99, 0.80, -1.0, "tv", 0),  # ratio 0.81 is inside PPO's 0.8, but −0.19 < −0.15
+    (0.01, 0.10, 1.0, "kl", 0),  # KL(Ber(.01)‖Ber(.1)) = 0.0697 > 0.05
+    (0.01, 0.05, 1.0, "kl", 1),  # 0.0202 <= 0.05
+    (0.50, 0.30, -1.0, "kl", 0),  # 0.0872 > 0.05
+    (0.50, 0.60, -1.0, "kl", 1),  # moved up with A < 0: always inside
+]
+
+
+@pytest.mark.parametrize("case", DPPO_CASES)
+def test_dppo_trust_region_hand_checked(case):
+    old_p, p, adv, divergence, inside = case
+    delta = 0.15 if divergence == "tv" else 0.05
+    lp, old = jnp.log(jnp.array([[p]])), jnp.log(jnp.array([[old_p]]))
+    kw = {"divergence": divergence, "delta_low": delta, "delta_high": delta}
+    region = surrogates.dppo_trust_region(lp, old, jnp.array([adv]), **kw)
+    assert float(region[0, 0]) == inside
+    grad = jax.grad(lambda x: _dppo_loss(x, old, jnp.array([adv]), **kw)[0, 0])(lp)
+    np.testing.assert_allclose(grad[0, 0], -adv * p / old_p * inside, rtol=1e-5)
+
+
+def test_dppo_binary_kl_value_hand_checked():
+    d = surrogates.binary_divergence(
+        jnp.log(jnp.array([[0.1]])), jnp.log(jnp.array([[0.01]])), kind="kl"
+    )
+    want = 0.01 * np.log(0.01 / 0.1) + 0.99 * np.log(0.99 / 0.9)
+    np.testing.assert_allclose(d[0, 0], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("adv_rank", [1, 2])
+@pytest.mark.parametrize("fraction,coef", [(0.1, 0.1), (0.3, 1.0), (1e-4, 1.0)])
+def test_kl_cov_matches_reference(rng, adv_rank, fraction, coef):
+    lp, old, adv, mask = _policy(rng, adv_rank)
+    x = lp - old
+    selected = np.asarray(surrogates.kl_cov_selection(lp, adv, mask, fraction=fraction))
+    want_selected = stab.kl_cov_selection(lp, adv, mask, fraction)
+    np.testing.assert_array_equal(selected, want_selected)
+    assert selected.sum() == max(1, int(mask.sum() * fraction))
+    np.testing.assert_allclose(
+        surrogates.token_covariance(lp, adv, mask),
+        stab.covariance(lp, adv, mask),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+    def f(z):
+        return surrogates.kl_cov(z - old, z, adv, mask, fraction=fraction, coef=coef)
+
+    want, want_grad = stab.kl_cov(x, lp, adv, mask, fraction, coef)
+    valid = mask > 0
+    np.testing.assert_allclose(np.asarray(f(lp))[valid], want[valid], rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda z: aggregate(f(z), mask, "token-sum"))(lp)
+    np.testing.assert_allclose(grad, want_grad * valid, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 1.0])
+def test_clip_cov_zeroes_a_random_subset_of_the_candidates(rng, fraction):
+    lp, old, adv, mask = _policy(rng, adv_rank=2)
+    x = lp - old
+    cov = stab.covariance(lp, adv, mask)
+    low, high = np.quantile(cov[mask > 0], [0.2, 0.9])
+    kw = {"cov_low": low, "cov_high": high, "clip_low": 0.2, "clip_high": 0.28}
+    candidates = stab.clip_cov_candidates(x, lp, adv, mask, low, high, 0.2, 0.28)
+    want_count = min(stab.clip_count(mask, fraction), int(candidates.sum()))
+    assert candidates.sum() > 1
+    draws = []
+    for seed in range(3):
+        key = jax.random.key(seed)
+        selected = np.asarray(
+            surrogates.clip_cov_selection(x, lp, adv, mask, key=key, fraction=fraction, **kw)
+        )
+        assert selected.sum() == want_count
+        assert np.all(candidates[selected > 0])
+        draws.append(selected)
+
+        def f(z, key=key):
+            return surrogates.clip_cov(z - old, z, adv, mask, key=key, fraction=fraction, **kw)
+
+        plain = ref.ppo_clip(x, adv, clip_low=0.2, clip_high=0.28)
+        np.testing.assert_allclose(f(lp), plain * (1 - selected), rtol=1e-5, atol=1e-6)
+        grad = jax.grad(lambda z, f=f: f(z).sum())(lp)
+        plain_grad = ref.ppo_clip_grad(x, adv, clip_low=0.2, clip_high=0.28)
+        np.testing.assert_allclose(grad, plain_grad * (1 - selected), rtol=1e-5, atol=1e-6)
+    if want_count < candidates.sum():
+        assert any(np.any(d != draws[0]) for d in draws[1:])  # the draw depends on the key
+
+
+def test_stabilisers_edge_cases_give_no_nan(rng):
+    """Empty mask, every token clipped, zero covariance (constant advantages), probabilities
+    of exactly 1 and garbage padding: finite values and gradients, and the documented 0s."""
+    lp, old, adv, mask = _policy(rng, adv_rank=1)
+    empty = np.zeros_like(mask)
+    key = jax.random.key(0)
+    garbage_lp = np.where(mask > 0, lp, 5.0).astype(np.float32)  # log-prob > 0 on padding
+
+    def losses(z, m, a, o):
+        x = z - o
+        return {
+            "dppo_tv": surrogates.dppo(x, z, o, a, divergence="tv"),
+            "dppo_kl": surrogates.dppo(x, z, o, a, divergence="kl", ratio_cap=2.0),
+            "kl_cov": surrogates.kl_cov(x, z, a, m, fraction=0.5),
+            "clip_cov": surrogates.clip_cov(x, z, a, m, key=key, fraction=0.5, cov_low=-1.0),
+        }
+
+    cases = {
+        "empty": (lp, empty, adv, old),
+        "all_clipped": (old + 3.0 * np.sign(adv)[:, None], mask, adv, old),
+        "zero_covariance": (lp, mask, np.ones_like(adv), old),
+        "certain": (np.zeros_like(lp), mask, adv, np.zeros_like(old)),
+        "garbage": (garbage_lp, mask, adv, old),
+    }
+    for name, (z, m, a, o) in cases.items():
+        z = jnp.asarray(z, jnp.float32)
+        for piece in losses(z, m, a, o):
+
+            def total(y, m=m, a=a, o=o, piece=piece):
+                return aggregate(losses(y, m, a, o)[piece], m, "token-mean")
+
+            value, grad = jax.value_and_grad(total)(z)
+            assert np.isfinite(float(value)), (name, piece)
+            assert np.all(np.isfinite(grad)), (name, piece)
+            if name == "empty":
+                assert float(value) == 0.0 and not np.any(grad)
+            if name == "garbage":
+                assert not np.any(np.asarray(grad)[mask == 0]), piece
+    # Every token held by PPO's clip: Clip-Cov has no candidate left and equals PPO-clip.
+    z = jnp.asarray(old + 3.0 * np.sign(adv)[:, None], jnp.float32)
+    x = z - old
+    np.testing.assert_array_equal(
+        surrogates.clip_cov(x, z, adv, mask, key=key, fraction=1.0, cov_low=-1e9, cov_high=1e9),
+        surrogates.ppo_clip(x, adv),
+    )
+    # Zero covariance: KL-Cov still picks its count (by index), no NaN.
+    selected = surrogates.kl_cov_selection(lp, np.ones_like(adv), mask, fraction=0.2)
+    assert float(selected.sum()) == max(1, int(0.2 * mask.sum()))
+
+
+def test_stabiliser_errors(rng):
+    lp, old, adv, mask = _policy(rng)
+    x = lp - old
+    with pytest.raises(ValueError, match="divergence"):
+        surrogates.dppo(x, lp, old, adv, divergence="js")
+    with pytest.raises(ValueError, match="ratio_cap"):
+        surrogates.dppo(x, lp, old, adv, ratio_cap=0.0)
+    with pytest.raises(ValueError, match="delta_low"):
+        surrogates.dppo_trust_region(lp, old, adv, delta_low=-0.1)
+    with pytest.raises(ValueError, match="fraction"):
+        surrogates.kl_cov(x, lp, adv, mask, fraction=0.0)
+    with pytest.raises(ValueError, match="cov_low < cov_high"):
+        surrogates.clip_cov(x, lp, adv, mask, key=jax.random.key(0), cov_low=2.0, cov_high=1.0)
+    with pytest.raises(ValueError, match="shape"):
+        surrogates.kl_cov(x, lp[:, :-1], adv, mask)

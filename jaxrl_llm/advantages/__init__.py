@@ -12,16 +12,18 @@ Hyper-parameters (``group_size``, ``scale``, ``gamma``, ...) are static Python v
 them through ``functools.partial`` or ``static_argnames`` when jitting.
 
 Outcome estimators (one advantage per completion, ``[B]``) live in ``_outcome``, token-level
-ones (``[B, T]``, whitened over the batch) in ``_token``, the group helpers both use in
-``_groups``; every public name is exported here.
+ones (``[B, T]``, whitened over the batch) in ``_token``, GDPO's several reward columns in
+``_multi_reward``, the group helpers in ``_groups``; every public name is exported here.
 """
 
 from jaxrl_llm.advantages._groups import group_view
+from jaxrl_llm.advantages._multi_reward import gdpo
 from jaxrl_llm.advantages._outcome import gpg, grpo, opo, pass_at_k, remax, rloo
 from jaxrl_llm.advantages._token import gae, reinforce_pp, reinforce_pp_baseline, whiten
 
 __all__ = [
     "gae",
+    "gdpo",
     "gpg",
     "group_view",
     "grpo",

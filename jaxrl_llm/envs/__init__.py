@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxrl_llm.envs.base import Environment, Episode, Message, StepResult, check_messages
 from jaxrl_llm.envs.calculator import calculator, calculator_demonstration, calculator_env
-from jaxrl_llm.envs.rollout import Renderer, left_pad, run_episodes
+from jaxrl_llm.envs.rollout import EpisodeLimits, Renderer, left_pad, run_episodes
 from jaxrl_llm.envs.tools import ToolCall, ToolEnv, format_tool_call, parse_tool_calls, run_tool
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": calculator_env}
@@ -55,6 +55,7 @@ __all__ = [
     "ENVIRONMENTS",
     "Environment",
     "Episode",
+    "EpisodeLimits",
     "Message",
     "Renderer",
     "StepResult",

@@ -20,6 +20,7 @@ environment ended it after a turn that ended with EOS.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,6 +112,21 @@ def left_pad(rows: Sequence[list[int]], pad: int) -> tuple[np.ndarray, np.ndarra
     return tokens, mask
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """An episode's budgets (see module).
+
+    Attributes:
+      max_turns: assistant turns an episode.
+      max_tokens: completion tokens an episode (the sampled and the environment's), T.
+      max_turn_tokens: sampled tokens a turn (None: what is left of ``max_tokens``).
+    """
+
+    max_turns: int
+    max_tokens: int
+    max_turn_tokens: int | None = None
+
+
 def run_episodes(
     params: Any,
     model_config: Any,
@@ -120,9 +136,7 @@ def run_episodes(
     *,
     key: jax.Array,
     group_size: int,
-    max_turns: int,
-    max_tokens: int,
-    max_turn_tokens: int | None,
+    limits: EpisodeLimits,
     stop_ids: Sequence[int],
     pad_id: int,
     mesh: Any = None,
@@ -141,6 +155,8 @@ def run_episodes(
       ValueError: ``reset`` / ``step`` returning malformed messages, or an episode not done
         that has nothing to append.
     """
+    max_turns, max_tokens = limits.max_turns, limits.max_tokens
+    max_turn_tokens = limits.max_turn_tokens
     eos = tuple(stop_ids)
     episodes, prompts, prompt_ids = [], [], []
     for example in examples:

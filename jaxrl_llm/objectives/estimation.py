@@ -55,6 +55,7 @@ def compute_advantages(
     values: Array | None = None,
     baseline_rewards: Array | None = None,
     process_rewards: Array | None = None,
+    reward_columns: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Advantages (and value targets) for an objective, from one rollout batch.
 
@@ -73,6 +74,8 @@ def compute_advantages(
       values: ``[B, T]`` critic values (``gae``).
       baseline_rewards: ``[B]`` greedy-completion rewards (``remax``).
       process_rewards: ``[B, T]`` dense implicit rewards ``beta*(lp_prm - lp_ref)`` (``prime``).
+      reward_columns: ``[B, K]`` one column per reward function (``gdpo``; ``rewards`` is then
+        only reported, e.g. their weighted sum).
 
     Returns:
       ``(advantages, returns)``: advantages ``[B]`` or ``[B, T]``; returns ``[B, T]`` for
@@ -93,6 +96,7 @@ def compute_advantages(
         "values": values,
         "baseline_rewards": baseline_rewards,
         "process_rewards": process_rewards,
+        "reward_columns": reward_columns,
     }
     for name in spec.requires:
         if optional[name] is None:
@@ -135,7 +139,8 @@ def advantage_fn(
     at build time that the estimator is registered and accepts ``group_size`` (PRIME and
     pass@k need >= 2); the batch size is checked against it when the function is traced.
     ``arrays`` are the keyword inputs of :func:`compute_advantages` (``old_logprobs``,
-    ``ref_logprobs``, ``values``, ``baseline_rewards``, ``process_rewards``).
+    ``ref_logprobs``, ``values``, ``baseline_rewards``, ``process_rewards``,
+    ``reward_columns``).
 
     Args:
       objective: selects the estimator and its hyper-parameters.

@@ -37,6 +37,7 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "values": "critic values [B, T]",
     "baseline_rewards": "greedy-completion rewards [B]",
     "process_rewards": "dense implicit rewards beta*(lp_prm - lp_ref) [B, T]",
+    "reward_columns": "one reward column per reward function [B, K]",
 }
 
 
@@ -64,6 +65,7 @@ class AdvantageInputs(NamedTuple):
       values: ``[B, T]`` critic values, or None.
       baseline_rewards: ``[B]`` greedy-completion rewards, or None.
       process_rewards: ``[B, T]`` dense implicit rewards, or None.
+      reward_columns: ``[B, K]`` one column per reward function, or None.
     """
 
     rewards: Array
@@ -75,6 +77,7 @@ class AdvantageInputs(NamedTuple):
     values: Array | None = None
     baseline_rewards: Array | None = None
     process_rewards: Array | None = None
+    reward_columns: Array | None = None
 
     def token_rewards(self) -> Array:
         """``[B, T]``: the reward on the last valid token, minus the per-token KL penalty."""
@@ -287,6 +290,22 @@ def _prime(objective: Objective, inputs: AdvantageInputs):
     total = (dense + outcome - inputs.kl_penalty) * mask
     returns = jnp.flip(jnp.cumsum(jnp.flip(total, 1), 1), 1)
     return advantages.whiten(returns, mask) * mask, returns * mask
+
+
+@register_estimator("gdpo", requires=("reward_columns",))
+def _gdpo(objective: Objective, inputs: AdvantageInputs):
+    """Each reward column normalised in its group, weighted sum, normalised over the batch
+    (GDPO; TRL's ``normalize_then_sum``)."""
+    columns = inputs.reward_columns
+    _checks.check_rank("reward_columns", columns, 2)
+    _checks.check_shape("reward_columns", columns, (inputs.mask.shape[0], columns.shape[1]))
+    adv = advantages.gdpo(
+        columns,
+        group_size=inputs.group_size,
+        weights=objective.reward_weights,
+        std_ddof=objective.std_ddof,
+    )
+    return adv, None
 
 
 _ESTIMATORS.mark_builtins()

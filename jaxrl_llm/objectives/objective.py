@@ -88,6 +88,24 @@ class Objective:
       rollout_correction: ``jaxrl_llm.correction.Correction`` (a mapping of its fields is
         accepted and converted) or None: IS weights / rejection of the sampler-trainer
         mismatch, from ``batch.rollout_logprobs``.
+      ratio_cap: truncation ``C`` of the detached IS weight ``min(r, C)`` of the ``dppo_tv``
+        / ``dppo_kl`` surrogates (verl's ``clip_ratio_c`` there; ``None``: no cap). Their
+        trust-region bounds are ``clip_low`` / ``clip_high`` (divergences, as in verl).
+      cov_fraction: fraction of the valid tokens ``kl_cov`` penalises / ``clip_cov`` leaves
+        out (verl's ``kl_cov_ratio`` / ``clip_cov_ratio``).
+      cov_bounds: ``(low, high)`` covariance window of ``clip_cov`` (verl's ``clip_cov_lb``,
+        ``clip_cov_ub``).
+      kl_cov_coef: coefficient of ``kl_cov``'s ``|log r|`` penalty (verl's ``ppo_kl_coef``).
+      top_entropy_quantile: ``ρ``: the policy loss trains only on the top-``ρ`` fraction of
+        tokens by entropy (Wang et al. 2025; TRL's name); 1 keeps every token. Needs the
+        per-token entropy.
+      off_policy_mask_threshold: ``δ`` of DeepSeek-V3.2's off-policy sequence mask (TRL's
+        name): negative-advantage rows whose mean ``log π_sampler − log π_θ`` exceeds it
+        leave the policy loss; ``None``: off. ``π_sampler`` is ``batch.rollout_logprobs``
+        when given, else the old log-probs.
+      kl_bias_correction: multiply the per-token KL in the loss by the importance ratio
+        (DeepSeek-V3.2's unbiased KL estimate; TRL's ``use_bias_correction_kl``).
+      reward_weights: weights of the reward columns of the ``gdpo`` estimator (``None``: 1).
     """
 
     name: str = "custom"
@@ -118,10 +136,23 @@ class Objective:
     prime_beta: float = 0.05
     extra: tuple[tuple[str, Any], ...] = ()
     rollout_correction: correction.Correction | None = None
+    ratio_cap: float | None = None
+    cov_fraction: float = 2e-4
+    cov_bounds: tuple[float, float] = (1.0, 5.0)
+    kl_cov_coef: float = 0.1
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    kl_bias_correction: bool = False
+    reward_weights: tuple[float, ...] | None = None
 
     def __post_init__(self):
         # Frozen: the normalisations go through object.__setattr__.
         object.__setattr__(self, "extra", freeze_extra(self.extra))
+        for field in ("cov_bounds", "reward_weights"):  # YAML gives lists
+            value = getattr(self, field)
+            if isinstance(value, list | tuple):
+                object.__setattr__(self, field, tuple(float(v) for v in value))
+        self._check_stabilisers()
         object.__setattr__(
             self, "rollout_correction", correction.Correction.of(self.rollout_correction)
         )
@@ -159,6 +190,30 @@ class Objective:
                 f"it takes {surrogate.ratios}"
             )
 
+    def _check_stabilisers(self) -> None:
+        _checks.check_positive("ratio_cap", self.ratio_cap)
+        if not 0.0 < self.cov_fraction <= 1.0:
+            raise ValueError(f"cov_fraction must be in (0, 1], got {self.cov_fraction!r}")
+        bounds = self.cov_bounds
+        if not (isinstance(bounds, tuple) and len(bounds) == 2 and bounds[0] < bounds[1]):
+            raise ValueError(f"cov_bounds must be (low, high) with low < high, got {bounds!r}")
+        _checks.check_non_negative("kl_cov_coef", self.kl_cov_coef)
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(
+                f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}"
+            )
+        _checks.check_non_negative("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        if self.reward_weights is not None and not self.reward_weights:
+            raise ValueError("reward_weights must hold one weight per reward column")
+        estimator = estimator_registry.ESTIMATORS.get(self.advantage)
+        kl_in_reward = self.kl_placement == "reward" and self.kl_kind is not None
+        columns = estimator is not None and "reward_columns" in estimator.requires
+        if columns and kl_in_reward and self.kl_coef > 0:
+            raise ValueError(
+                f"the {self.advantage} estimator normalises each reward column: a KL penalty "
+                "in the reward has no column; use kl_placement='loss'"
+            )
+
     @property
     def extra_dict(self) -> dict[str, Any]:
         """The user hyper-parameters of :attr:`extra` as a (fresh) dict."""
@@ -169,6 +224,16 @@ class Objective:
         """Whether a reference policy's log-probs are needed (no KL term: no reference model)."""
         estimator = estimator_registry.estimator_spec(self.advantage)
         return self.kl_kind is not None and self.kl_coef > 0 or estimator.needs_reference
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether ``policy_loss`` needs the per-token entropy (bonus or top-entropy mask)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
+
+    @property
+    def needs_reward_columns(self) -> bool:
+        """Whether the estimator needs one reward column per reward function (GDPO)."""
+        return "reward_columns" in self.estimator_requires
 
     @property
     def needs_old_logprobs(self) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, aggregation, correction, kl, masked_stats
+from jaxrl_llm import _checks, aggregation, correction, kl, masked_stats, token_selection
 from jaxrl_llm.objectives import _metrics, surrogate_registry
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
@@ -31,11 +31,10 @@ RESERVED_METRICS = frozenset(
 )
 
 
-def _surrogate_term(
-    objective: Objective, inputs: surrogate_registry.SurrogateInputs, weights: Array | None
+def _call_surrogate(
+    objective: Objective, inputs: surrogate_registry.SurrogateInputs
 ) -> tuple[Array, dict[str, Array]]:
-    """``(pg_loss, metrics)`` of the registered surrogate, its output checked, weighted by the
-    rollout-correction ``weights`` (when given) and reduced."""
+    """The registered surrogate's ``(loss, metrics)``, its output checked."""
     out = surrogate_registry.surrogate_spec(objective.surrogate).fn(objective, inputs)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(
@@ -53,20 +52,77 @@ def _surrogate_term(
             "reports itself; rename them"
         )
     shape = jnp.shape(loss)
-    if shape == jnp.shape(inputs.mask):
-        return inputs.aggregate(loss if weights is None else loss * weights), dict(metrics)
-    if shape == () and weights is not None:
+    if shape not in ((), jnp.shape(inputs.mask)):
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} returned a loss of shape {shape}; expected a "
+            f"per-token [B, T]={jnp.shape(inputs.mask)} loss or a scalar"
+        )
+    return loss, dict(metrics)
+
+
+def _surrogate_term(
+    objective: Objective,
+    inputs: surrogate_registry.SurrogateInputs,
+    weights: Array | None,
+    selection: Array | None,
+) -> tuple[Array, dict[str, Array]]:
+    """``(pg_loss, metrics)`` of the registered surrogate, weighted by the rollout-correction
+    ``weights`` and multiplied by the token ``selection`` (when given), and reduced.
+
+    A surrogate that reduces its own loss (GMPO's per-sequence mean) cannot be multiplied per
+    token: it is called again on the selected tokens only (``mask·selection``; the global
+    normalisers unchanged, so a dropped row counts in the mean with 0).
+    """
+    loss, metrics = _call_surrogate(objective, inputs)
+    if jnp.shape(loss) == jnp.shape(inputs.mask):
+        for factor in (weights, selection):
+            loss = loss if factor is None else loss * factor
+        return inputs.aggregate(loss), metrics
+    if weights is not None:
         raise ValueError(
             f"surrogate {objective.surrogate!r} returns one loss for the batch, so per-token "
             "rollout-correction IS weights cannot multiply it; use rejection only "
             "(rollout_correction.is_level=None)"
         )
-    if shape == ():
-        return _checks.f32(loss), dict(metrics)
-    raise ValueError(
-        f"surrogate {objective.surrogate!r} returned a loss of shape {shape}; expected a "
-        f"per-token [B, T]={jnp.shape(inputs.mask)} loss or a scalar"
-    )
+    if selection is not None:
+        loss, metrics = _call_surrogate(objective, inputs._replace(mask=inputs.mask * selection))
+        if jnp.shape(loss) != ():
+            raise ValueError(f"surrogate {objective.surrogate!r} changed its loss's shape")
+    return _checks.f32(loss), metrics
+
+
+def _token_selection(
+    objective: Objective,
+    logprobs: Array,
+    inputs: surrogate_registry.SurrogateInputs,
+    batch: RolloutBatch,
+    entropy: Array | None,
+) -> tuple[Array | None, Array | None, dict[str, Array]]:
+    """``(selection or None, entropy selection or None, metrics)`` of the objective's token
+    masks (:mod:`jaxrl_llm.token_selection`)."""
+    selection = entropy_selection = None
+    metrics: dict[str, Array] = {}
+    if objective.top_entropy_quantile < 1.0:
+        entropy_selection = token_selection.top_entropy_mask(
+            entropy, inputs.mask, quantile=objective.top_entropy_quantile
+        )
+        selection = entropy_selection
+        metrics["top_entropy_frac"] = inputs.token_mean(entropy_selection)
+    if objective.off_policy_mask_threshold is not None:
+        sampling = inputs.old_logprobs
+        if batch.rollout_logprobs is not None:
+            _checks.check_batch_time("rollout_logprobs", batch.rollout_logprobs, inputs.mask)
+            sampling = jax.lax.stop_gradient(_checks.f32(batch.rollout_logprobs))
+        kept = token_selection.off_policy_sequence_mask(
+            logprobs,
+            sampling,
+            inputs.advantages,
+            inputs.mask,
+            threshold=objective.off_policy_mask_threshold,
+        )
+        metrics["off_policy_masked_frac"] = inputs.token_mean(1.0 - kept)
+        selection = kept if selection is None else selection * kept
+    return selection, entropy_selection, metrics
 
 
 def policy_loss(
@@ -91,12 +147,19 @@ def policy_loss(
     the rollout as the old policy, against ``stop_gradient(logprobs)`` (``"bypass"``, weights
     only for ratio-free surrogates); rejected tokens leave every term.
 
+    Token selection (:mod:`jaxrl_llm.token_selection`): with ``top_entropy_quantile < 1``
+    only the top-entropy tokens, with ``off_policy_mask_threshold`` only rows the policy has
+    not drifted from (or with ``A ≥ 0``) keep their surrogate loss (the others add 0 and
+    still count in the normalisers, as in TRL); the entropy bonus acts on the top-entropy
+    tokens; the KL term keeps every token, times the ratio with ``kl_bias_correction``.
+
     Args:
       objective: which pieces to use.
       logprobs: ``[B, T]`` current policy log-probs (carry the gradient).
       batch: ``RolloutBatch`` with ``completion_mask``, ``old_logprobs`` and ``advantages``
         (``[B]`` or ``[B, T]``); ``ref_logprobs`` when the objective puts KL in the loss.
-      entropy: optional ``[B, T]`` per-token entropy (needed when ``entropy_coef > 0``).
+      entropy: optional ``[B, T]`` per-token entropy (needed when ``objective.needs_entropy``:
+        ``entropy_coef > 0`` or ``top_entropy_quantile < 1``).
 
     Returns:
       ``LossOutput(loss, metrics)``; metrics as listed in shared/SPEC_LOSSES.md, the
@@ -118,8 +181,8 @@ def policy_loss(
         raise ValueError(
             f"objective {objective.name!r} puts KL in the loss: batch.ref_logprobs is None"
         )
-    if objective.entropy_coef > 0 and entropy is None:
-        raise ValueError("entropy_coef > 0 needs the per-token entropy")
+    if objective.needs_entropy and entropy is None:
+        raise ValueError("entropy_coef > 0 and top_entropy_quantile < 1 need the per-token entropy")
 
     all_tokens = aggregation.normalisers(mask)[0] if batch.num_tokens is None else batch.num_tokens
     weights, mask, old_logprobs, corrected = _rollout_correction(
@@ -145,7 +208,14 @@ def policy_loss(
         norm_constant=objective.norm_constant,
     )
 
-    pg_loss, metrics = _surrogate_term(objective, inputs, weights)
+    if entropy is not None:
+        _checks.check_batch_time("entropy", entropy, mask)
+        entropy = _checks.f32(entropy)
+    selection, entropy_selection, selection_metrics = _token_selection(
+        objective, logprobs, inputs, batch, entropy
+    )
+    pg_loss, metrics = _surrogate_term(objective, inputs, weights, selection)
+    metrics.update(selection_metrics)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss
     if weights is not None:
@@ -163,12 +233,11 @@ def policy_loss(
     if batch.ref_logprobs is not None and objective.kl_kind is not None:
         _checks.check_batch_time("ref_logprobs", batch.ref_logprobs, mask)
         ref = jax.lax.stop_gradient(_checks.f32(batch.ref_logprobs))
-        per_token_kl = kl.estimate(
-            logprobs,
-            ref,
-            kind=objective.kl_kind,
-            straight_through=objective.kl_straight_through,
-        )
+        kl_kw = {"kind": objective.kl_kind, "straight_through": objective.kl_straight_through}
+        if objective.kl_bias_correction:
+            per_token_kl = kl.importance_weighted_estimate(logprobs, ref, log_ratio, **kl_kw)
+        else:
+            per_token_kl = kl.estimate(logprobs, ref, **kl_kw)
         metrics["kl"] = inputs.token_mean(per_token_kl)
         if kl_in_loss:
             kl_loss = inputs.aggregate(per_token_kl)
@@ -176,11 +245,11 @@ def policy_loss(
             loss = loss + objective.kl_coef * kl_loss
 
     if entropy is not None:
-        _checks.check_batch_time("entropy", entropy, mask)
-        entropy = _checks.f32(entropy)
         metrics["entropy"] = inputs.token_mean(jax.lax.stop_gradient(entropy))
         if objective.entropy_coef > 0:
-            entropy_loss = inputs.aggregate(entropy)
+            # With a top-entropy mask the bonus acts on the tokens the policy loss trains (TRL).
+            bonus = entropy if entropy_selection is None else entropy * entropy_selection
+            entropy_loss = inputs.aggregate(bonus)
             metrics["entropy_loss"] = entropy_loss
             loss = loss - objective.entropy_coef * entropy_loss
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl_llm import aggregation, ratios, surrogates
 from jaxrl_llm.objectives import _metrics
@@ -269,6 +270,87 @@ def _reinforce(objective: Objective, inputs: SurrogateInputs):
     """``−A·lp``: vanilla policy gradient, no ratio, no clip (GPG)."""
     del objective
     return surrogates.reinforce(inputs.logprobs, inputs.advantages), {}
+
+
+def _no_dual_clip(objective: Objective, instead: str) -> None:
+    if objective.dual_clip is not None:
+        raise ValueError(
+            f"surrogate {objective.surrogate!r} has no dual clip (dual_clip="
+            f"{objective.dual_clip!r}); set dual_clip=None{instead}"
+        )
+
+
+def _dppo(divergence: str) -> SurrogateFn:
+    def fn(objective: Objective, inputs: SurrogateInputs):
+        _no_dual_clip(objective, " (its IS weight is capped by ratio_cap)")
+        kw = {
+            "divergence": divergence,
+            "delta_low": objective.clip_low,
+            "delta_high": objective.clip_high,
+            "ratio_cap": objective.ratio_cap,
+        }
+        args = (inputs.log_ratio, inputs.logprobs, inputs.old_logprobs, inputs.advantages)
+        indicators = surrogates.dppo_metrics(*args, **kw)
+        return surrogates.dppo(*args, **kw), {
+            "clip_frac": inputs.token_mean(indicators["clipped"]),
+            "clip_frac_lower": inputs.token_mean(indicators["clipped_lower"]),
+        }
+
+    fn.__doc__ = (
+        f"``−A·sg(min(r, C))·lp`` inside DPPO's binary-{divergence.upper()} trust region "
+        "(bounds clip_low / clip_high), 0 outside."
+    )
+    return fn
+
+
+register_surrogate("dppo_tv", _dppo("tv"), ratios=("token",))
+register_surrogate("dppo_kl", _dppo("kl"), ratios=("token",))
+
+
+@register_surrogate("kl_cov", ratios=("token",))
+def _kl_cov(objective: Objective, inputs: SurrogateInputs):
+    """``−A·r + β·|log r|`` on the highest-covariance tokens, ``−A·r`` elsewhere (KL-Cov)."""
+    kw = {"fraction": objective.cov_fraction}
+    args = (inputs.logprobs, inputs.advantages, inputs.mask)
+    per_token = surrogates.kl_cov(inputs.log_ratio, *args, coef=objective.kl_cov_coef, **kw)
+    return per_token, {"cov_frac": inputs.token_mean(surrogates.kl_cov_selection(*args, **kw))}
+
+
+def _data_key(inputs: SurrogateInputs) -> Array:
+    """A key drawn from the batch itself: the draw is a pure function of the data."""
+    bits = jax.lax.bitcast_convert_type(inputs.old_logprobs, jnp.uint32)
+    seed = jnp.sum(jnp.where(inputs.mask > 0, bits, jnp.uint32(0)), dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(0), seed)
+
+
+@register_surrogate("clip_cov", ratios=("token",))
+def _clip_cov(objective: Objective, inputs: SurrogateInputs):
+    """PPO's clipped surrogate with a random few tokens of high covariance left out (Clip-Cov).
+
+    The draw's key is derived from the batch's old log-probs, so a step is a pure function of
+    its data and repeats exactly.
+    """
+    _no_dual_clip(objective, "")
+    kw = {
+        "key": _data_key(inputs),
+        "fraction": objective.cov_fraction,
+        "cov_low": objective.cov_bounds[0],
+        "cov_high": objective.cov_bounds[1],
+        "clip_low": objective.clip_low,
+        "clip_high": objective.clip_high,
+    }
+    args = (inputs.log_ratio, inputs.logprobs, inputs.advantages, inputs.mask)
+    selected = surrogates.clip_cov_selection(*args, **kw)
+    clipped = surrogates.ppo_clip_metrics(
+        inputs.log_ratio,
+        inputs.advantages,
+        clip_low=objective.clip_low,
+        clip_high=objective.clip_high,
+    )["clipped"]
+    return surrogates.clip_cov(*args, **kw), {
+        "clip_frac": inputs.token_mean(clipped),
+        "cov_frac": inputs.token_mean(selected),
+    }
 
 
 _SURROGATES.mark_builtins()

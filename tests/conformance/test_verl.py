@@ -815,3 +815,124 @@ def test_preset_policy_loss_matches_verl_actor(rng, name):
     theirs.backward()
     _close(loss, theirs)
     _close(grad, log_prob.grad)
+
+
+# ----------------------------------------------------------------------------- 2025-26 stabilisers
+
+
+def _probability_batch(rng):
+    """f32 ``(lp, old, token advantages, mask)`` with probabilities over (0, 1) and moves that
+    cross DPPO's trust regions on both sides."""
+    old = np.log(rng.uniform(0.02, 0.98, (B, T)))
+    lp = np.log(np.clip(np.exp(old) + rng.normal(0.0, 0.25, (B, T)), 1e-3, 0.999))
+    advantages = rng.normal(size=(B, T))
+    advantages[1] = 0.0
+    mask = _mask(rng, empty_rows=(3,))
+    return tuple(x.astype(np.float32) for x in (lp, old, advantages)) + (mask,)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(("divergence", "delta", "cap"), [("tv", 0.15, 3.0), ("kl", 0.05, 1.5)])
+def test_dppo_matches_verl(rng, divergence, delta, cap, mode):
+    lp, old, advantages, mask = _probability_batch(rng)
+    kw = {"divergence": divergence, "delta_low": delta, "delta_high": delta, "ratio_cap": cap}
+
+    def ours(x):
+        log_ratio = ratios.token_log_ratio(x, old)
+        indicators = surrogates.dppo_metrics(log_ratio, x, old, advantages, **kw)
+        metrics = {
+            "actor/pg_clipfrac": _token_mean(indicators["clipped"], mask),
+            "actor/pg_clipfrac_lower": _token_mean(indicators["clipped_lower"], mask),
+            "actor/ppo_kl": _token_mean(-log_ratio, mask),
+        }
+        per_token = surrogates.dppo(log_ratio, x, old, advantages, **kw)
+        return aggregation.aggregate(per_token, mask, mode), metrics
+
+    loss, grad, metrics = _ours(ours, lp)
+    config = _actor_config(clip_ratio_low=delta, clip_ratio_high=delta, clip_ratio_c=cap)
+    theirs, theirs_grad, theirs_metrics = _verl_policy_loss(
+        f"dppo_{divergence}", config, lp, old, advantages, mask, mode
+    )
+    _close(loss, theirs)
+    _close(grad, theirs_grad)
+    assert metrics.keys() == theirs_metrics.keys()
+    for key, value_ in metrics.items():
+        _close(value_, theirs_metrics[key], msg=key)
+    assert 0 < metrics["actor/pg_clipfrac"] < 1
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(("fraction", "coef"), [(0.2, 0.5), (1e-4, 0.1)])
+def test_kl_cov_matches_verl(rng, fraction, coef, mode):
+    lp, old, advantages, mask = _policy_batch(rng, adv_rank=2, extreme=False)
+
+    def ours(x):
+        per_token = surrogates.kl_cov(x - old, x, advantages, mask, fraction=fraction, coef=coef)
+        return aggregation.aggregate(per_token, mask, mode), None
+
+    loss, grad, _ = _ours(ours, lp)
+    config = _actor_config(
+        policy_loss=PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=fraction, ppo_kl_coef=coef)
+    )
+    theirs, theirs_grad, _ = _verl_policy_loss("kl_cov", config, lp, old, advantages, mask, mode)
+    _close(loss, theirs)
+    _close(grad, theirs_grad)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_clip_cov_matches_verl_when_every_candidate_is_drawn(rng, mode):
+    """verl draws its tokens with torch's generator: with ``clip_cov_ratio = 1`` every
+    candidate is taken on both sides, so the draw cannot differ."""
+    lp, old, advantages, mask = _policy_batch(rng, adv_rank=2, extreme=False)
+    centred_a = advantages - _token_mean(advantages, mask)
+    centred_lp = lp - _token_mean(lp, mask)
+    cov = np.asarray(centred_a * centred_lp)[mask > 0]
+    low, high = (float(b) for b in np.quantile(cov, [0.3, 0.9]))
+    kw = {"fraction": 1.0, "cov_low": low, "cov_high": high, "clip_low": 0.2, "clip_high": 0.28}
+
+    def ours(x):
+        per_token = surrogates.clip_cov(x - old, x, advantages, mask, key=jax.random.key(0), **kw)
+        return aggregation.aggregate(per_token, mask, mode), None
+
+    loss, grad, _ = _ours(ours, lp)
+    config = _actor_config(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        policy_loss=PolicyLossConfig(
+            loss_mode="clip_cov", clip_cov_ratio=1.0, clip_cov_lb=low, clip_cov_ub=high
+        ),
+    )
+    theirs, theirs_grad, _ = _verl_policy_loss("clip_cov", config, lp, old, advantages, mask, mode)
+    _close(loss, theirs)
+    _close(grad, theirs_grad)
+    plain = jax.grad(
+        lambda x: aggregation.aggregate(
+            surrogates.ppo_clip(x - old, advantages, clip_high=0.28), mask, mode
+        )
+    )(jnp.asarray(lp))
+    assert np.any((np.asarray(grad) == 0) & (np.asarray(plain) != 0))  # tokens were left out
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_gdpo_matches_verl(rng, group_size):
+    """verl's ``gdpo`` whitens the weighted sum over tokens: ours with ``batch_norm="token"``."""
+    mask = _mask(rng)
+    columns = np.stack(
+        [_rewards(rng, "binary", group_size), 5.0 * _rewards(rng, "gaussian", group_size)], axis=1
+    )
+    weights = (1.0, 0.5)
+    ours = adv.gdpo(columns, mask, group_size=group_size, weights=weights, batch_norm="token")
+    prompt = 3
+    attention = np.concatenate([np.ones((B, prompt)), mask], axis=1)
+    theirs, _ = core_algos.compute_gdpo_outcome_advantage(
+        _t(np.zeros((B, T))),
+        _t(mask),
+        _index(group_size),
+        config={"gdpo_reward_keys": ["correct", "style"], "gdpo_reward_weights": list(weights)},
+        non_tensor_batch={"correct": columns[:, 0], "style": columns[:, 1]},
+        batch={
+            "prompts": torch.zeros((B, prompt)),
+            "attention_mask": torch.tensor(attention, dtype=torch.long),
+        },
+    )
+    _close(ours, theirs)

@@ -18,7 +18,7 @@ import pytest
 from jaxrl_llm import logprobs as logprobs_lib
 from jaxrl_llm.data import Example
 from jaxrl_llm.data.char_tokenizer import TOOL_ALPHABET, build_char_tokenizer
-from jaxrl_llm.envs import Renderer, StepResult, run_episodes
+from jaxrl_llm.envs import EpisodeLimits, Renderer, StepResult, run_episodes
 from jaxrl_llm.models import ModelConfig
 from tests.sampling import random_params
 
@@ -70,9 +70,7 @@ def _run(env, *, max_turns=3, max_tokens=96, max_turn_tokens=3, stop_ids=(EOS,),
         [Example("12*34=", "408"), Example("5*6=", "30")],
         key=jax.random.key(0),
         group_size=2,
-        max_turns=max_turns,
-        max_tokens=max_tokens,
-        max_turn_tokens=max_turn_tokens,
+        limits=EpisodeLimits(max_turns, max_tokens, max_turn_tokens),
         stop_ids=stop_ids,
         pad_id=PAD,
         temperature=temp,

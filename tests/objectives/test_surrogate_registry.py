@@ -141,6 +141,10 @@ def test_registration_returns_the_function_and_lists_the_name():
         "sapo",
         "gmpo",
         "reinforce",
+        "dppo_tv",
+        "dppo_kl",
+        "kl_cov",
+        "clip_cov",
         "soft_clip",
     )
     assert objectives.SURROGATES["soft_clip"].fn is soft_clip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -18,11 +19,11 @@ import numpy as np
 from jaxrl_llm import data, objectives, parallel, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
-from jaxrl_llm.sampling import strategies
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import episodes, tasks
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import RM_NORMALIZE, TrainConfig
+from jaxrl_llm.train.rl.spec import SamplerSettings, sampler_settings
 from jaxrl_llm.types import Sequences
 
 log = logging.getLogger("jaxrl_llm")
@@ -174,6 +175,21 @@ class RunContext:
     scorer: Any = None  # a ``rewards.ScoringPool`` (rollout.reward_workers > 0), or None
     sampler_config: Any = None  # the sampler's model when not ``model_config`` (merged LoRA)
 
+    @functools.cached_property
+    def settings(self) -> SamplerSettings:
+        """The run's resolved sampler settings (``spec.sampler_settings``)."""
+        return sampler_settings(self.cfg)
+
+    @functools.cached_property
+    def drawer(self) -> rollout_lib.Drawer:
+        """How this run draws samples: its environment's episodes (``env.name``), else the
+        continuous or the static engine (``rollout.engine``)."""
+        if self.env is not None:
+            return episodes.EpisodeDrawer(self)
+        if self.settings.engine == "continuous":
+            return rollout_lib.ContinuousDrawer(self)
+        return rollout_lib.StaticDrawer(self)
+
     @property
     def sampling_config(self):
         """The ``ModelConfig`` the sampler decodes: a LoRA run's base with merged weights
@@ -209,55 +225,24 @@ class RunContext:
         updates=None,
         version=0,
     ) -> rollout_lib.Samples:
-        """``group_size`` completions of each example's prompt, scored (learned reward added).
+        """``group_size`` completions of each example's prompt, scored (learned reward added),
+        by the run's :attr:`drawer`.
 
         ``mesh``: the mesh ``params`` live on (default: the run's; the trainer passes its
         serving layout's, ``sampling.serving``). ``defer``: with scoring workers
         (``rollout.reward_workers``) return while they score (``Samples.scoring``);
         :meth:`finish_scoring` completes the draw. ``updates``, ``version``: partial rollouts
-        (``rollout_lib.sample_and_score``)."""
-        r = self.cfg.rollout
-        if self.env is not None:
-            with timer.phase("rollout") if timer else contextlib.nullcontext():
-                return episodes.sample_episodes(
-                    self,
-                    params,
-                    examples,
-                    key,
-                    temperature=temperature,
-                    group_size=group_size,
-                    mesh=self.mesh if mesh is None else mesh,
-                )
-        samples = rollout_lib.sample_and_score(
-            params,
-            self.sampling_config,
-            self.tokenizer,
-            examples,
-            self.prompts(examples),
-            key=key,
-            reward_fn=self.reward_fn,
-            group_size=group_size,
-            max_new_tokens=r.max_new_tokens,
-            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+        (``rollout_lib.DrawRequest``)."""
+        request = rollout_lib.DrawRequest(
             temperature=temperature,
-            stop_ids=self.stop_ids,
-            add_special_tokens=not self.cfg.data.chat_template,
-            top_k=strategies.effective_top_k(r.top_k, temperature),
-            top_p=r.top_p,
-            min_p=r.min_p,
+            group_size=group_size,
             mesh=self.mesh if mesh is None else mesh,
             timer=timer,
-            engine=r.engine,
-            slots=r.slots,
-            burst=r.burst,
-            scorer=self.scorer,
             defer=defer,
             updates=updates,
             version=version,
-            decode_layers=r.decode_layers,
-            kv_block_size=r.kv_block_size or None,
-            kv_blocks=r.kv_blocks,
         )
+        samples = self.drawer.draw(params, examples, key, request)
         return samples if samples.scoring else self._scored(samples, timer)
 
     def finish_scoring(self, samples: rollout_lib.Samples, timer=None) -> rollout_lib.Samples:

@@ -1,7 +1,7 @@
 """The RL run's side of multi-turn environments (``env.name``): episodes as ``Samples`` and
 demonstrations for the SFT warm-up.
 
-``sample_episodes`` runs ``envs.run_episodes`` with the run's sampler settings and packs the
+``EpisodeDrawer`` runs ``envs.run_episodes`` with the run's sampler settings and packs the
 result as the trainer's ``Samples``: the completion is the episode after its opening prompt,
 ``loss_mask`` its sampled tokens, ``rewards`` the summed turn rewards, ``correct`` the task's
 check on the final assistant message, ``info`` the per-episode turn count and the
@@ -19,8 +19,7 @@ import numpy as np
 from jaxrl_llm import data, envs
 from jaxrl_llm.data.encoding import pad_id
 from jaxrl_llm.rewards import is_correct
-from jaxrl_llm.sampling import strategies
-from jaxrl_llm.train.rl.rollout import Samples
+from jaxrl_llm.train.rl.rollout import Drawer, DrawRequest, Samples
 from jaxrl_llm.types import MaskedSequences, Sequences
 
 
@@ -45,59 +44,53 @@ def _correct(episode: envs.Episode) -> bool:
         return False
 
 
-def sample_episodes(
-    context,
-    params,
-    examples: Sequence[Any],
-    key: jax.Array,
-    *,
-    temperature: float,
-    group_size: int,
-    mesh: Any = None,
-) -> Samples:
-    """``group_size`` episodes of the run's environment for each example, as ``Samples``."""
-    cfg, r = context.cfg, context.cfg.rollout
-    out = envs.run_episodes(
-        params,
-        context.sampling_config,
-        renderer(context),
-        context.env,
-        examples,
-        key=key,
-        group_size=group_size,
-        max_turns=cfg.env.max_turns,
-        max_tokens=r.max_new_tokens,
-        max_turn_tokens=cfg.env.max_turn_tokens,
-        stop_ids=context.stop_ids,
-        pad_id=pad_id(context.tokenizer),
-        mesh=mesh,
-        temperature=temperature,
-        top_k=strategies.effective_top_k(r.top_k, temperature),
-        top_p=r.top_p,
-        min_p=r.min_p,
-    )
-    prompt_tokens, prompt_mask = envs.left_pad(out["prompt_ids"], pad_id(context.tokenizer))
-    tokens, mask = out["tokens"], out["mask"]
-    texts = [
-        context.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
-        for row, m in zip(tokens, mask)
-    ]
-    info = {"turns": out["turns"].astype(np.float64), **out["info"]}
-    return Samples(
-        prompt_tokens=prompt_tokens,
-        prompt_mask=prompt_mask,
-        completion_tokens=tokens,
-        completion_mask=mask,
-        completions=texts,
-        prompts=out["prompts"],
-        rewards=out["rewards"],
-        correct=np.array([_correct(e) for e in out["episodes"]], bool),
-        components={"env": out["rewards"]},
-        finished=out["finished"],
-        logprobs=out["logprobs"],
-        loss_mask=out["loss_mask"],
-        info=info,
-    )
+class EpisodeDrawer(Drawer):
+    """``env.name``: ``group_size`` episodes of the run's environment for each example
+    (``envs.run_episodes`` with the run's sampler settings), scored by the environment."""
+
+    def draw(self, params, examples: Sequence[Any], key: jax.Array, request: DrawRequest):
+        context, settings = self.context, self.context.settings
+        with request.phase("rollout"):
+            out = envs.run_episodes(
+                params,
+                context.sampling_config,
+                renderer(context),
+                context.env,
+                examples,
+                key=key,
+                group_size=request.group_size,
+                limits=envs.EpisodeLimits(
+                    max_turns=context.cfg.env.max_turns,
+                    max_tokens=settings.max_new_tokens,
+                    max_turn_tokens=context.cfg.env.max_turn_tokens,
+                ),
+                stop_ids=context.stop_ids,
+                pad_id=pad_id(context.tokenizer),
+                mesh=request.mesh,
+                **settings.sampling(request.temperature),
+            )
+        prompt_tokens, prompt_mask = envs.left_pad(out["prompt_ids"], pad_id(context.tokenizer))
+        tokens, mask = out["tokens"], out["mask"]
+        texts = [
+            context.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+            for row, m in zip(tokens, mask)
+        ]
+        info = {"turns": out["turns"].astype(np.float64), **out["info"]}
+        return Samples(
+            prompt_tokens=prompt_tokens,
+            prompt_mask=prompt_mask,
+            completion_tokens=tokens,
+            completion_mask=mask,
+            completions=texts,
+            prompts=out["prompts"],
+            rewards=out["rewards"],
+            correct=np.array([_correct(e) for e in out["episodes"]], bool),
+            components={"env": out["rewards"]},
+            finished=out["finished"],
+            logprobs=out["logprobs"],
+            loss_mask=out["loss_mask"],
+            info=info,
+        )
 
 
 def demonstrations(context, examples: Sequence[Any]) -> MaskedSequences:

@@ -22,6 +22,7 @@ not bit-reproducible, and a resumed one differs from an uninterrupted one.
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures
 import contextlib
@@ -34,9 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm.models import lora
 from jaxrl_llm.sampling.requests import WeightUpdates
-from jaxrl_llm.train import adapters
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.spec import check_staleness  # noqa: F401 (re-exported: its old home)
@@ -49,7 +48,106 @@ IN_FLIGHT_DIR = "rollouts_in_flight"
 Produce = Callable[[int, Any, PhaseTimer], tuple[rollout_lib.Samples, dict]]
 
 
-class RolloutPipeline:
+class Pipeline(abc.ABC):
+    """Where each step's samples come from, and what is in flight: the one interface of the
+    inline loop (``k = 0``), the threaded one (:class:`RolloutPipeline`, ``k >= 1``) and a
+    sampler on processes of its own (``remote.RemotePipeline``). A pipeline owns the staleness
+    ``k``, the data position each draw started from (``draw_starts``), the rollouts in flight
+    and their checkpoint (:meth:`save_in_flight`, :meth:`restore_in_flight`).
+
+    Attributes:
+      max_staleness: ``k``, the rollouts drawn ahead of the update.
+      prompts: the run's ``data.PromptSampler`` (the data position a checkpoint saves).
+      draw_starts: the prompts' position before each recent step's draws, by step (empty where
+        another process draws: its batches carry their position).
+    """
+
+    max_staleness: int
+    prompts: Any
+    draw_starts: dict[int, Any]
+
+    @abc.abstractmethod
+    def next(self, step: int, snapshot: Callable[[], Any], timer: PhaseTimer) -> tuple:
+        """``(samples, info)`` step ``step`` trains on; ``snapshot()`` gives the current
+        weights in the sampler's layout (buffers the update does not donate)."""
+
+    @abc.abstractmethod
+    def drain_until_failure(self, finish: Callable[[Any, PhaseTimer], Any]) -> tuple:
+        """The rollouts in flight, ``(step, samples, info, version, timer)`` each with its
+        scoring finished by ``finish``, up to the first that failed: ``(items before it, (its
+        step, its error) or None)``."""
+
+    @abc.abstractmethod
+    def preload(self, items) -> None:
+        """Queues finished rollouts (a checkpoint's, on resume) in place of those in flight."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops what is in flight (the run ends)."""
+
+    @staticmethod
+    def in_flight_file(directory: pathlib.Path, step: int) -> pathlib.Path:
+        """This process's file of checkpoint ``step``'s rollouts in flight in ``directory``."""
+        return directory / f"{step}-process{jax.process_index()}.pkl"
+
+    def save_in_flight(
+        self,
+        step: int,
+        directory: pathlib.Path,
+        *,
+        kept_steps: Any,
+        finish: Callable[[Any, PhaseTimer], Any],
+        max_steps: int,
+    ) -> None:
+        """Writes the rollouts in flight beside checkpoint ``step`` (waiting for them; their
+        scoring finished by ``finish``) into ``directory``, and drops those of checkpoints no
+        longer kept (``kept_steps``).
+
+        Raises:
+          Exception: a rollout's error, unless it is past the run's last step (``max_steps``).
+        """
+        if not self.max_staleness:
+            return
+        items, failure = self.drain_until_failure(finish)
+        if failure is not None:
+            failed, err = failure
+            if step < max_steps:
+                raise err
+            # Rollouts past the run's end only serve a longer resumed run. The checkpoint keeps
+            # those before the failed one, and the data position where the failed one started
+            # drawing, so a longer run draws its prompts again. (A sampler process's batches
+            # carry their position: the trainer's follows the last one received.)
+            if failed in self.draw_starts:
+                self.prompts.restore(self.draw_starts[failed])
+            log.warning(
+                "the rollout of step %d (past the last step) failed (%s): checkpoint %d keeps "
+                "the %d before it; a longer resumed run draws its prompts again",
+                failed,
+                err,
+                step,
+                len(items),
+            )
+        path = self.in_flight_file(directory, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(items))
+        tmp.replace(path)
+        kept = set(kept_steps) | {step}
+        for old in path.parent.glob("*.pkl"):
+            if int(old.name.split("-")[0]) < min(kept):
+                old.unlink(missing_ok=True)
+
+    def restore_in_flight(self, step: int, directory: pathlib.Path) -> None:
+        """Queues the rollouts checkpoint ``step`` had in flight (none: they start afresh)."""
+        path = self.in_flight_file(directory, step)
+        if self.max_staleness and path.exists():
+            items = pickle.loads(path.read_bytes())
+            for *_, timer in items:
+                timer.spans.clear()  # the saving process's clock
+            self.preload(items)
+
+
+class RolloutPipeline(Pipeline):
     """Rollouts up to ``max_staleness`` steps ahead of the update, on one background thread.
 
     The rollout of step ``s + j`` starts during step ``s`` whatever ``trainer.max_steps`` is,
@@ -65,12 +163,21 @@ class RolloutPipeline:
       partial: partial rollouts: each step publishes its weights to the rollout in flight
         (``produce`` then takes ``updates=`` the ``WeightUpdates`` and ``version=`` its
         parameters' version).
+      prompts: the run's ``data.PromptSampler``, whose position each draw starts from is
+        noted (``draw_starts``).
     """
 
     def __init__(
-        self, produce: Produce, max_staleness: int, mesh: Any = None, partial: bool = False
+        self,
+        produce: Produce,
+        max_staleness: int,
+        mesh: Any = None,
+        partial: bool = False,
+        prompts: Any = None,
     ):
-        self.produce = produce
+        self._produce = produce
+        self.prompts = prompts
+        self.draw_starts: dict[int, Any] = {}
         self.max_staleness = max_staleness
         self.mesh = mesh
         self.updates = WeightUpdates() if partial and max_staleness else None
@@ -80,6 +187,16 @@ class RolloutPipeline:
             if max_staleness
             else None
         )
+
+    def produce(self, step: int, params: Any, timer: PhaseTimer, **partial: Any) -> tuple:
+        """Step ``step``'s rollout (on the rollout thread, which runs the steps in order),
+        noting the data position its draws start from: where a failed rollout past the run's
+        end is drawn again."""
+        if self.prompts is not None:
+            starts = self.draw_starts
+            self.draw_starts = {s: v for s, v in starts.items() if s >= step - self.max_staleness}
+            self.draw_starts[step] = self.prompts.state()
+        return self._produce(step, params, timer, **partial)
 
     def _run(self, step: int, params: Any, version: int):
         timer = PhaseTimer(lane="rollout")
@@ -176,145 +293,3 @@ def staleness_info(samples: Any, step: int, version: int) -> dict[str, float]:
         "rollout/stale_token_frac": float((lag > 0).mean()),
         "rollout/token_staleness_mean": float(lag.mean()),
     }
-
-
-class RolloutSide:
-    """``RLTrainer``'s rollout methods (a mixin over its ``cfg``, ``run``, ``serving`` ...)."""
-
-    #: The data sampler's state before each recent step's draws, by step.
-    draw_starts: dict[int, Any] = {}
-
-    def sampler_params(self, timer: PhaseTimer | None = None):
-        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``); a
-        LoRA run's merged into one base copy with ``model.lora.sampler=merged``."""
-        phase = timer.phase("reshard") if timer else contextlib.nullcontext()
-        if self.merge_sampler is not None:
-            with phase:
-                return jax.block_until_ready(self.merge_sampler(*self._served_lora()))
-        if self.serving.is_trainer_layout:  # else resharded on device
-            return self.policy_params
-        with phase:
-            if self.base is None:
-                return jax.block_until_ready(self.reshard(self.policy_params))
-            return jax.block_until_ready(lora.combine(*self._served_lora()))
-
-    def _served_lora(self):
-        """A LoRA run's ``(base, adapters)`` on the sampler's layout: on a serving layout the
-        base moves once per run, each update only the adapters."""
-        if self.serving.is_trainer_layout:
-            return self.base, self.policy_trained
-        if self.serving_base is None:
-            reshard_base, self.reshard_adapters = adapters.serving_reshards(
-                self.run.model_config, self.serving
-            )
-            self.serving_base = reshard_base(self.base)
-        return self.serving_base, self.reshard_adapters(self.policy_trained)
-
-    def sampler_snapshot(self, timer: PhaseTimer | None = None):
-        """:meth:`sampler_params` in buffers of their own when they would be the train
-        state's (which the update donates): what a rollout running beside it decodes."""
-        params = self.sampler_params(timer)
-        own = self.merge_sampler is not None or not self.serving.is_trainer_layout
-        if own or not self.spec.sampler.max_staleness:
-            return params
-        with timer.phase("reshard") if timer else contextlib.nullcontext():
-            if self.base is None:
-                return self.copy_params(params)
-            return lora.combine(self.base, self.copy_params(self.policy_trained))
-
-    def make_pipeline(self) -> RolloutPipeline:
-        s = self.spec.sampler
-        return RolloutPipeline(self.rollout_from, s.max_staleness, self.run.mesh, s.partial)
-
-    def _in_flight_file(self, step: int) -> pathlib.Path:
-        name = f"{step}-process{jax.process_index()}.pkl"
-        return self.run_dir / IN_FLIGHT_DIR / name
-
-    def save_in_flight(self, step: int) -> None:
-        """Writes the rollouts in flight beside checkpoint ``step`` (waiting for them), and
-        drops those of checkpoints no longer kept."""
-        if not self.spec.sampler.max_staleness:
-            return
-        items, failure = self.pipeline.drain_until_failure(self.run.finish_scoring)
-        if failure is not None:
-            failed, err = failure
-            if step < self.cfg.trainer.max_steps:
-                raise err
-            # Rollouts past the run's end only serve a longer resumed run. The checkpoint keeps
-            # those before the failed one, and the data position where the failed one started
-            # drawing, so a longer run draws its prompts again. (A sampler process's batches
-            # carry their position: the trainer's follows the last one received.)
-            if failed in self.draw_starts:
-                self.sampler.restore(self.draw_starts[failed])
-            log.warning(
-                "the rollout of step %d (past the last step) failed (%s): checkpoint %d keeps "
-                "the %d before it; a longer resumed run draws its prompts again",
-                failed,
-                err,
-                step,
-                len(items),
-            )
-        path = self._in_flight_file(step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps(items))
-        tmp.replace(path)
-        kept = set(self.checkpointer.all_steps()) | {step}
-        for old in path.parent.glob("*.pkl"):
-            if int(old.name.split("-")[0]) < min(kept):
-                old.unlink(missing_ok=True)
-
-    def restore_in_flight(self, step: int) -> None:
-        """Queues the rollouts checkpoint ``step`` had in flight (none: they start afresh)."""
-        path = self._in_flight_file(step)
-        if self.spec.sampler.max_staleness and path.exists():
-            items = pickle.loads(path.read_bytes())
-            for *_, timer in items:
-                timer.spans.clear()  # the saving process's clock
-            self.pipeline.preload(items)
-
-    def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
-        """The step's samples: this step's rollout or, with ``rollout.max_staleness``, one
-        generated while earlier updates ran."""
-        return self.pipeline.next(step, lambda: self.sampler_snapshot(timer), timer)
-
-    def rollout_from(
-        self, step: int, params: Any, timer: PhaseTimer, updates=None, version: int = 0
-    ) -> tuple[rollout_lib.Samples, dict]:
-        """The step's groups from ``params`` (DAPO dynamic sampling replaces zero-variance
-        groups); without dynamic sampling the draw may still be scoring
-        (``RunContext.finish_scoring``). ``updates``, ``version``: partial rollouts."""
-        r = self.cfg.rollout
-        step_key = jax.random.fold_in(self.key, step)
-        # The data position this step's draws start from (on the rollout thread, which runs
-        # the steps in order): where a failed rollout past the run's end is drawn again.
-        self.draw_starts = {
-            s: v for s, v in self.draw_starts.items() if s >= step - self.spec.sampler.max_staleness
-        }
-        self.draw_starts[step] = self.sampler.state()
-
-        # Without dynamic sampling nothing waits for the rewards before the log-prob forwards:
-        # the scoring workers run while those are dispatched (``train_step``).
-        defer = self.defer_scoring and not self.run.objective.dynamic_sampling
-
-        def draw(attempt: int) -> rollout_lib.Samples:
-            return self.run.sample(
-                params,
-                self.sampler.next_batch(r.prompts_per_step),
-                jax.random.fold_in(step_key, attempt),
-                temperature=r.temperature,
-                group_size=r.group_size,
-                timer=timer,
-                mesh=self.serving.mesh,
-                defer=defer,
-                updates=updates,
-                version=version,
-            )
-
-        return rollout_lib.collect(
-            draw,
-            prompts_per_step=r.prompts_per_step,
-            group_size=r.group_size,
-            dynamic_sampling=self.run.objective.dynamic_sampling,
-            max_attempts=r.max_resample_attempts,
-        )

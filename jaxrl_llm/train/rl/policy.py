@@ -71,7 +71,7 @@ def make_policy_loss_fn(
 
     See :func:`make_policy_step` for the arguments.
     """
-    need_entropy = compute_entropy or objective.entropy_coef > 0
+    need_entropy = compute_entropy or objective.needs_entropy
 
     def loss_fn(params, batch: RolloutBatch, totals: Totals | None, key=None):
         out = sequence_logprobs(

@@ -42,7 +42,8 @@ from jaxrl_llm import data, models, parallel
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.core import PhaseTimer
 from jaxrl_llm.train.rl.context import make_run_context
-from jaxrl_llm.train.rl.pipeline import RolloutSide, staleness_info
+from jaxrl_llm.train.rl.pipeline import Pipeline, staleness_info
+from jaxrl_llm.train.rl.rollout import StepRollout
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.rl.spec import resolve
 
@@ -202,8 +203,9 @@ def _cast(params: Any, model_config: Any) -> Any:
     return models.cast_params(params, model_config)
 
 
-class RemotePipeline:
-    """The trainer's ``RolloutPipeline``: batches come from the sampler processes.
+class RemotePipeline(Pipeline):
+    """The trainer's pipeline when the sampler runs on processes of its own: batches come
+    from them.
 
     ``prompts`` is the trainer's ``PromptSampler``: it follows the sampler process's data
     position (each batch carries it), so a checkpoint saves where the sampler stands, and a
@@ -213,6 +215,7 @@ class RemotePipeline:
     def __init__(self, max_staleness: int, prompts: data.PromptSampler):
         self.max_staleness = max_staleness
         self.prompts = prompts
+        self.draw_starts: dict[int, Any] = {}  # the samplers draw: their batches carry it
         self.messages = Messages()
         self.ready: dict[int, tuple] = {}
         self.started = False
@@ -264,13 +267,10 @@ class RemotePipeline:
         self.messages.send(f"weights/{self.step + 1}" if self.started else "start", stopped)
 
 
-class SamplerProcess(RolloutSide):
+class SamplerProcess:
     """A sampler process of a remote job: receives weights, samples and scores each step's
-    batch (the trainer's ``rollout_from``, on this process's devices) and sends it on."""
-
-    defer_scoring = False  # scored here, before it leaves
-    merge_sampler = None
-    base = None
+    batch (a ``rollout_lib.StepRollout``, as the trainer's, on this process's devices) and
+    sends it on."""
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -285,6 +285,10 @@ class SamplerProcess(RolloutSide):
             self.run.train_examples, seed=cfg.seed, shuffle=cfg.data.shuffle
         )
         self.key = jax.random.key(cfg.seed)
+        # Scored here, before the batch leaves (nothing to overlap the scoring with).
+        self.rollout_from = StepRollout(
+            self.run, self.sampler, self.key, mesh=self.serving.mesh, defer=False
+        )
         self.messages = Messages()
         # Placeholders of the trainer's cast parameters: this process's half of the transfer.
         dtype = spec.precision.param

@@ -9,8 +9,10 @@ rewards are all equal are replaced by fresh draws).
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -46,7 +48,7 @@ class Samples(NamedTuple):
     # completion_mask (attended: the environment's tokens too); None = completion_mask.
     loss_mask: np.ndarray | None = None
     info: dict[str, np.ndarray] | None = None  # per-row episode statistics (turns, tool calls)
-    # Deferred scoring (``sample_and_score(defer=True)``): the future of ``(rewards,
+    # Deferred scoring (``DrawRequest.defer``): the future of ``(rewards,
     # components)`` from the scoring workers; ``finish_scoring`` waits and fills them in.
     scoring: concurrent.futures.Future | None = None
     # Partial rollouts (``updates``): [N*G, T] int32, the policy version that sampled each
@@ -71,192 +73,181 @@ def finish_scoring(samples: Samples) -> Samples:
     )
 
 
-def sample_and_score(
-    params: Any,
-    model_config,
-    tokenizer,
-    examples: Sequence[Any],
-    prompts: Sequence[str],
-    *,
-    key: jax.Array,
-    reward_fn: Callable[[RewardInput], float],
-    group_size: int,
-    max_new_tokens: int,
-    max_prompt_tokens: int,
-    temperature: float,
-    stop_ids: Sequence[int],
-    add_special_tokens: bool = True,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    mesh: Any = None,
-    timer: Any = None,
-    engine: str = "static",
-    slots: int | None = None,
-    burst: int = 8,
-    scorer: Any = None,
-    defer: bool = False,
-    updates: Any = None,
-    version: int = 0,
-    decode_layers: str = "auto",
-    kv_block_size: int | None = None,
-    kv_blocks: int | None = None,
-) -> Samples:
-    """Samples ``group_size`` completions for each prompt and scores them.
+@dataclasses.dataclass(frozen=True)
+class DrawRequest:
+    """What one draw asks for besides the weights, the examples and the key.
 
-    ``engine``: ``static`` runs ``sampling.generate`` (one batch); ``continuous`` the
-    continuous-batching ``sampling.engine.Engine`` with ``slots`` slots (default: every row;
-    a multiple of the mesh's batch shards) and ``burst`` decode steps per host round trip (on
-    several processes each runs the same host loop over the whole draw). ``timer`` (a
-    ``train.core.PhaseTimer``) gets the sampling time as ``rollout`` and the reward time as
-    ``scoring``. ``scorer``: a ``rewards.ScoringPool`` that scores the rows in worker
-    processes instead of ``compute_rewards(reward_fn, .)`` in this one. ``defer`` (with a
-    ``scorer``): return as soon as the rows are sent to the workers, with ``rewards`` and
-    ``components`` None and ``scoring`` their future (``finish_scoring`` fills them in), so the
-    caller can dispatch device work (the log-prob forwards) while the verifiers run.
-    ``updates`` (the continuous engine): a ``sampling.engine.WeightUpdates`` whose newer
-    weights the draw decodes with from the next burst on (partial rollouts; ``params`` are
-    ``version``), each token's version in ``Samples.versions``. ``decode_layers``: the decode
-    loop's weights and cache stacked or per layer (``sampling.layout.worth_unstacking``).
-    ``kv_block_size``, ``kv_blocks``: the continuous engine's paged KV cache (``sampling.paging``).
+    Attributes:
+      temperature: the sampling temperature (0: greedy).
+      group_size: samples of each example's prompt, G.
+      mesh: the mesh the weights live on (the sampler's serving layout).
+      timer: a ``train.core.PhaseTimer`` that gets the ``rollout`` and ``scoring`` phases.
+      defer: with scoring workers, return as soon as the rows are sent to them (``rewards``
+        None, ``Samples.scoring`` their future; ``finish_scoring`` fills them in), so the
+        caller dispatches device work while the verifiers run.
+      updates: partial rollouts (the continuous engine): a ``sampling.requests.WeightUpdates``
+        whose newer weights the draw decodes with from its next burst on, each token's version
+        in ``Samples.versions``; ``version`` is the weights' the draw starts with.
     """
-    phase = (lambda name: contextlib.nullcontext()) if timer is None else timer.phase
-    with phase("rollout"):
-        prompt_tokens, prompt_mask = encode_prompts(
-            tokenizer,
-            prompts,
-            max_prompt_tokens=max_prompt_tokens,
-            add_special_tokens=add_special_tokens,
+
+    temperature: float
+    group_size: int
+    mesh: Any = None
+    timer: Any = None
+    defer: bool = False
+    updates: Any = None
+    version: int = 0
+
+    def phase(self, name: str):
+        """The ``timer``'s phase ``name`` (nothing without a timer)."""
+        return contextlib.nullcontext() if self.timer is None else self.timer.phase(name)
+
+
+class Drawer(abc.ABC):
+    """Draws ``G`` samples of each example's prompt from given weights, scored (or with their
+    scoring deferred): the one interface of a run's ways of sampling — the static engine, the
+    continuous engine and an environment's multi-turn episodes (``RunContext.drawer`` picks one
+    per run). ``context``: the run's ``RunContext`` (tokenizer, reward, stop tokens, settings),
+    read at each draw (a LoRA run's merged sampler config is set after it is built)."""
+
+    def __init__(self, context: Any):
+        self.context = context
+
+    @abc.abstractmethod
+    def draw(self, params: Any, examples: Sequence[Any], key: jax.Array, request: DrawRequest):
+        """The draw as ``Samples`` (rewards included unless ``request.defer`` with workers)."""
+
+
+class TokenDrawer(Drawer):
+    """A sampler of token rows (:meth:`tokens`): prompts encoded, completions decoded and
+    scored by the run's reward (in this process, or by its scoring workers)."""
+
+    @abc.abstractmethod
+    def tokens(self, params, prompt_tokens, prompt_mask, key, request: DrawRequest) -> tuple:
+        """``(tokens, mask, logprobs, versions or None, engine stats or None)``, each
+        ``[N*G, T]`` right-padded on the host."""
+
+    def draw(self, params, examples, key, request: DrawRequest) -> Samples:
+        context = self.context
+        prompts = context.prompts(examples)
+        with request.phase("rollout"):
+            prompt_tokens, prompt_mask = encode_prompts(
+                context.tokenizer,
+                prompts,
+                max_prompt_tokens=context.cfg.data.max_prompt_tokens,
+                add_special_tokens=not context.cfg.data.chat_template,
+            )
+            tokens, mask, logprobs, versions, stats = self.tokens(
+                params, prompt_tokens, prompt_mask, key, request
+            )
+        with request.phase("scoring"):
+            g = request.group_size
+            texts = decode_completions(context.tokenizer, tokens, mask)
+            lengths = mask.sum(axis=1)
+            last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
+            finished = (lengths > 0) & np.isin(last, context.stop_ids)
+            row_examples = [ex for ex in examples for _ in range(g)]
+            row_prompts = [p for p in prompts for _ in range(g)]
+            inputs = [
+                RewardInput(prompt=p, completion=c, example=ex, completion_tokens=int(n))
+                for p, c, ex, n in zip(row_prompts, texts, row_examples, lengths)
+            ]
+            pending, scorer = None, context.scorer
+            if scorer is None:
+                rewards, components = compute_rewards(context.reward_fn, inputs)
+            elif request.defer:
+                pending, rewards, components = scorer.submit_score(inputs), None, None
+            else:
+                rewards, components = scorer.score(inputs)
+            correct = np.array([is_correct(c, ex) for c, ex in zip(texts, row_examples)], bool)
+        return Samples(
+            prompt_tokens=np.repeat(prompt_tokens, g, axis=0),
+            prompt_mask=np.repeat(prompt_mask, g, axis=0),
+            completion_tokens=tokens,
+            completion_mask=mask,
+            completions=texts,
+            prompts=row_prompts,
+            rewards=None if pending else np.asarray(rewards, np.float32),
+            correct=correct,
+            components=components,
+            finished=finished,
+            logprobs=np.asarray(logprobs, np.float32),
+            scoring=pending,
+            versions=versions,
+            engine=stats,
         )
-        eos = tuple(stop_ids)
-        options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        versions = engine_stats = None
-        if engine == "continuous":
-            tokens, mask, logprobs, versions, engine_stats = _continuous(
-                params,
-                model_config,
-                prompt_tokens,
-                prompt_mask,
-                key=key,
-                group_size=group_size,
-                max_new_tokens=max_new_tokens,
-                eos_ids=eos,
-                pad=pad_id(tokenizer),
-                slots=slots,
-                burst=burst,
-                mesh=mesh,
-                updates=updates,
-                version=version,
-                decode_layers=decode_layers,
-                kv_block_size=kv_block_size,
-                kv_blocks=kv_blocks,
-                **options,
-            )
-            versions = versions if updates is not None else None
-        else:
-            completion = sampling.generate(
-                params,
-                model_config,
-                prompt_tokens,
-                prompt_mask,
-                key=key,
-                max_new_tokens=max_new_tokens,
-                eos_ids=eos,
-                pad_id=pad_id(tokenizer),
-                num_samples=group_size,
-                mesh=mesh,
-                decode_layers=decode_layers,
-                **options,
-            )
-            tokens, mask = fetch(completion.tokens), fetch(completion.mask)
-            logprobs = fetch(completion.logprobs)
-    with phase("scoring"):
-        texts = decode_completions(tokenizer, tokens, mask)
-        lengths = mask.sum(axis=1)
-        last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
-        finished = (lengths > 0) & np.isin(last, eos)
-        row_examples = [ex for ex in examples for _ in range(group_size)]
-        row_prompts = [p for p in prompts for _ in range(group_size)]
-        inputs = [
-            RewardInput(prompt=p, completion=c, example=ex, completion_tokens=int(n))
-            for p, c, ex, n in zip(row_prompts, texts, row_examples, lengths)
+
+
+class StaticDrawer(TokenDrawer):
+    """``rollout.engine=static``: ``sampling.generate``, one batch that decodes until its
+    longest row finishes."""
+
+    def tokens(self, params, prompt_tokens, prompt_mask, key, request: DrawRequest) -> tuple:
+        context, settings = self.context, self.context.settings
+        completion = sampling.generate(
+            params,
+            context.sampling_config,
+            prompt_tokens,
+            prompt_mask,
+            key=key,
+            max_new_tokens=settings.max_new_tokens,
+            eos_ids=tuple(context.stop_ids),
+            pad_id=pad_id(context.tokenizer),
+            num_samples=request.group_size,
+            mesh=request.mesh,
+            decode_layers=settings.decode_layers,
+            **settings.sampling(request.temperature),
+        )
+        tokens, mask = fetch(completion.tokens), fetch(completion.mask)
+        return tokens, mask, fetch(completion.logprobs), None, None
+
+
+class ContinuousDrawer(TokenDrawer):
+    """``rollout.engine=continuous``: the continuous-batching ``sampling.engine.Engine`` with
+    ``rollout.slots`` slots (default: every row; a multiple of the mesh's batch shards) and
+    ``rollout.burst`` decode steps per host round trip (on several processes each runs the
+    same host loop over the whole draw), paged with ``rollout.kv_block_size``; with
+    ``request.updates`` it takes newer weights in flight (partial rollouts)."""
+
+    def tokens(self, params, prompt_tokens, prompt_mask, key, request: DrawRequest) -> tuple:
+        context, settings = self.context, self.context.settings
+        mask = np.asarray(prompt_mask, bool)
+        requests = [
+            Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
+            for i in range(len(mask))
+            for _ in range(request.group_size)
         ]
-        pending = None
-        if scorer is None:
-            rewards, components = compute_rewards(reward_fn, inputs)
-        elif defer:
-            pending, rewards, components = scorer.submit_score(inputs), None, None
-        else:
-            rewards, components = scorer.score(inputs)
-        correct = np.array([is_correct(c, ex) for c, ex in zip(texts, row_examples)], bool)
-    return Samples(
-        prompt_tokens=np.repeat(prompt_tokens, group_size, axis=0),
-        prompt_mask=np.repeat(prompt_mask, group_size, axis=0),
-        completion_tokens=tokens,
-        completion_mask=mask,
-        completions=texts,
-        prompts=row_prompts,
-        rewards=None if pending else np.asarray(rewards, np.float32),
-        correct=correct,
-        components=components,
-        finished=finished,
-        logprobs=np.asarray(logprobs, np.float32),
-        scoring=pending,
-        versions=versions,
-        engine=engine_stats,
-    )
-
-
-def _continuous(
-    params: Any,
-    model_config,
-    prompt_tokens: np.ndarray,
-    prompt_mask: np.ndarray,
-    *,
-    key: jax.Array,
-    group_size: int,
-    max_new_tokens: int,
-    eos_ids: tuple[int, ...],
-    pad: int,
-    slots: int | None,
-    burst: int,
-    mesh: Any,
-    updates: Any = None,
-    version: int = 0,
-    **options: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
-    """``[N*G, T]`` tokens (right-padded), mask, log-probs and weight versions from the
-    continuous engine (``updates``: weights taken in flight), and the run's ``EngineStats``."""
-    mask = np.asarray(prompt_mask, bool)
-    requests = [
-        Request(np.asarray(prompt_tokens)[i][mask[i]], prompt_key=i)
-        for i in range(len(mask))
-        for _ in range(group_size)
-    ]
-    engine = Engine(
-        params,
-        model_config,
-        slots=min(slots or len(requests), len(requests)),
-        max_new_tokens=max_new_tokens,
-        max_prompt_len=int(mask.sum(axis=1).max()),
-        eos_ids=eos_ids,
-        pad_id=pad,
-        burst=burst,
-        mesh=mesh,
-        **options,
-    )
-    results, stats = engine.run(requests, key=key, updates=updates, version=version)
-    tokens = np.full((len(results), max_new_tokens), pad, np.int32)
-    completion_mask = np.zeros((len(results), max_new_tokens), bool)
-    logprobs = np.zeros((len(results), max_new_tokens), np.float32)
-    versions = np.zeros((len(results), max_new_tokens), np.int32)
-    for row, result in enumerate(results):
-        n = len(result.tokens)
-        tokens[row, :n] = result.tokens
-        completion_mask[row, :n] = True
-        logprobs[row, :n] = result.logprobs
-        versions[row, :n] = result.versions
-    return tokens, completion_mask, logprobs, versions, stats
+        pad, t_len = pad_id(context.tokenizer), settings.max_new_tokens
+        engine = Engine(
+            params,
+            context.sampling_config,
+            slots=min(settings.slots or len(requests), len(requests)),
+            max_new_tokens=t_len,
+            max_prompt_len=int(mask.sum(axis=1).max()),
+            eos_ids=tuple(context.stop_ids),
+            pad_id=pad,
+            burst=settings.burst,
+            mesh=request.mesh,
+            decode_layers=settings.decode_layers,
+            kv_block_size=settings.kv_block_size or None,
+            kv_blocks=settings.kv_blocks,
+            **settings.sampling(request.temperature),
+        )
+        results, stats = engine.run(
+            requests, key=key, updates=request.updates, version=request.version
+        )
+        tokens = np.full((len(results), t_len), pad, np.int32)
+        completion_mask = np.zeros((len(results), t_len), bool)
+        logprobs = np.zeros((len(results), t_len), np.float32)
+        versions = np.zeros((len(results), t_len), np.int32)
+        for row, result in enumerate(results):
+            n = len(result.tokens)
+            tokens[row, :n] = result.tokens
+            completion_mask[row, :n] = True
+            logprobs[row, :n] = result.logprobs
+            versions[row, :n] = result.versions
+        versions = versions if request.updates is not None else None
+        return tokens, completion_mask, logprobs, versions, stats
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:
@@ -321,6 +312,19 @@ def constant_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
     """``[N]`` bool: groups whose rewards are all equal (zero advantage under GRPO)."""
     grouped = rewards.reshape(-1, group_size)
     return grouped.max(axis=1) == grouped.min(axis=1)
+
+
+def reward_columns(samples: Samples) -> np.ndarray:
+    """``[N*G, K]`` float32: each reward function's score of every row, before its weight (the
+    ``rewards`` terms in order, then a learned reward model's): what GDPO normalises column by
+    column before summing.
+
+    Raises:
+      ValueError: a draw without per-reward scores (still scoring).
+    """
+    if not samples.components:
+        raise ValueError("reward columns need the draw's per-reward scores (Samples.components)")
+    return np.stack([np.asarray(v, np.float32) for v in samples.components.values()], axis=1)
 
 
 def zero_variance_info(samples: Samples, group_size: int) -> dict[str, float]:
@@ -416,6 +420,58 @@ def collect(
         }
     )
     return (concat_samples(kept) if len(kept) > 1 else kept[0]), info
+
+
+class StepRollout:
+    """One RL step's rollout: ``rollout.prompts_per_step`` prompts drawn from ``prompts``,
+    ``G`` samples of each from given weights (``RunContext.sample``), DAPO's dynamic sampling
+    replacing zero-variance groups (:func:`collect`). The pipeline calls it with each step's
+    weights (``produce``), on the trainer or a sampler process of its own.
+
+    Args:
+      run: the run's ``RunContext``.
+      prompts: the run's ``data.PromptSampler`` (the data position moves as it draws).
+      key: the run's key (step ``s`` draws with ``fold_in(key, s)``).
+      mesh: the mesh the weights live on (the sampler's serving layout).
+      defer: without dynamic sampling, return the draw while the scoring workers run
+        (``RunContext.finish_scoring`` completes it): the log-prob forwards are dispatched
+        meanwhile.
+    """
+
+    def __init__(self, run: Any, prompts: Any, key: jax.Array, *, mesh: Any, defer: bool):
+        self.run, self.prompts, self.key, self.mesh = run, prompts, key, mesh
+        # Dynamic sampling waits for every draw's rewards before choosing the groups.
+        self.defer = defer and not run.objective.dynamic_sampling
+
+    def __call__(
+        self, step: int, params: Any, timer: Any, updates: Any = None, version: int = 0
+    ) -> tuple[Samples, dict]:
+        """The step's groups from ``params`` and their info; ``updates``, ``version``:
+        partial rollouts (``DrawRequest``)."""
+        r = self.run.cfg.rollout
+        step_key = jax.random.fold_in(self.key, step)
+
+        def draw(attempt: int) -> Samples:
+            return self.run.sample(
+                params,
+                self.prompts.next_batch(r.prompts_per_step),
+                jax.random.fold_in(step_key, attempt),
+                temperature=r.temperature,
+                group_size=r.group_size,
+                timer=timer,
+                mesh=self.mesh,
+                defer=self.defer,
+                updates=updates,
+                version=version,
+            )
+
+        return collect(
+            draw,
+            prompts_per_step=r.prompts_per_step,
+            group_size=r.group_size,
+            dynamic_sampling=self.run.objective.dynamic_sampling,
+            max_attempts=r.max_resample_attempts,
+        )
 
 
 def write_samples(path, step: int, samples: Samples, *, show: int = 0) -> None:

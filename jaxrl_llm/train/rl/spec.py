@@ -28,9 +28,10 @@ from jaxrl_llm.train.step import TokenBudget
 log = logging.getLogger("jaxrl_llm")
 
 #: The optional estimator inputs (``objectives.OPTIONAL_INPUTS``) each trainer kind computes:
-#: ``policy`` (``RLTrainer``), ``ppo`` (a critic) and ``prime`` (an implicit PRM).
+#: ``policy`` (``RLTrainer``: also each reward function's column, ``rollout.reward_columns``),
+#: ``ppo`` (a critic) and ``prime`` (an implicit PRM).
 TRAINER_SUPPLIES = {
-    "policy": ("old_logprobs", "ref_logprobs"),
+    "policy": ("old_logprobs", "ref_logprobs", "reward_columns"),
     "ppo": ("old_logprobs", "ref_logprobs", "values"),
     "prime": ("old_logprobs", "ref_logprobs", "process_rewards"),
 }
@@ -84,6 +85,7 @@ class SamplerSettings:
 
     Attributes:
       engine: ``static`` or ``continuous``.
+      max_new_tokens: the completion limit, T.
       temperature, top_k, top_p, min_p: the sampling distribution (``top_k`` as configured;
         ``sampling`` gives the one a call uses).
       slots, burst, decode_layers, kv_block_size, kv_blocks: the engine's settings.
@@ -93,6 +95,7 @@ class SamplerSettings:
     """
 
     engine: str
+    max_new_tokens: int
     temperature: float
     top_k: int
     top_p: float
@@ -229,21 +232,28 @@ def resolve(cfg: TrainConfig, *, backend: str | None = None, training: bool = Tr
             needs_reference=objective.needs_reference,
             reference_mode=cfg.reference.mode,
         ),
-        sampler=SamplerSettings(
-            engine=r.engine,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            slots=r.slots,
-            burst=r.burst,
-            decode_layers=r.decode_layers,
-            kv_block_size=r.kv_block_size,
-            kv_blocks=r.kv_blocks,
-            max_staleness=r.max_staleness,
-            partial=r.partial,
-            logprobs=r.logprobs,
-        ),
+        sampler=sampler_settings(cfg),
+    )
+
+
+def sampler_settings(cfg: TrainConfig) -> SamplerSettings:
+    """The :class:`SamplerSettings` of ``cfg.rollout`` (``resolve`` checks them first)."""
+    r = cfg.rollout
+    return SamplerSettings(
+        engine=r.engine,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        min_p=r.min_p,
+        slots=r.slots,
+        burst=r.burst,
+        decode_layers=r.decode_layers,
+        kv_block_size=r.kv_block_size,
+        kv_blocks=r.kv_blocks,
+        max_staleness=r.max_staleness,
+        partial=r.partial,
+        logprobs=r.logprobs,
     )
 
 
@@ -255,5 +265,6 @@ __all__ = [
     "SamplerSettings",
     "check_staleness",
     "resolve",
+    "sampler_settings",
     "trainer_kind",
 ]

@@ -10,6 +10,7 @@ resumed run repeats an uninterrupted one exactly. PPO (``train.rl.ppo``) and PRI
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -30,7 +31,7 @@ from jaxrl_llm.train.rl.config import (
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import load_reward_model, make_run_context
-from jaxrl_llm.train.rl.pipeline import RolloutSide
+from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR, Pipeline, RolloutPipeline
 from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
@@ -76,7 +77,7 @@ def advantage_metrics(advantages: np.ndarray, trained: np.ndarray) -> dict[str, 
     }
 
 
-class RLTrainer(RolloutSide, Trainer):
+class RLTrainer(Trainer):
     """One RL run: owns the state, the reference, the data position and the writers."""
 
     plot_keys = RL_PLOT_KEYS
@@ -245,6 +246,9 @@ class RLTrainer(RolloutSide, Trainer):
                 run.model_config, self.sampler_base_shardings
             )
             run.sampler_config = lora.base_config(run.model_config)
+        self.step_rollout = rollout_lib.StepRollout(
+            run, self.sampler, self.key, mesh=self.serving.mesh, defer=self.defer_scoring
+        )
         self.pipeline = self.make_pipeline()
         self.compile()
 
@@ -308,7 +312,14 @@ class RLTrainer(RolloutSide, Trainer):
         self.reference = tree
 
     def save_extra(self) -> dict[str, Any]:
-        self.save_in_flight(self.completed_steps)  # first: the prompts they drew are counted
+        # First: the prompts the rollouts in flight drew are counted in the data position.
+        self.pipeline.save_in_flight(
+            self.completed_steps,
+            self.run_dir / IN_FLIGHT_DIR,
+            kept_steps=self.checkpointer.all_steps(),
+            finish=self.run.finish_scoring,
+            max_steps=self.cfg.trainer.max_steps,
+        )
         return {"sampler": self.sampler.state()}
 
     def end_steps(self) -> None:
@@ -316,7 +327,7 @@ class RLTrainer(RolloutSide, Trainer):
 
     def restore_extra(self, extra: dict[str, Any]) -> None:
         self.sampler.restore(extra["sampler"])
-        self.restore_in_flight(self.latest)
+        self.pipeline.restore_in_flight(self.latest, self.run_dir / IN_FLIGHT_DIR)
 
     def _update_reference(self, step: int) -> None:
         ref = self.cfg.reference
@@ -400,8 +411,12 @@ class RLTrainer(RolloutSide, Trainer):
 
     def score(self, step, samples, seqs, old, ref, rewards) -> tuple[RolloutBatch, dict]:
         """Hook: the update's batch (advantages, and whatever else the update needs)."""
+        extra = {}
+        if "reward_columns" in self.run.objective.estimator_requires:  # e.g. GDPO
+            columns = rollout_lib.reward_columns(samples)
+            extra["reward_columns"] = setup.to_device(columns, self.run.mesh)
         adv, _ = self.advantage_fn(
-            rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref
+            rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, **extra
         )
         return self.rollout_batch(seqs, old, ref, rewards, adv), {}
 
@@ -424,12 +439,70 @@ class RLTrainer(RolloutSide, Trainer):
         self.state, metrics = self.update_fn(self.state, minibatch)
         return metrics
 
-    # -- evaluation and outputs ----------------------------------------------------------------
+    # -- the rollout ---------------------------------------------------------------------------
 
-    def make_pipeline(self):
+    def sampler_params(self, timer: PhaseTimer | None = None):
+        """The policy's parameters in the sampler's layout (``rollout.tensor_parallel``); a
+        LoRA run's merged into one base copy with ``model.lora.sampler=merged``."""
+        phase = timer.phase("reshard") if timer else contextlib.nullcontext()
+        if self.merge_sampler is not None:
+            with phase:
+                return jax.block_until_ready(self.merge_sampler(*self._served_lora()))
+        if self.serving.is_trainer_layout:  # else resharded on device
+            return self.policy_params
+        with phase:
+            if self.base is None:
+                return jax.block_until_ready(self.reshard(self.policy_params))
+            return jax.block_until_ready(lora.combine(*self._served_lora()))
+
+    def _served_lora(self):
+        """A LoRA run's ``(base, adapters)`` on the sampler's layout: on a serving layout the
+        base moves once per run, each update only the adapters."""
+        if self.serving.is_trainer_layout:
+            return self.base, self.policy_trained
+        if self.serving_base is None:
+            reshard_base, self.reshard_adapters = adapters.serving_reshards(
+                self.run.model_config, self.serving
+            )
+            self.serving_base = reshard_base(self.base)
+        return self.serving_base, self.reshard_adapters(self.policy_trained)
+
+    def sampler_snapshot(self, timer: PhaseTimer | None = None):
+        """:meth:`sampler_params` in buffers of their own when they would be the train
+        state's (which the update donates): what a rollout running beside it decodes."""
+        params = self.sampler_params(timer)
+        own = self.merge_sampler is not None or not self.serving.is_trainer_layout
+        if own or not self.spec.sampler.max_staleness:
+            return params
+        with timer.phase("reshard") if timer else contextlib.nullcontext():
+            if self.base is None:
+                return self.copy_params(params)
+            return lora.combine(self.base, self.copy_params(self.policy_trained))
+
+    def make_pipeline(self) -> Pipeline:
+        """The run's pipeline (the one choice): the sampler's processes' batches
+        (``mesh.rollout_devices`` on several processes), else this process's rollouts, inline
+        or ``rollout.max_staleness`` ahead on a thread."""
+        s = self.spec.sampler
         if remote.is_remote(self.cfg):
-            return remote.RemotePipeline(self.spec.sampler.max_staleness, self.sampler)
-        return super().make_pipeline()
+            return remote.RemotePipeline(s.max_staleness, self.sampler)
+        return RolloutPipeline(
+            self.rollout_from, s.max_staleness, self.run.mesh, s.partial, prompts=self.sampler
+        )
+
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
+        """The step's samples: this step's rollout or, with ``rollout.max_staleness``, one
+        generated while earlier updates ran."""
+        return self.pipeline.next(step, lambda: self.sampler_snapshot(timer), timer)
+
+    def rollout_from(
+        self, step: int, params: Any, timer: PhaseTimer, updates=None, version: int = 0
+    ) -> tuple[rollout_lib.Samples, dict]:
+        """The step's groups from ``params`` (``rollout_lib.StepRollout``; the pipeline's
+        ``produce``)."""
+        return self.step_rollout(step, params, timer, updates, version)
+
+    # -- evaluation and outputs ----------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
         if remote.is_remote(self.cfg):  # the sampler's devices are another process's

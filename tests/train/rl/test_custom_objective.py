@@ -145,3 +145,67 @@ def test_an_estimator_no_trainer_supplies_is_refused_by_name(tmp_path):
             trainer_for(cfg)
     finally:
         objectives.unregister_estimator("user_remax")
+
+
+def digit_share(prompt, completion, example) -> float:
+    """A reward that differs between an untrained policy's samples: the share of digits."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def test_gdpo_normalises_each_reward_function_of_the_run(tmp_path, monkeypatch):
+    """``advantage: gdpo`` through the trainer: the step's advantages are TRL's
+    normalise-then-sum (a float64 transcription) of the run's two reward functions' own scores
+    (``rewards`` terms, before their weights), with the objective's ``reward_weights``."""
+    from jaxrl_llm import parallel  # noqa: PLC0415
+    from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
+    from tests.reference import stabilisers  # noqa: PLC0415
+    from tests.train.rl import rl_helpers  # noqa: PLC0415
+
+    captured = {}
+    score = RLTrainer.score
+
+    def spy(self, step, samples, seqs, old, ref, rewards):
+        batch, metrics = score(self, step, samples, seqs, old, ref, rewards)
+        captured.update(
+            components=dict(samples.components),
+            advantages=np.asarray(parallel.fetch(batch.advantages)),
+        )
+        return batch, metrics
+
+    monkeypatch.setattr(RLTrainer, "score", spy)
+    cfg = rl_helpers.tiny_config(
+        None,
+        tmp_path,
+        "rewards=[{name: overlong, kwargs: {max_tokens: 6, buffer_tokens: 4}}, "
+        "{name: 'tests.train.rl.test_custom_objective:digit_share'}]",
+        "trainer.max_steps=1",
+        "objective.overrides={advantage: gdpo, reward_weights: [1.0, 0.5]}",
+    )
+    trainer_for(cfg).fit()
+    names = list(captured["components"])
+    assert len(names) == 2 and names[0] == "overlong"
+    columns = np.stack([captured["components"][k] for k in names], axis=1)
+    assert (columns.std(axis=0) > 0).all()  # both rewards differ between rows: weights matter
+    # TRL's formula at the library's eps (1e-6, as its other group estimators).
+    want = stabilisers.gdpo_trl(columns, cfg.rollout.group_size, [1.0, 0.5], eps=1e-6)
+    got = captured["advantages"]  # [B]: one advantage a sequence
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.abs(got).max() > 0
+
+
+def test_a_top_entropy_objective_gets_the_entropy_it_selects_by():
+    """``top_entropy_quantile`` needs the per-token entropy even without an entropy bonus and
+    with the entropy metric off (``compute_entropy=False``): the policy loss computes it
+    (``Objective.needs_entropy``) and trains on the selected share of tokens."""
+    from jaxrl_llm.models import init_params  # noqa: PLC0415
+    from jaxrl_llm.train.rl.policy import make_policy_loss_fn  # noqa: PLC0415
+    from tests.train import step_problem  # noqa: PLC0415
+
+    objective = objectives.make("grpo", top_entropy_quantile=0.25)
+    assert objective.entropy_coef == 0 and objective.needs_entropy
+    loss_fn = make_policy_loss_fn(step_problem.CONFIG, objective, compute_entropy=False)
+    params = init_params(step_problem.CONFIG, jax.random.key(0))
+    batch = jax.tree.map(jnp.asarray, step_problem.host_batch(0))
+    loss, metrics = jax.jit(loss_fn)(params, batch, None)
+    assert np.isfinite(float(loss))
+    assert 0.0 < float(metrics["top_entropy_frac"]) <= 0.5

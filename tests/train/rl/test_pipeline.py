@@ -137,7 +137,6 @@ def test_a_failed_batch_from_a_sampler_process_past_the_end_keeps_those_before_i
     are in flight after step 1 (k = 2), 3 failed on the sampler. The final checkpoint keeps
     batch 2 and the data position it carried (not past it), and does not fail."""
     from jaxrl_llm.train.rl import remote
-    from jaxrl_llm.train.rl.pipeline import RolloutSide
 
     class FakeMessages:
         def receive(self, name):
@@ -155,23 +154,22 @@ def test_a_failed_batch_from_a_sampler_process_past_the_end_keeps_those_before_i
     assert [item[0] for item in items] == [2] and failure[0] == 3
     assert prompts.position == {"after": 2}
 
-    pipe.ready = {}
-    trainer = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(trainer=types.SimpleNamespace(max_steps=2)),
-        spec=types.SimpleNamespace(sampler=types.SimpleNamespace(max_staleness=2)),
-        pipeline=pipe,
-        run=types.SimpleNamespace(finish_scoring=lambda samples, timer: samples),
-        draw_starts={},  # the trainer draws nothing itself
-        sampler=prompts,
-        checkpointer=types.SimpleNamespace(all_steps=lambda: [2]),
-        _in_flight_file=lambda step: tmp_path / f"{step}-process0.pkl",
-    )
-    RolloutSide.save_in_flight(trainer, 2)
+    pipe.ready, pipe.draw_starts = {}, {}  # the trainer draws nothing itself
+
+    def save(max_steps: int) -> None:
+        pipe.save_in_flight(
+            2,
+            tmp_path,
+            kept_steps=[2],
+            finish=lambda samples, timer: samples,
+            max_steps=max_steps,
+        )
+
+    save(max_steps=2)
     saved = pickle.loads((tmp_path / "2-process0.pkl").read_bytes())
     assert [item[0] for item in saved] == [2] and prompts.position == {"after": 2}
-    trainer.cfg.trainer.max_steps = 3  # the same failure before the last step is the run's
     with pytest.raises(RuntimeError, match="reward server down"):
-        RolloutSide.save_in_flight(trainer, 2)
+        save(max_steps=3)  # the same failure before the last step is the run's
 
 
 def test_timer_merges_the_rollout_threads_spans():
@@ -516,7 +514,7 @@ def test_a_failed_rollout_past_the_end_leaves_its_prompts_to_a_longer_run(
     )
     resumed = RLTrainer(longer)
     resumed.fit()
-    assert resumed.draw_starts[fails_at] == position_after(fails_at)  # drawn again
+    assert resumed.pipeline.draw_starts[fails_at] == position_after(fails_at)  # drawn again
     rows = rl_helpers.read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert resumed.checkpointer.restore_raw(4)[1]["sampler"] == position_after(4 + staleness)
