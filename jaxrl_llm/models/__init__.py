@@ -1,6 +1,7 @@
-"""Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3) and HF checkpoints."""
+"""Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3, and the Qwen2-MoE /
+Qwen3-MoE / Mixtral mixtures of experts) and HF checkpoints."""
 
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import lora, moe
 from jaxrl_llm.models.architectures import (
     ARCHITECTURE_DIR,
     architecture_config,
@@ -74,6 +75,7 @@ __all__ = [
     "read_scalar_config",
     "load_tokenizer",
     "lora",
+    "moe",
     "logical_axes",
     "logits",
     "param_count",

@@ -63,7 +63,9 @@ def param_count(config: ModelConfig) -> int:
               + [N H + 2 K H]            (q/k/v biases, ``qkv_bias``)
               + [D]                      (output bias, ``o_bias``)
               + [2 H]                    (q/k RMSNorm scales, ``qk_norm``)
-              + 3 D F                    (SwiGLU gate, up, down)
+              + 3 D F                    (SwiGLU gate, up, down; dense models)
+              + D E + 3 E D F_e          (router and E experts; mixture-of-experts models)
+              + [3 D F_s + D]            (shared expert and its gate, Qwen2-MoE)
         total = V D + L layer + D + [D V unless ``tie_word_embeddings``]
 
     This equals ``sum(x.size for x in jax.tree.leaves(param_shapes(config)))`` without building
@@ -71,7 +73,13 @@ def param_count(config: ModelConfig) -> int:
     """
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d
+    if config.is_moe:
+        e, shared = config.num_experts, config.shared_expert_intermediate_size
+        layer += d * e + 3 * e * d * config.moe_intermediate_size
+        layer += 3 * d * shared + (d if shared else 0)
+    else:
+        layer += 3 * d * f
     if config.qkv_bias:
         layer += n * h + 2 * k * h
     if config.o_bias:

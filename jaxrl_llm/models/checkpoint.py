@@ -1,7 +1,9 @@
 """Hugging Face safetensors checkpoints: load (optionally straight into a mesh) and save.
 
-HF stores one ``[out, in]`` matrix per layer (``model.layers.{i}.self_attn.q_proj.weight``);
-we keep ``[L, in, heads, head_dim]`` stacks. Each parameter's correspondence is a ``_Layout``:
+HF stores one ``[out, in]`` matrix per layer (``model.layers.{i}.self_attn.q_proj.weight``)
+and, in a mixture-of-experts model, per layer and expert
+(``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``); we keep ``[L, in, heads, head_dim]``
+and ``[L, E, in, out]`` stacks. Each parameter's correspondence is a ``_Layout``:
 the HF tensor's dims split into ours, then permuted. The same layout drives loading, saving,
 and reading only the block of a tensor that one device shard needs, so a sharded load never
 holds a full host copy of a parameter per device.
@@ -49,6 +51,22 @@ _IN_LAYER = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
+    "expert_w_gate": "mlp.experts.{}.gate_proj.weight",
+    "expert_w_up": "mlp.experts.{}.up_proj.weight",
+    "expert_w_down": "mlp.experts.{}.down_proj.weight",
+    "shared_w_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared_w_up": "mlp.shared_expert.up_proj.weight",
+    "shared_w_down": "mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
+}
+# Mixtral keeps the original names of its sparse block.
+_IN_LAYER_MIXTRAL = {
+    **_IN_LAYER,
+    "router": "block_sparse_moe.gate.weight",
+    "expert_w_gate": "block_sparse_moe.experts.{}.w1.weight",
+    "expert_w_up": "block_sparse_moe.experts.{}.w3.weight",
+    "expert_w_down": "block_sparse_moe.experts.{}.w2.weight",
 }
 
 
@@ -102,16 +120,26 @@ class _Layout:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One of our parameters: its HF tensor names (one per layer if stacked) and layout."""
+    """One of our parameters: its HF tensor names and their layout.
+
+    ``stack`` is the leading dims ours has over one HF tensor: ``()``, ``(L,)`` (one tensor per
+    layer) or ``(L, E)`` (per layer and expert); ``names`` lists the tensors row-major over it.
+    """
 
     names: tuple[str, ...]
     layout: _Layout
-    stacked: bool
+    stack: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.stack, *self.layout.shape)
 
 
 def _layout(config: ModelConfig, key: str) -> _Layout:
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    e, fe = config.num_experts, config.moe_intermediate_size
+    fs = config.shared_expert_intermediate_size
     table = {
         "embed": (((v,), (d,)), (0, 1)),
         "lm_head": (((v,), (d,)), (1, 0)),
@@ -131,6 +159,15 @@ def _layout(config: ModelConfig, key: str) -> _Layout:
         "w_gate": (((f,), (d,)), (1, 0)),
         "w_up": (((f,), (d,)), (1, 0)),
         "w_down": (((d,), (f,)), (1, 0)),
+        "router": (((e,), (d,)), (1, 0)),
+        # One expert's matrix; the [L, E] stack is the entry's.
+        "expert_w_gate": (((fe,), (d,)), (1, 0)),
+        "expert_w_up": (((fe,), (d,)), (1, 0)),
+        "expert_w_down": (((d,), (fe,)), (1, 0)),
+        "shared_w_gate": (((fs,), (d,)), (1, 0)),
+        "shared_w_up": (((fs,), (d,)), (1, 0)),
+        "shared_w_down": (((d,), (fs,)), (1, 0)),
+        "shared_expert_gate": (((1,), (d,)), (1, 0)),
     }
     split, perm = table[key]
     return _Layout(split, perm)
@@ -139,18 +176,22 @@ def _layout(config: ModelConfig, key: str) -> _Layout:
 def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
     """Our parameter path -> HF names and layout, for every parameter of ``config``."""
     plan = {}
+    in_layer = _IN_LAYER_MIXTRAL if config.model_type == "mixtral" else _IN_LAYER
+    layers = config.num_hidden_layers
     for path, shape in _flat(param_shapes(config)).items():
-        if path[0] == "layers":
-            layers = range(config.num_hidden_layers)
-            names = tuple(_LAYER_PREFIX.format(i) + _IN_LAYER[path[1]] for i in layers)
-            entry = _Entry(names, _layout(config, path[1]), stacked=True)
-            want = (config.num_hidden_layers, *entry.layout.shape)
+        if path[0] == "layers" and path[1].startswith("expert_"):
+            template = _LAYER_PREFIX + in_layer[path[1]]
+            stack = (layers, config.num_experts)
+            names = tuple(template.format(i, j) for i in range(layers) for j in range(stack[1]))
+            entry = _Entry(names, _layout(config, path[1]), stack)
+        elif path[0] == "layers":
+            names = tuple(_LAYER_PREFIX.format(i) + in_layer[path[1]] for i in range(layers))
+            entry = _Entry(names, _layout(config, path[1]), (layers,))
         else:
             name = "lm_head.weight" if path[0] == "lm_head" else _TOP_LEVEL[path[0]]
-            entry = _Entry((name,), _layout(config, path[0]), stacked=False)
-            want = entry.layout.shape
-        if tuple(shape.shape) != want:
-            raise AssertionError(f"layout of {path} gives {want}, model has {shape.shape}")
+            entry = _Entry((name,), _layout(config, path[0]))
+        if tuple(shape.shape) != entry.shape:
+            raise AssertionError(f"layout of {path} gives {entry.shape}, model has {shape.shape}")
         plan[path] = entry
     return plan
 
@@ -239,14 +280,14 @@ def _read_param(
             if step != 1:
                 raise ValueError(f"strided shard index {index} is not supported")
             bounds.append((start, stop))
-        if entry.stacked:
-            (first, last), inner = bounds[0], bounds[1:]
-            blocks = [
-                entry.layout.read(tensors.slice(entry.names[i]), inner) for i in range(first, last)
-            ]
-            block = np.stack(blocks)
-        else:
-            block = entry.layout.read(tensors.slice(entry.names[0]), bounds)
+        outer, inner = bounds[: len(entry.stack)], bounds[len(entry.stack) :]
+        ranges = [range(start, stop) for start, stop in outer]
+        flat_index = np.arange(len(entry.names)).reshape(entry.stack or (1,))
+        picked = flat_index[np.ix_(*ranges)] if ranges else flat_index
+        blocks = [entry.layout.read(tensors.slice(entry.names[i]), inner) for i in picked.flat]
+        block = np.stack(blocks).reshape(*picked.shape, *blocks[0].shape)
+        if not entry.stack:
+            block = block[0]
         return np.ascontiguousarray(block.astype(dtype))
 
     return read
@@ -327,13 +368,8 @@ def load_pretrained(
     with _Tensors(path) as tensors:
         _check_tensors(config, plan, tensors, path)
         for key, entry in plan.items():
-            shape = (
-                (config.num_hidden_layers, *entry.layout.shape)
-                if entry.stacked
-                else entry.layout.shape
-            )
-            read = _read_param(entry, tensors, np_dtype, shape)
-            params[key] = jax.make_array_from_callback(shape, flat_shardings[key], read)
+            read = _read_param(entry, tensors, np_dtype, entry.shape)
+            params[key] = jax.make_array_from_callback(entry.shape, flat_shardings[key], read)
     return config, _unflat(params)
 
 
@@ -372,8 +408,8 @@ def save_pretrained(
     tensors: dict[str, np.ndarray] = {}
     for key, entry in _plan(config).items():
         value = np.asarray(jax.device_get(flat[key]))
-        blocks = list(value) if entry.stacked else [value]
-        for name, block in zip(entry.names, blocks):
+        blocks = value.reshape(-1, *entry.layout.shape)
+        for name, block in zip(entry.names, blocks, strict=True):
             tensors[name] = entry.layout.to_hf(block)
 
     os.makedirs(path, exist_ok=True)

@@ -4,9 +4,11 @@ Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` an
 ``Qwen3ForCausalLM`` with grouped-query attention, ``head_dim`` overrides, RoPE (``default``,
 ``linear`` and ``llama3`` scalings, written the transformers-4 way with ``rope_theta`` /
 ``rope_scaling`` or the transformers-5 way with ``rope_parameters``), attention biases, Qwen3
-q/k norms and tied embeddings. Everything else that would change the computation (sliding
-windows in use, MoE, other RoPE types, other activations, quantised weights) is refused with a
-``ValueError`` rather than silently run as a dense full-attention model.
+q/k norms and tied embeddings; and their mixture-of-experts siblings ``Qwen3MoeForCausalLM``,
+``Qwen2MoeForCausalLM`` (with its shared expert) and ``MixtralForCausalLM`` when every layer is
+sparse (``models.moe``). Everything else that would change the computation (sliding windows in
+use, dense and sparse layers mixed, other RoPE types, other activations, quantised weights) is
+refused with a ``ValueError`` rather than silently run as something else.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -30,6 +35,9 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 # Keys whose presence (with a truthy value) means a mixture-of-experts model.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# Mixture-of-experts model type -> the dense family whose attention it shares.
+_DENSE_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
+MOE_MODEL_TYPES = tuple(_DENSE_FAMILY)
 
 
 # LoRA targets by projection name (as PEFT's ``target_modules`` for these architectures).
@@ -92,7 +100,7 @@ class LoraSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static description of a dense decoder-only transformer (hashable: usable as a jit static).
+    """Static description of a decoder-only transformer (hashable: usable as a jit static).
 
     Field names follow transformers so code written against HF configs reads naturally.
 
@@ -127,7 +135,19 @@ class ModelConfig:
         log-probs, norms' statistics and losses stay f32. Not part of the HF ``config.json``.
       lora: low-rank adapters on the layers' projections (``LoraSpec``), or None. The params
         then hold ``layers/<weight>_lora_a`` / ``_lora_b`` beside the base weights
-        (``models.lora``). Not part of the HF ``config.json``.
+        (``models.lora``). Not part of the HF ``config.json``. On a mixture-of-experts model
+        only the attention projections (q, k, v, o) can be adapted.
+      num_experts: E routed experts per layer (every layer sparse); 0 = a dense model.
+      num_experts_per_tok: k, the experts each token is sent to (top-k routing).
+      moe_intermediate_size: F_e, each expert's SwiGLU width (Mixtral: its
+        ``intermediate_size``). ``intermediate_size`` stays the (unused) dense width of the
+        Qwen MoE configs, written back as read.
+      norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (always on for
+        Mixtral, where it is the softmax over the top-k logits).
+      shared_expert_intermediate_size: width of the always-on shared expert (Qwen2-MoE), 0 for
+        none.
+      router_aux_loss_coef: the HF weight of the load-balancing loss; the model only carries
+        it for its caller (``models.moe.load_balancing_loss``) and back to ``config.json``.
     """
 
     architecture: str
@@ -155,6 +175,12 @@ class ModelConfig:
     pad_token_id: int | None = None
     compute_dtype: str | None = None
     lora: LoraSpec | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
@@ -195,6 +221,7 @@ class ModelConfig:
                 f"rope_theta, rope factor and rms_norm_eps must be > 0, got {self.rope_theta}, "
                 f"{self.rope_factor}, {self.rms_norm_eps}"
             )
+        self._check_experts()
         if self.rope_type == "llama3":
             if self.rope_original_max_position_embeddings is None:
                 raise ValueError("llama3 rope needs original_max_position_embeddings")
@@ -204,22 +231,78 @@ class ModelConfig:
                     f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor}"
                 )
 
+    def _check_experts(self) -> None:
+        counts = (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+        )
+        for name in counts:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.model_type not in MOE_MODEL_TYPES:
+            set_fields = [name for name in counts if getattr(self, name)]
+            if set_fields:
+                raise ValueError(f"{self.architecture} is dense; {set_fields} must be 0")
+            return
+        if self.num_experts < 1 or self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"{self.architecture} needs num_experts >= 1 and moe_intermediate_size >= 1, "
+                f"got {self.num_experts} and {self.moe_intermediate_size}"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("Mixtral always renormalises its top-k: norm_topk_prob must be True")
+        if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise ValueError(
+                "Mixtral's experts are intermediate_size wide: moe_intermediate_size must equal "
+                f"it, got {self.moe_intermediate_size} and {self.intermediate_size}"
+            )
+        if (self.model_type == "qwen2_moe") != (self.shared_expert_intermediate_size > 0):
+            raise ValueError(
+                "shared_expert_intermediate_size must be > 0 exactly for Qwen2-MoE, got "
+                f"{self.shared_expert_intermediate_size} for {self.architecture}"
+            )
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.lora is not None:
+            on_experts = [t for t in self.lora.targets if t in ("gate", "up", "down")]
+            if on_experts:
+                raise ValueError(
+                    f"LoRA targets {on_experts} would adapt the expert weights of "
+                    f"{self.architecture}, which is not supported: use targets from (q, k, v, o)"
+                )
+
     @property
     def model_type(self) -> str:
-        """The HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``)."""
+        """The HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``,
+        ``qwen3_moe``, ``mixtral``)."""
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (``models.moe``)."""
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Parses a transformers ``config.json`` dict (transformers 4 or 5 layout).
 
         Raises:
-          ValueError: unknown architecture, MoE, sliding windows in use, unknown RoPE type,
-            an activation other than SiLU, quantised weights, or malformed sizes.
+          ValueError: unknown architecture, MoE keys on a dense architecture, dense and sparse
+            layers mixed, sliding windows in use, unknown RoPE type, an activation other than
+            SiLU, quantised weights, or malformed sizes.
         """
         architecture = _architecture(hf)
         model_type = ARCHITECTURES[architecture]
         _refuse_unsupported(hf, model_type)
+        family = _DENSE_FAMILY.get(model_type, model_type)
         hidden = _get_int(hf, "hidden_size")
         heads = _get_int(hf, "num_attention_heads")
         head_dim = hf.get("head_dim") or hidden // heads
@@ -238,14 +321,15 @@ class ModelConfig:
             head_dim=int(head_dim),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=True if model_type == "qwen2" else bias,
-            o_bias=False if model_type in ("qwen2", "mistral") else bias,
-            qk_norm=model_type == "qwen3",
+            qkv_bias=_qkv_bias(hf, model_type) if family == "qwen2" else bias,
+            o_bias=False if family in ("qwen2", "mistral") else bias,
+            qk_norm=family == "qwen3",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=_optional_id(hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
             pad_token_id=_optional_id(hf.get("pad_token_id")),
             **rope,
+            **_experts(hf, model_type),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -292,15 +376,40 @@ class ModelConfig:
             "eos_token_id": eos,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type in ("llama", "qwen3"):
+        family = _DENSE_FAMILY.get(self.model_type, self.model_type)
+        if family in ("llama", "qwen3"):
             out["attention_bias"] = self.qkv_bias
-        if self.model_type == "llama":
+        if family == "llama":
             out["mlp_bias"] = False
-        if self.model_type in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["layer_types"] = ["full_attention"] * self.num_hidden_layers
-        if self.model_type in ("qwen2", "qwen3", "mistral"):
+        if family in ("qwen2", "qwen3", "mistral"):
             out["sliding_window"] = None
+        if self.is_moe:
+            out.update(self._experts_hf_dict())
+        return out
+
+    def _experts_hf_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": False,
+        }
+        if self.model_type == "mixtral":
+            out["num_local_experts"] = self.num_experts
+            out["router_jitter_noise"] = 0.0
+            return out
+        out.update(
+            num_experts=self.num_experts,
+            moe_intermediate_size=self.moe_intermediate_size,
+            norm_topk_prob=self.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        if self.model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+            out["qkv_bias"] = self.qkv_bias
         return out
 
 
@@ -345,10 +454,54 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     return _MODEL_TYPES[model_type]
 
 
+def _num_experts(hf: Mapping[str, Any], model_type: str) -> int:
+    # Mixtral names it num_local_experts; the Qwen MoE configs num_experts (which transformers 5
+    # writes back as num_local_experts).
+    keys = (
+        ("num_local_experts",) if model_type == "mixtral" else ("num_experts", "num_local_experts")
+    )
+    for key in keys:
+        if key in hf:
+            return int(hf[key] or 0)
+    return 0
+
+
+def _qkv_bias(hf: Mapping[str, Any], model_type: str) -> bool:
+    # Qwen2 always biases q/k/v; Qwen2-MoE's config (transformers 5) makes it a key.
+    return bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else True
+
+
+def _experts(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` (none for a dense model type)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    out = {
+        "num_experts": _num_experts(hf, model_type),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+    if model_type == "mixtral":
+        out.update(moe_intermediate_size=_get_int(hf, "intermediate_size"), norm_topk_prob=True)
+        return out
+    out.update(
+        moe_intermediate_size=_get_int(hf, "moe_intermediate_size"),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = _get_int(hf, "shared_expert_intermediate_size")
+    return out
+
+
 def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
-    for key in _MOE_KEYS:
-        if hf.get(key):
-            raise ValueError(f"mixture-of-experts models are not supported ({key}={hf[key]!r})")
+    if model_type in MOE_MODEL_TYPES:
+        _refuse_unsupported_experts(hf, model_type)
+    else:
+        for key in _MOE_KEYS:
+            if hf.get(key):
+                raise ValueError(
+                    f"mixture-of-experts keys on dense model type {model_type!r} ({key}="
+                    f"{hf[key]!r}); MoE is supported as {MOE_MODEL_TYPES}"
+                )
     if hf.get("quantization_config"):
         raise ValueError("quantised checkpoints are not supported (quantization_config is set)")
     act = hf.get("hidden_act", "silu")
@@ -366,12 +519,33 @@ def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
     if other:
         raise ValueError(f"only full-attention layers are supported, got layer_types {other}")
     window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None:
+    if model_type in ("mistral", "mixtral") and window is not None:
         if window < hf.get("max_position_embeddings", 2048):
             raise ValueError(
                 f"sliding-window attention is not supported (sliding_window={window} < "
                 f"max_position_embeddings={hf.get('max_position_embeddings')})"
             )
+
+
+def _refuse_unsupported_experts(hf: Mapping[str, Any], model_type: str) -> None:
+    # The layers are stacked and scanned, so every layer must have the same (sparse) MLP.
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(
+            f"decoder_sparse_step={step} mixes dense and sparse layers, which is not supported "
+            "(only every layer sparse: decoder_sparse_step=1)"
+        )
+    dense_layers = hf.get("mlp_only_layers") or []
+    if dense_layers:
+        raise ValueError(
+            f"mlp_only_layers={list(dense_layers)} mixes dense and sparse layers, which is not "
+            "supported (only every layer sparse: mlp_only_layers=[])"
+        )
+    if not _num_experts(hf, model_type):
+        raise ValueError(f"{model_type} config without experts (num_experts is 0 or missing)")
+    jitter = hf.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise ValueError(f"router_jitter_noise={jitter} is not supported (only 0)")
 
 
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -449,10 +449,8 @@ def load_scalar_model(
         view = types.SimpleNamespace(files=rest, shape=tensors.shape)
         _ckpt._check_tensors(bconfig, plan, view, path)
         for key, entry in plan.items():
-            layout_shape = entry.layout.shape
-            shape = (config.num_hidden_layers, *layout_shape) if entry.stacked else layout_shape
-            read = _ckpt._read_param(entry, tensors, np_dtype, shape)
-            backbone[key] = jax.make_array_from_callback(shape, flat_targets[key], read)
+            read = _ckpt._read_param(entry, tensors, np_dtype, entry.shape)
+            backbone[key] = jax.make_array_from_callback(entry.shape, flat_targets[key], read)
         has_score = SCORE_NAME in tensors.files
         if has_score:
             score_hf = _read_score(tensors, config, path)

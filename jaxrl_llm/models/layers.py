@@ -1,10 +1,11 @@
-"""The decoder block (pre-norm attention + SwiGLU MLP), RMSNorm, and parameter creation.
+"""The decoder block (pre-norm attention + SwiGLU MLP or mixture of experts), RMSNorm, and
+parameter creation.
 
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
-{batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq}.
+{batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq, expert}.
 
 Shapes: B batch, S sequence, D hidden, N query heads, K key/value heads, H head dim,
-F MLP width, L layers.
+F MLP (or expert) width, L layers, E experts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jaxrl_llm.models.attention import (
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, paged_cache_attention, write_slots
 from jaxrl_llm.models.matmul import dense
+from jaxrl_llm.models.moe import SharedExpert, sparse_mlp
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
 Array = jax.Array
@@ -78,7 +80,19 @@ LAYER_AXES = {
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
+    # Mixture-of-experts layers (``models.moe``) instead of w_gate / w_up / w_down.
+    "router": ("embed", "expert"),
+    "expert_w_gate": ("expert", "embed", "mlp"),
+    "expert_w_up": ("expert", "embed", "mlp"),
+    "expert_w_down": ("expert", "mlp", "embed"),
+    "shared_w_gate": ("embed", "mlp"),
+    "shared_w_up": ("embed", "mlp"),
+    "shared_w_down": ("mlp", "embed"),
+    "shared_expert_gate": ("embed", None),
 }
+# The parameters of a sparse layer's MLP, by config: routed experts, and Qwen2-MoE's shared one.
+EXPERT_WEIGHTS = ("router", "expert_w_gate", "expert_w_up", "expert_w_down")
+SHARED_EXPERT_WEIGHTS = ("shared_w_gate", "shared_w_up", "shared_w_down", "shared_expert_gate")
 
 # LoRA: target name -> (weight, input axes it contracts); ``A`` takes the weight's input axes
 # and an unsharded rank axis, ``B`` the rank axis and the weight's output axes.
@@ -128,7 +142,9 @@ class DecoderLayer(nnx.Module):
 
     Llama architecture (Touvron et al. 2023) with grouped-query attention (Ainslie et al. 2023:
     K key/value heads shared by N/K query heads each), SwiGLU MLP (Shazeer 2020), optional
-    q/k/v/o biases (Qwen2) and per-head q/k RMSNorm before RoPE (Qwen3).
+    q/k/v/o biases (Qwen2) and per-head q/k RMSNorm before RoPE (Qwen3). In a
+    mixture-of-experts model (``config.is_moe``) the MLP is ``E`` routed SwiGLU experts, plus a
+    sigmoid-gated shared expert for Qwen2-MoE (``models.moe``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
@@ -151,9 +167,23 @@ class DecoderLayer(nnx.Module):
         self.q_norm = param(jnp.ones((h,), dtype), LAYER_AXES["q_norm"]) if qk_norm else None
         self.k_norm = param(jnp.ones((h,), dtype), LAYER_AXES["k_norm"]) if qk_norm else None
         self.mlp_norm = param(jnp.ones((d,), dtype), LAYER_AXES["mlp_norm"])
-        self.w_gate = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_gate"])
-        self.w_up = param(normal(rngs, (d, f), dtype), LAYER_AXES["w_up"])
-        self.w_down = param(normal(rngs, (f, d), dtype), LAYER_AXES["w_down"])
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        # Dense: the SwiGLU MLP; sparse: router and experts (and Qwen2-MoE's shared expert).
+        mlp_weights = ("w_gate", "w_up", "w_down", *EXPERT_WEIGHTS, *SHARED_EXPERT_WEIGHTS)
+        shapes: dict[str, tuple[int, ...] | None] = dict.fromkeys(mlp_weights)
+        if not config.is_moe:
+            shapes.update(w_gate=(d, f), w_up=(d, f), w_down=(f, d))
+        else:
+            e, fe = config.num_experts, config.moe_intermediate_size
+            shapes.update(router=(d, e), expert_w_gate=(e, d, fe), expert_w_up=(e, d, fe))
+            shapes["expert_w_down"] = (e, fe, d)
+            fs = config.shared_expert_intermediate_size
+            if fs:
+                shapes.update(shared_w_gate=(d, fs), shared_w_up=(d, fs), shared_w_down=(fs, d))
+                shapes["shared_expert_gate"] = (d, 1)
+        for name, shape in shapes.items():
+            value = None if shape is None else param(normal(rngs, shape, dtype), LAYER_AXES[name])
+            setattr(self, name, value)
         lora = config.lora
         self.lora_scale = None if lora is None else lora.scale
         self.lora_dropout = 0.0 if lora is None else lora.dropout
@@ -208,7 +238,7 @@ class DecoderLayer(nnx.Module):
         cache_index: Array | None = None,
         table: Array | None = None,
         dropout_key: Array | None = None,
-    ) -> tuple[Array, tuple[Array, Array] | None]:
+    ) -> tuple[Array, tuple[Array, Array] | None, Array | None]:
         """One block on ``x: [B, S, D]``.
 
         Args:
@@ -225,7 +255,9 @@ class DecoderLayer(nnx.Module):
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
 
         Returns:
-          ``(x [B, S, D], kv)`` with this call's keys/values written into ``kv``.
+          ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
+          ``kv``; ``router_logits`` is ``[B, S, E]`` f32 in a mixture-of-experts layer, else
+          None.
         """
         x = constrain(x, "batch", None, "embed")
         h = rms_norm(x, self._use("attn_norm"), self.eps)
@@ -273,8 +305,25 @@ class DecoderLayer(nnx.Module):
             out = out + self._use("bo")
         x = constrain(x + out, "batch", None, "embed")
         h = rms_norm(x, self._use("mlp_norm"), self.eps)
+        if self.router is not None:
+            out, logits = self._experts(h)
+            return constrain(x + out, "batch", None, "embed"), kv, logits
         gate = self._project("w_gate", h, key=dropout_key)
         gate = jax.nn.silu(constrain(gate, "batch", None, "mlp"))
         up = constrain(self._project("w_up", h, key=dropout_key), "batch", None, "mlp")
         x = x + self._project("w_down", gate * up, key=dropout_key)
-        return constrain(x, "batch", None, "embed"), kv
+        return constrain(x, "batch", None, "embed"), kv, None
+
+    def _experts(self, h: Array) -> tuple[Array, Array]:
+        """The sparse MLP (``models.moe.sparse_mlp``) on ``h: [B, S, D]``:
+        ``(out [B, S, D], router logits [B, S, E] f32)``."""
+        shared = None
+        if self.shared_w_gate is not None:
+            shared = SharedExpert(*(self._use(name) for name in SHARED_EXPERT_WEIGHTS))
+        return sparse_mlp(
+            h,
+            *(self._use(name) for name in EXPERT_WEIGHTS),
+            top_k=self.top_k,
+            normalize=self.norm_topk_prob,
+            shared=shared,
+        )

@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) in Flax NNX.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 and the Qwen-MoE / Mixtral
+mixtures of experts) in Flax NNX.
 
 The NNX ``Transformer`` holds its decoder layers stacked along a leading ``layers`` axis
 (built with ``nnx.vmap``) and runs them with one ``jax.lax.scan``, so compile time does not
@@ -12,11 +13,12 @@ inside the traced function, so optax, orbax and the sharding layer see an ordina
 on CPU, where XLA copies a layer's slice out of a stacked array before every matmul reading it.
 
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
-{batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq};
+{batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq, expert};
 ``logical_axes(config)`` reads them back as a pytree matching the params.
 
 The pieces live in their own modules, re-exported here: ``layers`` (the decoder block,
-RMSNorm), ``attention`` (RoPE, masks, attention over a cache) and ``kv_cache`` (``KVCache``).
+RMSNorm), ``attention`` (RoPE, masks, attention over a cache), ``kv_cache`` (``KVCache``) and
+``moe`` (routing, grouped experts, router losses).
 
 Shapes: B batch, S sequence, D hidden, N query heads, K key/value heads, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -79,7 +81,8 @@ class Transformer(nnx.Module):
         remat: str = "none",
         unstacked_layers: tuple[Params, ...] | None = None,
         dropout_key: Array | None = None,
-    ) -> tuple[Array, KVCache | None]:
+        return_router_logits: bool = False,
+    ) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
         """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
         check_choice("remat", remat, REMAT_POLICIES)
@@ -127,7 +130,7 @@ class Transformer(nnx.Module):
             x, kv = carry
             state, layer_index = xs
             layer = nnx.merge(layer_def, state)
-            x, kv = layer(
+            x, kv, router_logits = layer(
                 x,
                 cos=cos,
                 sin=sin,
@@ -141,7 +144,7 @@ class Transformer(nnx.Module):
                 if dropout_key is None
                 else jax.random.fold_in(dropout_key, layer_index),
             )
-            return (x, kv), None
+            return (x, kv), router_logits
 
         if remat == "layer":
             body = jax.checkpoint(body, prevent_cse=False)
@@ -150,18 +153,24 @@ class Transformer(nnx.Module):
             # XLA:CPU runs a layer loop with per-iteration slice copies of the weights and
             # residuals (about a tenth of a 60M model's training step): unrolled there.
             unroll = config.num_hidden_layers if current_platform()[0] == "cpu" else 1
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, layer_ids), unroll=unroll)
+            (x, kv), router_logits = jax.lax.scan(
+                body, (x, kv), (layer_state, layer_ids), unroll=unroll
+            )
         else:  # per-layer weights and cache arrays: unrolled, each layer reads its own
-            written = []
+            written, per_layer_logits = [], []
             for i, state in enumerate(unstacked_layers):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                (x, layer_kv), _ = body((x, layer_kv), (state, None))
+                (x, layer_kv), layer_logits = body((x, layer_kv), (state, None))
                 written.append(layer_kv)
+                per_layer_logits.append(layer_logits)
             kv = None if kv is None else tuple(zip(*written))
+            router_logits = jnp.stack(per_layer_logits) if config.is_moe else None
         hidden = constrain(
             rms_norm(x, self.final_norm[...], config.rms_norm_eps), "batch", None, "embed"
         )
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
+        if return_router_logits:
+            return hidden, new_cache, router_logits
         return hidden, new_cache
 
 
@@ -238,7 +247,8 @@ def forward(
     cache_index: Array | int | None = None,
     remat: str = "none",
     dropout_key: Array | None = None,
-) -> tuple[Array, KVCache | None]:
+    return_router_logits: bool = False,
+) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
     """Hidden states after the final norm, optionally reading and writing a KV cache.
 
     ``h = RMSNorm(Block_L(... Block_1(E[tokens])))`` with RoPE at ``positions``
@@ -267,10 +277,14 @@ def forward(
       remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
       dropout_key: a PRNG key for LoRA dropout (``config.lora.dropout``, training only), or
         None: no dropout.
+      return_router_logits: also return every layer's router logits, from which
+        ``models.moe.load_balancing_loss`` and ``models.moe.router_z_loss`` compute the
+        mixture-of-experts auxiliary losses.
 
     Returns:
       ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
-      None)``.
+      None)``; with ``return_router_logits`` a third element, the router logits
+      ``[L, B, S, E]`` f32 of a mixture-of-experts model (None for a dense one).
     """
     params = cast_params(params, config)
     unstacked = None
@@ -293,6 +307,7 @@ def forward(
         remat=remat,
         unstacked_layers=unstacked,
         dropout_key=dropout_key,
+        return_router_logits=return_router_logits,
     )
 
 
@@ -311,14 +326,20 @@ def cast_params(params: Params, config: ModelConfig) -> Params:
     """The floating parameters in ``config.compute_dtype`` (unchanged when it is None).
 
     Under jit the cast of f32 master weights to bf16 runs on each shard before any gather, so
-    FSDP all-gathers move compute-dtype bytes; its gradient is the cast back to f32.
+    FSDP all-gathers move compute-dtype bytes; its gradient is the cast back to f32. A
+    mixture-of-experts router (``layers/router``, ``[L, D, E]``, small) keeps its own dtype: the
+    router logits are computed in f32 from its stored values.
     """
     if config.compute_dtype is None:
         return params
     dtype = jnp.dtype(config.compute_dtype)
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
-    )
+
+    def cast(path, x):
+        if path[-1] == jax.tree_util.DictKey("router"):
+            return x
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def unembedding(params: Params, config: ModelConfig) -> Array:

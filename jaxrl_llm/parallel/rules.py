@@ -1,7 +1,8 @@
 """Logical-axis rule tables and their translation to ``PartitionSpec`` / ``NamedSharding``.
 
 Arrays name their dimensions with *logical* axes (``batch``, ``embed``, ``mlp``, ``heads``,
-``kv_heads``, ``head_dim``, ``vocab``, ``layers``, ``cache_seq``; ``None`` for an unnamed dim). A
+``kv_heads``, ``head_dim``, ``vocab``, ``layers``, ``cache_seq``, ``expert``; ``None`` for an
+unnamed dim). A
 rule table -- plain data -- sends each logical name to a mesh axis, a tuple of mesh axes (the dim
 is split over their product, major to minor), or ``None`` (replicated). Separate tables serve
 parameter storage (FSDP shards ``embed``), activations and sampling, as in levanter/haliax and
@@ -36,6 +37,7 @@ LOGICAL_AXES: tuple[str, ...] = (
     "vocab",
     "layers",
     "cache_seq",
+    "expert",
 )
 
 # Parameters and optimizer state: FSDP shards the model width, tensor parallelism the
@@ -52,6 +54,9 @@ PARAM_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
+        # Mixture-of-experts weights' expert dim: replicated until a mesh has an expert axis
+        # (expert parallelism); the experts' width is tensor-split as "mlp".
+        "expert": None,
     }
 )
 
@@ -69,6 +74,7 @@ ACTIVATION_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
+        "expert": None,
     }
 )
 
@@ -85,6 +91,7 @@ SAMPLING_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
+        "expert": None,
     }
 )
 

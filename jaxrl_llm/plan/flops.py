@@ -33,11 +33,24 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def mlp_params_per_layer(config: ModelConfig) -> int:
+    """MLP weights one token multiplies through in one layer: ``3 D F`` (SwiGLU); for a
+    mixture-of-experts layer its active ones, the router and the ``k`` experts it is sent to
+    (and a shared expert with its gate): ``D E + k 3 D F_e (+ 3 D F_s + D)``."""
+    d = config.hidden_size
+    if not config.num_experts:
+        return 3 * d * config.intermediate_size
+    experts = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size
+    shared = config.shared_expert_intermediate_size
+    return d * config.num_experts + experts + (3 * d * shared + d if shared else 0)
+
+
 def matmul_params_per_layer(config: ModelConfig) -> int:
-    """Weights one token multiplies through in one layer: ``D(N H + 2 K H) + N H D + 3 D F``."""
-    d, f = config.hidden_size, config.intermediate_size
+    """Weights one token multiplies through in one layer: ``D(N H + 2 K H) + N H D`` and the
+    MLP's (``mlp_params_per_layer``: ``3 D F`` for a dense one)."""
+    d = config.hidden_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    return d * (n * h + 2 * k * h) + n * h * d + 3 * d * f
+    return d * (n * h + 2 * k * h) + n * h * d + mlp_params_per_layer(config)
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -119,7 +132,7 @@ def forward_flops_breakdown(
         raise ValueError(
             f"logits_positions must be an int in [0, seq={seq}], got {logits_positions!r}"
         )
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    d, v = config.hidden_size, config.vocab_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     layers = config.num_hidden_layers
     tokens = batch * seq
@@ -127,7 +140,7 @@ def forward_flops_breakdown(
     parts = {
         "projections": layers * tokens * 2 * (d * n * h + 2 * d * k * h + n * h * d),
         "attention": layers * pairs * 4 * n * h,
-        "mlp": layers * tokens * 6 * d * f,
+        "mlp": layers * tokens * 2 * mlp_params_per_layer(config),
         "unembed": batch * logits_positions * 2 * d * v,
     }
     if config.lora is not None:
@@ -195,7 +208,10 @@ def train_flops(
     )
     forward = sum(parts.values())
     tokens_layers = config.num_hidden_layers * batch * seq
-    down = tokens_layers * 2 * config.hidden_size * config.intermediate_size
+    # A mixture of experts weighs each expert's output by its routing weight (and a shared
+    # expert's by its gate), whose gradients need those outputs: nothing is dropped there.
+    width = 0 if config.num_experts else config.intermediate_size
+    down = tokens_layers * 2 * config.hidden_size * width
     adapters = parts.get("adapters", 0)
     if adapters and "down" in config.lora.targets:
         down += tokens_layers * 2 * config.lora.rank * config.hidden_size
@@ -240,6 +256,7 @@ __all__ = [
     "forward_flops_breakdown",
     "matmul_params",
     "matmul_params_per_layer",
+    "mlp_params_per_layer",
     "model_flops_per_token",
     "param_count",
     "train_flops",

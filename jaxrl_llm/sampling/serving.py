@@ -55,13 +55,14 @@ class ServingLayout(NamedTuple):
 
 def tensor_sizes(config: Any, devices: int) -> list[int]:
     """Tensor sizes ``t`` (ascending) that divide ``devices`` and every tensor-split dimension
-    of ``config``: query and key/value heads, MLP width and vocabulary."""
-    dims = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.intermediate_size,
-        config.vocab_size,
-    )
+    of ``config``: query and key/value heads, MLP width (each expert's, and a shared
+    expert's, in a mixture-of-experts model) and vocabulary."""
+    if getattr(config, "num_experts", 0):
+        widths = (config.moe_intermediate_size, config.shared_expert_intermediate_size)
+        mlp = tuple(w for w in widths if w)
+    else:
+        mlp = (config.intermediate_size,)
+    dims = (config.num_attention_heads, config.num_key_value_heads, *mlp, config.vocab_size)
     return [t for t in range(1, devices + 1) if devices % t == 0 and all(d % t == 0 for d in dims)]
 
 

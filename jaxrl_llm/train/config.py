@@ -17,7 +17,9 @@ class TinyModelConfig:
     """Size of the built-in Llama-shaped model (used when ``model.path`` is null).
 
     ``vocab_multiple`` pads the character vocabulary to a multiple of it (and of the mesh's
-    tensor axis, which must divide the embedding rows).
+    tensor axis, which must divide the embedding rows). ``experts > 0`` makes every layer's MLP
+    a mixture of that many experts of width ``intermediate_size``, ``experts_per_token`` of
+    them per token (Mixtral-shaped; ``models.moe``).
     """
 
     hidden_size: int = 64
@@ -27,6 +29,8 @@ class TinyModelConfig:
     num_key_value_heads: int = 2
     head_dim: int = 16
     vocab_multiple: int = 1
+    experts: int = 0
+    experts_per_token: int = 2
 
 
 @dataclasses.dataclass(frozen=True)

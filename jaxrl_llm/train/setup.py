@@ -166,8 +166,17 @@ def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
     tiny = section.tiny
     tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
     multiple = math.lcm(tiny.vocab_multiple, tensor)
+    experts = {}  # model.tiny.experts > 0: a Mixtral-shaped mixture of experts
+    if tiny.experts:
+        experts = dict(
+            num_experts=tiny.experts,
+            num_experts_per_tok=tiny.experts_per_token,
+            moe_intermediate_size=tiny.intermediate_size,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+        )
     return models.ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture="MixtralForCausalLM" if tiny.experts else "LlamaForCausalLM",
         vocab_size=-(-len(tokenizer) // multiple) * multiple,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -181,6 +190,7 @@ def tiny_model_config(section, tokenizer, mesh) -> models.ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
+        **experts,
     )
 
 

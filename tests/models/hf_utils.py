@@ -52,11 +52,37 @@ VARIANTS = {
         ),
     ),
     "mistral": ("MistralConfig", dict(sliding_window=None, rope_parameters={"rope_theta": 1e6})),
+    # Mixtures of experts: 8 experts, top-2, every layer sparse.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=True),
+    ),
 }
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_config(name: str, **overrides) -> transformers.PretrainedConfig:
-    """The transformers config of variant ``name`` (qwen2, qwen3, llama, mistral)."""
+    """The transformers config of variant ``name`` (a key of ``VARIANTS``)."""
     cls_name, extra = VARIANTS[name]
     kwargs = {**TINY, **extra, **overrides}
     return getattr(transformers, cls_name)(**kwargs)

@@ -57,7 +57,9 @@ def _batch(rng, vocab):
 @pytest.mark.parametrize("name", list(hf_utils.VARIANTS))
 def test_peft_loads_our_adapter_with_the_same_logits(checkpoints, name, tmp_path, rng):
     path, torch_model = checkpoints[name]
-    config, params = _lora_model(path)
+    # Mixtures of experts: adapters on the attention projections only.
+    targets = ("q", "k", "v", "o") if name in hf_utils.MOE_VARIANTS else LORA_TARGETS
+    config, params = _lora_model(path, targets)
     lora.save_peft_adapter(tmp_path / "adapter", config, params, base_model=path)
     meta = json.loads((tmp_path / "adapter" / lora.ADAPTER_CONFIG).read_text())
     assert meta["r"] == RANK and meta["lora_alpha"] == ALPHA
@@ -73,6 +75,13 @@ def test_peft_loads_our_adapter_with_the_same_logits(checkpoints, name, tmp_path
     plain = np.asarray(models.logits(base, lora.base_config(config), tokens, attention_mask=mask))
     assert np.abs(plain[valid] - want[valid]).max() > 1e-2
     peft_model.unload()
+
+
+@pytest.mark.parametrize("target", ["gate", "up", "down"])
+def test_adapters_on_expert_weights_are_refused(checkpoints, target):
+    config = models.load_config(checkpoints["qwen3_moe"][0])
+    with pytest.raises(ValueError, match=f"LoRA targets \\['{target}'\\] would adapt the expert"):
+        dataclasses.replace(config, lora=LoraSpec(RANK, ALPHA, ("q", target)))
 
 
 def test_an_adapter_saved_by_peft_reads_back_with_peft_logits(checkpoints, tmp_path, rng):

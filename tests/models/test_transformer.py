@@ -35,6 +35,7 @@ LOGICAL_NAMES = {
     "vocab",
     "layers",
     "cache_seq",
+    "expert",
 }
 
 jit_logits = jax.jit(logits, static_argnums=1)
@@ -212,8 +213,9 @@ def test_bf16_forward_close_to_f32(models, rng):
     assert hidden.dtype == jnp.bfloat16
 
 
-def test_remat_gives_same_values_and_gradients(models, rng):
-    _, config, params = models["qwen3"]
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_moe"])
+def test_remat_gives_same_values_and_gradients(models, rng, name):
+    _, config, params = models[name]
     tokens, mask = hf_utils.padded_batch(rng, [8, 5], 8, vocab=config.vocab_size, side="left")
     weights = rng.normal(size=(2, 8, config.hidden_size)).astype(np.float32)
 
@@ -240,11 +242,17 @@ def test_logical_axes_match_params(models, name):
     ranks = jax.tree.map(lambda a, p: len(a) == p.ndim, axes, params, is_leaf=is_axes)
     assert all(jax.tree.leaves(ranks))
     for leaf in jax.tree.leaves(axes, is_leaf=is_axes):
-        assert set(leaf) <= LOGICAL_NAMES
+        assert set(leaf) - {None} <= LOGICAL_NAMES  # None: an unnamed dim (a [D, 1] gate)
     assert axes["embed"] == ("vocab", "embed")
     assert axes["layers"]["wq"] == ("layers", "embed", "heads", "head_dim")
     assert axes["layers"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
-    assert axes["layers"]["w_down"] == ("layers", "mlp", "embed")
+    if config.is_moe:
+        assert axes["layers"]["router"] == ("layers", "embed", "expert")
+        assert axes["layers"]["expert_w_gate"] == ("layers", "expert", "embed", "mlp")
+        assert axes["layers"]["expert_w_down"] == ("layers", "expert", "mlp", "embed")
+        assert "w_down" not in axes["layers"]
+    else:
+        assert axes["layers"]["w_down"] == ("layers", "mlp", "embed")
     assert ("lm_head" in axes) != config.tie_word_embeddings
 
 

@@ -174,3 +174,31 @@ def test_train_step_matches_xla_cost_analysis(remat):
 
     analytic = flops.train_flops(ONE_LAYER, B, S, remat=remat, causal=False)
     _check(_xla_flops(jax.grad(loss), param_shapes(ONE_LAYER), _tokens(S)), analytic)
+
+
+# TINY's attention with a Qwen2-MoE MLP: E=4 experts of width F_e=6, k=2 a token, a shared
+# expert of width 12 with its gate.
+TINY_MOE = dataclasses.replace(
+    TINY,
+    architecture="Qwen2MoeForCausalLM",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=6,
+    shared_expert_intermediate_size=12,
+)
+
+
+def test_moe_counts_the_active_weights_by_hand():
+    # Router 8*4 = 32; two experts 2 * 3*8*6 = 288; shared 3*8*12 = 288 and its gate 8.
+    mlp = 32 + 288 + 288 + 8
+    assert flops.mlp_params_per_layer(TINY_MOE) == mlp == 616
+    attention = 8 * (2 * 4 + 2 * 1 * 4) + 2 * 4 * 8  # 192
+    assert flops.matmul_params_per_layer(TINY_MOE) == attention + mlp
+    assert flops.forward_flops_breakdown(TINY_MOE, 1, 3)["mlp"] == 2 * 3 * 2 * mlp
+    no_shared = dataclasses.replace(
+        TINY_MOE, architecture="Qwen3MoeForCausalLM", shared_expert_intermediate_size=0
+    )
+    assert flops.mlp_params_per_layer(no_shared) == 32 + 288
+    # Nothing of a mixture is dropped under remat: the layers' whole forward again.
+    forward = flops.forward_flops(TINY_MOE, 1, 3)
+    assert flops.train_flops(TINY_MOE, 1, 3, remat="layer") == 4 * forward - 3 * 160

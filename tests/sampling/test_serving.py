@@ -44,6 +44,20 @@ def test_tensor_sizes_divide_devices_and_every_split_dim():
     assert serving.tensor_sizes(config, 8) == [1, 2, 4]
     assert serving.tensor_sizes(CONFIG, 8) == [1, 2]
     assert serving.tensor_sizes(CONFIG, 3) == [1]
+    # A mixture of experts splits each expert's width (and the shared expert's), not the
+    # dense width it does not have.
+    moe = dataclasses.replace(
+        config,
+        architecture="Qwen2MoeForCausalLM",
+        intermediate_size=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+    )
+    assert serving.tensor_sizes(moe, 16) == [1, 2, 4]
+    odd = dataclasses.replace(moe, moe_intermediate_size=6)
+    assert serving.tensor_sizes(odd, 16) == [1, 2]
 
 
 def test_weight_and_cache_bytes_by_hand():

@@ -1,0 +1,348 @@
+"""Mixture-of-experts layers (``models.moe``): routing, grouped experts, router losses, f32
+router under bf16 compute, gradients against a float64 per-token loop, and the model's router
+logits and auxiliary loss against transformers. Logits parity and the save -> transformers round
+trip of the MoE variants run with the dense ones (test_transformer.py, test_checkpoint.py)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+from jaxrl_llm.models import (
+    ModelConfig,
+    cast_params,
+    forward,
+    load_pretrained,
+    logits,
+    moe,
+    param_count,
+    param_shapes,
+    save_pretrained,
+)
+from tests.models import hf_utils
+
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames="return_router_logits")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (torch model, config, f32 params) for each tiny MoE variant."""
+    out = {}
+    for i, name in enumerate(hf_utils.MOE_VARIANTS):
+        path = str(tmp_path_factory.mktemp(name))
+        torch_model = hf_utils.build_checkpoint(name, path, seed=30 + i)
+        config, params = load_pretrained(path, dtype=jnp.float32)
+        out[name] = (torch_model, config, params)
+    return out
+
+
+def _np_route(logits, top_k, normalize):
+    """float64 top-k routing: ``(weights [T, k], experts [T, k])``."""
+    logits = np.asarray(logits, np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, experts, axis=-1)
+    if normalize:
+        weights /= weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _np_experts(x, weights, experts, w_gate, w_up, w_down):
+    """float64 per-token loop: ``y_t = sum_j w_tj · SwiGLU_{e_tj}(x_t)``."""
+    x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(experts[t]):
+            hidden = _silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])
+            out[t] += weights[t, j] * (hidden @ w_down[e])
+    return out
+
+
+def _weight(rng, *shape, scale=1.0):
+    """f32 ``N(0, scale^2 / fan_in)`` with fan_in the next-to-last dim."""
+    return (scale * rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
+
+
+def _layer_weights(rng, d=8, e=4, f=6, scale=1.0):
+    """``(router [D, E], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D])``."""
+    return (
+        _weight(rng, d, e, scale=scale),
+        _weight(rng, e, d, f),
+        _weight(rng, e, d, f),
+        _weight(rng, e, f, d),
+    )
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_route_is_top_k_of_the_softmax(rng, normalize):
+    logits = rng.standard_normal((7, 5)).astype(np.float32)
+    weights, experts = moe.route(jnp.asarray(logits), top_k=2, normalize=normalize)
+    want_weights, want_experts = _np_route(logits, 2, normalize)
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
+    if normalize:  # Mixtral's form: the softmax over the k chosen logits
+        chosen = np.take_along_axis(logits, want_experts, axis=-1)
+        softmax = np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(weights), softmax, rtol=1e-6)
+
+
+def test_grouped_experts_equal_a_per_token_loop(rng):
+    _, w_gate, w_up, w_down = _layer_weights(rng)
+    x = rng.standard_normal((9, 8)).astype(np.float32)
+    # Expert 2 gets no token, expert 3 most of them, in no particular order.
+    experts = np.array([[3, 0], [1, 3], [3, 1], [0, 3], [3, 0], [1, 0], [0, 3], [3, 1], [1, 3]])
+    weights = rng.uniform(0.1, 1.0, size=experts.shape).astype(np.float32)
+    got = moe.grouped_experts(
+        jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts, jnp.int32), w_gate, w_up, w_down
+    )
+    want = _np_experts(x, weights, experts, w_gate, w_up, w_down)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def _dense_loop_mlp(h, router, w_gate, w_up, w_down, shared, experts, *, normalize):
+    """The sparse MLP as a per-token loop over its (given) top-k experts; jax.grad-able."""
+    tokens = h.reshape(-1, h.shape[-1])
+    out = []
+    for t in range(tokens.shape[0]):
+        probs = jax.nn.softmax(tokens[t] @ router)
+        chosen = probs[experts[t]]
+        weights = chosen / chosen.sum() if normalize else chosen
+        y = sum(
+            weights[j] * ((jax.nn.silu(tokens[t] @ w_gate[e]) * (tokens[t] @ w_up[e])) @ w_down[e])
+            for j, e in enumerate(experts[t])
+        )
+        s_gate, s_up, s_down, s_sigmoid = shared
+        y = y + jax.nn.sigmoid(tokens[t] @ s_sigmoid)[0] * (
+            (jax.nn.silu(tokens[t] @ s_gate) * (tokens[t] @ s_up)) @ s_down
+        )
+        out.append(y)
+    return jnp.stack(out).reshape(h.shape)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gradient_matches_a_float64_per_token_loop(rng, normalize):
+    """d/d(h, router, experts, shared expert) of ``<y, c>`` through routing, the sort, three
+    ragged matmuls and the unsort, against ``jax.grad`` of a float64 per-token loop."""
+    d, top_k = 8, 2
+    router, w_gate, w_up, w_down = _layer_weights(rng, d=d, scale=3.0)
+    shared = (_weight(rng, d, 5), _weight(rng, d, 5), _weight(rng, 5, d), _weight(rng, d, 1))
+    h = rng.standard_normal((2, 5, d)).astype(np.float32)
+    cotangent = rng.standard_normal((2, 5, d)).astype(np.float32)
+    args = (h, router, w_gate, w_up, w_down, shared)
+
+    def ours(h, router, w_gate, w_up, w_down, shared):
+        out, _ = moe.sparse_mlp(
+            h,
+            router,
+            w_gate,
+            w_up,
+            w_down,
+            top_k=top_k,
+            normalize=normalize,
+            shared=moe.SharedExpert(*shared),
+        )
+        return jnp.sum(out * cotangent)
+
+    got = jax.jit(jax.grad(ours, argnums=tuple(range(6))))(*args)
+    _, experts = _np_route(h.reshape(-1, d) @ router, top_k, normalize)
+    assert len(np.unique(experts)) == 4  # every expert takes part
+    with jax.enable_x64(True):
+        args64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), args)
+
+        def loop(*params):
+            out = _dense_loop_mlp(*params, experts, normalize=normalize)
+            return jnp.sum(out * jnp.asarray(cotangent, jnp.float64))
+
+        want = jax.grad(loop, argnums=tuple(range(6)))(*args64)
+        want = jax.tree.map(np.asarray, want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.abs(w).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-5 * np.abs(w).max())
+
+
+def test_bf16_compute_keeps_the_router_in_f32(models, rng):
+    _, config, params = models["qwen3_moe"]
+    bf16 = dataclasses.replace(config, compute_dtype="bfloat16")
+    cast = cast_params(params, bf16)
+    assert cast["layers"]["router"].dtype == jnp.float32
+    assert cast["layers"]["expert_w_gate"].dtype == jnp.bfloat16
+
+    # The logits are those of the bf16 activations under the f32 router, to f32 precision.
+    router = np.asarray(params["layers"]["router"][0])
+    h = jnp.asarray(3.0 * rng.standard_normal((2, 6, config.hidden_size)), jnp.bfloat16)
+    experts = tuple(cast["layers"][k][0] for k in ("expert_w_gate", "expert_w_up", "expert_w_down"))
+    out, z = moe.sparse_mlp(h, router, *experts, top_k=2, normalize=True)
+    assert out.dtype == jnp.bfloat16 and z.dtype == jnp.float32
+    want = np.asarray(h, np.float64) @ router.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(z), want, rtol=1e-5, atol=1e-5)
+    in_bf16 = np.asarray(h @ router.astype(jnp.bfloat16), np.float64)
+    assert np.abs(in_bf16 - want).max() > 1e-3  # the check can tell bf16 from f32
+
+    tokens = rng.integers(3, config.vocab_size, size=(2, 5)).astype(np.int32)
+    hidden, _, router_logits = jit_forward(params, bf16, tokens, return_router_logits=True)
+    assert hidden.dtype == jnp.bfloat16 and router_logits.dtype == jnp.float32
+
+
+def test_router_logits_and_aux_loss_match_transformers(models, rng):
+    for name, (torch_model, config, params) in models.items():
+        tokens, mask = hf_utils.padded_batch(
+            rng, [9, 5, 2], 9, vocab=config.vocab_size, side="left"
+        )
+        hidden, cache, router_logits = jit_forward(
+            params, config, tokens, attention_mask=mask, return_router_logits=True
+        )
+        assert cache is None
+        layers, experts = config.num_hidden_layers, config.num_experts
+        assert router_logits.shape == (layers, 3, 9, experts)
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+        with torch.no_grad():
+            out = torch_model(
+                input_ids=torch.as_tensor(tokens, dtype=torch.long),
+                attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                position_ids=torch.as_tensor(positions, dtype=torch.long),
+                output_router_logits=True,
+            )
+        want = np.stack([x.numpy().reshape(3, 9, experts) for x in out.router_logits])
+        real = np.broadcast_to(mask.astype(bool), (layers, 3, 9))
+        np.testing.assert_allclose(np.asarray(router_logits)[real], want[real], atol=1e-4)
+        # Every expert is somebody's choice: routing is not degenerate, parity means something.
+        chosen = np.argsort(-want[real], axis=-1)[:, : config.num_experts_per_tok]
+        assert len(np.unique(chosen)) == experts, name
+        loss = moe.load_balancing_loss(router_logits, mask, top_k=config.num_experts_per_tok)
+        np.testing.assert_allclose(float(loss), float(out.aux_loss), rtol=1e-5)
+
+
+def test_load_balancing_loss_equals_transformers_function(rng):
+    logits = 2.0 * rng.standard_normal((3, 2, 6, 5)).astype(np.float32)  # [L, B, S, E]
+    mask = (rng.uniform(size=(2, 6)) > 0.3).astype(np.int32)
+    for top_k in (1, 2):
+        for m in (None, mask):
+            want = modeling_qwen2_moe.load_balancing_loss_func(
+                tuple(torch.as_tensor(x.reshape(-1, 5)) for x in logits),
+                num_experts=5,
+                top_k=top_k,
+                attention_mask=None if m is None else torch.as_tensor(m),
+            )
+            got = moe.load_balancing_loss(logits, m, top_k=top_k)
+            np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    # Uniform routing is the minimum, k.
+    assert float(moe.load_balancing_loss(np.zeros((4, 5)), top_k=2)) == pytest.approx(2.0)
+
+
+def test_router_z_loss_is_the_mean_squared_logsumexp(rng):
+    logits = 3.0 * rng.standard_normal((2, 3, 4, 6))
+    mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 1]])
+    z = np.log(np.exp(logits).sum(-1)) ** 2  # [L, B, S]
+    want = (z * mask).sum() / (2 * mask.sum())
+    got = moe.router_z_loss(jnp.asarray(logits, jnp.float32), mask)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    np.testing.assert_allclose(float(moe.router_z_loss(logits)), z.mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="must match the router logits' token dims"):
+        moe.router_z_loss(logits, mask[:2])
+
+
+def test_dense_models_keep_their_return_signature(rng):
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    from jaxrl_llm.models import init_params  # noqa: PLC0415
+
+    params = init_params(config, jax.random.key(0))
+    tokens = rng.integers(0, 32, size=(2, 3)).astype(np.int32)
+    assert len(forward(params, config, tokens)) == 2
+    hidden, cache, router_logits = forward(params, config, tokens, return_router_logits=True)
+    assert router_logits is None and cache is None and hidden.shape == (2, 3, 16)
+
+
+def test_param_count_of_moe_models(models):
+    for torch_model, config, _ in models.values():
+        size = sum(x.size for x in jax.tree.leaves(param_shapes(config)))
+        assert param_count(config) == size == sum(p.numel() for p in torch_model.parameters())
+
+
+def _moe_hf_dict(name, **overrides):
+    config = hf_utils.hf_config(name, **overrides)
+    out = config.to_dict()
+    out["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return out
+
+
+def test_config_fields():
+    qwen3 = ModelConfig.from_hf_dict(_moe_hf_dict("qwen3_moe"))
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.moe_intermediate_size) == (8, 2, 48)
+    assert qwen3.norm_topk_prob and qwen3.qk_norm and qwen3.shared_expert_intermediate_size == 0
+    qwen2 = ModelConfig.from_hf_dict(_moe_hf_dict("qwen2_moe"))
+    assert not qwen2.norm_topk_prob and qwen2.shared_expert_intermediate_size == 80
+    assert (qwen2.qkv_bias, qwen2.o_bias) == (True, False)
+    mixtral = ModelConfig.from_hf_dict(_moe_hf_dict("mixtral"))
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 96
+    assert mixtral.router_aux_loss_coef == 0.001 and mixtral.is_moe and not qwen3.qkv_bias
+
+
+@pytest.mark.parametrize(
+    "name, update, key",
+    [
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+        ("qwen3_moe", {"num_experts": 0}, "without experts"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("mixtral", {"sliding_window": 16}, "sliding_window=16"),
+    ],
+)
+def test_refuses_what_it_does_not_implement(name, update, key):
+    hf = {**_moe_hf_dict(name), **update}
+    with pytest.raises(ValueError, match=key) as err:
+        ModelConfig.from_hf_dict(hf)
+    assert "\n" not in str(err.value)
+
+
+def test_direct_construction_is_validated():
+    base = ModelConfig.from_hf_dict(_moe_hf_dict("mixtral"))
+    with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
+        dataclasses.replace(base, num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="norm_topk_prob must be True"):
+        dataclasses.replace(base, norm_topk_prob=False)
+    with pytest.raises(ValueError, match="moe_intermediate_size must equal"):
+        dataclasses.replace(base, moe_intermediate_size=12)
+    with pytest.raises(ValueError, match="exactly for Qwen2-MoE"):
+        dataclasses.replace(base, shared_expert_intermediate_size=4)
+    with pytest.raises(ValueError, match="is dense"):
+        dataclasses.replace(base, architecture="MistralForCausalLM")
+
+
+@pytest.mark.parametrize("name", hf_utils.MOE_VARIANTS)
+def test_saved_random_model_gives_transformers_our_logits(models, name, tmp_path, rng):
+    """Init (not loaded from HF) -> save_pretrained -> transformers: the same logits as ours."""
+    torch_model, config, _ = models[name]
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree.map(
+        lambda s: (0.3 * jax.random.normal(next(keys), s.shape)).astype(jnp.float32),
+        param_shapes(config),
+    )
+    save_pretrained(str(tmp_path), config, params)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    assert type(reloaded) is type(torch_model)
+    tokens, mask = hf_utils.padded_batch(rng, [8, 5], 8, vocab=config.vocab_size, side="right")
+    want = hf_utils.hf_logits(reloaded, tokens, mask)
+    got = np.asarray(logits(params, config, tokens, attention_mask=mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
