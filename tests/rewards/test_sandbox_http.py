@@ -64,23 +64,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             fault = server.faults.pop(0) if server.faults else None
             server.in_flight += 1
             server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        # A request is in flight until its reply is ready: the count drops before the reply
+        # is sent, so a client's next request (after it reads this reply) never overlaps it.
         try:
             if self.path != "/run_code":
-                self.reply(404, b"{}")
+                code, data = 404, b"{}"
             elif fault == "503":
-                self.reply(503, b"overloaded")
+                code, data = 503, b"overloaded"
             elif fault == "garbage":
-                self.reply(200, b"<html>")
+                code, data = 200, b"<html>"
             elif fault == "sandbox_error":
-                self.reply(200, json.dumps({"status": "SandboxError", "message": "x"}).encode())
+                code, data = 200, json.dumps({"status": "SandboxError", "message": "x"}).encode()
             elif fault == "slow":
                 time.sleep(1.0)
-                self.reply(200, b"{}")
+                code, data = 200, b"{}"
             else:
-                self.reply(200, json.dumps(self.run(body, tle=fault == "tle")).encode())
+                code, data = 200, json.dumps(self.run(body, tle=fault == "tle")).encode()
         finally:
             with server.lock:
                 server.in_flight -= 1
+        self.reply(code, data)
 
     def run(self, body: dict, tle: bool) -> dict:
         result = run_sandboxed(
