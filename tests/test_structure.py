@@ -52,7 +52,13 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 # never one above (lazy imports included). A module of a listed package belongs to its layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Containers, checks and the console toolkit everything shares.
-    ("jaxrl_llm.types", "jaxrl_llm._checks", "jaxrl_llm.masked_stats", "jaxrl_llm.console"),
+    (
+        "jaxrl_llm.types",
+        "jaxrl_llm._checks",
+        "jaxrl_llm.masked_stats",
+        "jaxrl_llm.console",
+        "jaxrl_llm.user_code",
+    ),
     ("jaxrl_llm.parallel",),
     ("jaxrl_llm.models",),
     # The loss layer: pure functions over arrays (log-probs over a model's hidden states).

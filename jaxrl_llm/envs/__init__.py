@@ -9,10 +9,10 @@ loop (``rollout``).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_llm import user_code
 from jaxrl_llm.envs.base import Environment, Episode, Message, StepResult, check_messages
 from jaxrl_llm.envs.calculator import calculator, calculator_demonstration, calculator_env
 from jaxrl_llm.envs.rollout import EpisodeLimits, Renderer, left_pad, run_episodes
@@ -30,11 +30,7 @@ def make_env(name: str, reward_fn: Callable, **kwargs: Any) -> Environment:
         imported, bad settings, or a result that is not an ``Environment``.
     """
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"env.name {name!r}: cannot import {attr!r} from {module!r}") from err
+        factory = user_code.import_object(name, f"env.name {name!r}")
     elif name in ENVIRONMENTS:
         factory = ENVIRONMENTS[name]
     else:

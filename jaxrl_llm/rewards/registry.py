@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_llm import user_code
 from jaxrl_llm.rewards.base import RewardFn, RewardInput
 from jaxrl_llm.rewards.code import CodeExec
 from jaxrl_llm.rewards.format import FormatReward
@@ -87,13 +87,7 @@ class _UserReward:
 
 
 def _import_reward(name: str, kwargs: dict[str, Any]) -> RewardFn:
-    module_name, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"reward {name!r}: cannot import {attr!r} from {module_name!r}: {err}"
-        ) from err
+    fn = user_code.import_object(name, f"reward {name!r}")
     if not callable(fn):
         raise ValueError(f"reward {name!r} is not callable: {fn!r}")
     if kwargs:

@@ -234,7 +234,9 @@ class LoggingSection:
     """What a run writes besides ``metrics.jsonl`` and ``summary.json``.
 
     Attributes:
-      tensorboard: TensorBoard events under ``tensorboard/`` (when tensorboardX is installed).
+      tensorboard: TensorBoard events under ``tensorboard/``: ``auto`` (the default) writes them
+        when tensorboardX is installed (the ``tensorboard`` extra) and nothing otherwise;
+        ``true`` says in one line when it is missing; ``false`` never.
       plots: ``plots/*.png`` at every evaluation and at the end.
       progress: a progress bar.
       show_samples: completions printed at each evaluation (all go to ``samples.jsonl``).
@@ -242,12 +244,16 @@ class LoggingSection:
         default) = off. Needs the ``wandb`` extra (``pip install "jaxrl-llm[wandb]"``).
     """
 
-    tensorboard: bool = True
+    tensorboard: bool | str = "auto"
     plots: bool = True
     progress: bool = True
     show_samples: int = 4
     wandb: WandbSection | None = None
 
     def __post_init__(self):
+        if self.tensorboard not in (True, False, "auto"):
+            raise ValueError(
+                f"logging.tensorboard must be true, false or auto, got {self.tensorboard!r}"
+            )
         if self.show_samples < 0:
             raise ValueError(f"logging.show_samples must be >= 0, got {self.show_samples}")

@@ -112,7 +112,7 @@ class MetricsWriter:
         self,
         run_dir: str | os.PathLike,
         *,
-        tensorboard: bool = True,
+        tensorboard: bool | str = "auto",
         wandb: WandbSection | None = None,
         config: Mapping[str, Any] | None = None,
         resume: bool = False,
@@ -122,8 +122,9 @@ class MetricsWriter:
 
         Args:
           run_dir: the run directory.
-          tensorboard: also write TensorBoard events under ``tensorboard/`` when tensorboardX
-            is importable (silently skipped otherwise).
+          tensorboard: also write TensorBoard events under ``tensorboard/``: ``"auto"`` when
+            tensorboardX is importable (silently skipped otherwise), True likewise but a
+            missing tensorboardX is said in one warning, False never.
           wandb: ``logging.wandb``: also log rows, plots and the summary to a W&B run
             (``train.wandb_logger``); ``None`` = off.
           config: the job's resolved config (a plain dict), the W&B run's config.
@@ -231,6 +232,11 @@ class MetricsWriter:
         try:
             from tensorboardX import SummaryWriter  # noqa: PLC0415  (optional dependency)
         except ImportError:
+            if self.tensorboard is True:
+                log.warning(
+                    "logging.tensorboard=true, but tensorboardX is not installed: no TensorBoard "
+                    'events are written (pip install "jaxrl-llm[tensorboard]")'
+                )
             self.tensorboard = False
             return None
         # Event files are named by time and host; the suffix keeps a writer reopened within the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import sys
 import types
@@ -227,14 +228,23 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path, fake_tensorboard):
     assert first.closed and second.closed
 
 
-def test_tensorboard_off_or_missing(tmp_path, fake_tensorboard, monkeypatch):
+def test_tensorboard_off_or_missing(tmp_path, fake_tensorboard, monkeypatch, caplog):
     with MetricsWriter(tmp_path / "off", tensorboard=False, primary=True) as writer:
         writer.write(1, {"a": 1.0})
     assert fake_tensorboard == []
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # not installed
-    with MetricsWriter(tmp_path / "missing", primary=True) as writer:
-        writer.write(1, {"a": 1.0})
+    with caplog.at_level(logging.WARNING, logger="jaxrl_llm"):
+        with MetricsWriter(tmp_path / "missing", primary=True) as writer:  # auto: quiet
+            writer.write(1, {"a": 1.0})
+        assert caplog.records == []
+        with MetricsWriter(tmp_path / "asked", tensorboard=True, primary=True) as writer:
+            writer.write(1, {"a": 1.0})
+            writer.write(2, {"a": 1.0})
     assert _lines(tmp_path / "missing") == [{"step": 1, "a": 1.0}]
+    assert [r.getMessage() for r in caplog.records] == [  # said once
+        "logging.tensorboard=true, but tensorboardX is not installed: no TensorBoard events are "
+        'written (pip install "jaxrl-llm[tensorboard]")'
+    ]
 
 
 # -- progress bar --------------------------------------------------------------------------------

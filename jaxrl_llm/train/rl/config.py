@@ -8,10 +8,9 @@ demonstrations (a short SFT warm-up), then with GRPO.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
-from jaxrl_llm import objectives
+from jaxrl_llm import objectives, user_code
 from jaxrl_llm.sampling.layout import DECODE_LAYERS
 from jaxrl_llm.sampling.serving import TENSOR_CHOICES
 from jaxrl_llm.train.config import (
@@ -180,12 +179,16 @@ class TrainerSection(OptimizerSection):
         chosen per padded batch shape, ``train.step.TokenBudget``); the update is the same,
         only its schedule changes. ``auto``: 4096 on CPU, where smaller working sets run
         faster, and off elsewhere (``null``: exactly ``micro_batches``).
-      eval_every: evaluate on held-out prompts every N steps (0 = only before / after).
+      eval_every: evaluate on held-out prompts every N steps (``eval/*`` metrics, plotted);
+        0 = only before and after training.
       eval_k: besides greedy accuracy, each evaluation samples every held-out prompt
         ``eval_k`` times and reports ``pass@1``, ``pass@k``, ``mean@k``, ``maj@k`` with their
         95% bootstrap bounds (``_low`` / ``_high``), as ``jaxrl-llm eval --k`` does; 1 = greedy
         accuracy only.
       eval_temperature: the temperature of those samples (null: ``rollout.temperature``).
+      stop_without_signal: stop the run (with advice) after this many steps in a row whose
+        trained advantages are all exactly 0 (no learning signal: every group's completions
+        got the same reward); the first such step is warned at once. 0: never stop.
     """
 
     max_steps: int = 200
@@ -193,9 +196,10 @@ class TrainerSection(OptimizerSection):
     minibatches: int = 1
     micro_batches: int = 1
     micro_batch_tokens: int | str | None = "auto"
-    eval_every: int = 0
+    eval_every: int = 50
     eval_k: int = 1
     eval_temperature: float | None = None
+    stop_without_signal: int = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,10 +376,7 @@ def rollout_rows(rollout: RolloutSection) -> int:
 def make_objective(section: ObjectiveSection) -> objectives.Objective:
     """Imports ``objective.imports`` (user registrations), then builds the objective."""
     for module in section.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise ValueError(f"objective.imports: cannot import {module!r}: {err}") from None
+        user_code.import_module(module, "objective.imports")
     try:
         return objectives.make(section.name, **dict(section.overrides))
     except ValueError as err:
@@ -432,6 +433,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _at_least("rollout.max_resample_attempts", r.max_resample_attempts, 0)
     _at_least("trainer.eval_every", t.eval_every, 0)
     _at_least("trainer.eval_k", t.eval_k, 1)
+    _at_least("trainer.stop_without_signal", t.stop_without_signal, 0)
     if t.eval_temperature is not None:
         _at_least("trainer.eval_temperature", t.eval_temperature, 0.0)
     tokens = t.micro_batch_tokens

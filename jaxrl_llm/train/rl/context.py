@@ -30,11 +30,13 @@ log = logging.getLogger("jaxrl_llm")
 
 
 def load_examples(cfg: TrainConfig, tokenizer: Any = None) -> tuple[list, list]:
-    """``(train, eval)`` examples of the configured task; with the ``tokenizer``, screened for
-    prompts over ``data.max_prompt_tokens`` (``screen_prompts``)."""
+    """``(train, eval)`` examples of the configured task; with the ``tokenizer``, checked to be
+    readable by it (``tasks.check_readable``) and screened for prompts over
+    ``data.max_prompt_tokens`` (``screen_prompts``)."""
     train, held_out = _load_examples(cfg)
     if tokenizer is None:
         return train, held_out
+    tasks.check_readable(tokenizer, train + held_out, builtin=cfg.model.path is None)
     return (
         screen_prompts(cfg, tokenizer, train, "train"),
         screen_prompts(cfg, tokenizer, held_out, "eval"),

@@ -14,10 +14,14 @@ own rows to the mesh (``train.setup.to_device``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from jaxrl_llm import data
+from jaxrl_llm.data import coverage
 from jaxrl_llm.data.datasets import Example, last_user_message
+
+log = logging.getLogger("jaxrl_llm")
 
 DATA_TASKS = ("arithmetic", "jsonl", "hf")
 OVERLONG_PROMPTS = ("filter", "error", "truncate")
@@ -129,7 +133,53 @@ def load_task(section: Any, seed: int) -> tuple[list[Example], list[Example]]:
         )
     if held_out is not None:
         return train, held_out[: section.eval_size]
+    if section.eval_size >= len(train) / 2 and section.eval_size < len(train):
+        log.warning(
+            "data: data.eval_size=%d holds out %d of the %d examples (%.0f%%), leaving %d to "
+            "train on: lower data.eval_size or give a held-out set (%s)",
+            section.eval_size,
+            section.eval_size,
+            len(train),
+            100 * section.eval_size / len(train),
+            len(train) - section.eval_size,
+            "data.eval_split" if section.task == "hf" else "data.eval_path",
+        )
     return data.split_eval(train, eval_size=section.eval_size, seed=seed)
+
+
+#: The share of the data's characters a tokenizer may map to its unknown token.
+UNKNOWN_SHARE = 0.02
+
+
+def check_readable(tokenizer: Any, examples: list[Example], *, builtin: bool) -> None:
+    """Refuses data the tokenizer cannot read: more than ``UNKNOWN_SHARE`` of the characters
+    of the first 1000 examples' prompts and answers mapped to its unknown token
+    (``data.coverage``). ``builtin``: the tokenizer is the built-in tiny model's.
+
+    Raises:
+      ValueError: naming the share, the commonest unknown characters and the fix.
+    """
+    sample = examples[:1000]
+    found = coverage.unknown_characters(
+        tokenizer, [text for ex in sample for text in (_prompt_text(ex), ex.answer)]
+    )
+    if found.share <= UNKNOWN_SHARE:
+        return
+    shown = ", ".join(repr(c) for c in found.examples)
+    if builtin:
+        alphabet = "".join(
+            t for _, t in sorted((i, t) for t, i in tokenizer.get_vocab().items() if len(t) == 1)
+        )
+        fix = (
+            f"the built-in tiny model's character tokenizer reads only {alphabet!r}: "
+            "set model.path to a Hugging Face model whose tokenizer covers the data"
+        )
+    else:
+        fix = "set model.path to a model whose tokenizer covers the data, or clean the data"
+    raise ValueError(
+        f"the tokenizer maps {100 * found.share:.0f}% of the data's characters to its unknown "
+        f"token {tokenizer.unk_token!r}{f' (e.g. {shown})' if shown else ''}: {fix}"
+    )
 
 
 # --------------------------------------------------------------------------------------

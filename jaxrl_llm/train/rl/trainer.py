@@ -24,7 +24,7 @@ from jaxrl_llm.train import adapters, core, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
-from jaxrl_llm.train.rl import remote, warmup
+from jaxrl_llm.train.rl import remote, warmup, watch
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
@@ -105,6 +105,17 @@ class RLTrainer(Trainer):
         if remote.is_remote(cfg):
             remote.check_remote(cfg)
         self.check_objective(objective)
+        if not watch.group_size_gives_signal(objective, cfg.rollout.group_size):
+            log.warning(
+                "rollout.group_size=%d: the %s estimator gives every completion advantage 0 "
+                "(it compares completions within a group), so the policy cannot learn: set "
+                "rollout.group_size >= 2",
+                cfg.rollout.group_size,
+                objective.advantage,
+            )
+        self.watch = watch.StepWatch(
+            cfg.trainer.stop_without_signal, cfg.rollout.group_size, cfg.rollout.max_new_tokens
+        )
         mesh = setup.make_run_mesh(cfg.mesh)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh, self.spec.precision)
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
@@ -392,7 +403,7 @@ class RLTrainer(Trainer):
         self._update_reference(step + 1)
 
         lengths = mask.sum(axis=1)
-        return {
+        metrics = {
             "reward_mean": float(samples.rewards.mean()),
             "reward_std": float(samples.rewards.std()),
             "accuracy": float(samples.correct.mean()),
@@ -408,6 +419,8 @@ class RLTrainer(Trainer):
             **update_metrics,
             "tokens_per_s": tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
         }
+        self.watch.observe(step + 1, metrics)
+        return metrics
 
     def score(self, step, samples, seqs, old, ref, rewards) -> tuple[RolloutBatch, dict]:
         """Hook: the update's batch (advantages, and whatever else the update needs)."""
