@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import ModelConfig, init_params
-from jaxrl_llm.sampling.engine import Engine, Request
+from jaxrl_llm.sampling import SamplingOptions
+from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request
 
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -94,14 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return Engine(
             params,
             CONFIG,
-            slots=args.slots,
+            settings=EngineSettings(slots=args.slots, burst=args.burst, engine=name),
             max_new_tokens=args.max_new_tokens,
             max_prompt_len=args.prompt_tokens,
-            eos_ids=(),
-            pad_id=0,
-            burst=args.burst,
-            engine=name,
-            temperature=temperature,
+            sampling=SamplingOptions(eos_ids=(), pad_id=0, temperature=temperature),
         )
 
     engines = {name: engine(name) for name in ("continuous", "static")}

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import CONFIG, make_requests  # noqa: E402
 
 from jaxrl_llm.models import init_params  # noqa: E402
-from jaxrl_llm.sampling.engine import Engine  # noqa: E402
+from jaxrl_llm.sampling import SamplingOptions  # noqa: E402
+from jaxrl_llm.sampling.engine import Engine, EngineSettings  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return Engine(
             params,
             CONFIG,
-            slots=slots,
+            settings=EngineSettings(slots=slots, burst=args.burst, **paged),
             max_new_tokens=args.max_new_tokens,
             max_prompt_len=prompt_width,
-            eos_ids=(),
-            pad_id=0,
-            burst=args.burst,
-            **paged,
+            sampling=SamplingOptions(eos_ids=(), pad_id=0),
         )
 
     engines = {

@@ -552,21 +552,19 @@ def token_covariance(logprobs: Array, advantages: Array, mask: Array) -> Array:
     return jnp.where(valid, cov, -jnp.inf)
 
 
-def _ranks(priority: Array) -> Array:
-    """Rank of each entry of ``priority`` in decreasing order (0 = largest), ties by index."""
-    flat = priority.reshape(-1)
-    order = jnp.argsort(-flat, stable=True)
-    return jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
-
-
 # ⌊fraction·N⌋ is taken in f32: a relative nudge keeps e.g. 0.7·10 at 7 (f32(0.7) < 0.7).
 _COUNT_NUDGE = 1.0 + 1e-6
 
 
-def _count(fraction: float, valid: Array) -> Array:
-    """``max(⌊fraction·N⌋, 1)`` tokens out of the ``N`` valid ones (verl's count)."""
+def _top_tokens(priority: Array, eligible: Array, valid: Array, fraction: float) -> Array:
+    """The ``eligible`` tokens among the ``max(⌊fraction·N⌋, 1)`` of largest ``priority`` (ties
+    by index; ``N``: the ``valid`` tokens, verl's count), as ``[B, T]`` float32 0/1."""
+    flat = priority.reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    ranks = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
     n = jnp.sum(valid, dtype=jnp.int32).astype(jnp.float32)
-    return jnp.maximum(jnp.floor(fraction * n * _COUNT_NUDGE).astype(jnp.int32), 1)
+    count = jnp.maximum(jnp.floor(fraction * n * _COUNT_NUDGE).astype(jnp.int32), 1)
+    return (eligible & (ranks.reshape(priority.shape) < count)).astype(jnp.float32)
 
 
 def kl_cov_selection(
@@ -579,10 +577,8 @@ def kl_cov_selection(
       ``[B, T]`` float32 0/1, no gradient.
     """
     _check_fraction("fraction", fraction)
-    cov = token_covariance(logprobs, advantages, mask)
     valid = as_mask(mask) > 0
-    ranks = _ranks(cov).reshape(cov.shape)
-    return (valid & (ranks < _count(fraction, valid))).astype(jnp.float32)
+    return _top_tokens(token_covariance(logprobs, advantages, mask), valid, valid, fraction)
 
 
 def kl_cov(
@@ -653,8 +649,7 @@ def clip_cov_selection(
     clipped = ppo_clip_metrics(log_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     candidate = valid & (clipped["clipped"] == 0) & (cov > cov_low) & (cov < cov_high)
     priority = jnp.where(candidate, jax.random.uniform(key, cov.shape), -1.0)
-    ranks = _ranks(priority).reshape(cov.shape)
-    return (candidate & (ranks < _count(fraction, valid))).astype(jnp.float32)
+    return _top_tokens(priority, candidate, valid, fraction)
 
 
 def clip_cov(

@@ -187,10 +187,8 @@ def run_episodes(
             context_mask,
             key=jax.random.fold_in(key, turn),
             max_new_tokens=budget,
-            eos_ids=eos,
-            pad_id=pad_id,
+            sampling=sampling.SamplingOptions(eos_ids=eos, pad_id=pad_id, **sampling_options),
             mesh=mesh,
-            **sampling_options,
         )
         new_tokens, new_mask, new_logprobs = (
             fetch(out.tokens),

@@ -23,7 +23,7 @@ from jaxrl_llm import parallel
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._job import PlanError, Program, _replicated, _rows, shard_bytes, with_shardings
 from jaxrl_llm.sampling import slots as slots_lib
-from jaxrl_llm.sampling.admission import pow2
+from jaxrl_llm.sampling.admission import Admission, pow2
 from jaxrl_llm.sampling.paging import blocks_for, paged_pool
 from jaxrl_llm.sampling.state import SamplingParams
 
@@ -143,28 +143,32 @@ def lower_engine_programs(
         if eng.paged is not None:
             table = _replicated(smesh, (eng.slots, eng.width // eng.paged[1]), jnp.int32)
             paged = (index, _replicated(smesh, (admitted, eng.width // eng.paged[1]), jnp.int32))
-        admit_args = (
-            params,
-            state,
+        # Each admitted request's holder slot and prompt length: the engine always passes
+        # them (a prompt a live slot holds is copied from it, not prefilled again).
+        admitted_arrays = Admission(
             _rows(smesh, (prompts, p_len), jnp.int32),
             _rows(smesh, (prompts, p_len), jnp.bool_),
-            index,
-            index,
-            index,
-            index,
-            _replicated(smesh, (), jnp.int32),
-            table,
-            paged,
+            owner=index,
+            slot=index,
+            limit=index,
+            request=index,
+            source=index,
+            length=index,
+            table=table,
+            dest=paged,
         )
         prefill_flops = flops_lib.forward_flops(
             model_config, prompts, p_len, kv_len=p_len, logits_positions=1
         )
         programs["prefill"] = Program(
             name="prefill",
-            # Each admitted request's holder slot and prompt length: the engine always passes
-            # them (a prompt a live slot holds is copied from it, not prefilled again).
             lowered=slots_lib.admit.lower(
-                *admit_args, source=index, length=index, config=model_config, mesh=smesh
+                params,
+                state,
+                admitted_arrays,
+                _replicated(smesh, (), jnp.int32),
+                config=model_config,
+                mesh=smesh,
             ),
             calls_per_step=eng.waves,
             flops=prefill_flops,

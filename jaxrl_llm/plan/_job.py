@@ -311,8 +311,25 @@ class Program:
     function: str | None = None
 
 
+class OfRun:
+    """A record built for one resolved job (its ``run``, a ``RunSpec``): the job's config and
+    objective by their short names."""
+
+    run: RunSpec
+
+    @property
+    def cfg(self) -> TrainConfig:
+        """The job's config."""
+        return self.run.config
+
+    @property
+    def objective(self) -> objectives.Objective:
+        """The job's objective, resolved."""
+        return self.run.objective
+
+
 @dataclasses.dataclass(frozen=True)
-class Lowering:
+class Lowering(OfRun):
     """What a plan lowers the step's programs from: the resolved job and what was built for
     it on the plan's mesh (abstract arrays with their shardings).
 
@@ -350,16 +367,6 @@ class Lowering:
     split: Any = None
     sampler_free: int | None = None
 
-    @property
-    def cfg(self) -> TrainConfig:
-        """The job's config."""
-        return self.run.config
-
-    @property
-    def objective(self) -> objectives.Objective:
-        """The job's objective, resolved."""
-        return self.run.objective
-
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
@@ -379,7 +386,7 @@ class StepInputs:
 
 
 @dataclasses.dataclass
-class Job:
+class Job(OfRun):
     """Everything built for one plan: the resolved job, topology, mesh, sizes, state bytes,
     programs. ``shape`` is the job's on ``mesh`` (``RunSpec.shape_on``)."""
 
@@ -394,16 +401,6 @@ class Job:
     aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
     reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
-
-    @property
-    def cfg(self) -> TrainConfig:
-        """The job's config."""
-        return self.run.config
-
-    @property
-    def objective(self) -> objectives.Objective:
-        """The job's objective, resolved."""
-        return self.run.objective
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

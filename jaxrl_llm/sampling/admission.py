@@ -13,13 +13,45 @@ holder's batch shard and copies the partial last block).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxrl_llm.sampling.paging import BlockAllocator, sharing_key
 from jaxrl_llm.sampling.prompts import bucket_length
 from jaxrl_llm.sampling.requests import Request
+
+
+class Admission(NamedTuple):
+    """One ``slots.admit`` call's inputs: requests ``j`` (prompt ``owner[j]`` of the prefill)
+    into slots ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped). Host NumPy
+    arrays from :func:`admission`, device arrays in ``slots.admit``.
+
+    Attributes:
+      prompt_tokens, prompt_mask: ``[U, p]`` left-padded prompts to prefill (None: every
+        request comes from a live slot, nothing is prefilled).
+      owner, slot, limit, request: ``[N]`` int32: the prefill row, the slot, the request's
+        ``max_new_tokens`` and its id (its sampling stream).
+      source: ``[N]`` int32 the live slot holding the request's prompt (``S``: none, it is
+        prefilled), or None.
+      length: ``[N]`` int32 each request's prompt length (needed with ``source``), or None.
+      table: a paged cache's new ``[S, W / P]`` block table, or None.
+      dest: a paged cache's prefill writes ``(source rows, blocks)``, or None.
+      copies: a paged cache's ``(from, to)`` global block ids of the reused prompts' partial
+        last blocks, or None.
+    """
+
+    prompt_tokens: Any
+    prompt_mask: Any
+    owner: Any
+    slot: Any
+    limit: Any
+    request: Any
+    source: Any = None
+    length: Any = None
+    table: Any = None
+    dest: Any = None
+    copies: Any = None
 
 
 def pow2(n: int) -> int:
@@ -50,10 +82,11 @@ def admission(
     shards: int,
     pad_id: int,
     pager: BlockAllocator | None = None,
-) -> tuple[dict[str, np.ndarray | None], dict[str, int]]:
-    """The arrays of one ``slots.admit`` call admitting ``requests[admitted[j]]`` into
-    ``slots[j]`` (``held``: ``holders`` of the live slots; ``pager``: a paged cache's allocator,
-    updated here), and its counts (``prefill_rows``, ``reused_prompts``).
+) -> tuple[Admission, dict[str, int]]:
+    """The arrays of one ``slots.admit`` call (:class:`Admission`) admitting
+    ``requests[admitted[j]]`` into ``slots[j]`` (``held``: ``holders`` of the live slots;
+    ``pager``: a paged cache's allocator, updated here), and its counts (``prefill_rows``,
+    ``reused_prompts``).
 
     Sizes are powers of two (the prefill's rows also a multiple of ``shards``, its width a
     ``bucket_length``), so a run compiles a handful of programs; padding entries go to slot
@@ -87,7 +120,7 @@ def admission(
             copies.append((pager.global_id(holder, full), pager.global_id(slot, full)))
     n = pow2(len(admitted))
     pad = n - len(admitted)
-    arrays: dict[str, np.ndarray | None] = dict(
+    arrays = Admission(
         prompt_tokens=None,
         prompt_mask=None,
         owner=np.asarray(owner + [0] * pad, np.int32),
@@ -106,17 +139,17 @@ def admission(
             prompt = prompts[i] if i < len(prompts) else prompts[0]  # padding repeats a prompt
             tokens[i, width - len(prompt) :] = prompt
             mask[i, width - len(prompt) :] = True
-        arrays.update(prompt_tokens=tokens, prompt_mask=mask)
+        arrays = arrays._replace(prompt_tokens=tokens, prompt_mask=mask)
     if pager is not None:
-        arrays["table"] = pager.table.copy()
+        arrays = arrays._replace(table=pager.table.copy())
         if writes:
-            arrays["dest"] = pager.prefill_writes(writes)
+            arrays = arrays._replace(dest=pager.prefill_writes(writes))
         if copies:
             pairs = np.full((2, pow2(len(copies))), pager.blocks, np.int32)
             pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
-            arrays["copies"] = (pairs[0], pairs[1])
+            arrays = arrays._replace(copies=(pairs[0], pairs[1]))
     reused = sum(s != engine_slots for s in source)
     return arrays, dict(prefill_rows=len(prompts), reused_prompts=reused)
 
 
-__all__ = ["admission", "holders", "pow2"]
+__all__ = ["Admission", "admission", "holders", "pow2"]

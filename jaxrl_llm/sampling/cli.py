@@ -33,12 +33,15 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxrl_llm.console import USER_ERRORS, quiet_start
-
-if TYPE_CHECKING:
-    from jaxrl_llm.data.encoding import PromptFormat
+from jaxrl_llm.data.encoding import PromptFormat, read_prompt_format, stop_token_ids
+from jaxrl_llm.sampling.prompt_format import (
+    add_chat_template_flags,
+    asked_chat_template,
+    resolve_prompt_format,
+)
 
 _DTYPES = ("float32", "bfloat16")
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "id"}
@@ -107,18 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="end a completion when it ends with TEXT's tokens (repeatable; kept in the output)",
     )
-    template = parser.add_mutually_exclusive_group()
-    template.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="apply the tokenizer's chat template (default: as the policy was trained, from its "
-        "prompt_format.json; without one, whenever the tokenizer has a template)",
-    )
-    template.add_argument(
-        "--no-chat-template",
-        action="store_true",
-        help="tokenize the prompts as raw text (default: as the policy was trained)",
-    )
+    add_chat_template_flags(parser, unrecorded="whenever the tokenizer has a template")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -152,25 +144,6 @@ def read_prompts(path: str) -> list[dict]:
             raise ValueError(f"{where}: 'max_new_tokens' must be a positive int, got {budget!r}")
         rows.append(row)
     return rows
-
-
-def choose_prompt_format(
-    trained: PromptFormat | None, *, asked: bool | None, has_template: bool, model_dir: str
-) -> tuple[PromptFormat, str | None]:
-    """``(format to prompt with, note)``: the format the policy was ``trained`` with unless
-    the user ``asked`` for the chat template (True) or raw text (False); a checkpoint without a
-    record uses its template when it has one. ``note``: one line when what was asked differs
-    from the training, else None."""
-    from jaxrl_llm.data.encoding import PromptFormat  # noqa: PLC0415
-
-    if asked is None:
-        return (trained if trained is not None else PromptFormat(has_template)), None
-    keep_system = trained is not None and trained.chat_template and asked
-    chosen = PromptFormat(asked, trained.system_prompt if keep_system else None)
-    if trained is None or trained.chat_template == asked:
-        return chosen, None
-    flag = "--chat-template applies it" if asked else "--no-chat-template leaves it out"
-    return chosen, f"note: {model_dir} was trained {trained.describe()}; {flag} anyway"
 
 
 def _encode(tokenizer: Any, row: dict, prompt_format: PromptFormat) -> list[int]:
@@ -219,19 +192,21 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_llm.data.encoding import read_prompt_format, stop_token_ids
     from jaxrl_llm.models import load_pretrained, load_tokenizer
-    from jaxrl_llm.sampling.engine import Engine, Request
+    from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request
+    from jaxrl_llm.sampling.state import SamplingOptions
 
     try:
         rows = read_prompts(args.prompts) if args.prompts else [{"prompt": p} for p in args.prompt]
         tokenizer = load_tokenizer(args.model_dir)
         has_template = bool(getattr(tokenizer, "chat_template", None))
-        asked = True if args.chat_template else False if args.no_chat_template else None
-        prompt_format, note = choose_prompt_format(
-            read_prompt_format(args.model_dir),
-            asked=asked,
-            has_template=has_template,
+        trained = read_prompt_format(args.model_dir)
+        prompt_format, note = resolve_prompt_format(
+            trained,
+            asked=asked_chat_template(args),
+            unrecorded=PromptFormat(has_template),
+            # Asked for the template, the training's system prompt (if it had the template).
+            system_prompt=trained.system_prompt if trained and trained.chat_template else None,
             model_dir=args.model_dir,
         )
         if (prompt_format.chat_template or any("messages" in r for r in rows)) and not has_template:
@@ -254,19 +229,23 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         engine = Engine(
             params,
             config,
-            slots=slots,
+            settings=EngineSettings(
+                slots=slots,
+                burst=args.burst,
+                engine=args.engine,
+                kv_block_size=args.kv_block_size,
+                kv_blocks=args.kv_blocks,
+            ),
             max_new_tokens=max(budgets),
             max_prompt_len=max(map(len, prompts)),
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            burst=args.burst,
-            engine=args.engine,
-            kv_block_size=args.kv_block_size,
-            kv_blocks=args.kv_blocks,
+            sampling=SamplingOptions(
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                min_p=args.min_p,
+            ),
             stop_sequences=[_stop_ids(tokenizer, text) for text in args.stop],
         )
         progress = None

@@ -51,6 +51,7 @@ requests, prompt bucket) size class, each a power of two.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -83,29 +84,23 @@ from jaxrl_llm.sampling.slots import (
     shardings,
     take_slots,
 )
-from jaxrl_llm.sampling.state import replicate, sampling_params
+from jaxrl_llm.sampling.state import SamplingOptions, replicate
 
 Array = jax.Array
 
 ENGINES = ("continuous", "static")
 
 
-class Engine:
-    """Continuous-batching sampler over ``slots`` decode slots (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """How an :class:`Engine` decodes (``rollout.*``'s engine settings).
 
-    Args:
-      params, config: the model (``jaxrl_llm.models``); params are not modified.
+    Attributes:
       slots: S, decode slots (rows of the decode batch).
-      max_new_tokens: T, the longest completion any request may ask for.
-      max_prompt_len: the longest prompt this engine will see (bucketed to ``P``).
-      eos_ids, pad_id, temperature, top_k, top_p, min_p: as in ``sampling.generate``.
       burst: K, decode steps per host round trip (fewer when every live slot's budget ends
         sooner).
       engine: ``"continuous"`` (refill slots as they finish) or ``"static"`` (admit only into
         an empty engine, decode until every slot has finished).
-      cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
-      stop_sequences: token-id sequences that end a completion (kept in it, like an EOS), as
-        matched on device after every token.
       decode_layers: the bursts' weights and cache stacked or per layer
         (``sampling.layout.worth_unstacking``).
       kv_block_size: a paged cache of blocks of this many slots (``sampling.paging``); None: a
@@ -114,29 +109,46 @@ class Engine:
         preempts); fewer save memory at the cost of preemptions.
     """
 
+    slots: int
+    burst: int = 8
+    engine: str = "continuous"
+    decode_layers: str = "auto"
+    kv_block_size: int | None = None
+    kv_blocks: int | None = None
+
+
+class Engine:
+    """Continuous-batching sampler over ``settings.slots`` decode slots (see the module
+    docstring).
+
+    Args:
+      params, config: the model (``jaxrl_llm.models``); params are not modified.
+      settings: the slots, bursts, engine kind, layer layout and paged cache
+        (:class:`EngineSettings`).
+      max_new_tokens: T, the longest completion any request may ask for.
+      max_prompt_len: the longest prompt this engine will see (bucketed to ``P``).
+      sampling: the distribution and the EOS and pad ids (``SamplingOptions``), as in
+        ``sampling.generate``.
+      cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
+      stop_sequences: token-id sequences that end a completion (kept in it, like an EOS), as
+        matched on device after every token.
+      mesh: the mesh the weights live on (slots split over its batch shards), or None.
+    """
+
     def __init__(
         self,
         params: Any,
         config: Any,
         *,
-        slots: int,
+        settings: EngineSettings,
         max_new_tokens: int,
         max_prompt_len: int,
-        eos_ids: int | Sequence[int],
-        pad_id: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        burst: int = 8,
-        engine: str = "continuous",
+        sampling: SamplingOptions,
         cache_dtype: Any = None,
         stop_sequences: Sequence[Sequence[int]] = (),
         mesh: Any = None,
-        decode_layers: str = "auto",
-        kv_block_size: int | None = None,
-        kv_blocks: int | None = None,
     ):
+        slots, burst, engine = settings.slots, settings.burst, settings.engine
         for name, value in (
             ("slots", slots),
             ("max_new_tokens", max_new_tokens),
@@ -148,15 +160,13 @@ class Engine:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.top_k = strategies.check_sampling_args(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
             vocab_size=config.vocab_size,
         )
-        sampling = dict(
-            temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
-        )
+        eos_ids, pad_id = sampling.eos_ids, sampling.pad_id
         self.eos = set(np.atleast_1d(np.asarray(eos_ids if eos_ids is not None else (), int)))
         self.stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]
         if any(not s or min(s) < 0 for s in self.stop_sequences):
@@ -176,7 +186,9 @@ class Engine:
             engine,
         )
         self.prompt_width = bucket_length(max_prompt_len)
-        self.paged = paged_pool(kv_block_size, kv_blocks, slots, self.prompt_width, max_new_tokens)
+        self.paged = paged_pool(
+            settings.kv_block_size, settings.kv_blocks, slots, self.prompt_width, max_new_tokens
+        )
         self.mesh, self.shards = mesh, 1
         if mesh is not None:
             from jaxrl_llm.parallel import batch_shards  # noqa: PLC0415
@@ -189,12 +201,12 @@ class Engine:
                 )
         if self.paged is not None:
             self._allocator(*self.paged)  # refuses a pool too small for one request
-        unstacked = layout.worth_unstacking(params, decode_layers)
+        unstacked = layout.worth_unstacking(params, settings.decode_layers)
         # Under the engine's mesh: the caller's may be another (a sampler on devices of its
         # own, called from a thread under the trainer's mesh).
         with self._mesh_context(params):
             self.params = layout.unstack_layers(params) if unstacked else params
-            self.sampling = replicate(sampling_params(**sampling), mesh)
+            self.sampling = replicate(sampling.traced(), mesh)
             self.stops = replicate(jnp.asarray(stops), mesh)
             hidden = hidden_dtype(params, config, rows=slots)
         if cache_dtype is None:
@@ -417,12 +429,11 @@ class Engine:
         counts["admissions"] += 1
         for name, value in admitted.items():
             counts[name] += value
-        arrays = jax.tree.map(jnp.asarray, arrays)
         return admit(
             params,
             state,
-            pad_id=jnp.asarray(self.pad_id, jnp.int32),
-            **arrays,
+            jax.tree.map(jnp.asarray, arrays),
+            jnp.asarray(self.pad_id, jnp.int32),
             config=self.config,
             mesh=self.mesh,
         )
@@ -433,25 +444,24 @@ def generate_requests(
     config: Any,
     requests: Sequence[Request],
     *,
-    slots: int,
+    settings: EngineSettings,
     max_new_tokens: int,
-    eos_ids: int | Sequence[int],
-    pad_id: int,
+    sampling: SamplingOptions,
     seed: int = 0,
     progress: Any = None,
     **options: Any,
 ) -> tuple[list[Result], EngineStats]:
-    """One-shot ``Engine(...).run(requests)``; ``options`` are the engine's other arguments."""
+    """One-shot ``Engine(...).run(requests)`` (``max_prompt_len``: the longest prompt's);
+    ``options`` are the engine's other arguments."""
     requests = list(requests)
     longest = max((len(np.atleast_1d(r.prompt)) for r in requests), default=1)
     engine = Engine(
         params,
         config,
-        slots=slots,
+        settings=settings,
         max_new_tokens=max_new_tokens,
         max_prompt_len=max(longest, 1),
-        eos_ids=eos_ids,
-        pad_id=pad_id,
+        sampling=sampling,
         **options,
     )
     return engine.run(requests, seed=seed, progress=progress)
@@ -461,6 +471,7 @@ __all__ = [
     "ENGINES",
     "FINISH_REASONS",
     "Engine",
+    "EngineSettings",
     "EngineState",
     "EngineStats",
     "Request",

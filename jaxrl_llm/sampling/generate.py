@@ -31,6 +31,7 @@ from jaxrl_llm.models import cast_params, forward, init_cache, unembed
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.prompts import MIN_BUCKET, bucket_length, check_prompts, pad_prompts
 from jaxrl_llm.sampling.state import (
+    SamplingOptions,
     SamplingParams,
     SamplingState,
     constrain_state,
@@ -351,12 +352,7 @@ def generate(
     *,
     key: Array,
     max_new_tokens: int,
-    temperature: float | Array = 1.0,
-    top_k: int = 0,
-    top_p: float | Array = 1.0,
-    min_p: float | Array = 0.0,
-    eos_ids: int | Sequence[int] | Array,
-    pad_id: int,
+    sampling: SamplingOptions,
     num_samples: int = 1,
     buckets: Sequence[int] | None = None,
     cache_dtype: Any = None,
@@ -381,10 +377,8 @@ def generate(
       prompt_mask: ``[N, P]`` bool/int, 1 on real tokens.
       key: PRNG key; completion column ``t`` is drawn with ``jax.random.fold_in(key, t)``.
       max_new_tokens: T, the number of returned columns.
-      temperature: ``>= 0`` (0 = greedy), traced. top_k: static int, 0 = off.
-      top_p: ``(0, 1]``, traced. min_p: ``[0, 1]``, traced.
-      eos_ids: one id or several; the EOS token is kept (mask 1); an empty tuple never stops.
-      pad_id: written (mask 0, log-prob 0) after a row's EOS.
+      sampling: the temperature ``T``, ``top_k``, ``top_p``, ``min_p``, the ``eos_ids`` that
+        end a row and the ``pad_id`` written after it (``SamplingOptions``).
       num_samples: G completions per prompt; rows ``g*G … g*G+G-1`` belong to prompt ``g``.
       buckets: allowed padded prompt lengths (default: powers of two ``>= 16``).
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
@@ -394,9 +388,8 @@ def generate(
     Returns:
       ``Completion(tokens [N*G, T] int32, logprobs [N*G, T] f32, mask [N*G, T] bool)``.
     """
-    sampling = sampling_params(
-        temperature=temperature, top_p=top_p, min_p=min_p, eos_ids=eos_ids, pad_id=pad_id
-    )
+    traced = sampling.traced()
+    pad_id = sampling.pad_id
     tokens, mask = pad_prompts(prompt_tokens, prompt_mask, pad_id=pad_id, buckets=buckets)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = prefill(
@@ -410,14 +403,14 @@ def generate(
             cache_dtype=cache_dtype,
             mesh=mesh,
         )
-        key, sampling = replicate((key, sampling), mesh)
+        key, traced = replicate((key, traced), mesh)
         state = decode(
             params,
             config,
             state,
             key=key,
-            sampling=sampling,
-            top_k=top_k,
+            sampling=traced,
+            top_k=sampling.top_k,
             mesh=mesh,
             decode_layers=decode_layers,
         )
@@ -428,6 +421,7 @@ __all__ = [
     "decode_program",
     "prefill_program",
     "MIN_BUCKET",
+    "SamplingOptions",
     "SamplingParams",
     "SamplingState",
     "bucket_length",

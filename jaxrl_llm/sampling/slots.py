@@ -27,6 +27,7 @@ from jaxrl_llm.models import (
 )
 from jaxrl_llm.models.kv_cache import page_slots
 from jaxrl_llm.sampling import layout, strategies
+from jaxrl_llm.sampling.admission import Admission
 from jaxrl_llm.sampling.paging import blocks_for
 from jaxrl_llm.sampling.state import SamplingParams
 
@@ -157,24 +158,15 @@ def _constrain(state: EngineState, mesh: Any) -> EngineState:
 def admit(
     params: Any,
     state: EngineState,
-    prompt_tokens: Array | None,
-    prompt_mask: Array | None,
-    owner: Array,
-    slot: Array,
-    limit: Array,
-    request: Array,
+    admission: Admission,
     pad_id: Array,
-    table: Array | None = None,
-    dest: tuple[Array, Array] | None = None,
-    source: Array | None = None,
-    length: Array | None = None,
-    copies: tuple[Array, Array] | None = None,
     *,
     config: Any,
     mesh: Any = None,
 ) -> EngineState:
     """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
-    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped).
+    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped). The arrays are
+    ``admission``'s (``sampling.admission.Admission``).
 
     Paged cache: ``table`` is the new ``[S, W / P]`` block table and ``dest = (source, blocks)``
     the prefill's writes: prompt row ``source[i]``'s keys and values go to its row's logical
@@ -187,6 +179,19 @@ def admit(
     copies the partial last block, ``copies = (from, to)`` global block ids (``N``: none).
     ``length[j]``: request ``j``'s prompt length (needed with ``source``). With every request
     from a live slot, ``prompt_tokens`` and ``prompt_mask`` are None: nothing is prefilled."""
+    (
+        prompt_tokens,
+        prompt_mask,
+        owner,
+        slot,
+        limit,
+        request,
+        source,
+        length,
+        table,
+        dest,
+        copies,
+    ) = admission
     params = cast_params(params, config)
     slots = state.done.shape[0]
     slot_count = state.cache.mask.shape[1]

@@ -2,11 +2,13 @@
 
 ``SamplingState`` is what the prefill returns and the ``lax.while_loop`` decode carries;
 ``SamplingParams`` the hyper-parameters traced into both programs (changing them does not
-recompile); ``constrain_state`` pins the state to the sampling rules of ``jaxrl_llm.parallel``.
+recompile), ``SamplingOptions`` the same as a sampler's caller gives them (with the static
+``top_k``); ``constrain_state`` pins the state to the sampling rules of ``jaxrl_llm.parallel``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -64,6 +66,39 @@ class SamplingParams(NamedTuple):
     min_p: Array
     eos_ids: Array
     pad_id: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """How a sampler draws each token and ends a row, as its caller gives it (``generate``,
+    ``engine.Engine``).
+
+    Attributes:
+      eos_ids: one id or several; the EOS token is kept (mask 1); an empty tuple never stops.
+      pad_id: written (mask 0, log-prob 0) after a row's EOS.
+      temperature: ``>= 0`` (0 = greedy), traced.
+      top_k: static int, 0 = off.
+      top_p: ``(0, 1]``, traced. min_p: ``[0, 1]``, traced (truncation order and semantics:
+        ``strategies.truncate_logits``).
+    """
+
+    eos_ids: int | Sequence[int] | Array
+    pad_id: int
+    temperature: float | Array = 1.0
+    top_k: int = 0
+    top_p: float | Array = 1.0
+    min_p: float | Array = 0.0
+
+    def traced(self) -> SamplingParams:
+        """The traced hyper-parameters (``sampling_params``: validated; ``top_k`` stays
+        static)."""
+        return sampling_params(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+        )
 
 
 def state_logical_axes(state: SamplingState) -> SamplingState:

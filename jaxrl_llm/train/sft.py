@@ -8,6 +8,7 @@ completions before its head is added. All three run :func:`sft_warmup` over an i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,6 +73,22 @@ def make_sft_step(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupMonitor:
+    """What :func:`sft_warmup` watches as it runs.
+
+    Attributes:
+      log_every: log the NLL every this many steps.
+      probe: ``probe(step, params) -> stop`` every ``check_every`` steps (and not after the
+        last): True ends the warm-up there (``params`` as returned: LoRA adapters merged).
+      check_every: the steps between two calls of ``probe``.
+    """
+
+    log_every: int = 100
+    probe: Callable[[int, PyTree], bool] | None = None
+    check_every: int = 50
+
+
 def sft_warmup(
     model_config,
     params: PyTree | None,
@@ -85,9 +102,7 @@ def sft_warmup(
     chunk_size: int | None = None,
     remat: str = "none",
     param_dtype=None,
-    log_every: int = 100,
-    probe: Callable[[int, PyTree], bool] | None = None,
-    check_every: int = 50,
+    monitor: WarmupMonitor = WarmupMonitor(),
 ) -> tuple[PyTree, list[float]]:
     """``steps`` AdamW steps (global-norm clip 1) on the NLL of the given host batches.
 
@@ -106,9 +121,8 @@ def sft_warmup(
       to_device: shards a host batch over the mesh.
       chunk_size, remat: the log-prob computation's settings.
       param_dtype: dtype of freshly initialised parameters.
-      log_every: log the NLL every this many steps.
-      probe: ``probe(step, params) -> stop`` every ``check_every`` steps (and not after the
-        last): True ends the warm-up there (``params`` as returned: LoRA adapters merged).
+      monitor: the NLL's logging and the probe that may end the warm-up early
+        (:class:`WarmupMonitor`).
 
     Returns:
       ``(params, nll_history)``: the warmed-up parameters and each step's NLL (its length is
@@ -149,9 +163,9 @@ def sft_warmup(
     for i in range(steps):
         state, metrics = step(state, to_device(next(batches)))
         history.append(metrics["nll"])
-        if (i + 1) % log_every == 0 or i + 1 == steps:
+        if (i + 1) % monitor.log_every == 0 or i + 1 == steps:
             log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
-        if probe is not None and (i + 1) % check_every == 0 and i + 1 < steps:
-            if probe(i + 1, finished(state.params)):
-                break
+        checked = monitor.probe is not None and (i + 1) % monitor.check_every == 0
+        if checked and i + 1 < steps and monitor.probe(i + 1, finished(state.params)):
+            break
     return finished(state.params), [float(x) for x in jax.device_get(history)]

@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrl_llm.cli import main
 from jaxrl_llm.models import load_pretrained
-from jaxrl_llm.sampling import generate
+from jaxrl_llm.sampling import SamplingOptions, generate
 from jaxrl_llm.sampling.cli import generate_main
-from jaxrl_llm.sampling.engine import Request, generate_requests
+from jaxrl_llm.sampling.engine import EngineSettings, Request, generate_requests
 from tests.models.hf_utils import build_checkpoint
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "user:", "assistant:"]
@@ -76,9 +76,7 @@ def test_generate_main_prints_greedy_completions(model_dir, capsys):
         mask,
         key=jax.random.key(0),
         max_new_tokens=6,
-        temperature=0.0,
-        eos_ids=(2,),
-        pad_id=0,
+        sampling=SamplingOptions(eos_ids=(2,), pad_id=0, temperature=0.0),
     )
     vocab = SPECIAL + WORDS
     for row, header in enumerate(printed):
@@ -142,11 +140,9 @@ def test_generate_jsonl_batch_with_refills(model_dir, tmp_path, capsys):
             params,
             config,
             [Request(prompt, budget)],
-            slots=1,
+            settings=EngineSettings(slots=1),
             max_new_tokens=budget,
-            eos_ids=(2,),
-            pad_id=0,
-            temperature=0.0,
+            sampling=SamplingOptions(eos_ids=(2,), pad_id=0, temperature=0.0),
         )
         assert line["tokens"] == want.tokens.tolist()
         np.testing.assert_allclose(line["logprobs"], want.logprobs, atol=1e-5)

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import ModelConfig, init_params, load_pretrained
-from jaxrl_llm.sampling import generate
-from jaxrl_llm.sampling.engine import Engine, Request, generate_requests
+from jaxrl_llm.sampling import SamplingOptions, generate
+from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request, generate_requests
 from tests.models.hf_utils import build_checkpoint
+from tests.sampling.hf_reference import engine_and_hf_greedy
 
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -58,9 +58,7 @@ def _generate_one(params, request, *, eos_ids, temperature=0.0):
         np.ones(prompt.shape, bool),
         key=jax.random.key(0),
         max_new_tokens=request.max_new_tokens,
-        temperature=temperature,
-        eos_ids=eos_ids,
-        pad_id=PAD,
+        sampling=SamplingOptions(eos_ids=eos_ids, pad_id=PAD, temperature=temperature),
     )
 
 
@@ -88,12 +86,9 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
         params,
         CONFIG,
         requests,
-        slots=2,
+        settings=EngineSettings(slots=2, engine=engine),
         max_new_tokens=12,
-        eos_ids=eos,
-        pad_id=PAD,
-        temperature=0.0,
-        engine=engine,
+        sampling=SamplingOptions(eos_ids=eos, pad_id=PAD, temperature=0.0),
     )
     assert stats.admissions >= 3  # slots were refilled
     # ``generate`` on all prompts at once (left-padded, 12 columns): greedy, so each request's
@@ -109,9 +104,7 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
         tokens > 0,
         key=jax.random.key(0),
         max_new_tokens=12,
-        temperature=0.0,
-        eos_ids=eos,
-        pad_id=PAD,
+        sampling=SamplingOptions(eos_ids=eos, pad_id=PAD, temperature=0.0),
     )
     stopped = 0
     for i, (request, result) in enumerate(zip(requests, results, strict=True)):
@@ -133,31 +126,17 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
 def test_greedy_equals_transformers_generate_with_refills(tmp_path, kv_block_size):
     torch_model = build_checkpoint("llama", str(tmp_path), seed=3)
     config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
-    rng = np.random.default_rng(5)
-    lengths, budgets = [5, 2, 9, 4, 7], [6, 10, 3, 10, 8]
-    prompts = [rng.integers(3, config.vocab_size, size=n) for n in lengths]
-    results, _ = generate_requests(
+    runs = engine_and_hf_greedy(
+        torch_model,
         params,
         config,
-        [Request(p, b) for p, b in zip(prompts, budgets)],
-        slots=2,
-        max_new_tokens=10,
-        eos_ids=(),
-        pad_id=PAD,
-        temperature=0.0,
+        [5, 2, 9, 4, 7],
+        [6, 10, 3, 10, 8],
+        seed=5,
         kv_block_size=kv_block_size,
     )
-    for prompt, budget, result in zip(prompts, budgets, results):
-        with torch.no_grad():
-            out = torch_model.generate(
-                input_ids=torch.as_tensor(prompt[None], dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=budget,
-                min_new_tokens=budget,
-                pad_token_id=PAD,
-                eos_token_id=None,
-            ).numpy()
-        np.testing.assert_array_equal(result.tokens, out[0, len(prompt) :])
+    for result, want, _ in runs:
+        np.testing.assert_array_equal(result.tokens, want)
 
 
 def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):
@@ -168,13 +147,10 @@ def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):
             params,
             CONFIG,
             reqs,
-            slots=slots,
+            settings=EngineSettings(slots=slots, burst=burst, engine=engine),
             max_new_tokens=8,
-            eos_ids=(5,),
-            pad_id=PAD,
+            sampling=SamplingOptions(eos_ids=(5,), pad_id=PAD),
             seed=seed,
-            engine=engine,
-            burst=burst,
         )
         return out
 
@@ -202,11 +178,9 @@ def test_sampler_logprobs_equal_the_trainers(params, rng):
         params,
         CONFIG,
         requests,
-        slots=3,
+        settings=EngineSettings(slots=3),
         max_new_tokens=8,
-        eos_ids=(),
-        pad_id=PAD,
-        temperature=0.7,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.7),
         seed=3,
     )
     for request, result in zip(requests, results):
@@ -217,8 +191,9 @@ def test_sampler_logprobs_equal_the_trainers(params, rng):
 def test_continuous_refills_shrinks_and_counts(params, rng):
     budgets = [1, 1, 1, 12, 1, 1, 1, 1]
     requests = _requests(rng, [4] * 8, budgets, keys=[0, 0, 0, 0, 1, 1, 1, 1])
-    kw = dict(slots=4, max_new_tokens=12, eos_ids=(), pad_id=PAD, temperature=0.0)
-    results, stats = generate_requests(params, CONFIG, requests, engine="continuous", **kw)
+    kw = dict(max_new_tokens=12, sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0))
+    continuous = EngineSettings(slots=4, engine="continuous")
+    results, stats = generate_requests(params, CONFIG, requests, settings=continuous, **kw)
     assert [len(r.tokens) for r in results] == budgets
     assert stats.tokens == sum(budgets) and stats.requests == 8
     # Three 1-step bursts on 4 slots (each refilling the slots that finished), then the
@@ -228,7 +203,9 @@ def test_continuous_refills_shrinks_and_counts(params, rng):
     assert stats.shrinks == 1 and stats.slot_steps == 3 * 4 + 9
     # One prefill row per admission: the requests admitted together share their prompt.
     assert stats.prefill_rows == 3
-    static_results, static = generate_requests(params, CONFIG, requests, engine="static", **kw)
+    static_results, static = generate_requests(
+        params, CONFIG, requests, settings=EngineSettings(slots=4, engine="static"), **kw
+    )
     assert static.decode_steps == 12 + 1 and static.slot_steps == 4 * 13
     assert static.utilisation < stats.utilisation
     for a, b in zip(results, static_results):
@@ -244,10 +221,19 @@ def test_continuous_refills_shrinks_and_counts(params, rng):
         ({}, [Request([1, 2], 9)], r"max_new_tokens must be an int in \[1, 8\]"),
         ({}, [Request([1, 2], 0)], "max_new_tokens"),
         ({"max_prompt_len": 4}, [Request(list(range(1, 7)), 2)], "exceeds"),
-        ({"slots": 0}, [Request([1], 1)], "slots must be a positive int"),
-        ({"burst": 0}, [Request([1], 1)], "burst"),
-        ({"engine": "paged"}, [Request([1], 1)], "engine must be one of"),
-        ({"top_k": -1}, [Request([1], 1)], "top_k"),
+        ({"settings": EngineSettings(slots=0)}, [Request([1], 1)], "slots must be a positive int"),
+        ({"settings": EngineSettings(slots=2, burst=0)}, [Request([1], 1)], "burst"),
+        (
+            {"settings": EngineSettings(slots=2, engine="paged")},
+            [Request([1], 1)],
+            "engine must be one of",
+        ),
+        (
+            {"sampling": SamplingOptions(eos_ids=(), pad_id=PAD, top_k=-1)},
+            [Request([1], 1)],
+            "top_k",
+        ),
+        ({"stop_sequences": [[]]}, [Request([1], 1)], "stop_sequences must be non-empty"),
         (
             {},
             [Request([1, 2], 2, prompt_key=0), Request([3], 1), Request([1, 3], 2, prompt_key=0)],
@@ -256,9 +242,14 @@ def test_continuous_refills_shrinks_and_counts(params, rng):
     ],
 )
 def test_bad_input_is_refused(params, kwargs, requests, match):
-    args = dict(slots=2, max_new_tokens=8, max_prompt_len=4, eos_ids=(), pad_id=PAD) | kwargs
+    args = dict(
+        settings=EngineSettings(slots=2),
+        max_new_tokens=8,
+        max_prompt_len=4,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD),
+    )
     with pytest.raises(ValueError, match=match):
-        Engine(params, CONFIG, **args).run(requests)
+        Engine(params, CONFIG, **args | kwargs).run(requests)
 
 
 def test_stop_sequences_end_a_completion_on_device(params, rng):
@@ -278,28 +269,15 @@ def test_stop_sequences_end_a_completion_on_device(params, rng):
         params,
         CONFIG,
         requests,
-        slots=1,
+        settings=EngineSettings(slots=1),
         max_new_tokens=12,
-        eos_ids=(),
-        pad_id=PAD,
-        temperature=0.0,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0),
         stop_sequences=[list(never), list(stop), [int(free[1][0]) + 1000]],
     )
     np.testing.assert_array_equal(results[0].tokens, free[0][: first + 2])
     assert results[0].finish_reason == "stop"
     np.testing.assert_array_equal(results[1].tokens, free[1])
     assert results[1].finish_reason == "length"
-    with pytest.raises(ValueError, match="stop_sequences must be non-empty"):
-        Engine(
-            params,
-            CONFIG,
-            slots=1,
-            max_new_tokens=4,
-            max_prompt_len=4,
-            eos_ids=(),
-            pad_id=0,
-            stop_sequences=[[]],
-        )
 
 
 @pytest.mark.needs_devices(8)
@@ -321,11 +299,13 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
         [4, 9, 2, 12, 6, 12, 3, 1, 8],
         keys=[0, 0, 1, 2, 3, 3, 0, 3, 6],  # 0 and 3 come back while a sample holds them
     )
-    kw = dict(slots=4, max_new_tokens=12, eos_ids=(7,), pad_id=PAD, seed=2)
     # Sampled (temperature 1): equal tokens need equal logits to the last bit that matters, and
     # the log-probs are compared to 1e-5 (greedy decoding would hide logit errors).
-    single, _ = generate_requests(params, config, requests, temperature=1.0, **kw)
-    multi, stats = generate_requests(sharded, config, requests, temperature=1.0, mesh=mesh, **kw)
+    sampled = SamplingOptions(eos_ids=(7,), pad_id=PAD, temperature=1.0)
+    kw = dict(max_new_tokens=12, sampling=sampled, seed=2)
+    four = EngineSettings(slots=4)
+    single, _ = generate_requests(params, config, requests, settings=four, **kw)
+    multi, stats = generate_requests(sharded, config, requests, settings=four, mesh=mesh, **kw)
     assert stats.admissions > 1 and stats.reused_prompts > 0  # copied across batch shards
     for a, b in zip(single, multi, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -345,11 +325,9 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
             weights,
             config,
             requests,
-            temperature=1.0,
+            settings=EngineSettings(slots=8, burst=2, kv_block_size=5, kv_blocks=blocks),
             mesh=on,
-            kv_block_size=5,
-            kv_blocks=blocks,
-            **{**kw, "slots": 8, "burst": 2},
+            **kw,
         )
         assert stats.peak_blocks > 0 and (blocks is None or stats.preemptions > 0)
         for a, b in zip(single, paged, strict=True):
@@ -358,7 +336,7 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
     # A paged engine without a mesh of its own is not split by the caller's.
     with jax.set_mesh(mesh):
         paged, _ = generate_requests(
-            params, config, requests, temperature=1.0, kv_block_size=4, **kw
+            params, config, requests, settings=EngineSettings(slots=4, kv_block_size=4), **kw
         )
     for a, b in zip(single, paged, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -366,11 +344,10 @@ def test_engine_on_a_mesh_matches_one_device(params, rng):
         Engine(
             sharded,
             CONFIG,
-            slots=6,
+            settings=EngineSettings(slots=6),
             max_new_tokens=4,
             max_prompt_len=4,
-            eos_ids=(),
-            pad_id=0,
+            sampling=SamplingOptions(eos_ids=(), pad_id=0),
             mesh=mesh,
         )
 
@@ -380,13 +357,10 @@ def _engine(weights, *, slots, max_prompt_len, kv_block_size=None):
     return Engine(
         weights,
         CONFIG,
-        slots=slots,
+        settings=EngineSettings(slots=slots, burst=3, kv_block_size=kv_block_size),
         max_new_tokens=8,
         max_prompt_len=max_prompt_len,
-        eos_ids=(),
-        pad_id=PAD,
-        burst=3,
-        kv_block_size=kv_block_size,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD),
     )
 
 
@@ -446,8 +420,12 @@ def test_a_prompt_a_live_slot_holds_is_not_prefilled_again(params, rng, kv_block
     requests = _requests(
         rng, [6] * 4 + [8] * 4, [10, 1, 2, 1, 10, 1, 2, 1], keys=[0, None, 0, 0, 1, 1, 1, 1]
     )
-    kw = dict(slots=2, max_new_tokens=10, eos_ids=(), pad_id=PAD, temperature=0.7, seed=4)
-    kw["kv_block_size"] = kv_block_size
+    kw = dict(
+        settings=EngineSettings(slots=2, kv_block_size=kv_block_size),
+        max_new_tokens=10,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.7),
+        seed=4,
+    )
     shared, stats = generate_requests(params, CONFIG, requests, **kw)
     assert (stats.prefill_rows, stats.reused_prompts) == (3, 5)
     alone, alone_stats = generate_requests(

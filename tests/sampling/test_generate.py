@@ -4,6 +4,7 @@ Compiles are the cost here (2 CPU cores), so every test reuses one model, one ba
 handful of static settings: (G=1, top_k=0), (G=3, top_k=0) and (G=1, top_k=1).
 """
 
+import dataclasses
 import functools
 import importlib
 
@@ -56,9 +57,13 @@ def prompts():
 
 
 def _run(model, prompts, **kwargs):
+    """``generate``; ``kwargs``: its arguments and ``SamplingOptions``'s fields."""
     config, params = model
-    options = dict(key=jax.random.key(0), max_new_tokens=MAX_NEW, eos_ids=(), pad_id=PAD)
-    return gen.generate(params, config, *prompts, **{**options, **kwargs})
+    fields = {f.name for f in dataclasses.fields(gen.SamplingOptions)}
+    sampling = {"eos_ids": (), "pad_id": PAD} | {k: kwargs.pop(k) for k in fields & set(kwargs)}
+    options = dict(key=jax.random.key(0), max_new_tokens=MAX_NEW)
+    sampling = gen.SamplingOptions(**sampling)
+    return gen.generate(params, config, *prompts, sampling=sampling, **{**options, **kwargs})
 
 
 def _states(model, prompts, *, eos_ids, temperature=0.0, key=0):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models import logical_axes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
-from jaxrl_llm.sampling import generate, layout
+from jaxrl_llm.sampling import SamplingOptions, generate, layout
 from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
@@ -44,12 +44,14 @@ def setup():
 
 def test_sharded_generation_matches_single_device(setup):
     config, params, sharded, mesh, tokens, mask = setup
-    kwargs = dict(key=jax.random.key(1), max_new_tokens=MAX_NEW, eos_ids=(), pad_id=PAD)
     for temperature in (0.0, 1.0):
-        single = generate(params, config, tokens, mask, temperature=temperature, **kwargs)
-        multi = generate(
-            sharded, config, tokens, mask, temperature=temperature, mesh=mesh, **kwargs
+        kwargs = dict(
+            key=jax.random.key(1),
+            max_new_tokens=MAX_NEW,
+            sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=temperature),
         )
+        single = generate(params, config, tokens, mask, **kwargs)
+        multi = generate(sharded, config, tokens, mask, mesh=mesh, **kwargs)
         np.testing.assert_array_equal(multi.tokens, single.tokens)
         np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
         _assert_spec(multi.tokens, mesh, ROWS, None)
@@ -60,9 +62,13 @@ def test_sharded_generation_over_decode_windows(setup):
     returned cache is whole and keeps the sampling rules' sharding."""
     config, params, sharded, mesh, tokens, mask = setup
     assert layout.decode_windows(sharded, 64) == (32, 64)
-    kwargs = dict(key=jax.random.key(2), max_new_tokens=64, eos_ids=(), pad_id=PAD)
-    single = generate(params, config, tokens, mask, temperature=1.0, **kwargs)
-    multi = generate(sharded, config, tokens, mask, temperature=1.0, mesh=mesh, **kwargs)
+    kwargs = dict(
+        key=jax.random.key(2),
+        max_new_tokens=64,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=1.0),
+    )
+    single = generate(params, config, tokens, mask, **kwargs)
+    multi = generate(sharded, config, tokens, mask, mesh=mesh, **kwargs)
     np.testing.assert_array_equal(multi.tokens, single.tokens)
     np.testing.assert_allclose(multi.logprobs, single.logprobs, atol=1e-5)
     sampling = gen.sampling_params(temperature=1.0, eos_ids=(), pad_id=PAD)
@@ -105,8 +111,7 @@ def test_batch_not_divisible_by_mesh_raises(setup):
             mask[:3],
             key=jax.random.key(0),
             max_new_tokens=MAX_NEW,
-            eos_ids=(),
-            pad_id=PAD,
+            sampling=SamplingOptions(eos_ids=(), pad_id=PAD),
             mesh=mesh,
         )
     assert jax.sharding.get_abstract_mesh().empty, "the failed call left its mesh set"

@@ -157,8 +157,7 @@ def test_generate_decodes_stacked_or_per_layer_as_asked(setup, monkeypatch):
             mask,
             key=jax.random.key(3),
             max_new_tokens=NEW,
-            eos_ids=(),
-            pad_id=0,
+            sampling=gen.SamplingOptions(eos_ids=(), pad_id=0),
             decode_layers=mode,
         )
         for mode in ("stacked", "per_layer")
@@ -254,7 +253,13 @@ def test_decode_runs_the_windows_of_its_length(setup, monkeypatch):
 
     monkeypatch.setattr(gen, "decode_program", recording)
     out = gen.generate(
-        params, CONFIG, tokens, mask, key=jax.random.key(3), max_new_tokens=64, eos_ids=(), pad_id=0
+        params,
+        CONFIG,
+        tokens,
+        mask,
+        key=jax.random.key(3),
+        max_new_tokens=64,
+        sampling=gen.SamplingOptions(eos_ids=(), pad_id=0),
     )
     assert seen == [(True, (32, 64))]
     assert out.tokens.shape == (ROWS, 64) and bool(np.all(out.mask))

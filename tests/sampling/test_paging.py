@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.models import init_params
-from jaxrl_llm.sampling.engine import Engine, Request, generate_requests
+from jaxrl_llm.sampling import SamplingOptions
+from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request, generate_requests
 from jaxrl_llm.sampling.paging import BlockAllocator, blocks_for
 from tests.sampling.test_engine import CONFIG, PAD
 
@@ -205,17 +206,21 @@ def test_batch_shards_have_their_own_blocks():
 
 
 def test_a_pool_too_small_for_one_request_is_refused(params):
-    kw = dict(slots=2, max_new_tokens=9, max_prompt_len=5, eos_ids=(), pad_id=PAD)
+    kw = dict(max_new_tokens=9, max_prompt_len=5, sampling=SamplingOptions(eos_ids=(), pad_id=PAD))
+
+    def engine(**paged):
+        return Engine(params, CONFIG, settings=EngineSettings(slots=2, **paged), **kw)
+
     with pytest.raises(ValueError, match="kv_blocks must be a positive int, got 0"):
-        Engine(params, CONFIG, kv_block_size=4, kv_blocks=0, **kw)
+        engine(kv_block_size=4, kv_blocks=0)
     # Prompt bucket 8 -> 2 blocks of 4, 9 new tokens -> 3 blocks: 5 needed.
     with pytest.raises(ValueError, match=r"kv_blocks=4 cannot hold one request.*need 5 blocks"):
-        Engine(params, CONFIG, kv_block_size=4, kv_blocks=4, **kw)
-    Engine(params, CONFIG, kv_block_size=4, kv_blocks=5, **kw)
+        engine(kv_block_size=4, kv_blocks=4)
+    engine(kv_block_size=4, kv_blocks=5)
     with pytest.raises(ValueError, match="kv_blocks needs kv_block_size"):
-        Engine(params, CONFIG, kv_blocks=5, **kw)
+        engine(kv_blocks=5)
     with pytest.raises(ValueError, match="kv_block_size must be a positive int"):
-        Engine(params, CONFIG, kv_block_size=0, **kw)
+        engine(kv_block_size=0)
 
 
 @pytest.mark.parametrize("decode_layers", ["per_layer", "stacked"])
@@ -227,11 +232,11 @@ def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
     13 slots a row) = 13 blocks at the peak (16 unshared); the tokens and log-probs are the
     contiguous cache's."""
     requests = _grouped(rng, [5], 4, [8])
-    kw = dict(
-        slots=4, max_new_tokens=8, eos_ids=(), pad_id=PAD, seed=4, decode_layers=decode_layers
-    )
-    want, _ = generate_requests(params, CONFIG, requests, **kw)
-    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, **kw)
+    kw = dict(max_new_tokens=8, sampling=SamplingOptions(eos_ids=(), pad_id=PAD), seed=4)
+    settings = EngineSettings(slots=4, decode_layers=decode_layers)
+    want, _ = generate_requests(params, CONFIG, requests, settings=settings, **kw)
+    paged = dataclasses.replace(settings, kv_block_size=4)
+    got, stats = generate_requests(params, CONFIG, requests, settings=paged, **kw)
     assert stats.peak_blocks == 1 + 4 * 3 and stats.preemptions == 0
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -245,9 +250,11 @@ def test_a_small_pool_preempts_and_recomputes_the_same_tokens(params, rng):
     new tokens): requests are preempted and recomputed, and every request's tokens and
     log-probs equal the contiguous cache's."""
     requests = _grouped(rng, [3, 12, 6, 9], 3, [12, 7, 10, 3, 11])
-    kw = dict(slots=4, max_new_tokens=12, eos_ids=(5, 6), pad_id=PAD, seed=9, burst=4)
-    want, base = generate_requests(params, CONFIG, requests, **kw)
-    got, stats = generate_requests(params, CONFIG, requests, kv_block_size=4, kv_blocks=7, **kw)
+    kw = dict(max_new_tokens=12, sampling=SamplingOptions(eos_ids=(5, 6), pad_id=PAD), seed=9)
+    settings = EngineSettings(slots=4, burst=4)
+    want, base = generate_requests(params, CONFIG, requests, settings=settings, **kw)
+    paged = dataclasses.replace(settings, kv_block_size=4, kv_blocks=7)
+    got, stats = generate_requests(params, CONFIG, requests, settings=paged, **kw)
     assert stats.preemptions > 0 and stats.peak_blocks <= 7
     assert stats.tokens == base.tokens
     for a, b in zip(want, got, strict=True):
@@ -262,11 +269,11 @@ def test_a_static_batch_is_admitted_for_its_whole_run(params, rng):
     4 requests, not for their 12 tokens each), a smaller batch is admitted and nothing is
     preempted; the tokens are the contiguous cache's."""
     requests = _grouped(rng, [3, 6, 5, 4, 7, 2], 1, [12])
-    kw = dict(slots=4, max_new_tokens=12, eos_ids=(), pad_id=PAD, seed=3, burst=2)
-    want, _ = generate_requests(params, CONFIG, requests, engine="static", **kw)
-    got, stats = generate_requests(
-        params, CONFIG, requests, engine="static", kv_block_size=4, kv_blocks=12, **kw
-    )
+    kw = dict(max_new_tokens=12, sampling=SamplingOptions(eos_ids=(), pad_id=PAD), seed=3)
+    settings = EngineSettings(slots=4, burst=2, engine="static")
+    want, _ = generate_requests(params, CONFIG, requests, settings=settings, **kw)
+    paged = dataclasses.replace(settings, kv_block_size=4, kv_blocks=12)
+    got, stats = generate_requests(params, CONFIG, requests, settings=paged, **kw)
     assert stats.preemptions == 0 and stats.admissions > 2 and stats.peak_blocks <= 12
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -276,9 +283,12 @@ def test_block_sizes_that_are_not_powers_of_two(params, rng):
     """Blocks of 6 (the prompt bucket is 8): prompts of a full block and a partial one, of a
     partial one only, and of exactly the bucket sample the contiguous cache's tokens."""
     requests = [Request(rng.integers(3, CONFIG.vocab_size, size=n), 6) for n in (7, 3, 8)]
-    kw = dict(slots=2, max_new_tokens=6, eos_ids=(), pad_id=PAD)
-    want, _ = generate_requests(params, CONFIG, requests, seed=1, **kw)
-    engine = Engine(params, CONFIG, max_prompt_len=5, kv_block_size=6, **kw)
+    kw = dict(max_new_tokens=6, sampling=SamplingOptions(eos_ids=(), pad_id=PAD))
+    want, _ = generate_requests(
+        params, CONFIG, requests, settings=EngineSettings(slots=2), seed=1, **kw
+    )
+    paged = EngineSettings(slots=2, kv_block_size=6)
+    engine = Engine(params, CONFIG, settings=paged, max_prompt_len=5, **kw)
     assert engine.prompt_width == 8 and engine.paged == (2 * 3, 6)  # 8 + 6 slots: 3 blocks
     got, _ = engine.run(requests, seed=1)
     for a, b in zip(want, got, strict=True):
@@ -303,10 +313,12 @@ def test_prompt_blocks_are_shared_within_a_weight_version(params):
     other = init_params(CONFIG, jax.random.key(7), dtype=jnp.float32)
     prompt = np.arange(3, 10, dtype=np.int32)
     requests = [Request(prompt, 2, 0), Request(prompt, 8, 0), Request(prompt, 4, 0)]
-    kw = dict(slots=2, max_new_tokens=8, max_prompt_len=7, eos_ids=(), pad_id=PAD, burst=2)
+    greedy = SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0)
+    kw = dict(max_new_tokens=8, max_prompt_len=7, sampling=greedy)
     runs = []
     for size in (None, 4):
-        engine = Engine(params, CONFIG, temperature=0.0, kv_block_size=size, **kw)
+        settings = EngineSettings(slots=2, burst=2, kv_block_size=size)
+        engine = Engine(params, CONFIG, settings=settings, **kw)
         runs.append(engine.run(requests, updates=_NewWeightsAfter(other))[0])
     assert runs[0][2].versions.tolist() == [1] * 4  # admitted after the update
     for a, b in zip(*runs, strict=True):
@@ -326,8 +338,14 @@ def test_the_engine_decodes_through_the_paged_kernel(params, rng, monkeypatch):
     # test_the_paged_kernel_attends_over_each_rows_first_slots); two such rows need 2 + 2 x 2
     # blocks: one is preempted.
     requests = _grouped(rng, [8, 3], 2, [8])
-    kw = dict(slots=2, max_new_tokens=8, eos_ids=(), pad_id=PAD, burst=2, temperature=0.0)
-    kw.update(kv_block_size=4, kv_blocks=4, cache_dtype=jnp.bfloat16, decode_layers="per_layer")
+    kw = dict(
+        settings=EngineSettings(
+            slots=2, burst=2, decode_layers="per_layer", kv_block_size=4, kv_blocks=4
+        ),
+        max_new_tokens=8,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0),
+        cache_dtype=jnp.bfloat16,
+    )
     runs = []
     # The choice is made while tracing: the kernel's run gets programs of its own through a
     # config that differs in a field the model does not read.

@@ -22,7 +22,7 @@ import pytest
 from jaxrl_llm.models import ModelConfig, logical_axes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
 from jaxrl_llm.plan import hlo as hlo_lib
-from jaxrl_llm.sampling import generate, serving
+from jaxrl_llm.sampling import SamplingOptions, generate, serving
 from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
@@ -192,7 +192,8 @@ def test_greedy_tokens_on_the_serving_layout_equal_the_trainer_layout(meshes):
     prompts = rng.integers(1, 64, size=(8, 6)).astype(np.int32)
     mask = np.ones((8, 6), bool)
     mask[1, :3] = False
-    kwargs = dict(key=jax.random.key(1), max_new_tokens=6, eos_ids=(), pad_id=0, temperature=0.0)
+    greedy = SamplingOptions(eos_ids=(), pad_id=0, temperature=0.0)
+    kwargs = dict(key=jax.random.key(1), max_new_tokens=6, sampling=greedy)
     want = generate(sharded, config, prompts, mask, mesh=mesh, **kwargs)
     layout = serving.serving_layout(config, mesh, tensor=2, rows=(8,))
     served = serving.make_reshard(config, layout)(sharded)

@@ -29,6 +29,11 @@ import sys
 
 from jaxrl_llm.console import USER_ERRORS, quiet_start
 from jaxrl_llm.evaluation.sampled import sampled_report
+from jaxrl_llm.sampling.prompt_format import (
+    add_chat_template_flags,
+    asked_chat_template,
+    resolve_prompt_format,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,17 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
     parser.add_argument("--json", default=None, metavar="FILE")
-    template = parser.add_mutually_exclusive_group()
-    template.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="prompt through the tokenizer's chat template (default: as the policy was trained)",
-    )
-    template.add_argument(
-        "--no-chat-template",
-        action="store_true",
-        help="prompt with raw text (default: as the policy was trained)",
-    )
+    add_chat_template_flags(parser, unrecorded="the config's data.chat_template")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     return parser
 
@@ -63,33 +58,32 @@ def as_trained(cfg, *, asked: bool | None):
     """``(cfg, note)``: ``cfg`` prompting ``model.path`` with the format it was trained with
     (its ``prompt_format.json``) unless ``asked`` for the chat template (True) or raw text
     (False); ``note``: one line when that differs from the config or from the training."""
-    from jaxrl_llm.data.encoding import read_prompt_format  # noqa: PLC0415
+    from jaxrl_llm.data.encoding import PromptFormat, read_prompt_format  # noqa: PLC0415
 
     path = cfg.model.path
     trained = read_prompt_format(path) if path is not None and os.path.isdir(path) else None
     data = cfg.data
     if asked is None and trained is None:
         return cfg, None
-    if asked is None:
-        note = None
-        if (data.chat_template, data.system_prompt) != tuple(trained):
-            system = "" if trained.system_prompt is None else " and its system prompt"
-            note = (
-                f"note: {path} was trained {trained.describe()}{system}; evaluating it so, not "
-                f"as the config's data.chat_template={str(data.chat_template).lower()} says "
-                "(--chat-template / --no-chat-template to choose)"
-            )
-        chosen = dataclasses.replace(
-            data, chat_template=trained.chat_template, system_prompt=trained.system_prompt
+    configured = PromptFormat(data.chat_template, data.system_prompt)
+    chosen, note = resolve_prompt_format(
+        trained,
+        asked=asked,
+        unrecorded=configured,
+        system_prompt=data.system_prompt,
+        model_dir=path,
+    )
+    if asked is None and chosen != configured:
+        system = "" if chosen.system_prompt is None else " and its system prompt"
+        note = (
+            f"note: {path} was trained {chosen.describe()}{system}; evaluating it so, not "
+            f"as the config's data.chat_template={str(data.chat_template).lower()} says "
+            "(--chat-template / --no-chat-template to choose)"
         )
-        return dataclasses.replace(cfg, data=chosen), note
-    system = data.system_prompt if asked else None  # a raw prompt has no roles
-    chosen = dataclasses.replace(data, chat_template=asked, system_prompt=system)
-    note = None
-    if trained is not None and trained.chat_template != asked:
-        flag = "--chat-template applies it" if asked else "--no-chat-template leaves it out"
-        note = f"note: {path} was trained {trained.describe()}; {flag} anyway"
-    return dataclasses.replace(cfg, data=chosen), note
+    data = dataclasses.replace(
+        data, chat_template=chosen.chat_template, system_prompt=chosen.system_prompt
+    )
+    return dataclasses.replace(cfg, data=data), note
 
 
 def load_eval_config(target: str, overrides: list[str]):
@@ -178,7 +172,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_eval_config(args.target, args.overrides)
-        asked = True if args.chat_template else False if args.no_chat_template else None
+        asked = asked_chat_template(args)
         if asked is None and any(
             o.split("=")[0].strip() == "data.chat_template" for o in args.overrides
         ):

@@ -191,12 +191,14 @@ class StaticDrawer(TokenDrawer):
             prompt_mask,
             key=key,
             max_new_tokens=settings.max_new_tokens,
-            eos_ids=tuple(context.stop_ids),
-            pad_id=pad_id(context.tokenizer),
+            sampling=sampling.SamplingOptions(
+                eos_ids=tuple(context.stop_ids),
+                pad_id=pad_id(context.tokenizer),
+                **settings.sampling(request.temperature),
+            ),
             num_samples=request.group_size,
             mesh=request.mesh,
             decode_layers=settings.decode_layers,
-            **settings.sampling(request.temperature),
         )
         tokens, mask = fetch(completion.tokens), fetch(completion.mask)
         return tokens, mask, fetch(completion.logprobs), None, None
@@ -221,17 +223,21 @@ class ContinuousDrawer(TokenDrawer):
         engine = Engine(
             params,
             context.sampling_config,
-            slots=min(settings.slots or len(requests), len(requests)),
+            settings=sampling.EngineSettings(
+                slots=min(settings.slots or len(requests), len(requests)),
+                burst=settings.burst,
+                decode_layers=settings.decode_layers,
+                kv_block_size=settings.kv_block_size or None,
+                kv_blocks=settings.kv_blocks,
+            ),
             max_new_tokens=t_len,
             max_prompt_len=int(mask.sum(axis=1).max()),
-            eos_ids=tuple(context.stop_ids),
-            pad_id=pad,
-            burst=settings.burst,
+            sampling=sampling.SamplingOptions(
+                eos_ids=tuple(context.stop_ids),
+                pad_id=pad,
+                **settings.sampling(request.temperature),
+            ),
             mesh=request.mesh,
-            decode_layers=settings.decode_layers,
-            kv_block_size=settings.kv_block_size or None,
-            kv_blocks=settings.kv_blocks,
-            **settings.sampling(request.temperature),
         )
         results, stats = engine.run(
             requests, key=key, updates=request.updates, version=request.version

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrl_llm.train import adapters, core, setup
 from jaxrl_llm.train.rl import episodes
-from jaxrl_llm.train.sft import sft_warmup
+from jaxrl_llm.train.sft import WarmupMonitor, sft_warmup
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -108,11 +108,13 @@ def warm_up(cfg, run, params: Any, *, steps: int, key: jax.Array) -> tuple[Any, 
         chunk_size=cfg.model.chunk_size,
         remat=cfg.model.remat,
         param_dtype=setup.param_dtype(cfg.model),
-        probe=stoppable(
-            None if stop_at is None else make_probe(run, stop_at),
-            check_every=section.check_every,
-            steps=steps,
+        monitor=WarmupMonitor(
+            probe=stoppable(
+                None if stop_at is None else make_probe(run, stop_at),
+                check_every=section.check_every,
+                steps=steps,
+            ),
+            check_every=every,
         ),
-        check_every=every,
     )
     return params, len(history)
