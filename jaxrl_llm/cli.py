@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
-from jaxrl_llm import __version__
+from jaxrl_llm import __version__, user_code
 from jaxrl_llm.console import log_to_stderr, quiet_start
 
 # subcommand -> (module, function, one-line help)
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if args.command is None and not argv else 2
     module, func, _ = SUBCOMMANDS[argv[0]]
+    # The user's modules a config names (rewards, environments, losses) import from the working
+    # directory and from the config's directory, without PYTHONPATH.
+    config = next((a for a in argv[1:2] if a.endswith((".yaml", ".yml"))), None)
+    user_code.add_search_paths(os.getcwd(), *([os.path.dirname(config) or "."] if config else []))
     quiet_start()  # before the subcommand starts JAX: no backend probing on a CPU machine
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
 

@@ -13,15 +13,18 @@ them through ``functools.partial`` or ``static_argnames`` when jitting.
 
 Outcome estimators (one advantage per completion, ``[B]``) live in ``_outcome``, token-level
 ones (``[B, T]``, whitened over the batch) in ``_token``, GDPO's several reward columns in
-``_multi_reward``, the group helpers in ``_groups``; every public name is exported here.
+``_multi_reward``, on-policy distillation's teacher term in ``_teacher``, the group helpers in
+``_groups``; every public name is exported here.
 """
 
 from jaxrl_llm.advantages._groups import group_view
 from jaxrl_llm.advantages._multi_reward import gdpo
 from jaxrl_llm.advantages._outcome import gpg, grpo, opo, pass_at_k, remax, rloo
+from jaxrl_llm.advantages._teacher import distillation
 from jaxrl_llm.advantages._token import gae, reinforce_pp, reinforce_pp_baseline, whiten
 
 __all__ = [
+    "distillation",
     "gae",
     "gdpo",
     "gpg",

@@ -56,6 +56,7 @@ def compute_advantages(
     baseline_rewards: Array | None = None,
     process_rewards: Array | None = None,
     reward_columns: Array | None = None,
+    teacher_logprobs: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Advantages (and value targets) for an objective, from one rollout batch.
 
@@ -76,6 +77,8 @@ def compute_advantages(
       process_rewards: ``[B, T]`` dense implicit rewards ``beta*(lp_prm - lp_ref)`` (``prime``).
       reward_columns: ``[B, K]`` one column per reward function (``gdpo``; ``rewards`` is then
         only reported, e.g. their weighted sum).
+      teacher_logprobs: ``[B, T]`` a teacher's log-probs of the sampled tokens (``distill``,
+        ``grpo_distill``).
 
     Returns:
       ``(advantages, returns)``: advantages ``[B]`` or ``[B, T]``; returns ``[B, T]`` for
@@ -97,6 +100,7 @@ def compute_advantages(
         "baseline_rewards": baseline_rewards,
         "process_rewards": process_rewards,
         "reward_columns": reward_columns,
+        "teacher_logprobs": teacher_logprobs,
     }
     for name in spec.requires:
         if optional[name] is None:

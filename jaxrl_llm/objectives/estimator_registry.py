@@ -38,6 +38,7 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "baseline_rewards": "greedy-completion rewards [B]",
     "process_rewards": "dense implicit rewards beta*(lp_prm - lp_ref) [B, T]",
     "reward_columns": "one reward column per reward function [B, K]",
+    "teacher_logprobs": "a teacher's log-probs of the sampled tokens [B, T]",
 }
 
 
@@ -66,6 +67,7 @@ class AdvantageInputs(NamedTuple):
       baseline_rewards: ``[B]`` greedy-completion rewards, or None.
       process_rewards: ``[B, T]`` dense implicit rewards, or None.
       reward_columns: ``[B, K]`` one column per reward function, or None.
+      teacher_logprobs: ``[B, T]`` a teacher's log-probs of the sampled tokens, or None.
     """
 
     rewards: Array
@@ -78,6 +80,7 @@ class AdvantageInputs(NamedTuple):
     baseline_rewards: Array | None = None
     process_rewards: Array | None = None
     reward_columns: Array | None = None
+    teacher_logprobs: Array | None = None
 
     def token_rewards(self) -> Array:
         """``[B, T]``: the reward on the last valid token, minus the per-token KL penalty."""
@@ -306,6 +309,28 @@ def _gdpo(objective: Objective, inputs: AdvantageInputs):
         std_ddof=objective.std_ddof,
     )
     return adv, None
+
+
+@register_estimator("distill", requires=("old_logprobs", "teacher_logprobs"))
+def _distill(objective: Objective, inputs: AdvantageInputs):
+    """On-policy distillation: ``distill_coef * (log π_T − log π_old)`` per token, the
+    negative reverse-KL sample to the teacher (GKD's on-policy reverse KL, Qwen3, Thinking
+    Machines); the reward is not used."""
+    adv = advantages.distillation(
+        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=objective.distill_coef
+    )
+    return adv, None
+
+
+@register_estimator("grpo_distill", requires=("old_logprobs", "teacher_logprobs"))
+def _grpo_distill(objective: Objective, inputs: AdvantageInputs):
+    """GRPO's group advantage on every token plus the teacher term
+    ``distill_coef * (log π_T − log π_old)``: the task's reward and the teacher together."""
+    outcome, _ = _grpo(objective, inputs)
+    teacher = advantages.distillation(
+        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=objective.distill_coef
+    )
+    return outcome[:, None] * inputs.mask + teacher, None
 
 
 _ESTIMATORS.mark_builtins()

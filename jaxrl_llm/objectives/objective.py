@@ -106,6 +106,8 @@ class Objective:
       kl_bias_correction: multiply the per-token KL in the loss by the importance ratio
         (DeepSeek-V3.2's unbiased KL estimate; TRL's ``use_bias_correction_kl``).
       reward_weights: weights of the reward columns of the ``gdpo`` estimator (``None``: 1).
+      distill_coef: weight of the teacher term ``log π_T − log π_old`` of the ``distill`` and
+        ``grpo_distill`` estimators (on-policy distillation).
     """
 
     name: str = "custom"
@@ -144,6 +146,7 @@ class Objective:
     off_policy_mask_threshold: float | None = None
     kl_bias_correction: bool = False
     reward_weights: tuple[float, ...] | None = None
+    distill_coef: float = 1.0
 
     def __post_init__(self):
         # Frozen: the normalisations go through object.__setattr__.
@@ -177,7 +180,14 @@ class Objective:
         _checks.check_clip_bounds(self.clip_low, self.clip_high)
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip!r}")
-        for field in ("kl_coef", "entropy_coef", "value_clip", "value_coef", "prime_beta"):
+        for field in (
+            "kl_coef",
+            "entropy_coef",
+            "value_clip",
+            "value_coef",
+            "prime_beta",
+            "distill_coef",
+        ):
             _checks.check_non_negative(field, getattr(self, field))
         for field in ("ratio_clamp", "max_log_ratio", "tau_pos", "tau_neg"):
             _checks.check_positive(field, getattr(self, field))
@@ -334,6 +344,9 @@ PRESETS: dict[str, Objective] = {
             aggregation="token-mean",
         ),
         Objective(name="prime", advantage="prime", aggregation="token-mean"),
+        # On-policy distillation: the student's own samples, the teacher's per-token reverse
+        # KL as the advantage (needs a teacher: ``teacher.path``).
+        Objective(name="opd", advantage="distill", aggregation="token-mean"),
     )
 }
 

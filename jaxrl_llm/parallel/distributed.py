@@ -12,11 +12,19 @@ from its environment variables, in this order:
   or ``MEGASCALE_NUM_SLICES`` > 1; JAX then reads the rest from the environment and metadata.
 
 Anything else is one process and ``initialize_distributed`` is a no-op.
+
+A lost process. When a process of the job dies, the others learn it one of two ways: a
+collective's connection to it breaks (gloo on CPU: "Connection reset by peer"), which raises in
+the process that waits on it (:func:`lost_process`), or the coordination service misses its
+heartbeats for ``JAXRL_HEARTBEAT_TIMEOUT_S`` seconds (JAX's default, 100, when unset) and
+stops every process (JAX's "Terminating process because the JAX distributed service detected
+fatal errors"). Either way no survivor waits forever.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -63,6 +71,17 @@ class DistributedInfo(NamedTuple):
 # sampler on processes of its own receives) on backends without their own, such as CPU.
 TRANSFER_ADDRESS_ENV = "JAX_CROSS_HOST_TRANSFER_SOCKET_ADDRESS"
 TRANSFER_TIMEOUT_S = 24 * 3600
+
+#: Seconds without a heartbeat from a process after which the coordination service declares it
+#: dead and stops the job (``jax.distributed.initialize``'s ``heartbeat_timeout_seconds``;
+#: unset: JAX's default, 100).
+HEARTBEAT_TIMEOUT_ENV = "JAXRL_HEARTBEAT_TIMEOUT_S"
+
+# What a collective or the coordination service says when a peer process is gone.
+_LOST_PROCESS = re.compile(
+    r"Gloo \w+ failed|Connection (?:reset|closed) by peer|Socket closed|heartbeat timeout"
+    r"|stopped sending heartbeats|tasks are unhealthy"
+)
 
 # The cluster kind this module initialised JAX with; makes initialize_distributed idempotent.
 _initialized_as: str | None = None
@@ -211,6 +230,7 @@ def initialize_distributed(
     force: bool = False,
     local_device_ids: Sequence[int] | None = None,
     initialization_timeout: int = 300,
+    heartbeat_timeout: int | None = None,
 ) -> DistributedInfo:
     """Calls ``jax.distributed.initialize`` iff the environment describes several processes.
 
@@ -225,6 +245,9 @@ def initialize_distributed(
       local_device_ids: devices this process may use, passed through (JAX's default on SLURM
         GPU jobs is one device per task, ``[SLURM_LOCALID]``).
       initialization_timeout: seconds to wait for all processes to connect.
+      heartbeat_timeout: seconds without a heartbeat after which a process counts as dead and
+        the coordination service stops the job; None: ``$JAXRL_HEARTBEAT_TIMEOUT_S``, else
+        JAX's default (100 s). A shorter one stops the survivors of a dead process sooner.
 
     ``JAX_CROSS_HOST_TRANSFER_SOCKET_ADDRESS`` (``host:port``, one per process), when set,
     becomes JAX's ``jax_cross_host_transfer_socket_address``: device-to-device copies between
@@ -234,7 +257,8 @@ def initialize_distributed(
       A ``DistributedInfo`` with this process's index, the process count and device counts.
 
     Raises:
-      ValueError: from ``detect_cluster`` when the environment is half-specified.
+      ValueError: from ``detect_cluster`` when the environment is half-specified, or a
+        heartbeat timeout that is not a positive number of seconds.
     """
     global _initialized_as
     if _initialized_as is not None:
@@ -246,6 +270,9 @@ def initialize_distributed(
     if spec.kind == "none" and not force:
         return _info("none")
     kwargs: dict = {"initialization_timeout": initialization_timeout}
+    heartbeat = heartbeat_timeout_seconds(heartbeat_timeout)
+    if heartbeat is not None:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
     if spec.kind in ("explicit", "slurm"):
@@ -266,6 +293,52 @@ def initialize_distributed(
     jax.distributed.initialize(**kwargs)
     _initialized_as = "auto" if spec.kind == "none" else spec.kind
     return _info(_initialized_as)
+
+
+def heartbeat_timeout_seconds(
+    timeout: int | None = None, environ: Mapping[str, str] | None = None
+) -> int | None:
+    """The heartbeat timeout to start JAX with: ``timeout``, else ``$JAXRL_HEARTBEAT_TIMEOUT_S``,
+    else None (JAX's default).
+
+    Raises:
+      ValueError: a value that is not a positive whole number of seconds, naming its source.
+    """
+    environ = os.environ if environ is None else environ
+    source, value = "heartbeat_timeout", timeout
+    if value is None and environ.get(HEARTBEAT_TIMEOUT_ENV):
+        source, value = HEARTBEAT_TIMEOUT_ENV, environ[HEARTBEAT_TIMEOUT_ENV]
+    if value is None:
+        return None
+    try:
+        seconds = int(str(value).strip())
+    except ValueError:
+        seconds = 0
+    if isinstance(value, bool) or seconds < 1:
+        raise ValueError(f"{source}={value!r} must be a positive whole number of seconds")
+    return seconds
+
+
+def lost_process(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) says that another process of this
+    multi-process job is gone: a collective's connection to it broke (gloo: "Connection reset
+    by peer"), or the coordination service stopped hearing from it. Always False in a job of
+    one process.
+
+    Such a job cannot go on: every process must be relaunched (and resumed from the last
+    complete checkpoint). Nothing it still has to do with the other processes -- a checkpoint
+    to commit, JAX's shutdown barrier -- can finish.
+    """
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if _initialized_as is None and not (is_initialized is not None and is_initialized()):
+        return False
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if _LOST_PROCESS.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 # The process that writes a job's files (metrics, exports, config) and the processes that

@@ -14,9 +14,11 @@ References no kept step needs are deleted.
 Atomicity: orbax writes each step to ``<step>.orbax-checkpoint-tmp`` and renames it when every
 shard is written (or writes a commit marker on object stores); old steps are removed only
 after the new one is committed, so a process killed mid-save leaves the previous step
-loadable, and the leftover temporary directory is removed when the directory is next opened.
-A reference is committed before the state step that needs it starts saving, so a committed
-state step always finds its reference.
+loadable, and the leftover temporary directory is removed when the directory is next opened
+(with a warning naming the step it would have been: :func:`interrupted_steps`). A reference is
+committed before the state step that needs it starts saving, so a committed state step always
+finds its reference. :func:`committed_steps` reads which steps are complete without opening
+the directory (no barrier, nothing removed): what a failed run can still resume from.
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ class Checkpointer:
     def _open(self) -> None:
         if self._state_manager is not None:
             return
+        for step in interrupted_steps(self.directory):
+            complete = committed_steps(self.directory)
+            log.warning(
+                "checkpoint step %d in %s is incomplete (its write never finished): removing it; "
+                "%s",
+                step,
+                self.directory,
+                f"the latest complete checkpoint is step {complete[-1]}"
+                if complete
+                else "no complete checkpoint is left",
+            )
         # A job whose first processes only sample (``mesh.rollout_devices`` across processes):
         # the trainer processes alone hold the state, so they alone meet in orbax's barriers.
         processes = parallel.trainer_processes()
@@ -403,6 +416,31 @@ class Checkpointer:
             ),
         )
         return restored["state"], dict(restored["extra"] or {})
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """The state checkpoints in ``directory`` whose write completed, ascending; [] when there is
+    none (or no directory). Reads the directory only: no barrier, nothing removed, so a process
+    whose job failed can still tell what a resumed run would start from."""
+    path = os.fspath(directory)
+    if not _exists(path):
+        return []
+    return sorted(ocp.utils.checkpoint_steps(path))
+
+
+def interrupted_steps(directory: str | os.PathLike) -> list[int]:
+    """The state checkpoints in ``directory`` whose write started but never completed (a process
+    killed or a disk filled mid-save), ascending. Opening a :class:`Checkpointer` on the
+    directory removes them; none is ever restored."""
+    path = os.fspath(directory)
+    if not _exists(path):
+        return []
+    steps = []
+    for tmp in ocp.utils.tmp_checkpoints(path):
+        name = os.path.basename(os.fspath(tmp.get_final()))
+        if name.isdigit():
+            steps.append(int(name))
+    return sorted(steps)
 
 
 def _exists(path: str) -> bool:

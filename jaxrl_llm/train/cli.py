@@ -10,6 +10,20 @@ its traceback goes to ``RUN_DIR/error.log`` (``--debug``: every error raises, wi
 traceback). Ctrl-C (SIGINT) or SIGTERM stops the run at the end of its step with a checkpoint
 (``train.core``): one line says how to resume, and the exit status is 128 + the signal (130
 for Ctrl-C).
+
+Faults end with one ``error:`` line too, which says from which checkpoint ``resume=true``
+continues (the last complete one: a checkpoint being written when the run failed commits
+first where it can, and one that never completed is discarded on resume):
+
+* a step whose loss or gradient norm is NaN or infinite (``core.Diverged``): nothing of that
+  step is saved; exit 2;
+* a full disk (or an exhausted quota), with the path whose write found it full: exit 2;
+* another process of a multi-process job gone (killed, crashed; a collective's peer closed its
+  connection): exit 75 (``EX_TEMPFAIL``: relaunching every process with ``resume=true`` as is
+  continues the run) at once, without JAX's shutdown barrier, which would wait for the dead
+  process. A process that learns of it from JAX's coordination service instead (a host gone
+  silent: no heartbeat for ``JAXRL_HEARTBEAT_TIMEOUT_S`` seconds, default 100) is stopped by JAX
+  itself, with its own message.
 """
 
 from __future__ import annotations
@@ -17,8 +31,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import sys
@@ -36,6 +52,10 @@ from jaxrl_llm.console import (  # noqa: F401 (USER_ERRORS, quiet_start re-expor
 from jaxrl_llm.train.config_io import load_config, parse_yaml
 
 JOBS = ("rl", "preference", "reward_model")
+
+#: Exit status when another process of the job is gone: relaunching as is continues the run
+#: (``sysexits.h``'s ``EX_TEMPFAIL``; a scheduler may requeue on it).
+LOST_PROCESS_EXIT = 75
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +96,78 @@ def _interrupted_line(stop, argv: Sequence[str]) -> str:
             "same command starts over)"
         )
     return f"interrupted {stop.where}; resume with {resume_command(argv)}"
+
+
+def _last_checkpoint(run_dir: pathlib.Path) -> int | None:
+    """The last complete checkpoint of a run that failed (what ``resume=true`` starts from)."""
+    from jaxrl_llm.train.checkpoint import committed_steps  # noqa: PLC0415
+
+    steps = committed_steps(run_dir / "checkpoints")
+    return steps[-1] if steps else None
+
+
+def _resume_from(run_dir: pathlib.Path, argv: Sequence[str], prefix: str) -> str:
+    """``PREFIX COMMAND (it continues from checkpoint step N)``, or that nothing was saved."""
+    step = _last_checkpoint(run_dir)
+    if step is None:
+        return "no checkpoint was saved: the same command starts over"
+    return f"{prefix} {resume_command(argv)} (it continues from checkpoint step {step})"
+
+
+def _diverged_line(err, run_dir: pathlib.Path, argv: Sequence[str]) -> str:
+    values = ", ".join(f"{k} is {v}" for k, v in err.values.items())
+    head = f"step {err.step} diverged ({values}); nothing of it was saved"
+    fix = "change what made it diverge (e.g. a lower trainer.learning_rate)"
+    if _last_checkpoint(run_dir) is None:
+        return f"{head} and no checkpoint before it: {fix} and start again"
+    # The fix changes the config: resuming with it needs resume_force (train.core).
+    forced = [a for a in argv if a.partition("=")[0].strip() != "resume_force"]
+    return f"{head}; resumed as it is, the run repeats it: {fix}, " + _resume_from(
+        run_dir, [*forced, "resume_force=true"], "then resume with"
+    )
+
+
+def _written_path(err: BaseException, run_dir: pathlib.Path) -> str:
+    """The file a failed write named (an ``OSError``'s, or the first absolute path another
+    library quoted), else the run directory."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.filename:
+            return os.fspath(err.filename)
+        quoted = re.search(r'"(/[^"]+)"', str(err))
+        if quoted:
+            return quoted.group(1)
+        err = err.__cause__ or err.__context__
+    return os.fspath(run_dir)
+
+
+def _disk_full_line(err, run_dir: pathlib.Path, argv: Sequence[str]) -> str:
+    where = _written_path(err, run_dir)
+    return (
+        f"the disk is full (no space left on the device of {where}): free space there, "
+        + _resume_from(run_dir, argv, "then resume with")
+    )
+
+
+def _lost_process_exit(err, run_dir: pathlib.Path, argv: Sequence[str], debug: bool):
+    """Reports a lost process and ends this one at once (exit ``LOST_PROCESS_EXIT``): Python's
+    exit would run JAX's shutdown barrier, which waits for the dead process until the heartbeat
+    timeout and then aborts."""
+    import jax  # noqa: PLC0415
+
+    if debug:
+        traceback.print_exception(err)
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(
+        f"error: another process of this {jax.process_count()}-process job is gone ({cause}); "
+        + _resume_from(run_dir, argv, "relaunch every process with"),
+        file=sys.stderr,
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(LOST_PROCESS_EXIT)
 
 
 def _log_traceback(run_dir: pathlib.Path, err: BaseException) -> str | None:
@@ -130,8 +222,9 @@ def _load(config_path, overrides):
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line, resolves the config and runs the job (exit 2: user error;
-    128 + the signal: stopped by SIGINT / SIGTERM, with a checkpoint to resume from)."""
+    """Parses the command line, resolves the config and runs the job (exit 2: user error, a
+    diverged step, a full disk; 128 + the signal: stopped by SIGINT / SIGTERM, with a checkpoint
+    to resume from; ``LOST_PROCESS_EXIT``: another process of the job is gone)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # Options may come anywhere among the overrides (``train CONFIG --debug seed=1``).
     args = _parser().parse_intermixed_args(argv)
@@ -139,8 +232,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     if config_path is not None and "=" in config_path:
         config_path, overrides = None, [config_path, *overrides]
     quiet_start()
+    from jaxrl_llm.parallel.distributed import lost_process  # noqa: PLC0415
     from jaxrl_llm.rewards import RewardError  # noqa: PLC0415
-    from jaxrl_llm.train.core import Interrupted  # noqa: PLC0415
+    from jaxrl_llm.train.core import Diverged, Interrupted, disk_full  # noqa: PLC0415
+    from jaxrl_llm.train.rl.watch import NoLearningSignal  # noqa: PLC0415
 
     try:
         job, cfg = _load(config_path, overrides)
@@ -168,18 +263,34 @@ def train_main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except Diverged as err:
+        if args.debug:
+            raise
+        print(f"error: {_diverged_line(err, run_dir, argv)}", file=sys.stderr)
+        return 2
+    except NoLearningSignal as err:  # the run dir stays: its samples show what the reward saw
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except RewardError as err:
         # The run started: what it wrote (samples, metrics) shows what the reward saw.
         if args.debug:
             raise
         logged = _log_traceback(run_dir, err)
         print(f"error: {err}", file=sys.stderr)
+        print(f"  {_resume_from(run_dir, argv, 'once it is fixed, resume with')}", file=sys.stderr)
         if logged is not None:
             print(f"  traceback: {logged} (--debug prints it here)", file=sys.stderr)
         return 2
-    except USER_ERRORS as err:
-        if args.debug:
+    except Exception as err:
+        if lost_process(err):
+            _lost_process_exit(err, run_dir, argv, args.debug)
+        if args.debug or not (disk_full(err) or isinstance(err, USER_ERRORS)):
             raise
+        if disk_full(err):
+            print(f"error: {_disk_full_line(err, run_dir, argv)}", file=sys.stderr)
+            return 2
         # A run refused before its first checkpoint leaves nothing it created behind.
         if not existed and not (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir, ignore_errors=True)

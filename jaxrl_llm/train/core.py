@@ -16,12 +16,20 @@ and how to resume in one line, and exits ``128 + signal``); a second signal stop
 wing whose setup trains before step 1 (the RL job's SFT warm-up) records the steps it ran in
 ``extra[WARMUP_KEY]``, and a fresh run then checkpoints step 0, so a resumed run never redoes
 the warm-up; the warm-up itself stops on a signal with nothing saved.
+
+Faults: a step whose loss or gradient norm is not finite (:func:`diverged_metrics`) raises
+:class:`Diverged` before anything of it is saved or logged; any exception out of the steps
+first lets the checkpoint being written commit (so the run can resume from it), except where
+another process of the job is gone (``parallel.distributed.lost_process``: that commit would
+wait for it forever). :func:`disk_full` tells a full disk from other errors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import math
 import os
 import pathlib
 import signal
@@ -34,6 +42,7 @@ import jax
 
 from jaxrl_llm import parallel
 from jaxrl_llm.data.encoding import PromptFormat, write_prompt_format
+from jaxrl_llm.parallel.distributed import lost_process
 from jaxrl_llm.train import plots, timeline
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.config_io import load_config, save_config, to_dict
@@ -77,6 +86,72 @@ class Interrupted(Exception):
     def __init__(self, signum: int, step: int | None, where: str):
         super().__init__(f"interrupted {where}")
         self.signum, self.step, self.where = int(signum), step, where
+
+
+class Diverged(Exception):
+    """A step whose loss or gradient norm came out NaN or infinite: its update poisoned the
+    state, so nothing of it was saved (the run resumes from the checkpoint before it).
+
+    Attributes:
+      step: the step that diverged (1-based, as rows and checkpoints count).
+      values: ``{metric: value}`` of the step's non-finite metrics (``diverged_metrics``).
+    """
+
+    def __init__(self, step: int, values: Mapping[str, float]):
+        self.step, self.values = int(step), dict(values)
+        described = ", ".join(f"{k} is {v}" for k, v in self.values.items())
+        super().__init__(f"step {self.step} diverged: {described}")
+
+
+# The metrics whose non-finite value means the update itself went wrong (the last part of the
+# name, after any ``prefix/``): a loss or a gradient norm.
+_GUARDED_NAMES = ("loss", "grad_norm")
+_GUARDED_SUFFIXES = ("_loss", "_grad_norm")
+
+
+def diverged_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The loss and gradient-norm entries of a step's metrics that are NaN or infinite:
+    ``loss``, ``grad_norm`` first, then every ``*_loss`` / ``*_grad_norm`` (``vf_loss``,
+    ``prm/loss``, ...) in name order; {} when all are finite."""
+
+    def guarded(key: str) -> bool:
+        name = key.rsplit("/", 1)[-1]
+        return name in _GUARDED_NAMES or name.endswith(_GUARDED_SUFFIXES)
+
+    def order(key: str) -> tuple[int, str]:
+        top = _GUARDED_NAMES.index(key) if key in _GUARDED_NAMES else len(_GUARDED_NAMES)
+        return top, key
+
+    out = {}
+    for key in sorted((k for k in metrics if guarded(k)), key=order):
+        try:
+            value = float(metrics[key])
+        except (TypeError, ValueError):
+            continue
+        if not math.isfinite(value):
+            out[key] = value
+    return out
+
+
+# errno values (and their texts, for writers that report only the text: tensorstore's
+# "... No space left on device [os_error_code='28']") of a full disk or an exhausted quota.
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXTS = tuple(os.strerror(code) for code in _DISK_FULL_ERRNOS)
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is a write that found the disk
+    full (or the user's quota spent): an ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or another
+    library's error that quotes it (orbax's tensorstore writes raise a ``ValueError``)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(err) for text in _DISK_FULL_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def stop_requested() -> int | None:
@@ -203,6 +278,7 @@ class Trainer:
         self.latest: int | None = None
         self.saved_step: int | None = None  # the latest checkpoint this run wrote or resumed
         self.completed_steps = 0
+        self.last_evaluation: tuple[int, dict[str, float]] | None = None  # (step, its metrics)
         self.reference_dirty = False
         if self.is_main and cfg.logging.wandb is not None:
             require_wandb()  # a missing package fails here, before the model is built
@@ -370,10 +446,16 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _plot(self, step: int) -> None:
-        """Draws ``plots/*.png`` (and logs them to W&B at ``step``)."""
+    def _plot(self, step: int, after: dict[str, float] | None = None) -> None:
+        """Draws ``plots/*.png`` (and logs them to W&B at ``step``): the rows, with the
+        evaluation before training at step 0 and ``after`` it at ``step``."""
         if self.is_main and self.cfg.logging.plots:
-            paths = plots.plot(self.run_dir, self.plot_keys)
+            evaluations = {0: self.extra.get(self.eval_key, {}), step: after or {}}
+            extra: dict[str, list[tuple[int, float]]] = {}
+            for at, evaluation in evaluations.items():
+                for key, value in evaluation.items():
+                    extra.setdefault(f"eval/{key}", []).append((at, value))
+            paths = plots.plot(self.run_dir, self.plot_keys, extra=extra)
             drawn = timeline.plot(self.run_dir)
             self.metrics_writer.log_plots(step, paths + ([drawn] if drawn else []))
 
@@ -382,6 +464,7 @@ class Trainer:
 
         Raises:
           Interrupted: SIGINT or SIGTERM stopped it at a step boundary (checkpointed there).
+          Diverged: a step's loss or gradient norm was not finite (nothing of it saved).
         """
         # The model's activation constraints resolve against the job's mesh.
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
@@ -396,8 +479,12 @@ class Trainer:
             except Interrupted:
                 self._close()
                 raise
+            except BaseException as err:
+                self._close_after_failure(err)
+                raise
         max_steps = cfg.trainer.max_steps
-        after = self.evaluate()
+        last = self.last_evaluation  # the last step's own evaluation is the one after training
+        after = last[1] if last is not None and last[0] == max_steps else self.evaluate()
         summary = {
             "job": cfg.job,
             "steps": max_steps,
@@ -414,7 +501,7 @@ class Trainer:
         summary["hf"] = os.fspath(hf_dir)
         if self.is_main:
             self.metrics_writer.write_summary(summary)
-        self._plot(max_steps)
+        self._plot(max_steps, after)
         self._close()
         log.info("evaluation after training: %s", after)
         log.info("Hugging Face checkpoint of the final policy: %s", hf_dir)
@@ -423,6 +510,27 @@ class Trainer:
     def _close(self) -> None:
         self.metrics_writer.close()
         self.checkpointer.close()  # waits for the last save to commit
+
+    def _close_after_failure(self, err: BaseException) -> None:
+        """After ``err`` ended the run: the checkpoint being written commits (the last complete
+        one is what a resumed run starts from), unless that cannot end -- another process of
+        the job is gone -- or the user asked to stop at once (a second Ctrl-C). A failure
+        here (the disk that filled up mid-save) is logged: ``err`` is what the run reports."""
+        metrics_writer = getattr(self, "metrics_writer", None)
+        checkpointer = getattr(self, "checkpointer", None)
+        if isinstance(err, KeyboardInterrupt) or lost_process(err):
+            checkpointer = None
+        closing = (
+            ("the metrics files could not be closed", metrics_writer),
+            (f"checkpoint step {self.saved_step} was not completed", checkpointer),
+        )
+        for what, resource in closing:
+            if resource is None:
+                continue
+            try:
+                resource.close()
+            except Exception as failed:  # noqa: BLE001 (err is the one to report)
+                log.warning("%s: %s", what, failed)
 
     def _start(self) -> None:
         """Setup, restore, the evaluation before training and the warm-up's checkpoint."""
@@ -473,10 +581,17 @@ class Trainer:
                 timer = PhaseTimer()
                 start = time.perf_counter()
                 metrics = self.train_step(step, timer)
+                # Before anything of the step is logged or saved: its update may have poisoned
+                # the state, and the last checkpoint must stay the last good one.
+                bad = diverged_metrics(metrics)
+                if bad:
+                    raise Diverged(step + 1, bad)
                 self.completed_steps = step + 1
                 if cfg.trainer.eval_every and (step + 1) % cfg.trainer.eval_every == 0:
                     with timer.phase("evaluation"):
-                        metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                        evaluation = self.evaluate()
+                    self.last_evaluation = (step + 1, evaluation)
+                    metrics.update({f"eval/{k}": v for k, v in evaluation.items()})
                 metrics.update(timer.metrics())
                 # A checkpoint is written after its step's row (a run killed in between resumes at
                 # the previous checkpoint and rewrites the row), so its time shows in the next row.
@@ -497,5 +612,5 @@ class Trainer:
                     self._plot(step + 1)
             self._stop_if_asked(bar)  # a signal in the last step: stop before the evaluation
         finally:
+            bar.close()  # also when a step failed: its error line starts on a line of its own
             self.end_steps()
-        bar.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxrl_llm.train.metrics import read_metrics
 
@@ -35,7 +35,25 @@ PREFERENCE_PLOT_KEYS = (
 DEFAULT_PLOT_KEYS = RL_PLOT_KEYS
 
 
-def plot(run_dir: str | os.PathLike, keys: Sequence[str] = DEFAULT_PLOT_KEYS) -> list[str]:
+def curve(
+    rows: Sequence[Mapping[str, float]], key: str, extra: Sequence[tuple[int, float]] = ()
+) -> list[tuple[int, float]]:
+    """``key``'s finite ``(step, value)`` points, by step: the rows' and ``extra``'s (a row's
+    value wins at a step both have)."""
+    found = {
+        step: value
+        for step, value in [*extra, *((row["step"], row.get(key)) for row in rows)]
+        if isinstance(value, int | float) and math.isfinite(value)
+    }
+    return sorted(found.items())
+
+
+def plot(
+    run_dir: str | os.PathLike,
+    keys: Sequence[str] = DEFAULT_PLOT_KEYS,
+    *,
+    extra: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> list[str]:
     """Plots ``keys`` of ``metrics.jsonl`` against the step, one PNG each under ``plots/``.
 
     Keys absent from every row (or never finite) are skipped.
@@ -43,6 +61,9 @@ def plot(run_dir: str | os.PathLike, keys: Sequence[str] = DEFAULT_PLOT_KEYS) ->
     Args:
       run_dir: the run directory holding ``metrics.jsonl``.
       keys: metric names; ``/`` in a name becomes ``_`` in the file name.
+      extra: ``(step, value)`` points of keys beyond the rows (the evaluations before and
+        after training as ``eval/accuracy`` at step 0 and the last step); a row's own value
+        at the same step wins.
 
     Returns:
       The paths of the PNGs written.
@@ -59,11 +80,7 @@ def plot(run_dir: str | os.PathLike, keys: Sequence[str] = DEFAULT_PLOT_KEYS) ->
     out_dir = os.path.join(os.fspath(run_dir), PLOTS_DIR)
     written = []
     for key in keys:
-        points = [
-            (row["step"], row[key])
-            for row in rows
-            if isinstance(row.get(key), int | float) and math.isfinite(row[key])
-        ]
+        points = curve(rows, key, (extra or {}).get(key, ()))
         if not points:
             continue
         os.makedirs(out_dir, exist_ok=True)

@@ -2,11 +2,12 @@
 
 Round trips keep values and shardings; only the last ``keep`` steps stay; references are saved
 only when given and found again for later steps; a process killed mid-save leaves the previous
-step loadable.
+step loadable, and the half-written step is named and removed when the directory is opened.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.parallel import make_mesh
-from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.checkpoint import Checkpointer, committed_steps, interrupted_steps
 from jaxrl_llm.train.state import TrainState
 
 PARAM_SPECS = {"embed": P("fsdp", "tensor"), "mlp": {"w": P("data", None), "b": P()}}
@@ -313,7 +314,7 @@ _CRASH_SCRIPT = textwrap.dedent(
     import os, signal, sys, time
     import jax, jax.numpy as jnp, numpy as np
     from orbax.checkpoint._src.path import atomicity
-    from jaxrl_llm.train.checkpoint import Checkpointer
+    from jaxrl_llm.train.checkpoint import Checkpointer, committed_steps, interrupted_steps
     from jaxrl_llm.train.state import TrainState
 
     directory, mode = sys.argv[1], sys.argv[2]
@@ -374,15 +375,26 @@ def _abstract_crash_state(size: int = 1024):
 
 
 @pytest.mark.parametrize("mode", ["before_rename", "while_writing", "after_reference"])
-def test_killed_during_save_leaves_previous_step_loadable(tmp_path, mode):
+def test_killed_during_save_leaves_previous_step_loadable(tmp_path, mode, caplog):
     _crash(tmp_path, mode)
     if mode == "after_reference":
         assert sorted(os.listdir(tmp_path / "reference")) == ["1", "2"]
     else:
         assert any(".orbax-checkpoint-tmp" in name for name in os.listdir(tmp_path))
+    # Read without opening (what a failed run reports): step 1 complete, step 2 never finished.
+    assert committed_steps(tmp_path) == [1]
+    assert interrupted_steps(tmp_path) == ([] if mode == "after_reference" else [2])
     abstract = _abstract_crash_state()
     abstract_ref = {"w": abstract.params["w"]}
-    with Checkpointer(tmp_path, keep=3) as ckpt:
+    with caplog.at_level(logging.WARNING, logger="jaxrl_llm.train.checkpoint"):
+        ckpt = Checkpointer(tmp_path, keep=3)
+    incomplete = (
+        f"checkpoint step 2 in {tmp_path} is incomplete (its write never finished): removing "
+        "it; the latest complete checkpoint is step 1"
+    )
+    assert (incomplete in caplog.text) == (mode != "after_reference"), caplog.text
+    assert interrupted_steps(tmp_path) == []
+    with ckpt:
         assert ckpt.all_steps() == [1]
         restored, _, ref = ckpt.restore(abstract_state=abstract, abstract_reference=abstract_ref)
         np.testing.assert_array_equal(restored.params["w"], np.ones(1024, np.float32))

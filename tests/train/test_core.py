@@ -279,3 +279,30 @@ def test_resume_with_nothing_to_resume_says_so_and_starts(tmp_path, caplog):
         "from the beginning"
     ]
     assert summary["eval_after"] == {"w": 2.0}
+
+
+class EvaluationCountingTrainer(CountingTrainer):
+    """Counts its evaluations and records what the plots are drawn with."""
+
+    def evaluate(self):
+        self.evaluations = getattr(self, "evaluations", 0) + 1
+        return super().evaluate()
+
+
+def test_the_last_steps_evaluation_is_the_one_after_training_and_both_ends_are_plotted(
+    tmp_path, monkeypatch
+):
+    drawn = []
+    monkeypatch.setattr(
+        core.plots, "plot", lambda run_dir, keys, extra=None: drawn.append(extra) or []
+    )
+    cfg = _config(tmp_path / "run", max_steps=4, eval_every=2)
+    cfg = dataclasses.replace(cfg, logging=LoggingSection(tensorboard=False, plots=True))
+    trainer = EvaluationCountingTrainer(cfg)
+    summary = trainer.fit()
+    # before, at steps 2 and 4; step 4's is the one after training (not evaluated again).
+    assert trainer.evaluations == 3
+    assert summary["eval_before"] == {"w": 0.0} and summary["eval_after"] == {"w": 2.0}
+    # The plots at each evaluation and at the end carry the evaluation before training at
+    # step 0, and the last one the evaluation after it at the last step.
+    assert drawn == [{"eval/w": [(0, 0.0)]}] * 2 + [{"eval/w": [(0, 0.0), (4, 2.0)]}]

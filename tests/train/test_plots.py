@@ -62,3 +62,15 @@ def test_default_keys_are_the_rl_keys_and_each_job_plots_its_own():
     assert {"loss", "rewards/accuracies", "eval/rewards/accuracies"} <= set(
         plots.PREFERENCE_PLOT_KEYS
     )
+
+
+def test_a_curve_takes_the_evaluations_before_and_after_training_as_points():
+    rows = [
+        {"step": 1, "eval/accuracy": math.nan},
+        {"step": 2, "eval/accuracy": 0.5},
+        {"step": 3},
+        {"step": 4, "eval/accuracy": 0.75},
+    ]
+    extra = [(0, 0.25), (4, 0.0), (5, 0.9)]  # before training, a clash with a row, after
+    assert plots.curve(rows, "eval/accuracy", extra) == [(0, 0.25), (2, 0.5), (4, 0.75), (5, 0.9)]
+    assert plots.curve(rows, "absent") == []

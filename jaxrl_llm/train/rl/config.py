@@ -257,6 +257,20 @@ class PrimeSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherSection:
+    """On-policy distillation's teacher: a frozen causal LM scoring the policy's own samples.
+
+    Attributes:
+      path: a Hugging Face checkpoint directory whose vocabulary is the policy's (they share
+        the tokenizer); read by the objectives whose estimator takes the teacher's log-probs
+        (``opd``: ``distill`` advantages; ``grpo_distill`` with a reward too). Stored in the
+        compute dtype; its log-probs come from the same forward as the policy's.
+    """
+
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardModelSection:
     """A trained scalar-head reward model scoring completions on device, added to the rewards.
 
@@ -319,6 +333,7 @@ class TrainConfig:
     critic: CriticSection = CriticSection()
     prime: PrimeSection = PrimeSection()
     reward_model: RewardModelSection = RewardModelSection()
+    teacher: TeacherSection = TeacherSection()
     env: EnvSection = EnvSection()
     checkpoint: CheckpointSection = CheckpointSection()
     mesh: MeshSection = MeshSection()
@@ -478,6 +493,17 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         _at_least("critic.warmup_steps", critic.warmup_steps, 0)
     if objective.needs_process_rewards:
         _choice("prime.update", cfg.prime.update, PRM_UPDATES)
+    distills = "teacher_logprobs" in objective.estimator_requires
+    if distills and cfg.teacher.path is None:
+        raise ValueError(
+            f"objective {objective.name!r} ({objective.advantage} advantages) needs a teacher: "
+            "set teacher.path to a Hugging Face checkpoint sharing the policy's tokenizer"
+        )
+    if cfg.teacher.path is not None and not distills:
+        raise ValueError(
+            f"teacher.path is read by the distillation objectives (distill or grpo_distill "
+            f"advantages, e.g. objective.name=opd), not by {objective.name!r}"
+        )
     from jaxrl_llm.train.rl.episodes import check_env  # noqa: PLC0415  (imports envs)
 
     check_env(cfg, objective)

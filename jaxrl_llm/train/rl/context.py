@@ -11,12 +11,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import pathlib
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_llm import data, objectives, parallel, rewards
+from jaxrl_llm import data, models, objectives, parallel, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
@@ -145,6 +146,35 @@ def load_reward_model(cfg: TrainConfig, precision, policy_config, mesh):
         key="reward_model.path",
     )
     return reward_model_program(rm_config), params
+
+
+def load_teacher(cfg: TrainConfig, precision, policy_config, tokenizer, mesh):
+    """``(config, params)`` of ``teacher.path`` (on-policy distillation), or None: frozen,
+    in the compute dtype, on the trainer's mesh.
+
+    Raises:
+      ValueError: a teacher whose vocabulary differs from the policy's (size, or the
+        tokenizer saved beside it).
+    """
+    path = cfg.teacher.path
+    if path is None:
+        return None
+    config, params = setup.load_model(
+        path, precision, frozen=True, mesh=mesh, policy=policy_config, key="teacher.path"
+    )
+    if any(pathlib.Path(path, name).is_file() for name in TOKENIZER_FILES):
+        theirs = models.load_tokenizer(path).get_vocab()
+        if theirs != tokenizer.get_vocab():
+            differ = sorted(set(theirs.items()) ^ set(tokenizer.get_vocab().items()))[:3]
+            raise ValueError(
+                f"teacher.path {path!r}: its tokenizer is not the policy's (e.g. {differ}); "
+                "distillation compares log-probs token by token, so they must share one"
+            )
+    return config, params
+
+
+#: Files of a saved Hugging Face tokenizer (any one of them: the directory has one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def normalize_scores(scores: np.ndarray, mode: str) -> np.ndarray:

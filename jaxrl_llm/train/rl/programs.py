@@ -155,4 +155,26 @@ def policy_programs(
     return programs
 
 
-__all__ = ["ProgramSpec", "builder_name", "policy_programs", "takes_own_logprobs"]
+def teacher_program(run: RunSpec, teacher_config: Any, teacher_shardings: Any) -> ProgramSpec:
+    """``teacher_logprobs``: a distillation teacher's log-probs of the rollout batch, once a
+    step, by the forward the policy's log-probs use (same temperature, chunking and
+    micro-batches); ``teacher_shardings`` place its frozen weights."""
+    cfg = run.config
+    mesh = jax.tree.leaves(teacher_shardings)[0].mesh
+    fn = make_logprob_fn(
+        teacher_config,
+        temperature=cfg.rollout.temperature,
+        chunk_size=cfg.model.chunk_size,
+        micro_batches=forward_micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
+        param_shardings=teacher_shardings,
+    )
+    return ProgramSpec("teacher_logprobs", fn, 1, builder_name(make_logprob_fn), teacher_config)
+
+
+__all__ = [
+    "ProgramSpec",
+    "builder_name",
+    "policy_programs",
+    "takes_own_logprobs",
+    "teacher_program",
+]

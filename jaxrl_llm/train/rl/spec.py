@@ -31,7 +31,7 @@ log = logging.getLogger("jaxrl_llm")
 #: ``policy`` (``RLTrainer``: also each reward function's column, ``rollout.reward_columns``),
 #: ``ppo`` (a critic) and ``prime`` (an implicit PRM).
 TRAINER_SUPPLIES = {
-    "policy": ("old_logprobs", "ref_logprobs", "reward_columns"),
+    "policy": ("old_logprobs", "ref_logprobs", "reward_columns", "teacher_logprobs"),
     "ppo": ("old_logprobs", "ref_logprobs", "values"),
     "prime": ("old_logprobs", "ref_logprobs", "process_rewards"),
 }

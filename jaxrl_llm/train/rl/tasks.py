@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from jaxrl_llm import data
@@ -95,6 +96,11 @@ def check_data(section: Any) -> None:
         )
 
 
+def _exists(key: str, path: str, hint: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"data.{key}: no such file {path!r}{hint}")
+
+
 def load_task(section: Any, seed: int) -> tuple[list[Example], list[Example]]:
     """``(train, eval)`` examples of the ``data`` section's task (unscreened).
 
@@ -127,10 +133,16 @@ def load_task(section: Any, seed: int) -> tuple[list[Example], list[Example]]:
         held_out = None if section.eval_split is None else load(section.eval_split)
     else:
         fields = {"prompt_field": prompt_key, "answer_field": answer_key}
+        _exists("train_path", section.train_path, "")
         train = data.load_jsonl(section.train_path, **fields)
-        held_out = (
-            None if section.eval_path is None else data.load_jsonl(section.eval_path, **fields)
-        )
+        held_out = None
+        if section.eval_path is not None:
+            _exists(
+                "eval_path",
+                section.eval_path,
+                " (data.eval_path=null holds out data.eval_size examples of data.train_path)",
+            )
+            held_out = data.load_jsonl(section.eval_path, **fields)
     if held_out is not None:
         return train, held_out[: section.eval_size]
     if section.eval_size >= len(train) / 2 and section.eval_size < len(train):

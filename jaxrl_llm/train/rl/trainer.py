@@ -30,9 +30,9 @@ from jaxrl_llm.train.rl.config import (
     TrainConfig,
     micro_batching,
 )
-from jaxrl_llm.train.rl.context import load_reward_model, make_run_context
+from jaxrl_llm.train.rl.context import load_reward_model, load_teacher, make_run_context
 from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR, Pipeline, RolloutPipeline
-from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs
+from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs, teacher_program
 from jaxrl_llm.train.rl.serving import trainer_sampler
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
 from jaxrl_llm.train.rl.updates import (  # noqa: F401 (on_policy_update re-exported)
@@ -75,6 +75,16 @@ def advantage_metrics(advantages: np.ndarray, trained: np.ndarray) -> dict[str, 
         "advantage_max": float(valid.max()),
         "advantage_min": float(valid.min()),
     }
+
+
+def reverse_kl(student, teacher, mask) -> float:
+    """The mean over the trained tokens of ``log π_old − log π_T``: the per-token reverse KL
+    to the teacher that on-policy distillation lowers (0 with no trained token)."""
+    student, teacher, mask = (
+        np.asarray(parallel.fetch(x), np.float64) for x in (student, teacher, mask)
+    )
+    count = mask.sum()
+    return float(((student - teacher) * mask).sum() / count) if count else 0.0
 
 
 class RLTrainer(Trainer):
@@ -127,6 +137,8 @@ class RLTrainer(Trainer):
             objective,
             reward_model=load_reward_model(cfg, self.spec.precision, model_config, mesh),
         )
+        # On-policy distillation's teacher: (config, frozen params) or None.
+        self.teacher = load_teacher(cfg, self.spec.precision, model_config, tokenizer, mesh)
         train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
         rows = self.spec.shape.rows
         sizes = {
@@ -153,11 +165,14 @@ class RLTrainer(Trainer):
                 "model": f"{model_config.architecture}, {_param_count(model_config) / 1e6:.2f}M "
                 f"parameters ({cfg.model.path or 'built-in tiny model, random init'})",
                 "task": f"{cfg.data.task}: {len(train_examples)} train / "
-                f"{len(eval_examples)} eval prompts",
+                f"{len(eval_examples)} eval prompts, "
+                + ("through the chat template" if cfg.data.chat_template else "as raw text")
+                + f", completions up to {cfg.rollout.max_new_tokens} tokens",
                 "objective": f"{objective.name} ({objective.advantage} advantages, "
                 f"{objective.surrogate}), {rows} completions per step",
                 "sft warm-up": self._warmup_line(),
                 **adapters.start_line(model_config),
+                **({"teacher": cfg.teacher.path} if self.teacher else {}),
                 "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
                 if self.sampler_logprobs
                 else "the update's own forward (one epoch, one minibatch: on-policy)"
@@ -292,6 +307,12 @@ class RLTrainer(Trainer):
         self.advantage_fn = objectives.advantage_fn(
             run.objective, group_size=self.spec.shape.group_size
         )
+        if self.teacher is not None:
+            teacher_config, teacher_params = self.teacher
+            shardings = jax.tree.map(lambda x: x.sharding, teacher_params)
+            self.programs["teacher_logprobs"] = teacher_program(
+                self.spec, teacher_config, shardings
+            )
 
     @property
     def sampler_base_shardings(self):
@@ -375,12 +396,18 @@ class RLTrainer(Trainer):
             else:
                 old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
             ref = None if self.reference is None else self.ref_logprob_fn(self.reference, seqs)
+            teacher = None
+            if self.teacher is not None:
+                teacher_fn = self.programs["teacher_logprobs"].fn
+                teacher = teacher_fn(self.teacher[1], seqs)
         samples = run.finish_scoring(samples, timer)  # while the forwards run on device
         info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
         with timer.phase("logprobs"):
-            jax.block_until_ready((old, ref))
+            jax.block_until_ready((old, ref, teacher))
         recomputed = old is not None and not self.sampler_logprobs
-        timer.count("logprobs", tokens * (recomputed + (ref is not None)))
+        forwards = recomputed + (ref is not None) + (teacher is not None)
+        timer.count("logprobs", tokens * forwards)
+        self.step_teacher_logprobs = teacher
         with timer.phase("advantages"):
             device_rewards = setup.to_device(samples.rewards, run.mesh)
             attention = None if samples.loss_mask is None else seqs.completion_mask
@@ -424,14 +451,20 @@ class RLTrainer(Trainer):
 
     def score(self, step, samples, seqs, old, ref, rewards) -> tuple[RolloutBatch, dict]:
         """Hook: the update's batch (advantages, and whatever else the update needs)."""
-        extra = {}
-        if "reward_columns" in self.run.objective.estimator_requires:  # e.g. GDPO
+        extra, metrics = {}, {}
+        requires = self.run.objective.estimator_requires
+        if "reward_columns" in requires:  # e.g. GDPO
             columns = rollout_lib.reward_columns(samples)
             extra["reward_columns"] = setup.to_device(columns, self.run.mesh)
+        if "teacher_logprobs" in requires:  # on-policy distillation
+            extra["teacher_logprobs"] = self.step_teacher_logprobs
+            metrics["distill/reverse_kl"] = reverse_kl(
+                old, self.step_teacher_logprobs, seqs.completion_mask
+            )
         adv, _ = self.advantage_fn(
             rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, **extra
         )
-        return self.rollout_batch(seqs, old, ref, rewards, adv), {}
+        return self.rollout_batch(seqs, old, ref, rewards, adv), metrics
 
     @staticmethod
     def rollout_batch(seqs: Sequences, old, ref, rewards, advantages, **extra) -> RolloutBatch:

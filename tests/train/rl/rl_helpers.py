@@ -81,6 +81,25 @@ DYNAMIC_KEYS = ("dynamic/dropped_groups", "dynamic/filled_groups", "dynamic/atte
 SAMPLE_KEYS = {"step", "prompt", "completion", "reward", "correct"}
 
 
+def distillation_teacher(path: str | os.PathLike, alphabet: str | None = None, seed: int = 3):
+    """A transformers Llama with random weights saved at ``path`` with the built-in character
+    tokenizer (``alphabet``: another one): a teacher for ``objective.name=opd`` on the built-in
+    task. Returns the torch model."""
+    from jaxrl_llm import data  # noqa: PLC0415
+    from tests.models import hf_utils  # noqa: PLC0415
+
+    tokenizer = data.build_char_tokenizer(alphabet or data.ARITHMETIC_ALPHABET, save_dir=path)
+    return hf_utils.build_checkpoint(
+        "llama",
+        os.fspath(path),
+        seed=seed,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def tiny_config(
     config_path: str | os.PathLike | None, run_dir: str | os.PathLike, *overrides: str
 ) -> TrainConfig:
@@ -125,7 +144,12 @@ def _check_timing(row: dict[str, float], cfg: TrainConfig, reference: bool) -> N
     tokens = row["completion_length_mean"] * cfg.rollout.prompts_per_step * cfg.rollout.group_size
     # The behaviour forward is skipped for an on-policy update (one epoch, one minibatch).
     behaviour = 0 if on_policy_update(resolve(cfg, training=False)) else 1
-    passes = {"rollout": 1, "logprobs": behaviour + reference, "update": cfg.trainer.epochs}
+    teacher = int(cfg.teacher.path is not None)  # on-policy distillation's teacher forward
+    passes = {
+        "rollout": 1,
+        "logprobs": behaviour + reference + teacher,
+        "update": cfg.trainer.epochs,
+    }
     for phase, count in passes.items():
         got = row[f"tokens_per_s/{phase}"] * row[f"time/{phase}"]
         assert got == pytest.approx(tokens * count, rel=1e-6), (phase, got, tokens * count)

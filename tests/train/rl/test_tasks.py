@@ -100,3 +100,19 @@ def test_train_refuses_text_the_tiny_model_cannot_read(tmp_path, capsys):
         "tokenizer reads only '0123456789+-*=': set model.path to a Hugging Face model whose "
         "tokenizer covers the data"
     ]
+
+
+def test_missing_files_name_their_key_and_the_fix(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", 20)
+    for overrides, message in (
+        (["data.train_path=nowhere.jsonl"], "data.train_path: no such file 'nowhere.jsonl'"),
+        (
+            [f"data.train_path={train}", "data.eval_path=data/test.jsonl"],
+            "data.eval_path: no such file 'data/test.jsonl' (data.eval_path=null holds out "
+            "data.eval_size examples of data.train_path)",
+        ),
+    ):
+        cfg = load_config(TrainConfig, None, ["data.task=jsonl", *overrides])
+        with pytest.raises(ValueError) as info:
+            tasks.load_task(cfg.data, seed=0)
+        assert str(info.value) == message
