@@ -66,6 +66,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "jaxrl_llm.advantages",
         "jaxrl_llm.ratios",
         "jaxrl_llm.kl",
+        "jaxrl_llm.distillation",
         "jaxrl_llm.aggregation",
         "jaxrl_llm.surrogates",
         "jaxrl_llm.value",

@@ -1,5 +1,7 @@
 r"""Conformance with TRL's GRPO trainer (``trl.trainer.grpo_trainer.GRPOTrainer``): the two
-token masks it exposes as methods, run on the same inputs as ours.
+token masks it exposes as methods, run on the same inputs as ours; and with its GKD trainer's
+generalised JSD (``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss``), values and
+gradients.
 
 TRL's other stabilisers (``use_bias_correction_kl``, ``multi_objective_aggregation=
 "normalize_then_sum"``) are written inline in the trainer; their formulas are transcribed in
@@ -15,10 +17,11 @@ import types
 import numpy as np
 import pytest
 
-from jaxrl_llm import token_selection
+from jaxrl_llm import aggregation, distillation, token_selection
 
 try:
     import torch
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
     from trl.trainer.grpo_trainer import GRPOTrainer
 except ImportError as error:  # pragma: no cover - depends on the environment
     if os.environ.get("JAXRL_REQUIRE_TRL") == "1":
@@ -74,3 +77,35 @@ def test_off_policy_sequence_mask_matches_trl(rng, adv_rank, threshold):
     )
     # TRL's mask is per row ([B, 1]) or per token, padding included; ours is 0 on padding.
     np.testing.assert_array_equal(np.asarray(ours), np.broadcast_to(theirs.numpy(), (B, T)) * mask)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_generalized_jsd_matches_trl_gkd_in_values_and_gradients(rng, beta, temperature):
+    import jax  # noqa: PLC0415
+
+    vocab = 11
+    student = rng.normal(0, 2, (B, T, vocab))
+    teacher = rng.normal(0, 2, (B, T, vocab))
+    mask = _mask(rng)
+    labels = np.where(mask > 0, 1, -100)
+
+    def ours(s):
+        per_token = distillation.generalized_jsd(
+            s, teacher, mask, beta=beta, temperature=temperature
+        )
+        return aggregation.aggregate(per_token, mask, "token-mean")
+
+    value, grad = jax.value_and_grad(ours)(student)
+    torch_student = torch.tensor(student, requires_grad=True)
+    theirs = GKDTrainer.generalized_jsd_loss(
+        torch_student,
+        torch.tensor(teacher),
+        labels=torch.tensor(labels),
+        beta=beta,
+        temperature=temperature,
+        reduction="batchmean",  # over the valid tokens: their mean
+    )
+    theirs.backward()
+    np.testing.assert_allclose(float(value), theirs.item(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), torch_student.grad.numpy(), atol=1e-6)
