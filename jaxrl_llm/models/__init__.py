@@ -1,5 +1,5 @@
-"""Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3, and the Qwen2-MoE /
-Qwen3-MoE / Mixtral mixtures of experts) and HF checkpoints."""
+"""Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3, Gemma / Gemma 2 /
+Gemma 3, and the Qwen2-MoE / Qwen3-MoE / Mixtral mixtures of experts) and HF checkpoints."""
 
 from jaxrl_llm.models import lora, moe
 from jaxrl_llm.models.architectures import (

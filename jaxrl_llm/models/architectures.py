@@ -63,6 +63,7 @@ def param_count(config: ModelConfig) -> int:
               + [N H + 2 K H]            (q/k/v biases, ``qkv_bias``)
               + [D]                      (output bias, ``o_bias``)
               + [2 H]                    (q/k RMSNorm scales, ``qk_norm``)
+              + [2 D]                    (post-attention / -MLP norms, ``sandwich_norms``)
               + 3 D F                    (SwiGLU gate, up, down; dense models)
               + D E + 3 E D F_e          (router and E experts; mixture-of-experts models)
               + [3 D F_s + D]            (shared expert and its gate, Qwen2-MoE)
@@ -86,6 +87,8 @@ def param_count(config: ModelConfig) -> int:
         layer += d
     if config.qk_norm:
         layer += 2 * h
+    if config.sandwich_norms:
+        layer += 2 * d
     unembed = 0 if config.tie_word_embeddings else d * v
     return v * d + config.num_hidden_layers * layer + d + unembed
 

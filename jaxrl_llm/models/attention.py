@@ -6,6 +6,7 @@ Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -13,16 +14,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import attention_backends as backends
-from jaxrl_llm.models.attention_backends import attention_mask
+from jaxrl_llm.models.attention_backends import attention_mask, softcap, window_limit
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
 from jaxrl_llm.parallel.mesh import current_platform
 
 Array = jax.Array
 
 
-def rope_angles(config: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """``cos, sin`` of ``positions * inv_freq``: ``[B, S]`` int -> two ``[B, S, H/2]`` f32."""
-    inv_freq = jnp.asarray(rope_inv_freq(config))
+def rope_angles(
+    config: ModelConfig, positions: Array, *, local: bool = False
+) -> tuple[Array, Array]:
+    """``cos, sin`` of ``positions * inv_freq``: ``[B, S]`` int -> two ``[B, S, H/2]`` f32.
+
+    ``local``: the sliding-window layers' frequencies (``rope_inv_freq(config, local=True)``).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(config, local=local))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -41,7 +47,14 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def cache_attention(
-    q: Array, k: Array, v: Array, mask: Array, *, scale: float, kv_major: bool = False
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    scale: float,
+    kv_major: bool = False,
+    logit_softcap: float | None = None,
 ) -> Array:
     """``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` over the cached slots ``j`` in ``mask``.
 
@@ -57,6 +70,8 @@ def cache_attention(
       mask: ``[B, 1, S, S_kv]`` bool; every query must see at least one slot.
       scale: score multiplier, usually ``H ** -0.5``.
       kv_major: the layout of ``k, v``.
+      logit_softcap: ``c``: the scaled scores ``s`` become ``c tanh(s / c)`` before the mask
+        (Gemma 2), or None.
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
@@ -64,7 +79,9 @@ def cache_attention(
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[0 if kv_major else 1]
     if seq == 1 and current_platform()[0] == "cpu":
-        return _decode_attention(q, k, v, mask, scale=scale, kv_major=kv_major)
+        return _decode_attention(
+            q, k, v, mask, scale=scale, kv_major=kv_major, logit_softcap=logit_softcap
+        )
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     # Products in the cache's dtype (XLA:CPU has no bf16 x bf16 -> f32 batched matmul), as
     # jax.nn.dot_product_attention does; the softmax in f32. A kv-major cache keeps its
@@ -74,14 +91,22 @@ def cache_attention(
     grouped = jnp.einsum(f"bqkgh->{queries}", grouped)
     scores = jnp.einsum(f"{queries},{rows}sh->{rows}gqs", grouped.astype(k.dtype), k)
     mask = mask[:, 0][None, :, None] if kv_major else mask[:, :, None]
-    scores = jnp.where(mask, scores.astype(jnp.float32) * scale, -jnp.inf)
+    scores = softcap(scores.astype(jnp.float32) * scale, logit_softcap)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum(f"{rows}gqs,{rows}sh->bqkgh", probs, v)
     return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
 
 def _decode_attention(
-    q: Array, k: Array, v: Array, mask: Array, *, scale: float, kv_major: bool = False
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    *,
+    scale: float,
+    kv_major: bool = False,
+    logit_softcap: float | None = None,
 ) -> Array:
     """``cache_attention`` for one query per row, the query axis dropped (CPU decode).
 
@@ -99,7 +124,8 @@ def _decode_attention(
         grouped = grouped.swapaxes(0, 1)
     scores = jnp.einsum(f"{rows}gh,{rows}sh->{rows}gs", grouped.astype(k.dtype), k)
     mask = mask[:, 0, 0][None, :, None] if kv_major else mask[:, :, 0][:, :, None]
-    scores = jnp.where(mask, scores.astype(jnp.float32) * scale, -jnp.inf)
+    scores = softcap(scores.astype(jnp.float32) * scale, logit_softcap)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(f"{rows}gs,{rows}sh->{rows}gh", probs.astype(v.dtype), v)
     out = out.swapaxes(0, 1) if kv_major else out
@@ -133,11 +159,19 @@ def attention_implementations() -> tuple[str, ...]:
     return _IMPLEMENTATIONS
 
 
-def resolve_attention_implementation(implementation: str, *, dtype: Any, head_dim: int) -> str:
+def resolve_attention_implementation(
+    implementation: str,
+    *,
+    dtype: Any,
+    head_dim: int,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> str:
     """The implementation ``dot_product_attention`` runs for ``implementation``.
 
     ``"auto"`` means ``"splash"`` on TPU, ``"cudnn"`` on an NVIDIA GPU for bf16/f16 inputs with
-    ``head_dim <= 128`` and ``head_dim % 8 == 0`` (else ``"xla"``), ``"einsum"`` on CPU and
+    ``head_dim <= 128`` and ``head_dim % 8 == 0`` and neither a logit soft cap nor a sliding
+    window (which the cuDNN path does not take; else ``"xla"``), ``"einsum"`` on CPU and
     ``"xla"`` elsewhere. The backend is that of the context mesh (``jax.set_mesh`` or an
     abstract mesh with a device description), else of ``jax.devices()``. Other names are
     returned as they are. cuDNN's flash attention also needs compute capability >= 8.0
@@ -159,6 +193,7 @@ def resolve_attention_implementation(implementation: str, *, dtype: Any, head_di
     if platform in ("gpu", "cuda"):
         nvidia = platform == "cuda" or "nvidia" in kind.lower()
         cudnn_ok = jnp.dtype(dtype) in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= 128
+        cudnn_ok = cudnn_ok and logit_softcap is None and sliding_window is None
         return "cudnn" if nvidia and cudnn_ok else "xla"
     return "einsum" if platform == "cpu" else "xla"
 
@@ -174,6 +209,9 @@ def dot_product_attention(
     block_q: int | None = None,
     block_kv: int | None = None,
     interpret: bool = False,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
+    window_active: Any = True,
 ) -> Array:
     """Causal self-attention over the S tokens of this call, pad keys masked.
 
@@ -200,27 +238,68 @@ def dot_product_attention(
         padded to a multiple of 128 (padding masked, output sliced) and each splash block
         shrinks to the largest multiple of 128 that divides the padded length.
       interpret: run ``"splash"`` in the Pallas interpreter (off TPU, for tests).
+      logit_softcap: ``c``: the scaled scores ``s`` become ``c tanh(s / c)`` before the mask
+        (Gemma 2's attention soft-capping), or None. Not on ``"cudnn"``.
+      sliding_window: ``W``: query ``i`` sees only the keys ``j > i - W`` (a sliding-window
+        layer; transformers' rule, over slots), or None. Not on ``"cudnn"``.
+      window_active: whether ``sliding_window`` applies: True, False, or a traced bool (the
+        flag of a layer inside a scan over sliding and global layers; the kernels then run
+        under ``jax.lax.cond``, the masked paths mask with the traced limit).
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
 
     Raises:
       ValueError: bad shapes or dtypes, an unknown ``implementation``, bad block sizes,
-        ``"splash"`` off TPU without ``interpret=True``, or ``"cudnn"`` with an unsupported
-        dtype or head dim.
+        ``"splash"`` off TPU without ``interpret=True``, ``"cudnn"`` with an unsupported
+        dtype or head dim or with a soft cap or sliding window, or a bad cap or window.
     """
     _check_inputs(q, k, v, key_valid)
     scale = _check_scale(scale)
-    name = resolve_attention_implementation(implementation, dtype=q.dtype, head_dim=q.shape[-1])
+    if logit_softcap is not None:
+        logit_softcap = _check_scale(logit_softcap)
+        if not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0, got {logit_softcap}")
+    if window_active is False:
+        sliding_window = None
+    if sliding_window is not None:
+        _check_block("sliding_window", sliding_window, multiple=1)
+    name = resolve_attention_implementation(
+        implementation,
+        dtype=q.dtype,
+        head_dim=q.shape[-1],
+        logit_softcap=logit_softcap,
+        sliding_window=sliding_window,
+    )
     if name == "xla":
-        mask = attention_mask(key_valid, jnp.arange(q.shape[1]))
+        seq = q.shape[1]
+        window = window_limit(sliding_window, window_active, seq)
+        mask = attention_mask(key_valid, jnp.arange(seq), window=window)
+        if logit_softcap is not None:  # jax.nn's attention has no soft cap: the same in jnp
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            return cache_attention(q, k, v, mask, scale=scale, logit_softcap=logit_softcap)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=None)
     if name == "einsum":
         if block_q is not None:
             _check_block("block_q", block_q, multiple=1)
-        return backends._einsum_attention(q, k, v, key_valid, scale, block=block_q)
+        return backends._einsum_attention(
+            q,
+            k,
+            v,
+            key_valid,
+            scale,
+            block=block_q,
+            logit_softcap=logit_softcap,
+            sliding_window=sliding_window,
+            window_active=window_active,
+        )
     if name == "cudnn":
         _check_cudnn(q)
+        if logit_softcap is not None or sliding_window is not None:
+            raise ValueError(
+                "implementation='cudnn' takes no logit soft cap or sliding window (Gemma); use "
+                "'xla' (what 'auto' picks for them on GPU)"
+            )
         return backends._compacted_attention(q, k, v, key_valid, scale, implementation="cudnn")
     block_q = _SPLASH_BLOCK if block_q is None else block_q
     block_kv = _SPLASH_BLOCK if block_kv is None else block_kv
@@ -231,8 +310,25 @@ def dot_product_attention(
             "implementation='splash' needs a TPU (the context mesh's or the default devices); "
             "pass interpret=True to emulate the kernel elsewhere"
         )
-    return backends._splash_attention(
-        q, k, v, key_valid, scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret
+    splash = functools.partial(
+        backends._splash_attention,
+        scale=scale,
+        block_q=block_q,
+        block_kv=block_kv,
+        interpret=interpret,
+        logit_softcap=logit_softcap,
+    )
+    if sliding_window is None or window_active is True:
+        return splash(q, k, v, key_valid, sliding_window=sliding_window)
+    # A scanned layer's own flag: one kernel or the other (the masks are static).
+    return jax.lax.cond(
+        window_active,
+        functools.partial(splash, sliding_window=sliding_window),
+        functools.partial(splash, sliding_window=None),
+        q,
+        k,
+        v,
+        key_valid,
     )
 
 

@@ -21,19 +21,47 @@ Array = jax.Array
 _SPLASH_LANES = 128
 
 
-def attention_mask(key_valid: Array, query_slots: Array) -> Array:
-    """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real.
+def attention_mask(
+    key_valid: Array, query_slots: Array, *, window: Any = None, key_offset: int = 0
+) -> Array:
+    """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real (and,
+    with a ``window`` W, ``i - j < W``: a sliding window of the W newest slots, transformers'
+    rule).
 
     ``query_slots`` is ``[S]`` (the same for every row) or ``[B, S]`` (per row). A query always
     sees its own slot, so pad queries get a finite (ignored) output instead of attending to
-    nothing; for real queries this changes nothing since their own slot is real.
+    nothing; for real queries this changes nothing since their own slot is real. ``window`` is
+    None, an int, or a traced int scalar (``window_limit``). ``key_offset``: the slot of
+    ``key_valid``'s first column (a block of keys that starts later).
     """
-    key_slots = jnp.arange(key_valid.shape[1])
+    key_slots = key_offset + jnp.arange(key_valid.shape[1])
     query_slots = query_slots if query_slots.ndim == 2 else query_slots[None]
-    causal = key_slots[None, None, :] <= query_slots[:, :, None]
-    own = key_slots[None, None, :] == query_slots[:, :, None]
+    distance = query_slots[:, :, None] - key_slots[None, None, :]
+    causal = distance >= 0
+    if window is not None:
+        causal = causal & (distance < window)
+    own = distance == 0
     mask = (causal & key_valid[:, None, :]) | own
     return mask[:, None]
+
+
+def window_limit(window: int | None, active: Any, slots: int) -> Any:
+    """The key-distance limit of ``attention_mask`` for a sliding ``window`` that applies where
+    ``active`` (a Python bool, or a traced bool: a scanned layer's own flag): None (no window),
+    ``window``, or a traced scalar that is ``window`` or ``max(slots, window)`` (no limit over
+    ``slots`` keys)."""
+    if window is None or active is False:
+        return None
+    if active is True:
+        return window
+    return jnp.where(active, window, max(slots, window)).astype(jnp.int32)
+
+
+def softcap(scores: Array, cap: float | None) -> Array:
+    """``cap * tanh(scores / cap)`` (Gemma 2's logit soft-capping), or ``scores`` when None."""
+    if cap is None:
+        return scores
+    return cap * jnp.tanh(scores / cap)
 
 
 _EINSUM_BLOCK_BYTES = 3 * 2**20
@@ -48,7 +76,16 @@ def _einsum_block(batch: int, heads: int, seq: int) -> int:
 
 
 def _einsum_attention(
-    q: Array, k: Array, v: Array, key_valid: Array, scale: float, block: int | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array,
+    scale: float,
+    block: int | None = None,
+    *,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
+    window_active: Any = True,
 ) -> Array:
     """Attention over blocks of queries, each against only the keys up to its last query.
 
@@ -56,7 +93,9 @@ def _einsum_attention(
     of one key/value head stacked as rows ``i * G + g``, ``t`` = the block's last query + 1), in
     f32. Blocks keep the scores and probabilities cache-sized, causality skips the keys after a
     block (about half the work), and XLA:CPU runs the products and the softmax as separate
-    kernels instead of fusing the softmax into the second product's operand.
+    kernels instead of fusing the softmax into the second product's operand. A sliding window
+    that surely applies (``window_active`` True) also skips the keys before the block's first
+    query's window; a traced ``window_active`` masks them instead.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -67,50 +106,68 @@ def _einsum_attention(
     qh = qh.reshape(batch, kv_heads, seq * group, head_dim)
     kh = jnp.swapaxes(k.astype(jnp.float32), 1, 2)
     vh = jnp.swapaxes(v.astype(jnp.float32), 1, 2)
+    window = window_limit(sliding_window, window_active, seq)
     outs = []
     for start in range(0, seq, block):
         stop = min(seq, start + block)
-        mask = attention_mask(key_valid[:, :stop], jnp.arange(start, stop))[:, 0]
+        first = max(0, start - sliding_window + 1) if window_active is True and window else 0
+        mask = attention_mask(
+            key_valid[:, first:stop], jnp.arange(start, stop), window=window, key_offset=first
+        )[:, 0]
         rows = slice(start * group, stop * group)
-        outs.append(_einsum_core(qh[:, :, rows], kh[:, :, :stop], vh[:, :, :stop], mask))
+        keys = slice(first, stop)
+        outs.append(
+            _einsum_core(qh[:, :, rows], kh[:, :, keys], vh[:, :, keys], mask, logit_softcap)
+        )
     out = jnp.concatenate(outs, axis=2).reshape(batch, kv_heads, seq, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
 
-def _einsum_probs(q: Array, k: Array, mask: Array) -> Array:
-    """``P = softmax(q k^T)`` over the keys in ``mask``: ``[B, K, b*G, t]`` f32.
+def _einsum_scores(q: Array, k: Array, mask: Array) -> Array:
+    """``q k^T``: ``[B, K, b, G, t]`` f32 (rows split back into queries and heads)."""
+    batch, kv_heads, _, _ = q.shape
+    queries, keys = mask.shape[1:]
+    return jnp.einsum("bkrh,bksh->bkrs", q, k).reshape(batch, kv_heads, queries, -1, keys)
+
+
+def _einsum_probs(q: Array, k: Array, mask: Array, cap: float | None) -> Array:
+    """``P = softmax(softcap(q k^T))`` over the keys in ``mask``: ``[B, K, b*G, t]`` f32.
 
     ``q: [B, K, b*G, H]`` (row ``i * G + g``), ``k: [B, K, t, H]``, ``mask: [B, b, t]`` bool.
     """
     batch, kv_heads, rows, _ = q.shape
-    queries, keys = mask.shape[1:]
-    scores = jnp.einsum("bkrh,bksh->bkrs", q, k).reshape(batch, kv_heads, queries, -1, keys)
+    scores = softcap(_einsum_scores(q, k, mask), cap)
     scores = jnp.where(mask[:, None, :, None, :], scores, -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, rows, keys)
+    return jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, rows, mask.shape[2])
 
 
-@jax.custom_vjp
-def _einsum_core(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    return jnp.einsum("bkrs,bksh->bkrh", _einsum_probs(q, k, mask), v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _einsum_core(q: Array, k: Array, v: Array, mask: Array, cap: float | None) -> Array:
+    return jnp.einsum("bkrs,bksh->bkrh", _einsum_probs(q, k, mask, cap), v)
 
 
-def _einsum_core_fwd(q, k, v, mask):
-    probs = _einsum_probs(q, k, mask)
+def _einsum_core_fwd(q, k, v, mask, cap):
+    probs = _einsum_probs(q, k, mask, cap)
     out = jnp.einsum("bkrs,bksh->bkrh", probs, v)
-    return out, (q, k, v, probs, out)
+    return out, (q, k, v, mask, probs, out)
 
 
-def _einsum_core_bwd(residuals, d_out):
+def _einsum_core_bwd(cap, residuals, d_out):
     """Softmax-attention gradients (as in FlashAttention-2, Dao 2023, sec. 2.2).
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ = dS K``,
-    ``dK = dS^T Q`` (``q`` is already scaled, so ``dQ`` is w.r.t. the scaled queries).
+    ``dK = dS^T Q`` (``q`` is already scaled, so ``dQ`` is w.r.t. the scaled queries). With a
+    soft cap ``c tanh(s / c)`` of the scores ``s``, ``dS`` is multiplied by its derivative
+    ``1 - tanh(s / c)^2``, ``s`` recomputed from ``q`` and ``k`` (no stored ``O(S^2)`` array).
     """
-    q, k, v, probs, out = residuals
+    q, k, v, mask, probs, out = residuals
     d_v = jnp.einsum("bkrs,bkrh->bksh", probs, d_out)
     d_probs = jnp.einsum("bkrh,bksh->bkrs", d_out, v)
     delta = jnp.sum(d_out * out, axis=-1, keepdims=True)
     d_scores = probs * (d_probs - delta)
+    if cap is not None:
+        tanh = jnp.tanh(_einsum_scores(q, k, mask) / cap).reshape(d_scores.shape)
+        d_scores = d_scores * (1.0 - tanh * tanh)
     d_q = jnp.einsum("bkrs,bksh->bkrh", d_scores, k)
     d_k = jnp.einsum("bkrs,bkrh->bksh", d_scores, q)
     return d_q, d_k, d_v, None
@@ -162,8 +219,19 @@ def _splash_block(seq: int, block: int) -> int:
     return max(b for b in range(_SPLASH_LANES, min(block, seq) + 1, _SPLASH_LANES) if seq % b == 0)
 
 
-def _splash_kernel(seq: int, heads: int, block_q: int, block_kv: int, interpret: bool) -> Any:
-    """A causal splash kernel for one row's ``[heads, seq, H]`` queries and ``[K, seq, H]`` keys.
+def _splash_kernel(
+    seq: int,
+    heads: int,
+    block_q: int,
+    block_kv: int,
+    interpret: bool,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> Any:
+    """A causal splash kernel for one row's ``[heads, seq, H]`` queries and ``[K, seq, H]`` keys;
+    with ``sliding_window`` W a local one (key ``j`` visible to query ``i`` iff
+    ``i - W < j <= i``), with ``logit_softcap`` c the scores capped to ``c tanh(s / c)`` (the
+    kernel's ``attn_logits_soft_cap``).
 
     Built at every trace: its mask tables become constants of the traced program (a cached
     kernel would hold arrays of one trace). JAX caches the NumPy processing of the mask.
@@ -181,9 +249,18 @@ def _splash_kernel(seq: int, heads: int, block_q: int, block_kv: int, interpret:
         block_q_dq=block_q,
         block_kv_dq=block_kv,
     )
-    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+    if sliding_window is None:
+        one = splash.CausalMask((seq, seq))
+    else:
+        one = splash.LocalMask((seq, seq), window_size=(sliding_window - 1, 0), offset=0)
+    mask = splash.MultiHeadMask([one] * heads)
     return splash.make_splash_mha(
-        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        mask,
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+        attn_logits_soft_cap=logit_softcap,
     )
 
 
@@ -197,6 +274,8 @@ def _splash_local(
     block_q: int,
     block_kv: int,
     interpret: bool,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> Array:
     """Splash attention on one device's ``[B, S, N, H]`` block.
 
@@ -210,7 +289,13 @@ def _splash_local(
     seq, heads = q.shape[1], q.shape[2]
     padded = -(-seq // _SPLASH_LANES) * _SPLASH_LANES
     kernel = _splash_kernel(
-        padded, heads, _splash_block(padded, block_q), _splash_block(padded, block_kv), interpret
+        padded,
+        heads,
+        _splash_block(padded, block_q),
+        _splash_block(padded, block_kv),
+        interpret,
+        logit_softcap,
+        sliding_window,
     )
 
     def head_major(x: Array) -> Array:  # [B, S, h, H] -> [B, h, S_pad, H]
@@ -283,7 +368,14 @@ def megacore_mode(device: Any, kv_heads: int, batch: int) -> str | None:
 
 
 def _paged_kernel_attention(
-    q: Array, k_pool: Array, v_pool: Array, lengths: Array, table: Array, *, scale: float
+    q: Array,
+    k_pool: Array,
+    v_pool: Array,
+    lengths: Array,
+    table: Array,
+    *,
+    scale: float,
+    logit_softcap: float | None = None,
 ) -> Array:
     """One query per row over a paged cache with JAX's Pallas TPU paged-attention kernel
     (``jax.experimental.pallas.ops.tpu.paged_attention``; off TPU, its TPU interpreter).
@@ -302,6 +394,8 @@ def _paged_kernel_attention(
       lengths: ``[B]`` int32.
       table: ``[B, W]`` int32 block ids.
       scale: score multiplier.
+      logit_softcap: the scaled scores' soft cap ``c tanh(s / c)`` (the kernel's
+        ``attn_logits_soft_cap``), or None.
 
     Returns:
       ``[B, N, H]`` in ``q.dtype``.
@@ -330,6 +424,7 @@ def _paged_kernel_attention(
             table.astype(jnp.int32),
             pages_per_compute_block=per_block,
             megacore_mode=megacore_mode(device, k_pool.shape[0], q.shape[0]),
+            attn_logits_soft_cap=logit_softcap,
         )
 
     if device.platform == "tpu":

@@ -68,6 +68,14 @@ _IN_LAYER_MIXTRAL = {
     "expert_w_up": "block_sparse_moe.experts.{}.w3.weight",
     "expert_w_down": "block_sparse_moe.experts.{}.w2.weight",
 }
+# Gemma 2 / 3 norm both sides of each sub-block: post_attention_layernorm is the attention
+# output's norm there, and the MLP's input norm is pre_feedforward_layernorm.
+_IN_LAYER_SANDWICH = {
+    **_IN_LAYER,
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +154,8 @@ def _layout(config: ModelConfig, key: str) -> _Layout:
         "final_norm": (((d,),), (0,)),
         "attn_norm": (((d,),), (0,)),
         "mlp_norm": (((d,),), (0,)),
+        "post_attn_norm": (((d,),), (0,)),
+        "post_mlp_norm": (((d,),), (0,)),
         "wq": (((n, h), (d,)), (2, 0, 1)),
         "wk": (((k, h), (d,)), (2, 0, 1)),
         "wv": (((k, h), (d,)), (2, 0, 1)),
@@ -176,7 +186,11 @@ def _layout(config: ModelConfig, key: str) -> _Layout:
 def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
     """Our parameter path -> HF names and layout, for every parameter of ``config``."""
     plan = {}
-    in_layer = _IN_LAYER_MIXTRAL if config.model_type == "mixtral" else _IN_LAYER
+    in_layer = _IN_LAYER
+    if config.model_type == "mixtral":
+        in_layer = _IN_LAYER_MIXTRAL
+    elif config.sandwich_norms:
+        in_layer = _IN_LAYER_SANDWICH
     layers = config.num_hidden_layers
     for path, shape in _flat(param_shapes(config)).items():
         if path[0] == "layers" and path[1].startswith("expert_"):

@@ -4,10 +4,15 @@ Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` an
 ``Qwen3ForCausalLM`` with grouped-query attention, ``head_dim`` overrides, RoPE (``default``,
 ``linear`` and ``llama3`` scalings, written the transformers-4 way with ``rope_theta`` /
 ``rope_scaling`` or the transformers-5 way with ``rope_parameters``), attention biases, Qwen3
-q/k norms and tied embeddings; and their mixture-of-experts siblings ``Qwen3MoeForCausalLM``,
+q/k norms and tied embeddings; their mixture-of-experts siblings ``Qwen3MoeForCausalLM``,
 ``Qwen2MoeForCausalLM`` (with its shared expert) and ``MixtralForCausalLM`` when every layer is
-sparse (``models.moe``). Everything else that would change the computation (sliding windows in
-use, dense and sparse layers mixed, other RoPE types, other activations, quantised weights) is
+sparse (``models.moe``); and the Gemma family: ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` and
+``Gemma3ForCausalLM`` (``gemma3_text``), with their GeGLU MLP, ``(1 + w)`` RMSNorms, embeddings
+scaled by ``sqrt(D)``, sandwich norms (2, 3), ``query_pre_attn_scalar``, attention and final
+logit soft-capping, sliding-window layers beside global ones (``layer_types``) and, for
+Gemma 3, a RoPE base of their own on the sliding layers (``rope_local_base_freq``). Everything
+else that would change the computation (sliding windows outside Gemma, dense and sparse layers
+mixed, other RoPE types, other activations, bidirectional attention, quantised weights) is
 refused with a ``ValueError`` rather than silently run as something else.
 """
 
@@ -28,9 +33,20 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# MLP activations: SiLU (SwiGLU: Llama, Qwen, Mistral) and GELU with the tanh approximation
+# (GeGLU: Gemma; transformers' ``gelu_pytorch_tanh``).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Attention layer kinds (transformers' ``layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Gemma 2 and 3: post-attention and post-feedforward norms beside the pre-norms.
+_SANDWICH_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 # Keys whose presence (with a truthy value) means a mixture-of-experts model.
@@ -148,6 +164,21 @@ class ModelConfig:
         none.
       router_aux_loss_coef: the HF weight of the load-balancing loss; the model only carries
         it for its caller (``models.moe.load_balancing_loss``) and back to ``config.json``.
+      hidden_act: the gated MLP's activation, ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"``
+        (GeGLU with the tanh approximation of GELU; Gemma).
+      query_pre_attn_scalar: the attention scale is ``query_pre_attn_scalar ** -0.5`` (Gemma 2,
+        3), or ``head_dim ** -0.5`` when None.
+      attn_logit_softcapping: ``c`` of the attention scores' soft cap ``c tanh(s / c)``, applied
+        after the scale and before the mask (Gemma 2), or None.
+      final_logit_softcapping: ``c`` of the logits' soft cap ``c tanh(z / c)`` (Gemma 2), or
+        None.
+      sliding_window: ``W``: a sliding-window layer's query at slot ``i`` sees the keys at
+        slots ``j`` with ``i - W < j <= i`` (transformers' rule); None when no layer slides.
+      layer_types: one of ``LAYER_TYPES`` per layer (``"sliding_attention"`` layers use
+        ``sliding_window``), or None: every layer global.
+      rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's
+        ``rope_local_base_freq``; no scaling there), or None: every layer uses ``rope_theta``
+        and the configured scaling (which Gemma 3 applies to its global layers only).
     """
 
     architecture: str
@@ -181,6 +212,13 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.0
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: int | float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
@@ -222,6 +260,7 @@ class ModelConfig:
                 f"{self.rope_factor}, {self.rms_norm_eps}"
             )
         self._check_experts()
+        self._check_gemma()
         if self.rope_type == "llama3":
             if self.rope_original_max_position_embeddings is None:
                 raise ValueError("llama3 rope needs original_max_position_embeddings")
@@ -279,11 +318,103 @@ class ModelConfig:
                     f"{self.architecture}, which is not supported: use targets from (q, k, v, o)"
                 )
 
+    def _check_gemma(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_theta",
+        ):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            ):
+                raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+            raise ValueError(f"sliding_window must be None or a positive int, got {window!r}")
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window must be None or a positive int, got {window!r}")
+        types = self.layer_types
+        if types is not None:
+            if not isinstance(types, tuple) or len(types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types must be a tuple of num_hidden_layers={self.num_hidden_layers} "
+                    f"names, got {types!r}"
+                )
+            unknown = sorted({t for t in types if t not in LAYER_TYPES})
+            if unknown:
+                raise ValueError(
+                    f"unknown layer_types {unknown}; expected names from {LAYER_TYPES}"
+                )
+        if any(self.sliding_layers) and window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if self.model_type in GEMMA_MODEL_TYPES:
+            if self.model_type == "gemma":  # Gemma 1 has none of the later features
+                later = ("query_pre_attn_scalar", "attn_logit_softcapping")
+                later += ("final_logit_softcapping", "rope_local_theta")
+                set_fields = [name for name in later if getattr(self, name) is not None]
+                if set_fields or any(self.sliding_layers):
+                    raise ValueError(
+                        f"GemmaForCausalLM has no {set_fields or 'sliding_attention layers'}"
+                    )
+            if self.qk_norm != (self.model_type == "gemma3_text"):
+                raise ValueError(f"qk_norm must be {not self.qk_norm} for {self.architecture}")
+            if (self.rope_local_theta is None) == (self.model_type == "gemma3_text"):
+                raise ValueError(
+                    "rope_local_theta (rope_local_base_freq) must be set exactly for Gemma 3, "
+                    f"got {self.rope_local_theta!r} for {self.architecture}"
+                )
+            return
+        # The other families: SwiGLU, global attention, head_dim ** -0.5, no caps.
+        gemma_only = {
+            "hidden_act": self.hidden_act != "silu",
+            "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+            "attn_logit_softcapping": self.attn_logit_softcapping is not None,
+            "final_logit_softcapping": self.final_logit_softcapping is not None,
+            "sliding_attention layers": any(self.sliding_layers),
+            "rope_local_theta": self.rope_local_theta is not None,
+        }
+        set_fields = [name for name, on in gemma_only.items() if on]
+        if set_fields:
+            raise ValueError(f"{set_fields} are only supported on Gemma, not {self.architecture}")
+
     @property
     def model_type(self) -> str:
         """The HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``,
-        ``qwen3_moe``, ``mixtral``)."""
+        ``qwen3_moe``, ``mixtral``, ``gemma``, ``gemma2``, ``gemma3_text``)."""
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's conventions: RMSNorm scales ``1 + w`` (computed in f32, zero-initialised) and
+        the embeddings multiplied by ``sqrt(D)``."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Each sub-block's output is RMSNorm-ed before the residual add (Gemma 2, 3)."""
+        return self.model_type in _SANDWICH_MODEL_TYPES
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The embeddings' multiplier ``sqrt(D)`` (Gemma; rounded to the compute dtype where it
+        is applied, as transformers does), or None."""
+        return self.hidden_size**0.5 if self.is_gemma else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention scores' multiplier: ``query_pre_attn_scalar ** -0.5``, else
+        ``head_dim ** -0.5``."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends over a sliding window of ``sliding_window`` keys."""
+        types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        return tuple(t == "sliding_attention" for t in types)
 
     @property
     def is_moe(self) -> bool:
@@ -296,18 +427,19 @@ class ModelConfig:
 
         Raises:
           ValueError: unknown architecture, MoE keys on a dense architecture, dense and sparse
-            layers mixed, sliding windows in use, unknown RoPE type, an activation other than
-            SiLU, quantised weights, or malformed sizes.
+            layers mixed, sliding windows outside Gemma, unknown RoPE type, an activation other
+            than SiLU (GELU-tanh on Gemma), quantised weights, or malformed sizes.
         """
         architecture = _architecture(hf)
         model_type = ARCHITECTURES[architecture]
         _refuse_unsupported(hf, model_type)
         family = _DENSE_FAMILY.get(model_type, model_type)
+        gemma = model_type in GEMMA_MODEL_TYPES
         hidden = _get_int(hf, "hidden_size")
         heads = _get_int(hf, "num_attention_heads")
         head_dim = hf.get("head_dim") or hidden // heads
         bias = bool(hf.get("attention_bias", False))
-        rope = _rope(hf)
+        rope = _gemma3_rope(hf) if model_type == "gemma3_text" else _rope(hf)
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
         return cls(
@@ -319,17 +451,21 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(
+                hf.get("max_position_embeddings", _GEMMA_CONTEXT.get(model_type, 2048))
+            ),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=_qkv_bias(hf, model_type) if family == "qwen2" else bias,
             o_bias=False if family in ("qwen2", "mistral") else bias,
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=family in ("qwen3", "gemma3_text"),
+            # Gemma ties its embeddings unless told otherwise (transformers' default there).
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             bos_token_id=_optional_id(hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
             pad_token_id=_optional_id(hf.get("pad_token_id")),
             **rope,
             **_experts(hf, model_type),
+            **_gemma(hf, model_type),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -388,6 +524,38 @@ class ModelConfig:
             out["sliding_window"] = None
         if self.is_moe:
             out.update(self._experts_hf_dict())
+        if self.is_gemma:
+            out.update(self._gemma_hf_dict(rope_parameters))
+        return out
+
+    def _gemma_hf_dict(self, rope_parameters: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hidden_act": self.hidden_act,
+            "hidden_activation": self.hidden_act,
+            "attention_bias": self.qkv_bias,
+        }
+        if self.model_type == "gemma":
+            return out
+        types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        out.update(
+            query_pre_attn_scalar=self.query_pre_attn_scalar,
+            attn_logit_softcapping=self.attn_logit_softcapping,
+            final_logit_softcapping=self.final_logit_softcapping,
+            sliding_window=self.sliding_window,
+            layer_types=list(types),
+            use_bidirectional_attention=False,
+        )
+        # transformers before layer_types existed derives them from a pattern (Gemma 3).
+        pattern = _sliding_pattern(self.sliding_layers)
+        if pattern is not None:
+            out["sliding_window_pattern"] = pattern
+        if self.model_type == "gemma3_text":
+            local = self.rope_local_theta
+            out["rope_local_base_freq"] = local
+            out["rope_parameters"] = {
+                "full_attention": rope_parameters,
+                "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            }
         return out
 
     def _experts_hf_dict(self) -> dict[str, Any]:
@@ -413,14 +581,29 @@ class ModelConfig:
         return out
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def _sliding_pattern(sliding: tuple[bool, ...]) -> int | None:
+    """The ``p`` with layer ``i`` sliding iff ``(i + 1) % p`` (transformers' Gemma rule) that
+    gives ``sliding``, or None."""
+    for pattern in range(2, len(sliding) + 2):
+        if all(s == bool((i + 1) % pattern) for i, s in enumerate(sliding)):
+            return pattern
+    return None
+
+
+def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> np.ndarray:
     """RoPE inverse frequencies ``[H/2]`` (float32), with the configured scaling.
 
     ``inv_freq_i = theta^(-2i/H)``; ``linear`` divides by ``factor``; ``llama3`` divides the
     low-frequency band by ``factor`` and interpolates the middle band (Meta, Llama 3.1, 2024),
     exactly as transformers' ``_compute_llama3_parameters``.
+
+    ``local``: the sliding-window layers' frequencies when they have a base of their own
+    (``config.rope_local_theta``, Gemma 3): unscaled, ``rope_local_theta^(-2i/H)``.
     """
     dim = config.head_dim
+    if local and config.rope_local_theta is not None:
+        exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+        return (1.0 / (config.rope_local_theta**exponents)).astype(np.float32)
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if config.rope_type == "linear":
         inv_freq = inv_freq / config.rope_factor
@@ -492,7 +675,97 @@ def _experts(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     return out
 
 
+# transformers' default ``max_position_embeddings`` of the Gemma configs.
+_GEMMA_CONTEXT = {"gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
+# Gemma 2 / 3 defaults of transformers' configs where config.json leaves a key out.
+_GEMMA_DEFAULTS = {
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "pattern": 2},
+    "gemma3_text": {"attn_logit_softcapping": None, "final_logit_softcapping": None, "pattern": 6},
+}
+
+
+def _gemma_activation(hf: Mapping[str, Any], model_type: str) -> str:
+    # Gemma 1 reads hidden_act ("gelu" in the original releases means the tanh approximation,
+    # as transformers rewrites it); Gemma 2 and 3 read hidden_activation.
+    if model_type == "gemma":
+        act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+    return hf.get("hidden_activation") or "gelu_pytorch_tanh"
+
+
+def _gemma(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The Gemma fields of ``ModelConfig`` (none for the other families)."""
+    if model_type not in GEMMA_MODEL_TYPES:
+        return {}
+    act = _gemma_activation(hf, model_type)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_activation {act!r}; expected one of {ACTIVATIONS}")
+    out: dict[str, Any] = {"hidden_act": act}
+    if model_type == "gemma":
+        return out
+    defaults = _GEMMA_DEFAULTS[model_type]
+    layers = _get_int(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if not types:
+        # transformers' rule: layer i slides unless (i + 1) is a multiple of the pattern.
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
+        pattern = int(pattern or defaults["pattern"])
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    types = tuple(types)
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    sliding = "sliding_attention" in types
+    window = hf.get("sliding_window", 4096)
+    if sliding and window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = hf.get(key, defaults[key])
+        caps[key] = None if cap is None else float(cap)
+    out.update(
+        # Kept as read: transformers types it int (and refuses a float when reading back).
+        query_pre_attn_scalar=_number(hf.get("query_pre_attn_scalar", 256)),
+        sliding_window=int(window) if sliding else None,
+        layer_types=types if sliding else None,
+        **caps,
+    )
+    return out
+
+
+def _gemma3_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's RoPE: the global layers' (``rope_theta``, default 1e6, with any scaling) and
+    the sliding layers' base (``rope_local_base_freq``, default 1e4, never scaled), from either
+    transformers layout (5: ``rope_parameters`` per layer type; 4: flat keys), merged the way
+    transformers 5 merges them (``rope_scaling`` updates the global layers' parameters)."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters must be a mapping, got {params!r}")
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(params), {}
+    scaling = hf.get("rope_scaling")
+    if scaling:
+        full.update(scaling)
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        raise ValueError(
+            f"RoPE scaling on the sliding-window layers is not supported (rope type {local_type!r})"
+        )
+    rope = _rope({**hf, "rope_scaling": None, "rope_parameters": full})
+    rope["rope_local_theta"] = float(local["rope_theta"])
+    return rope
+
+
 def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
+    if model_type in GEMMA_MODEL_TYPES:
+        _refuse_unsupported_gemma(hf)
+        return
     if model_type in MOE_MODEL_TYPES:
         _refuse_unsupported_experts(hf, model_type)
     else:
@@ -525,6 +798,25 @@ def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
                 f"sliding-window attention is not supported (sliding_window={window} < "
                 f"max_position_embeddings={hf.get('max_position_embeddings')})"
             )
+
+
+def _refuse_unsupported_gemma(hf: Mapping[str, Any]) -> None:
+    for key in _MOE_KEYS:
+        if hf.get(key):
+            raise ValueError(f"mixture-of-experts keys on a Gemma model ({key}={hf[key]!r})")
+    if hf.get("quantization_config"):
+        raise ValueError("quantised checkpoints are not supported (quantization_config is set)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal models only)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    partial = hf.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    types = hf.get("layer_types") or ()
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
 
 
 def _refuse_unsupported_experts(hf: Mapping[str, Any], model_type: str) -> None:
@@ -580,6 +872,14 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
             or hf.get("max_position_embeddings", 2048)
         )
     return out
+
+
+def _number(value: Any) -> int | float:
+    """An int stays an int (and an integral float becomes one), anything else a float."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    value = float(value)
+    return int(value) if value.is_integer() else value
 
 
 def _optional_id(value: Any) -> int | None:

@@ -36,6 +36,8 @@ SCORE_NAME = "score.weight"
 SEQ_CLS_ARCHITECTURES = {
     arch: arch.replace("ForCausalLM", "ForSequenceClassification") for arch in ARCHITECTURES
 }
+# Gemma3ForSequenceClassification is the vision-language model's; the text-only one is this.
+SEQ_CLS_ARCHITECTURES["Gemma3ForCausalLM"] = "Gemma3TextForSequenceClassification"
 _CAUSAL_OF = {v: k for k, v in SEQ_CLS_ARCHITECTURES.items()}
 # HF's default ``initializer_range``: ``*ForSequenceClassification`` draws ``score`` from
 # N(0, initializer_range^2), which is what TRL's reward and PPO value models start from.

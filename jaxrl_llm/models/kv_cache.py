@@ -183,7 +183,8 @@ def paged_attention_implementation(seq: int, dtype: Any, head_dim: int, block_si
     kernel) on TPU for one query per row over a bf16 pool with ``head_dim % 128 == 0`` and
     ``block_size % 16 == 0`` (its tiles; the kernel loads blocks as bf16, so an f32 pool keeps
     its precision through the gather), else ``"gather"`` (an XLA block-table gather, then
-    ``cache_attention``)."""
+    ``cache_attention``). A layer with a sliding window always gathers (the kernel reads every
+    slot before the query; the gather's mask holds the window)."""
     from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
 
     tiles = head_dim % 128 == 0 and block_size % 16 == 0
@@ -203,9 +204,15 @@ def paged_cache_attention(
     table: Array,
     scale: float,
     key_valid: Array,
+    logit_softcap: float | None = None,
+    windowed: bool = False,
 ) -> tuple[tuple[Array, Array], Array]:
     """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
     pools and attends ``q: [B, S, N, H]`` over each row's slots: ``(pools, [B, S, N, H])``.
+
+    ``logit_softcap``: the scores' soft cap (Gemma 2; both paths apply it). ``windowed``: the
+    layer may have a sliding window, which ``mask`` then holds; the gather path runs (the
+    kernel has no window).
 
     ``paged_attention_implementation`` picks the kernel (one query per row; rows packed from
     slot 0, so slots ``[0, cache_index + 1)``, none for a row whose newest slot ``key_valid``
@@ -225,9 +232,11 @@ def paged_cache_attention(
     from jaxrl_llm.parallel.rules import spec_entry  # noqa: PLC0415
 
     seq = q.shape[1]
-    implementation = paged_attention_implementation(
-        seq, pools[0].dtype, q.shape[-1], pools[0].shape[-2]
-    )
+    implementation = "gather"
+    if not windowed:
+        implementation = paged_attention_implementation(
+            seq, pools[0].dtype, q.shape[-1], pools[0].shape[-2]
+        )
     kernel = implementation == "kernel"
 
     lengths = jnp.broadcast_to(cache_index + seq, (q.shape[0],))
@@ -247,10 +256,13 @@ def paged_cache_attention(
         )
         layer = pools if layer_index is None else tuple(layer_slice(c, layer_index) for c in pools)
         if kernel:
-            out = _paged_kernel_attention(q[:, 0], *layer, lengths, table, scale=scale)
+            capped = {} if logit_softcap is None else {"logit_softcap": logit_softcap}
+            out = _paged_kernel_attention(q[:, 0], *layer, lengths, table, scale=scale, **capped)
             return pools, out[:, None]
         k, v = (read_pages(c, table) for c in layer)
-        return pools, cache_attention(q, k, v, mask, scale=scale, kv_major=True)
+        return pools, cache_attention(
+            q, k, v, mask, scale=scale, kv_major=True, logit_softcap=logit_softcap
+        )
 
     mesh = jax.sharding.get_abstract_mesh()
     batch = () if mesh.empty else _mapped_axes(mesh, "batch", (table.shape[0], pools[0].shape[-3]))

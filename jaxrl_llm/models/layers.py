@@ -1,5 +1,5 @@
-"""The decoder block (pre-norm attention + SwiGLU MLP or mixture of experts), RMSNorm, and
-parameter creation.
+"""The decoder block (pre-norm attention + SwiGLU / GeGLU MLP or mixture of experts, with
+Gemma's sandwich norms, soft caps and sliding windows), RMSNorm, and parameter creation.
 
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
 {batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq, expert}.
@@ -22,6 +22,7 @@ from jaxrl_llm.models.attention import (
     attention_mask,
     cache_attention,
     dot_product_attention,
+    window_limit,
 )
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, paged_cache_attention, write_slots
@@ -77,6 +78,9 @@ LAYER_AXES = {
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
     "mlp_norm": ("embed",),
+    # Gemma 2 / 3: norms of the attention's and the MLP's outputs, before the residual adds.
+    "post_attn_norm": ("embed",),
+    "post_mlp_norm": ("embed",),
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
@@ -127,14 +131,33 @@ def lora_init(
     return a.astype(dtype), jnp.zeros((rank, *shape[contract:]), dtype)
 
 
-def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+def rms_norm(x: Array, scale: Array, eps: float, *, plus_one: bool = False) -> Array:
     """``y = x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019), statistics in f32.
 
     Like transformers, the normalised value is cast back to ``x.dtype`` before the scale.
+    ``plus_one`` (Gemma): ``y = x / sqrt(mean(x^2) + eps) * (1 + scale)``, all of it in f32 and
+    only the product cast to ``x.dtype`` (transformers' ``GemmaRMSNorm``).
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale * normed.astype(x.dtype)
+
+
+def norm_init(shape: tuple[int, ...], dtype: Any, config: ModelConfig) -> Array:
+    """An RMSNorm scale that starts as the identity: ones, or zeros for Gemma's ``1 + w``."""
+    return (jnp.zeros if config.is_gemma else jnp.ones)(shape, dtype)
+
+
+def activation(x: Array, name: str) -> Array:
+    """The gated MLP's activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU: GELU's
+    tanh approximation ``x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``)."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu_pytorch_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"unknown activation {name!r}")
 
 
 class DecoderLayer(nnx.Module):
@@ -145,14 +168,24 @@ class DecoderLayer(nnx.Module):
     q/k/v/o biases (Qwen2) and per-head q/k RMSNorm before RoPE (Qwen3). In a
     mixture-of-experts model (``config.is_moe``) the MLP is ``E`` routed SwiGLU experts, plus a
     sigmoid-gated shared expert for Qwen2-MoE (``models.moe``).
+
+    Gemma (Gemma Team 2024): GeGLU (``config.hidden_act``), RMSNorms scaling by ``1 + w``;
+    Gemma 2 and 3 also norm each sub-block's output before its residual add
+    (``x += RMSNorm(Attn(RMSNorm(x)))``, the same around the MLP), scale the scores by
+    ``query_pre_attn_scalar ** -0.5``, soft-cap them (``attn_logit_softcapping``), and let
+    ``sliding_attention`` layers see only a window of ``sliding_window`` keys.
     """
 
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
         n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.eps = config.rms_norm_eps
-        self.scale = h**-0.5
-        self.attn_norm = param(jnp.ones((d,), dtype), LAYER_AXES["attn_norm"])
+        self.scale = config.attention_scale
+        self.plus_one = config.is_gemma
+        self.act = config.hidden_act
+        self.logit_softcap = config.attn_logit_softcapping
+        self.sliding_window = config.sliding_window if any(config.sliding_layers) else None
+        self.attn_norm = param(norm_init((d,), dtype, config), LAYER_AXES["attn_norm"])
         self.wq = param(normal(rngs, (d, n, h), dtype), LAYER_AXES["wq"])
         self.wk = param(normal(rngs, (d, k, h), dtype), LAYER_AXES["wk"])
         self.wv = param(normal(rngs, (d, k, h), dtype), LAYER_AXES["wv"])
@@ -164,9 +197,17 @@ class DecoderLayer(nnx.Module):
         self.bk = param(jnp.zeros((k, h), dtype), LAYER_AXES["bk"]) if bias else None
         self.bv = param(jnp.zeros((k, h), dtype), LAYER_AXES["bv"]) if bias else None
         self.bo = param(jnp.zeros((d,), dtype), LAYER_AXES["bo"]) if config.o_bias else None
-        self.q_norm = param(jnp.ones((h,), dtype), LAYER_AXES["q_norm"]) if qk_norm else None
-        self.k_norm = param(jnp.ones((h,), dtype), LAYER_AXES["k_norm"]) if qk_norm else None
-        self.mlp_norm = param(jnp.ones((d,), dtype), LAYER_AXES["mlp_norm"])
+        self.q_norm = (
+            param(norm_init((h,), dtype, config), LAYER_AXES["q_norm"]) if qk_norm else None
+        )
+        self.k_norm = (
+            param(norm_init((h,), dtype, config), LAYER_AXES["k_norm"]) if qk_norm else None
+        )
+        self.mlp_norm = param(norm_init((d,), dtype, config), LAYER_AXES["mlp_norm"])
+        sandwich = config.sandwich_norms
+        for name in ("post_attn_norm", "post_mlp_norm"):
+            value = param(norm_init((d,), dtype, config), LAYER_AXES[name]) if sandwich else None
+            setattr(self, name, value)
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         # Dense: the SwiGLU MLP; sparse: router and experts (and Qwen2-MoE's shared expert).
         mlp_weights = ("w_gate", "w_up", "w_down", *EXPERT_WEIGHTS, *SHARED_EXPERT_WEIGHTS)
@@ -238,6 +279,7 @@ class DecoderLayer(nnx.Module):
         cache_index: Array | None = None,
         table: Array | None = None,
         dropout_key: Array | None = None,
+        local: Any = False,
     ) -> tuple[Array, tuple[Array, Array] | None, Array | None]:
         """One block on ``x: [B, S, D]``.
 
@@ -253,6 +295,8 @@ class DecoderLayer(nnx.Module):
           table: ``[B, S_max // P]`` block table when ``kv`` are the block pools
             (``[L, K, N, P, H]`` or ``[K, N, P, H]``) of a ``PagedKVCache``, else None.
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
+          local: whether this is a sliding-window layer (``config.sliding_layers``): a Python
+            bool, or a traced bool inside the layer scan.
 
         Returns:
           ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
@@ -260,7 +304,7 @@ class DecoderLayer(nnx.Module):
           None.
         """
         x = constrain(x, "batch", None, "embed")
-        h = rms_norm(x, self._use("attn_norm"), self.eps)
+        h = self._norm("attn_norm", x)
         q, k, v = (self._project(name, h, key=dropout_key) for name in ("wq", "wk", "wv"))
         if self.bq is not None:
             q, k, v = q + self._use("bq"), k + self._use("bk"), v + self._use("bv")
@@ -268,17 +312,27 @@ class DecoderLayer(nnx.Module):
         k = constrain(k, "batch", None, "kv_heads", "head_dim")
         v = constrain(v, "batch", None, "kv_heads", "head_dim")
         if self.q_norm is not None:
-            q = rms_norm(q, self._use("q_norm"), self.eps)
-            k = rms_norm(k, self._use("k_norm"), self.eps)
+            q, k = self._norm("q_norm", q), self._norm("k_norm", k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = self.sliding_window if local is not False else None
         if kv is None:
             # Fused per backend: the splash kernel on TPU and cuDNN on GPU (memory linear in S),
             # blocked causal einsums on CPU (see attention.dot_product_attention).
-            attn = dot_product_attention(q, k, v, key_valid=key_valid, scale=self.scale)
+            attn = dot_product_attention(
+                q,
+                k,
+                v,
+                key_valid=key_valid,
+                scale=self.scale,
+                logit_softcap=self.logit_softcap,
+                sliding_window=window,
+                window_active=local,
+            )
         else:
             # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
             # can fuse it into the attention instead of keeping an O(S^2) mask alive.
-            mask = attention_mask(key_valid, query_slots)
+            limit = window_limit(window, local, key_valid.shape[1])
+            mask = attention_mask(key_valid, query_slots, window=limit)
             # Writing only this call's slots (not a whole layer slice) lets XLA update the
             # cache in place inside the sampler's while loop; attention then reads it back.
             if table is None:
@@ -286,7 +340,9 @@ class DecoderLayer(nnx.Module):
                     write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v))
                 )
                 layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
-                attn = cache_attention(q, *layer_kv, mask, scale=self.scale)
+                attn = cache_attention(
+                    q, *layer_kv, mask, scale=self.scale, logit_softcap=self.logit_softcap
+                )
             else:  # paged: written through the block table (a kernel on TPU, else a gather)
                 kv, attn = paged_cache_attention(
                     kv,
@@ -298,21 +354,31 @@ class DecoderLayer(nnx.Module):
                     table=table,
                     scale=self.scale,
                     key_valid=key_valid,
+                    logit_softcap=self.logit_softcap,
+                    windowed=limit is not None,
                 )
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
         if self.bo is not None:
             out = out + self._use("bo")
+        if self.post_attn_norm is not None:
+            out = self._norm("post_attn_norm", out)
         x = constrain(x + out, "batch", None, "embed")
-        h = rms_norm(x, self._use("mlp_norm"), self.eps)
+        h = self._norm("mlp_norm", x)
         if self.router is not None:
             out, logits = self._experts(h)
             return constrain(x + out, "batch", None, "embed"), kv, logits
         gate = self._project("w_gate", h, key=dropout_key)
-        gate = jax.nn.silu(constrain(gate, "batch", None, "mlp"))
+        gate = activation(constrain(gate, "batch", None, "mlp"), self.act)
         up = constrain(self._project("w_up", h, key=dropout_key), "batch", None, "mlp")
-        x = x + self._project("w_down", gate * up, key=dropout_key)
-        return constrain(x, "batch", None, "embed"), kv, None
+        out = self._project("w_down", gate * up, key=dropout_key)
+        if self.post_mlp_norm is not None:
+            out = self._norm("post_mlp_norm", out)
+        return constrain(x + out, "batch", None, "embed"), kv, None
+
+    def _norm(self, name: str, x: Array) -> Array:
+        """RMSNorm of ``x`` with the scale ``name`` (``1 + w`` for Gemma)."""
+        return rms_norm(x, self._use(name), self.eps, plus_one=self.plus_one)
 
     def _experts(self, h: Array) -> tuple[Array, Array]:
         """The sparse MLP (``models.moe.sparse_mlp``) on ``h: [B, S, D]``:

@@ -1,5 +1,5 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 and the Qwen-MoE / Mixtral
-mixtures of experts) in Flax NNX.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, Gemma / Gemma 2 / Gemma 3 and the
+Qwen-MoE / Mixtral mixtures of experts) in Flax NNX.
 
 The NNX ``Transformer`` holds its decoder layers stacked along a leading ``layers`` axis
 (built with ``nnx.vmap``) and runs them with one ``jax.lax.scan``, so compile time does not
@@ -15,6 +15,11 @@ on CPU, where XLA copies a layer's slice out of a stacked array before every mat
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
 {batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq, expert};
 ``logical_axes(config)`` reads them back as a pytree matching the params.
+
+Gemma's differences are data in ``ModelConfig`` read by the same modules: embeddings times
+``sqrt(D)``, ``1 + w`` norms, GeGLU, sandwich norms, soft caps (``unembed`` caps the logits), and
+sliding-window layers among global ones: each layer's kind (a Python bool when unrolled, a
+traced one inside the scan) picks its window and, for Gemma 3, its RoPE base.
 
 The pieces live in their own modules, re-exported here: ``layers`` (the decoder block,
 RMSNorm), ``attention`` (RoPE, masks, attention over a cache), ``kv_cache`` (``KVCache``) and
@@ -34,10 +39,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm._checks import check_choice, check_rank
-from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles
+from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles, softcap
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import CACHE_AXES, KVCache, check_cache, init_cache
-from jaxrl_llm.models.layers import DecoderLayer, constrain, gathered, normal, param, rms_norm
+from jaxrl_llm.models.layers import (
+    DecoderLayer,
+    constrain,
+    gathered,
+    norm_init,
+    normal,
+    param,
+    rms_norm,
+)
 from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.parallel.mesh import current_platform
 
@@ -66,7 +79,7 @@ class Transformer(nnx.Module):
             return DecoderLayer(config, dtype=dtype, rngs=rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = param(jnp.ones((d,), dtype), ("embed",))
+        self.final_norm = param(norm_init((d,), dtype, config), ("embed",))
         tied = config.tie_word_embeddings
         self.lm_head = None if tied else param(normal(rngs, (d, v), dtype), ("embed", "vocab"))
 
@@ -119,17 +132,29 @@ class Transformer(nnx.Module):
         if positions is None:
             counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)
             positions = jnp.maximum(offset + counts - 1, 0)
-        cos, sin = rope_angles(config, positions)
+        rope = rope_angles(config, positions)
+        # Gemma 3: the sliding-window layers rotate with a base of their own.
+        local_rope = None
+        if config.rope_local_theta is not None and any(config.sliding_layers):
+            local_rope = rope_angles(config, positions, local=True)
 
         # The table gathered over fsdp once (vocab rows stay tensor-split), then looked up.
         x = gathered(self.embed[...], "vocab", "embed")[tokens]
+        if config.embed_scale is not None:  # Gemma: sqrt(D), rounded to the compute dtype
+            x = x * jnp.asarray(config.embed_scale, x.dtype)
         x = constrain(x, "batch", None, "embed")
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
             x, kv = carry
-            state, layer_index = xs
+            state, layer_index, layer_id = xs
             layer = nnx.merge(layer_def, state)
+            local = _is_local(config, layer_id)
+            cos, sin = rope
+            if local_rope is not None and local is True:
+                cos, sin = local_rope
+            elif local_rope is not None and local is not False:  # traced: this layer's pair
+                cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope, strict=True))
             x, kv, router_logits = layer(
                 x,
                 cos=cos,
@@ -142,7 +167,8 @@ class Transformer(nnx.Module):
                 table=table,
                 dropout_key=None
                 if dropout_key is None
-                else jax.random.fold_in(dropout_key, layer_index),
+                else jax.random.fold_in(dropout_key, layer_id),
+                local=local,
             )
             return (x, kv), router_logits
 
@@ -154,24 +180,37 @@ class Transformer(nnx.Module):
             # residuals (about a tenth of a 60M model's training step): unrolled there.
             unroll = config.num_hidden_layers if current_platform()[0] == "cpu" else 1
             (x, kv), router_logits = jax.lax.scan(
-                body, (x, kv), (layer_state, layer_ids), unroll=unroll
+                lambda carry, xs: body(carry, (*xs, xs[1])),
+                (x, kv),
+                (layer_state, layer_ids),
+                unroll=unroll,
             )
         else:  # per-layer weights and cache arrays: unrolled, each layer reads its own
             written, per_layer_logits = [], []
             for i, state in enumerate(unstacked_layers):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                (x, layer_kv), layer_logits = body((x, layer_kv), (state, None))
+                (x, layer_kv), layer_logits = body((x, layer_kv), (state, None, i))
                 written.append(layer_kv)
                 per_layer_logits.append(layer_logits)
             kv = None if kv is None else tuple(zip(*written))
             router_logits = jnp.stack(per_layer_logits) if config.is_moe else None
-        hidden = constrain(
-            rms_norm(x, self.final_norm[...], config.rms_norm_eps), "batch", None, "embed"
-        )
+        final = rms_norm(x, self.final_norm[...], config.rms_norm_eps, plus_one=config.is_gemma)
+        hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
         if return_router_logits:
             return hidden, new_cache, router_logits
         return hidden, new_cache
+
+
+def _is_local(config: ModelConfig, layer_id: Any) -> Any:
+    """Whether layer ``layer_id`` has a sliding window: a Python bool when every layer agrees
+    or the id is a Python int (unrolled layers), else a traced bool (inside the layer scan)."""
+    sliding = config.sliding_layers
+    if not any(sliding) or all(sliding):
+        return all(sliding)
+    if isinstance(layer_id, int):
+        return sliding[layer_id]
+    return jnp.asarray(sliding)[layer_id]
 
 
 def _check_optional(name: str, x: Array | None, shape: tuple[int, ...]) -> Array | None:
@@ -261,7 +300,8 @@ def forward(
     attends to slots ``j <= cache_index + s`` whose mask is True. Prefill = the left-padded
     prompt at ``cache_index=0``; decode = ``S=1`` calls with explicit positions. A ``[B]``
     ``cache_index`` gives each row its own slots (rows at different lengths, as in continuous
-    batching).
+    batching). A sliding-window layer (``config.layer_types``, Gemma 2 / 3) also drops the keys
+    ``config.sliding_window`` or more slots before its query, with or without a cache.
 
     Args:
       params: plain nested dict from ``init_params`` / ``load_pretrained``, or with its layers
@@ -359,13 +399,15 @@ def unembedding(params: Params, config: ModelConfig) -> Array:
 def unembed(
     params: Params, config: ModelConfig, hidden: Array, *, weight: Array | None = None
 ) -> Array:
-    """``logits = h W_U`` in f32 (``W_U = E^T`` when tied): ``[..., D] -> [..., V]``.
+    """``logits = h W_U`` in f32 (``W_U = E^T`` when tied): ``[..., D] -> [..., V]``, soft-capped
+    to ``c tanh(logits / c)`` with ``config.final_logit_softcapping`` c (Gemma 2).
 
     ``weight``: a precomputed ``unembedding(params, config)`` (then ``params`` is unused).
     """
     if weight is None:
         weight = unembedding(params, config)
-    return dense(hidden, weight, preferred_element_type=jnp.float32)
+    out = dense(hidden, weight, preferred_element_type=jnp.float32)
+    return softcap(out, config.final_logit_softcapping)
 
 
 def logits(

@@ -80,10 +80,50 @@ VARIANTS = {
 }
 MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
+# The Gemma family (kept apart from VARIANTS: the tests parametrized over those assume Llama's
+# layout). Four layers, head_dim 32 != D / N, a sliding window of 6 slots (tests run past it),
+# soft caps small enough to bind, query_pre_attn_scalar != head_dim.
+GEMMA_WINDOW = 6
+GEMMA_VARIANTS = {
+    "gemma": ("GemmaConfig", dict(num_hidden_layers=4, head_dim=32, attention_bias=True)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            sliding_window=GEMMA_WINDOW,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=8.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=GEMMA_WINDOW,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+}
+
 
 def hf_config(name: str, **overrides) -> transformers.PretrainedConfig:
-    """The transformers config of variant ``name`` (a key of ``VARIANTS``)."""
-    cls_name, extra = VARIANTS[name]
+    """The transformers config of variant ``name`` (a key of ``VARIANTS`` or
+    ``GEMMA_VARIANTS``)."""
+    cls_name, extra = {**VARIANTS, **GEMMA_VARIANTS}[name]
     kwargs = {**TINY, **extra, **overrides}
     return getattr(transformers, cls_name)(**kwargs)
 
@@ -154,7 +194,8 @@ def hf_logits(
             attention_mask=torch.as_tensor(np.asarray(mask), dtype=torch.long),
             position_ids=torch.as_tensor(positions, dtype=torch.long),
         )
-    return out.logits.numpy()
+    logits = out.logits
+    return (logits.float() if logits.dtype == torch.bfloat16 else logits).numpy()
 
 
 def padded_batch(
