@@ -31,9 +31,9 @@ from jaxrl_llm.train.rl.config import (
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import load_reward_model, load_teacher, make_run_context
-from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR, Pipeline, RolloutPipeline
+from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR, Pipeline
 from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs, teacher_program
-from jaxrl_llm.train.rl.serving import trainer_sampler
+from jaxrl_llm.train.rl.sampler_role import SamplerRole
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
 from jaxrl_llm.train.rl.updates import (  # noqa: F401 (on_policy_update re-exported)
     correct_batch,
@@ -264,9 +264,8 @@ class RLTrainer(Trainer):
             # An f32 average: in bf16 the (1 - decay)-sized steps towards the policy round away.
             self.reference = jax.tree.map(lambda x: x.astype(jnp.float32), self.reference)
         self.reference_dirty = needs_ref and self.base is None
-        self.serving, self.reshard = trainer_sampler(cfg, run.model_config, run.mesh)  # last
-        if remote.is_remote(cfg):  # the weights go to the sampler processes
-            self.reshard = remote.TrainerLink(run.model_config, run.mesh, cfg.mesh.rollout_devices)
+        self.role = SamplerRole.of(cfg, run.model_config, run.mesh)  # last: budgets free memory
+        self.serving, self.reshard = self.role.layout, self.role.send
         if self.base is not None and adapters.merged_sampler(cfg, run.model_config, self.serving):
             self.merge_sampler = adapters.merge_program(
                 run.model_config, self.sampler_base_shardings
@@ -526,14 +525,14 @@ class RLTrainer(Trainer):
             return lora.combine(self.base, self.copy_params(self.policy_trained))
 
     def make_pipeline(self) -> Pipeline:
-        """The run's pipeline (the one choice): the sampler's processes' batches
-        (``mesh.rollout_devices`` on several processes), else this process's rollouts, inline
-        or ``rollout.max_staleness`` ahead on a thread."""
+        """The run's pipeline, as the sampler's role brings batches (``SamplerRole.pipeline``)."""
         s = self.spec.sampler
-        if remote.is_remote(self.cfg):
-            return remote.RemotePipeline(s.max_staleness, self.sampler)
-        return RolloutPipeline(
-            self.rollout_from, s.max_staleness, self.run.mesh, s.partial, prompts=self.sampler
+        return self.role.pipeline(
+            self.rollout_from,
+            max_staleness=s.max_staleness,
+            mesh=self.run.mesh,
+            partial=s.partial,
+            prompts=self.sampler,
         )
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[rollout_lib.Samples, dict]:
@@ -551,10 +550,8 @@ class RLTrainer(Trainer):
     # -- evaluation and outputs ----------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        if remote.is_remote(self.cfg):  # the sampler's devices are another process's
-            metrics, samples = self.run.evaluate(self.policy_params, mesh=self.run.mesh)
-        else:
-            metrics, samples = self.run.evaluate(self.sampler_params(), mesh=self.serving.mesh)
+        params, mesh = self.role.evaluation(self.policy_params, self.sampler_params, self.run.mesh)
+        metrics, samples = self.run.evaluate(params, mesh=mesh)
         self._write_samples(samples)
         return metrics
 

@@ -196,23 +196,26 @@ def test_plots_and_tensorboard_events_are_written(tmp_path):
 
 def test_samples_jsonl_holds_every_evaluation(uninterrupted):
     """One block of greedy completions of the held-out prompts per evaluation -- before the
-    run, every ``eval_every`` steps, and after it -- each agreeing with that evaluation's
-    accuracy and mean reward."""
+    run and every ``eval_every`` steps; the last step's is the one after the run (not sampled
+    twice) -- each agreeing with that evaluation's accuracy and mean reward."""
     cfg, summary = uninterrupted.cfg, uninterrupted.summary
     run_dir = pathlib.Path(cfg.run_dir)
     samples = rl_helpers.check_samples(run_dir, cfg)
     size = cfg.data.eval_size
     blocks = [samples[i : i + size] for i in range(0, len(samples), size)]
-    assert [{row["step"] for row in block} for block in blocks] == [{0}, {3}, {6}, {6}]
+    assert [{row["step"] for row in block} for block in blocks] == [{0}, {3}, {6}]
     _, eval_examples = load_examples(cfg)
     assert len(eval_examples) == size
     rows = {row["step"]: row for row in read_metrics(run_dir)}
     expected = [
         summary["eval_before_rl"],
         {"accuracy": rows[3]["eval/accuracy"], "reward_mean": rows[3]["eval/reward_mean"]},
-        {"accuracy": rows[6]["eval/accuracy"], "reward_mean": rows[6]["eval/reward_mean"]},
         summary["eval_after_rl"],
     ]
+    assert summary["eval_after_rl"] == {
+        "accuracy": rows[6]["eval/accuracy"],
+        "reward_mean": rows[6]["eval/reward_mean"],
+    }
     for block, want in zip(blocks, expected, strict=True):
         assert [row["prompt"] for row in block] == [ex.prompt for ex in eval_examples]
         assert np.mean([row["correct"] for row in block]) == pytest.approx(want["accuracy"])
