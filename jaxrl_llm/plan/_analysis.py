@@ -51,6 +51,7 @@ from jaxrl_llm.plan._split import (
     split_job,
     weight_sync,
 )
+from jaxrl_llm.plan._teacher import lower_teacher_program, teacher_state
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -134,11 +135,14 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         params,
     )
     rm = reward_model_state(cfg, model_config, mesh)
+    teacher = teacher_state(cfg, model_config, mesh)
     sizes = with_aux_bytes(
         state_bytes(state, reference, params_compute, None, frozen and frozen.base), critic
     )
     if rm is not None:
         sizes = dataclasses.replace(sizes, reward_model=shard_bytes(rm.params))
+    if teacher is not None:
+        sizes = dataclasses.replace(sizes, teacher=shard_bytes(teacher.params))
     if split is not None:  # the sampler's own chips
         layout = sampler_layout(cfg, model_config, split, spec)
         weights = compute_weight_bytes(state.params, model_config)
@@ -166,6 +170,7 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
             layout=layout,
             frozen=frozen,
             reward_model=rm,
+            teacher=teacher,
             split=split,
             sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
         )
@@ -173,7 +178,9 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     for name, program in programs.items():  # the chips each program runs on
         on_sampler = split is not None and name in SAMPLER_PROGRAMS
         program.chips = len(split.sampler_devices) if on_sampler else mesh.size
-    return Job(run, spec, mesh, model_config, shape, sizes, programs, layout, critic, rm, split)
+    return Job(
+        run, spec, mesh, model_config, shape, sizes, programs, layout, critic, rm, split, teacher
+    )
 
 
 def _lower_programs(low: Lowering) -> dict[str, Program]:
@@ -299,7 +306,9 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
         {"reference": sizes.reference, "aux_model": sizes.aux},
         functools.partial(decode_hbm_bytes_per_chip, model_config),
     )
-    if low.reward_model is not None:  # (e) a learned reward model, scoring each rollout
+    if low.teacher is not None:  # (e) on-policy distillation's teacher, scoring each rollout
+        lower_teacher_program(programs, low, inputs)
+    if low.reward_model is not None:  # (f) a learned reward model, scoring each rollout
         lower_reward_program(programs, low, inputs)
     return {name: programs[name] for name in PROGRAMS if name in programs}
 

@@ -34,6 +34,7 @@ PROGRAMS = (
     "prm_update",
     "logprobs",
     "ref_logprobs",
+    "teacher_logprobs",
     "values",
     "prm_logprobs",
     "rm_scores",
@@ -51,6 +52,7 @@ MEMORY_PARTS = (
     "frozen_base",
     "aux_model",
     "reward_model",
+    "teacher",
     "sampler_weights",
     "kv_cache",
     "inputs",
@@ -158,20 +160,22 @@ def plan_model_config(section) -> models.ModelConfig:
 
 def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
     """The trainer's ``("data", "fsdp", "tensor")`` mesh over ``devices`` (``make_run_mesh``:
-    a ``-1`` fills; without one the first ``data x fsdp x tensor`` devices are used).
+    a ``-1`` fills; without one the first ``data x fsdp x expert x tensor`` devices are used;
+    ``mesh.expert > 1`` adds the ``expert`` axis).
 
     Raises:
       PlanError: sizes that do not fit the slice.
     """
     sizes = (section.data, section.fsdp, section.tensor)
+    expert = getattr(section, "expert", 1)
     devices = list(devices)
     try:
         if -1 not in sizes:
-            count = math.prod(sizes)
+            count = math.prod(sizes) * expert
             if count > len(devices):
                 raise ValueError(f"mesh {sizes} needs {count} chips; the slice has {len(devices)}")
             devices = devices[:count]
-        return parallel.make_mesh(*sizes, devices=devices)
+        return parallel.make_mesh(*sizes, expert=expert, devices=devices)
     except ValueError as err:
         raise PlanError(f"mesh: {err}") from None
 
@@ -209,6 +213,8 @@ class StateBytes:
         (made once a run, kept all run); 0 without LoRA.
       reward_model: a learned reward model's weights (``reward_model.path``, frozen, in the
         compute dtype, kept all run); 0 without one.
+      teacher: on-policy distillation's teacher (``teacher.path``, frozen, in the compute
+        dtype, kept all run); 0 without one.
     """
 
     params: int
@@ -220,6 +226,7 @@ class StateBytes:
     base: int = 0
     serving_base: int = 0
     reward_model: int = 0
+    teacher: int = 0
 
     @property
     def aux(self) -> int:
@@ -230,8 +237,8 @@ class StateBytes:
     @property
     def resident(self) -> int:
         """Alive all step: the train state, the reference, the auxiliary model, a LoRA run's
-        frozen base (and its serving copy) and a learned reward model."""
-        frozen = self.base + self.serving_base + self.reward_model
+        frozen base (and its serving copy), a learned reward model and a teacher."""
+        frozen = self.base + self.serving_base + self.reward_model + self.teacher
         return self.params + self.optimizer + self.reference + self.aux + frozen
 
 
@@ -347,6 +354,7 @@ class Lowering(OfRun):
       layout: the sampler's ``ServingLayout``.
       frozen: a LoRA run's frozen base (``plan._lora.Frozen``), or None.
       reward_model: ``reward_model.path``'s ``plan._reward.RewardModel``, or None.
+      teacher: ``teacher.path``'s ``plan._teacher.Teacher``, or None.
       split: the sampler's own chips (``plan._split.Split``), or None.
       sampler_free: the chip's usable HBM less the resident state.
     """
@@ -364,6 +372,7 @@ class Lowering(OfRun):
     layout: Any = None
     frozen: Any = None
     reward_model: Any = None
+    teacher: Any = None
     split: Any = None
     sampler_free: int | None = None
 
@@ -401,6 +410,7 @@ class Job(OfRun):
     aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
     reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
+    teacher: Any = None  # plan._teacher.Teacher of teacher.path, or None
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -444,6 +454,8 @@ def abstract_rollout_batch(
     critic = {"values": values} if objective.needs_critic else {}
     if objective.needs_process_rewards:  # PRIME: dense rewards from the implicit PRM
         critic = {"process_rewards": full}
+    if "teacher_logprobs" in objective.estimator_requires:  # on-policy distillation
+        critic = {**critic, "teacher_logprobs": full}
     adv, _ = jax.eval_shape(
         lambda r, m, o, f, c: advantage_fn(r, m, old_logprobs=o, ref_logprobs=f, **c),
         jax.ShapeDtypeStruct((shape.rows,), jnp.float32),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from jaxrl_llm import models, parallel
 from jaxrl_llm.plan import estimate as est
@@ -32,6 +32,8 @@ from jaxrl_llm.plan._reward import reward_model_report
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan._split import ASSUMPTIONS as SPLIT_ASSUMPTIONS
 from jaxrl_llm.plan._split import split_report
+from jaxrl_llm.plan._teacher import ASSUMPTIONS as TEACHER_ASSUMPTIONS
+from jaxrl_llm.plan._teacher import teacher_report
 from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -44,14 +46,33 @@ PyTree = Any
 # -- planning --------------------------------------------------------------------------------
 
 
-def compile_job(job: Job) -> dict[str, CompileOutcome]:
-    """``try_compile`` of each lowered program (a program sharing another's compile reuses it)."""
+def compile_job(job: Job, *, stream: TextIO | None = None) -> dict[str, CompileOutcome]:
+    """``try_compile`` of each lowered program (a program sharing another's compile reuses it).
+
+    A progress bar over the programs compiled (done, total, time left, the one compiling)
+    draws on ``stream`` (None: stderr) when it is a terminal, and is erased when done (tqdm's
+    ``disable=None``: nothing on a pipe or a file).
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    compiled = [name for name, program in job.programs.items() if program.same_as is None]
     outcomes: dict[str, CompileOutcome] = {}
-    for name, program in job.programs.items():
-        if program.same_as is not None:
-            outcomes[name] = outcomes[program.same_as]
-        else:
+    with tqdm(
+        total=len(compiled),
+        desc="compiling",
+        unit="program",
+        file=stream,
+        disable=None,
+        leave=False,
+        dynamic_ncols=True,
+    ) as bar:
+        for name, program in job.programs.items():
+            if program.same_as is not None:
+                outcomes[name] = outcomes[program.same_as]
+                continue
+            bar.set_postfix_str(name)
             outcomes[name] = try_compile(program.lowered)
+            bar.update(1)
     return outcomes
 
 
@@ -250,6 +271,7 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
         "objective": job.objective.name,
         "critic": critic_report(job),
         "reward_model": reward_model_report(job),
+        "teacher": teacher_report(job),
         "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
         "resident_bytes": dataclasses.asdict(state),
         "programs": dict(programs),
@@ -258,6 +280,7 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             *(LORA_ASSUMPTIONS if config.lora is not None else ()),
             *(JOINT_ASSUMPTIONS if job.aux is not None and job.aux.joint else ()),
             *(RM_ASSUMPTIONS if job.reward_model is not None else ()),
+            *(TEACHER_ASSUMPTIONS if job.teacher is not None else ()),
             *(SPLIT_ASSUMPTIONS if job.split is not None else ()),
         ],
     }
@@ -342,6 +365,7 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         base = f", frozen base {_fmt(state.base + state.serving_base)}" if state.base else ""
         base += f", critic/PRM {_fmt(state.aux)}" if state.aux else ""
         base += f", reward model {_fmt(state.reward_model)}" if state.reward_model else ""
+        base += f", teacher {_fmt(state.teacher)}" if state.teacher else ""
         out.append(
             f"the resident state alone (parameters {_fmt(state.params)}, optimizer state "
             f"{_fmt(state.optimizer)}, reference {_fmt(state.reference)}{base}) takes "
@@ -393,7 +417,7 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
                 f"micro-batch already, and the batch axes need a multiple of {shards}; "
                 "more trainer.minibatches instead"
             )
-    if not skipped_compile and over & {"update", "logprobs", "ref_logprobs"}:
+    if not skipped_compile and over & {"update", "logprobs", "ref_logprobs", "teacher_logprobs"}:
         tensor = dict(job.mesh.shape)["tensor"]
         out.append(
             f"a tensor axis (mesh.tensor={2 * tensor} with mesh.fsdp=-1): splits heads, MLP "
@@ -403,6 +427,12 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
         out.append(
             "the log-prob forwards run over the whole rollout batch at once: fewer rollout "
             "rows (rollout.prompts_per_step) or a smaller model.chunk_size"
+        )
+    if not skipped_compile and "teacher_logprobs" in over:
+        out.append(
+            "the teacher scores the whole rollout batch at once (teacher_logprobs): fewer "
+            "rollout rows (rollout.prompts_per_step), a smaller model.chunk_size, or a smaller "
+            "teacher (teacher.path)"
         )
     if not skipped_compile and "rm_scores" in over:
         out.append(

@@ -38,6 +38,7 @@ from jaxrl_llm.plan._job import (
     shard_bytes,
     with_shardings,
 )
+from jaxrl_llm.plan._split import on_trainer_chips
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl.context import reward_model_program
 from jaxrl_llm.train.rl.programs import builder_name
@@ -126,8 +127,9 @@ def lower_reward_program(programs: dict[str, Program], low: Lowering, inputs: St
     model's (``low.reward_model``) weights to every other program's resident bytes."""
     rm, cfg, mesh, objective = low.reward_model, low.cfg, low.mesh, low.objective
     shape, sizes, seqs = low.shape, low.sizes, inputs.seqs
-    for program in programs.values():  # a fresh dict: programs may share one
-        program.resident = {**program.resident, "reward_model": sizes.reward_model}
+    for name, program in programs.items():  # a fresh dict: programs may share one
+        if on_trainer_chips(low.split, name):  # loaded on the trainer's mesh
+            program.resident = {**program.resident, "reward_model": sizes.reward_model}
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
 
     score_fn = reward_model_program(rm.config)  # the trainer's, as ``load_reward_model`` builds
@@ -139,6 +141,7 @@ def lower_reward_program(programs: dict[str, Program], low: Lowering, inputs: St
         "reference": sizes.reference,
         "frozen_base": sizes.base,
         "aux_model": sizes.aux,
+        "teacher": sizes.teacher,
     }
     if scores_in_rollout(cfg, objective):
         # In the rollout: the sampler's weights (its serving copy, a LoRA run's kept base
@@ -146,9 +149,10 @@ def lower_reward_program(programs: dict[str, Program], low: Lowering, inputs: St
         around["sampler_weights"] = programs["prefill"].argument_parts.get("sampler_weights", 0)
     else:
         # Deferred: the step's sequences and the sampler's log-probs are on device, and so
-        # are the behaviour and reference log-probs just dispatched.
+        # are the behaviour, reference and teacher log-probs just dispatched.
         per_token = shard_bytes(_rows(mesh, (rows, t_len), jnp.float32))
         forwards = programs["logprobs"].calls_per_step + ("ref_logprobs" in programs)
+        forwards += "teacher_logprobs" in programs
         around["sampler_weights"] = sizes.serving_base
         around["inputs"] = shard_bytes(seqs) + (1 + forwards) * per_token
     forward = flops_lib.forward_flops(rm.config, rows, seq, logits_positions=0)

@@ -49,6 +49,14 @@ PyTree = Any
 # The programs that run on the sampler's chips; the others run on the trainer's.
 SAMPLER_PROGRAMS = ("serving_reshard", "prefill", "decode_step")
 
+
+def on_trainer_chips(split: Split | None, name: str) -> bool:
+    """Whether program ``name`` runs on the trainer's chips, where the trainer's resident
+    state (its frozen models included) lives: every program, but the sampler's when it has
+    chips of its own (``split``)."""
+    return split is None or name not in SAMPLER_PROGRAMS
+
+
 ASSUMPTIONS = (
     "mesh.rollout_devices: the weight copy after each update moves at the ICI bandwidth of the "
     "busier side's ports or of the links crossing between the two groups of chips, whichever "
@@ -290,6 +298,7 @@ __all__ = [
     "compute_weight_bytes",
     "cut_links",
     "lower_split_programs",
+    "on_trainer_chips",
     "sampler_layout",
     "split_job",
     "split_report",

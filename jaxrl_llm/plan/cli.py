@@ -29,6 +29,7 @@ _PARTS = (
     ("frozen_base", "base"),
     ("aux_model", "critic/PRM"),
     ("reward_model", "RM"),
+    ("teacher", "teacher"),
     ("sampler_weights", "bf16 w"),
     ("kv_cache", "KV"),
     ("inputs", "inputs"),
@@ -252,6 +253,14 @@ def _aux_lines(report: Mapping[str, Any]) -> list[str]:
             f"reward model: {rm['path']} ({rm['architecture']}, {rm['params'] / 1e6:.2f} M "
             f"parameters in {rm['dtype']}, {_gib(rm['bytes_per_chip'])} GiB a chip: RM), "
             f"kept all run; {when}"
+        )
+    teacher = report.get("teacher")
+    if teacher:
+        lines.append(
+            f"teacher: {teacher['path']} ({teacher['architecture']}, "
+            f"{teacher['params'] / 1e6:.2f} M parameters in {teacher['dtype']}, "
+            f"{_gib(teacher['bytes_per_chip'])} GiB a chip: teacher), kept all run; its "
+            "log-probs of each rollout batch (teacher_logprobs) give the distillation advantages"
         )
     return lines
 

@@ -32,16 +32,18 @@ PPO's critic and PRIME's implicit PRM are planned as their trainers build them
 ``critic.optimizer=joint`` one state holds policy and critic and the ``update`` is the joint
 step; ``critic.init=reward_model`` takes the critic's architecture from ``critic.path``'s
 config.json. A learned reward model (``reward_model.path``, ``plan._reward``) is resident all
-run in the compute dtype and scores each rollout batch (``rm_scores``).
+run in the compute dtype and scores each rollout batch (``rm_scores``); so is on-policy
+distillation's teacher (``teacher.path``, ``plan._teacher``), whose log-probs of each rollout
+batch are ``teacher_logprobs`` (``train.rl.programs.teacher_program``).
 
 Memory per chip counts what is alive during each program, not only its arguments: the train
 state (parameters, optimizer state), the frozen reference and the rollout batch stay resident
 all step, so each program's peak (``compiled.memory_analysis()``, see ``estimate``) is added to
 whatever of those it does not take as an argument. Each total is split into parts:
 ``parameters, optimizer_state, reference, frozen_base`` (LoRA), ``aux_model``, ``reward_model``,
-``sampler_weights`` (the compute-dtype copy the decode loop reads), ``kv_cache, inputs`` (the
-program's batch and the rollout batch) and ``temporaries`` (the rest: gradients and
-activations of the update, activations of the forwards, the step's intermediates).
+``teacher``, ``sampler_weights`` (the compute-dtype copy the decode loop reads), ``kv_cache,
+inputs`` (the program's batch and the rollout batch) and ``temporaries`` (the rest: gradients
+and activations of the update, activations of the forwards, the step's intermediates).
 
 Time per program is a roofline (``estimate.roofline``): analytic matmul FLOPs with causal
 attention (``plan.flops``), HBM bytes from the optimized HLO (the decode step's from

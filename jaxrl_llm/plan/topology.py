@@ -48,6 +48,7 @@ compiles; ``usable_hbm_bytes_per_chip`` holds these and ``estimate.memory_breakd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -310,7 +311,8 @@ def get_devices(spec: TopologySpec) -> list[Any]:
     """
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        desc = topologies.get_topology_desc(platform="tpu", **topology_kwargs(spec))
+        with deviceless_libtpu_env(spec):
+            desc = topologies.get_topology_desc(platform="tpu", **topology_kwargs(spec))
     except RuntimeError as err:
         if "TPU support not installed" in str(err):
             raise RuntimeError(
@@ -324,6 +326,48 @@ def get_devices(spec: TopologySpec) -> list[Any]:
             f"expected {spec.chips} (one per chip)"
         )
     return devices
+
+
+#: What libtpu asks a Cloud TPU VM's metadata server (or these variables) when it initialises,
+#: with values that describe a one-host slice; read once, by the first ``get_topology_desc``.
+_DEVICELESS_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1"}
+
+
+def _tpu_attached() -> bool:
+    """Whether this machine has TPU chips (JAX's own PCI probe; False if it cannot tell)."""
+    try:
+        from jax._src import hardware_utils  # noqa: PLC0415  (JAX's probe, no backend)
+
+        return bool(hardware_utils.num_available_tpu_chips_and_device_id()[0])
+    except (ImportError, AttributeError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def deviceless_libtpu_env(spec: TopologySpec):
+    """The TPU variables libtpu reads at initialisation, set for a deviceless compile while
+    the block runs, where the user left them unset and no TPU is attached.
+
+    Off a Cloud TPU VM libtpu cannot find the accelerator type and worker hostnames it asks
+    the metadata server for, and prints lines of C++ initialisation errors to the process's
+    stderr (``Failed to find host bounds for accelerator type``, ``unexpected worker
+    hostname``, a source-location trace) before anything a command prints. Given the slice's
+    own type (``spec.cloud_name``) and one local worker it initialises quietly; the devices
+    and compiled programs of every topology are the same either way (the topology comes from
+    ``get_topology_desc``'s arguments). The variables are removed again afterwards: libtpu has
+    read them, and processes started later do not inherit them.
+    """
+    added = []
+    if not _tpu_attached():
+        for key, value in {"TPU_ACCELERATOR_TYPE": spec.cloud_name, **_DEVICELESS_ENV}.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                added.append(key)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def libtpu_available() -> bool:
@@ -401,6 +445,7 @@ __all__ = [
     "CompileOutcome",
     "GiB",
     "TopologySpec",
+    "deviceless_libtpu_env",
     "get_devices",
     "libtpu_available",
     "parse_hbm_oom",

@@ -8,10 +8,11 @@ completions before its head is added. All three run :func:`sft_warmup` over an i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 import optax
@@ -78,15 +79,54 @@ class WarmupMonitor:
     """What :func:`sft_warmup` watches as it runs.
 
     Attributes:
-      log_every: log the NLL every this many steps.
+      log_every: without a bar, log the NLL every this many steps (and after the last).
       probe: ``probe(step, params) -> stop`` every ``check_every`` steps (and not after the
         last): True ends the warm-up there (``params`` as returned: LoRA adapters merged).
       check_every: the steps between two calls of ``probe``.
+      progress: a progress bar over the steps (done, total, rate, time left) showing the last
+        finished step's NLL, in place of the periodic NLL lines (``logging.progress``); the
+        NLL after the last step is still logged.
+      stream: where the bar draws (None: stderr).
     """
 
     log_every: int = 100
     probe: Callable[[int, PyTree], bool] | None = None
     check_every: int = 50
+    progress: bool = False
+    stream: TextIO | None = None
+
+
+class _WarmupBar:
+    """:func:`sft_warmup`'s bar: counts a step once its NLL is on the host, so reading it
+    never stalls the device (the next step is already dispatched) and the rate and time left
+    are of finished steps. Log lines print above it (``logging_redirect_tqdm``)."""
+
+    def __init__(self, monitor: WarmupMonitor, steps: int):
+        from tqdm.auto import tqdm  # noqa: PLC0415
+        from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: PLC0415
+
+        self.enabled = monitor.progress
+        self._bar = tqdm(
+            total=steps,
+            desc="sft warm-up",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not monitor.progress,
+            file=monitor.stream,
+        )
+        self._lines = logging_redirect_tqdm() if self.enabled else contextlib.nullcontext()
+        self._lines.__enter__()
+
+    def show(self, history: list) -> None:
+        """Counts the steps of ``history`` (device NLLs) not counted yet, showing the NLL."""
+        while self.enabled and self._bar.n < len(history):
+            nll = float(history[self._bar.n])
+            self._bar.set_postfix_str(f"nll {nll:.4f}", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._lines.__exit__(None, None, None)
 
 
 def sft_warmup(
@@ -160,12 +200,20 @@ def sft_warmup(
         merge = adapters.merge_program(model_config, frozen_shardings)
         finished = lambda trained: merge(frozen, trained)  # noqa: E731
     history = []
-    for i in range(steps):
-        state, metrics = step(state, to_device(next(batches)))
-        history.append(metrics["nll"])
-        if (i + 1) % monitor.log_every == 0 or i + 1 == steps:
-            log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
-        checked = monitor.probe is not None and (i + 1) % monitor.check_every == 0
-        if checked and i + 1 < steps and monitor.probe(i + 1, finished(state.params)):
-            break
+    bar = _WarmupBar(monitor, steps)
+    try:
+        for i in range(steps):
+            state, metrics = step(state, to_device(next(batches)))
+            bar.show(history)  # the steps before this one, while it runs
+            history.append(metrics["nll"])
+            if i + 1 == steps:
+                bar.show(history)
+            if i + 1 == steps or (not bar.enabled and (i + 1) % monitor.log_every == 0):
+                log.info("sft warm-up step %d/%d: nll %.4f", i + 1, steps, float(metrics["nll"]))
+            checked = monitor.probe is not None and (i + 1) % monitor.check_every == 0
+            if checked and i + 1 < steps and monitor.probe(i + 1, finished(state.params)):
+                break
+        bar.show(history)  # stopped early by the probe
+    finally:
+        bar.close()
     return finished(state.params), [float(x) for x in jax.device_get(history)]

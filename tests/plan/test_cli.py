@@ -9,6 +9,10 @@ deviceless compiles need libtpu (skipped without it).
 import contextlib
 import io
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -185,6 +189,35 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     code, out, err = plan("configs/grpo.yaml", *args)
     assert code == 2, out + err
     assert message in err and err.startswith("error:")
+
+
+@needs_libtpu
+def test_bad_input_found_after_libtpu_starts_prints_one_error_line_and_nothing_else():
+    """The installed command in a process of its own, as a user runs it: 4 prompts do not
+    divide over v5litepod-16's 16 chips, found once libtpu has built the topology's devices,
+    whose initialisation off a TPU VM printed lines of C++ errors to stderr before it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "TPU_"))}
+    result = subprocess.run(
+        [
+            str(pathlib.Path(sys.executable).with_name("jaxrl-llm")),
+            "plan",
+            "configs/grpo.yaml",
+            "--topology",
+            "v5litepod-16",
+            "model.architecture=qwen2.5-0.5b",
+            "rollout.prompts_per_step=4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: rollout.prompts_per_step (the prefill's rows)=4 does not divide into the 16 "
+        "batch shards of the mesh {'data': 1, 'fsdp': 16, 'tensor': 1}"
+    ]
 
 
 def test_missing_topology_flag_is_a_usage_error():

@@ -7,7 +7,9 @@ programs on CPU and checks the accounting against XLA's own ``memory_analysis``.
 """
 
 import dataclasses
+import io
 import json
+import re
 
 import jax
 import pytest
@@ -213,6 +215,7 @@ def test_memory_parts_by_hand():
         "frozen_base": 0,
         "aux_model": 0,
         "reward_model": 0,
+        "teacher": 0,
         "sampler_weights": 0,
         "kv_cache": 300,
         "inputs": 40,
@@ -357,8 +360,17 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
     """Compiled on the CPU devices: each program's arguments are what the accounting says they
     are, and every total is the program's peak plus what stays resident around it."""
     job = _job(tiny_path)
-    outcomes = pr.compile_job(job)
+    terminal = Terminal()
+    outcomes = pr.compile_job(job, stream=terminal)
     assert outcomes["ref_logprobs"] is outcomes["logprobs"]  # same dtype, same program
+    # On a terminal, a bar over the programs compiled (the shared one not counted), naming
+    # the one compiling after those done, erased at the end.
+    drawn = terminal.getvalue()
+    compiled = [name for name, p in job.programs.items() if p.same_as is None]
+    assert "ref_logprobs" not in compiled and len(compiled) == len(job.programs) - 1
+    for done, name in enumerate(compiled):
+        assert re.search(rf"\| {done}/{len(compiled)} \[[^]]*, {name}\]", drawn), (name, drawn)
+    assert drawn.endswith("\r")  # cleared (leave=False)
     shape = job.shape
     # Per chip, the arguments besides the state, weights and cache the accounting names:
     inputs = {
@@ -395,6 +407,21 @@ def test_cpu_compile_matches_the_accounting(tiny_path):
     decode = report["programs"]["decode_step"]["times"]
     assert report["est_decode_tokens_per_s"] == pytest.approx(shape.rows / decode["step_s"])
     json.dumps(report)
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal (where ``plan`` draws its compile bar)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_compile_bar_is_hidden_off_a_terminal(tiny_path):
+    job = _job(tiny_path)
+    job = dataclasses.replace(job, programs={"reshard": job.programs["reshard"]})
+    stream = io.StringIO()  # a pipe or a file: no bar (tqdm's disable=None)
+    assert pr.compile_job(job, stream=stream)["reshard"].compiled is not None
+    assert stream.getvalue() == ""
 
 
 def test_suggestions_for_a_state_that_cannot_fit(tiny_path):

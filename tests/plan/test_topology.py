@@ -5,6 +5,8 @@ expected specs are the published per-chip numbers; the compiler's usable-HBM lim
 against real deviceless compiles (skipped without libtpu).
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,42 @@ def test_get_devices_explains_a_missing_libtpu(monkeypatch):
     monkeypatch.setattr(topology.topologies, "get_topology_desc", missing)
     with pytest.raises(RuntimeError, match="pip install 'jax\\[tpu\\]'"):
         get_devices(resolve_topology("v5e-4"))
+
+
+def test_libtpu_starts_with_the_slices_type_and_one_worker_then_the_variables_go(monkeypatch):
+    """Off a TPU VM libtpu asks for the accelerator type and worker hostnames at start-up (and
+    prints C++ errors without them): ``get_devices`` gives it the planned slice's type and one
+    local worker while it builds the topology, leaving a user's own values and the
+    environment afterwards as they were."""
+    seen = {}
+    keys = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_SKIP_MDS_QUERY")
+
+    def desc(**kwargs):
+        seen.update({key: os.environ.get(key) for key in keys})
+        raise RuntimeError("TPU support not installed")  # stop here: no libtpu needed
+
+    monkeypatch.setattr(topology.topologies, "get_topology_desc", desc)
+    monkeypatch.setattr(topology, "_tpu_attached", lambda: False)
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "true")  # the user's
+    with pytest.raises(RuntimeError, match="needs libtpu"):
+        get_devices(resolve_topology("v5e:4x4"))
+    assert seen == {
+        "TPU_ACCELERATOR_TYPE": "v5litepod-16",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "true",
+    }
+    assert {key: os.environ.get(key) for key in keys} == {
+        "TPU_ACCELERATOR_TYPE": None,
+        "TPU_WORKER_HOSTNAMES": None,
+        "TPU_SKIP_MDS_QUERY": "true",
+    }
+    # On a machine with TPU chips libtpu finds its own: nothing is set.
+    monkeypatch.setattr(topology, "_tpu_attached", lambda: True)
+    with pytest.raises(RuntimeError, match="needs libtpu"):
+        get_devices(resolve_topology("v5e:4x4"))
+    assert seen["TPU_ACCELERATOR_TYPE"] is None and seen["TPU_WORKER_HOSTNAMES"] is None
 
 
 @needs_libtpu

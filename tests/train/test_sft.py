@@ -16,6 +16,8 @@ backbone must be that policy's.
 
 from __future__ import annotations
 
+import io
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -207,6 +209,55 @@ def test_warmup_params_are_clipped_adamw_on_the_nll(problem, warmed):
         initial, problem[1], steps=steps, learning_rate=LEARNING_RATE, clip=False
     )
     assert not np.allclose(params["lm_head"], unclipped[steps]["lm_head"], rtol=1e-5, atol=1e-5)
+
+
+# -- what the warm-up shows as it runs ------------------------------------------------------
+
+
+def _warmup_shown(problem, caplog, monitor):
+    """``(history, lines logged)`` of a 3-step warm-up on the problem, on one device."""
+    initial, batches, _ = problem
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with caplog.at_level("INFO", logger="jaxrl_llm"):
+        _, history = sft.sft_warmup(
+            CONFIG,
+            jax.tree.map(jnp.asarray, initial),
+            iter(batches),
+            steps=MAX_STEPS,
+            learning_rate=LEARNING_RATE,
+            key=jax.random.key(1),
+            mesh=mesh,
+            to_device=lambda seqs: setup.to_device(seqs, mesh),
+            monitor=monitor,
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sft warm-up")]
+    return history, lines
+
+
+def test_warmup_progress_bar_counts_the_steps_and_shows_the_nll(problem, caplog):
+    """``logging.progress``: a bar over the steps (its total the warm-up's, with the time
+    left) showing the last finished step's NLL, instead of the periodic NLL lines; the NLL
+    after the last step is still logged."""
+    stream = io.StringIO()
+    monitor = sft.WarmupMonitor(log_every=1, progress=True, stream=stream)
+    history, lines = _warmup_shown(problem, caplog, monitor)
+    text = stream.getvalue()
+    assert "sft warm-up" in text and f"0/{MAX_STEPS}" in text  # the first draw
+    final = text.strip().split("\r")[-1]
+    assert f"{MAX_STEPS}/{MAX_STEPS}" in final and "<00:00" in final  # done, none left
+    assert f"nll {history[-1]:.4f}" in final
+    assert lines == [f"sft warm-up step {MAX_STEPS}/{MAX_STEPS}: nll {history[-1]:.4f}"]
+
+
+def test_warmup_without_a_bar_draws_nothing_and_logs_the_nll(problem, caplog):
+    stream = io.StringIO()
+    monitor = sft.WarmupMonitor(log_every=2, progress=False, stream=stream)
+    history, lines = _warmup_shown(problem, caplog, monitor)
+    assert stream.getvalue() == ""
+    assert lines == [
+        f"sft warm-up step 2/{MAX_STEPS}: nll {history[1]:.4f}",
+        f"sft warm-up step {MAX_STEPS}/{MAX_STEPS}: nll {history[2]:.4f}",
+    ]
 
 
 # -- the preference and reward-model jobs start from the warmed-up policy ---------------------

@@ -36,7 +36,7 @@ from jaxrl_llm.train.preference.data import (
     take,
 )
 from jaxrl_llm.train.preference.losses import RewardBatch, make_loss_fn, make_reference_fn
-from jaxrl_llm.train.sft import sft_warmup
+from jaxrl_llm.train.sft import WarmupMonitor, sft_warmup
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step, merge_trees
 from jaxrl_llm.types import Sequences
@@ -271,6 +271,7 @@ class PreferenceTrainer(Trainer):
                 chunk_size=cfg.model.chunk_size,
                 remat=cfg.model.remat,
                 param_dtype=self.dtype,
+                monitor=WarmupMonitor(progress=cfg.logging.progress),
             )
         self.state, self.shardings = self._create_state(params, init_key)
         self.reference, self.ref_logps = None, None

@@ -88,12 +88,14 @@ def as_trained(cfg, *, asked: bool | None):
 
 def load_eval_config(target: str, overrides: list[str]):
     """The ``TrainConfig`` to evaluate: a run directory's own (its ``hf/`` policy as
-    ``model.path``) or a YAML config's.
+    ``model.path``: a Hugging Face checkpoint, or a LoRA run's PEFT adapter over its saved base)
+    or a YAML config's.
 
     Raises:
       FileNotFoundError: no such file or directory, or a run directory without ``config.yaml``
-        or ``hf/``.
+        or a policy in ``hf/``.
     """
+    from jaxrl_llm.models import lora  # noqa: PLC0415
     from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
     from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
 
@@ -102,10 +104,12 @@ def load_eval_config(target: str, overrides: list[str]):
         config, hf = path / "config.yaml", path / "hf"
         if not config.is_file():
             raise FileNotFoundError(f"{path} is a directory without config.yaml (not a run dir)")
-        if not (hf / "config.json").is_file():
+        # A LoRA run leaves its adapters (PEFT, over the base it saved in ``RUN_DIR/base``),
+        # which ``model.path`` loads as one model (``setup.build_policy``).
+        if not (hf / "config.json").is_file() and not lora.is_adapter_dir(hf):
             raise FileNotFoundError(
-                f"{hf} holds no Hugging Face checkpoint: the run has not finished (or "
-                f"`jaxrl-llm export {path}` writes one)"
+                f"{hf} holds no Hugging Face checkpoint or LoRA adapter: the run has not "
+                f"finished (or `jaxrl-llm export {path}` writes one)"
             )
         return load_config(TrainConfig, str(config), [*overrides, f"model.path={hf}"])
     if not path.is_file():

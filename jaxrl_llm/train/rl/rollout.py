@@ -480,6 +480,24 @@ class StepRollout:
         )
 
 
+def prompt_excerpt(prompt: str, width: int = 60) -> str:
+    """``prompt`` on one line in at most ``width`` characters, for a sample's log line: every
+    run of whitespace (newlines included) one space, and when longer than ``width`` its start
+    and its end with ``…`` between (the end, where the question usually is, one character
+    longer than the start).
+
+    Raises:
+      ValueError: ``width`` under 3 (no room for a start, ``…`` and an end).
+    """
+    if width < 3:
+        raise ValueError(f"width must be at least 3, got {width}")
+    text = " ".join(prompt.split())
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+
+
 def write_samples(path, step: int, samples: Samples, *, show: int = 0) -> None:
     """Appends ``samples``' completions to the JSONL file ``path`` (``step``, ``prompt``,
     ``completion``, ``reward``, ``correct``) and logs the first ``show``."""
@@ -497,7 +515,7 @@ def write_samples(path, step: int, samples: Samples, *, show: int = 0) -> None:
         log.info(
             "sample %d: %r -> %r (reward %.3f)",
             i,
-            samples.prompts[i][-60:],
+            prompt_excerpt(samples.prompts[i]),
             samples.completions[i][:120],
             float(samples.rewards[i]),
         )

@@ -413,6 +413,7 @@ class RLTrainer(Trainer):
             if attention is not None:  # the loss and advantages see the sampled tokens only
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
             batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
+            self.step_teacher_logprobs = None  # read by score: not kept through the update
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
             batch, corrected = correct_batch(run.objective, batch)
             adv = parallel.fetch(batch.advantages)

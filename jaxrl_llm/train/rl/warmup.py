@@ -115,6 +115,7 @@ def warm_up(cfg, run, params: Any, *, steps: int, key: jax.Array) -> tuple[Any, 
                 steps=steps,
             ),
             check_every=every,
+            progress=cfg.logging.progress,
         ),
     )
     return params, len(history)

@@ -107,3 +107,61 @@ def test_bad_input_exits_2_with_the_reason(run_dir, tmp_path, capsys, target, ex
     path = {"missing": tmp_path / "nope", "empty_dir": tmp_path / "empty_dir", "run": run_dir}
     code, _, err = _eval(capsys, path[target], *extra)
     assert code == 2 and match in err
+
+
+def test_eval_of_a_lora_run_evaluates_the_base_with_its_adapters(tmp_path, capsys, monkeypatch):
+    """A LoRA run's ``hf/`` holds its PEFT adapter (``adapter_config.json``, no config.json)
+    over the base it saved (``base/``): ``jaxrl-llm eval RUN_DIR`` samples the base with the
+    trained adapters applied (docs/lora.md), the figures the run's own final evaluation gave
+    at its seed and rollout temperature (``trainer.eval_k``)."""
+    from safetensors.numpy import load_file
+
+    from jaxrl_llm.train.rl import evaluate
+
+    run = tmp_path / "lora"
+    code = main(
+        [
+            "train",
+            "model.lora.rank=4",
+            "trainer.max_steps=1",
+            "sft_warmup.steps=2",
+            "data.eval_size=8",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=2",
+            "mesh.fsdp=1",
+            "trainer.eval_k=2",
+            # Two warm-up steps leave every answer wrong (no advantage): an entropy bonus
+            # gives the one RL step a gradient, so the adapters move off their start.
+            "objective.overrides={entropy_coef: 0.01}",
+            f"run_dir={run}",
+        ]
+    )
+    capsys.readouterr()
+    assert code == 0
+    assert (run / "hf" / "adapter_config.json").is_file()
+    assert not (run / "hf" / "config.json").exists()
+    evaluated = {}
+    real = evaluate.sampled_report
+
+    def recorded(context, params, *args, **kwargs):
+        evaluated.update(config=context.model_config, params=params)
+        return real(context, params, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "sampled_report", recorded)
+    out_json = tmp_path / "eval.json"
+    code, out, err = _eval(capsys, run, "--k", 2, "--seed", 0, "--json", out_json)
+    assert code == 0, err
+    assert "pass@2" in out and f"({run / 'hf'})" in out
+    # The adapters, as saved (PEFT names, [r, in] A and [out, r] B a layer), in the model.
+    assert evaluated["config"].lora is not None and evaluated["config"].lora.rank == 4
+    saved = load_file(run / "hf" / "adapter_model.safetensors")
+    b = next(v for k, v in saved.items() if k.endswith("layers.0.self_attn.q_proj.lora_B.weight"))
+    assert abs(b).max() > 0  # trained: B starts at zero
+    layers = evaluated["params"]["layers"]
+    got = layers["wq_lora_b"][0].reshape(4, -1)
+    assert got == pytest.approx(b.T.reshape(4, -1), abs=1e-6)
+    summary = json.loads(out_json.read_text())["summary"]
+    after = json.loads((run / "summary.json").read_text())["eval_after_rl"]
+    assert summary["problems"] == 8 and summary["samples"] == 2
+    for key in ("pass@1", "pass@2", "mean@2", "maj@2"):
+        assert after[key] == pytest.approx(summary[key], abs=1e-6), key

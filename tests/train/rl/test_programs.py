@@ -10,6 +10,7 @@ name the function that built each (what ``plan --json`` reports as ``function``)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -83,7 +84,11 @@ VARIANTS = {
     "the continuous engine": ("rollout.engine=continuous",),
     "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
     "sampler devices of their own": ("mesh.rollout_devices=4", "rollout.max_staleness=1"),
+    # On-policy distillation: the grpo job's exported policy is the teacher too.
+    "opd, a teacher": ("objective.name=opd", "teacher.path={hf}"),
 }
+# Programs the trainer calls through ``self.programs`` rather than an attribute.
+SPEC_PROGRAMS = ("teacher_logprobs",)
 
 
 def _signature(tree):
@@ -111,6 +116,11 @@ class Recording:
                 attribute = "joint_fn"  # PPO's joint step is the update
             if name in self.programs:
                 setattr(self, attribute, self._recorded(name, getattr(self, attribute)))
+        for name in SPEC_PROGRAMS:
+            if name in self.programs:
+                spec = self.programs[name]
+                recorded = self._recorded(name, spec.fn)
+                self.programs[name] = dataclasses.replace(spec, fn=recorded)
 
     def _recorded(self, name, fn):
         @functools.wraps(fn)
@@ -155,7 +165,7 @@ def _check_same_programs(trainer: RLTrainer, job) -> None:
     expected = {"update", "logprobs"} | (
         {"ref_logprobs"} if trainer.reference is not None else set()
     )
-    assert expected <= set(trainer.programs) <= expected | {*ATTRIBUTES}
+    assert expected <= set(trainer.programs) <= expected | {*ATTRIBUTES, *SPEC_PROGRAMS}
     for name, program in trainer.programs.items():
         planned = job.programs[name]
         assert planned.function == program.builder
@@ -205,7 +215,7 @@ def test_plan_lowers_what_the_grpo_job_ran(grpo):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_plan_lowers_what_the_job_ran(variant, grpo, tmp_path):
     _, hf = grpo
-    overrides = (f"model.path={hf}", *VARIANTS[variant])
+    overrides = (f"model.path={hf}", *(o.replace("{hf}", str(hf)) for o in VARIANTS[variant]))
     trainer = _train(tmp_path, *overrides)
     job = _plan(*overrides)
     _check_same_programs(trainer, job)

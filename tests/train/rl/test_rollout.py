@@ -368,3 +368,54 @@ def test_the_continuous_engine_samples_what_the_static_one_does(trainer, monkeyp
     np.testing.assert_array_equal(continuous.rewards, static.rewards)
     assert continuous.completions == static.completions
     np.testing.assert_array_equal(continuous.prompt_tokens, static.prompt_tokens)
+
+
+# -- the sample lines ----------------------------------------------------------------------------
+
+# 61 characters: 0123456789 six times, then X.
+SIXTY_ONE = "0123456789" * 6 + "X"
+
+
+@pytest.mark.parametrize(
+    "prompt, shown",
+    [
+        ("12+34=", "12+34="),
+        ("0123456789" * 6, "0123456789" * 6),  # exactly 60: whole
+        # 61: the first 29, the ellipsis, the last 30 (indices 31 to 60).
+        (SIXTY_ONE, "01234567890123456789012345678…12345678901234567890123456789X"),
+        # Lines on one line, each run of whitespace one space.
+        ("Question:\n  What is 2+2?\n\nAnswer:", "Question: What is 2+2? Answer:"),
+        (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+            "What is 12+34?<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>system You are a …im_end|> <|im_start|>assistant",
+        ),
+    ],
+)
+def test_prompt_excerpt_shows_the_start_and_the_end(prompt, shown):
+    from jaxrl_llm.train.rl.rollout import prompt_excerpt
+
+    assert prompt_excerpt(prompt) == shown
+    assert len(prompt_excerpt(prompt)) <= 60
+
+
+def test_prompt_excerpt_width():
+    from jaxrl_llm.train.rl.rollout import prompt_excerpt
+
+    assert prompt_excerpt("abcdefgh", width=5) == "ab…gh"
+    assert prompt_excerpt("abcdefgh", width=4) == "a…gh"
+    with pytest.raises(ValueError, match="at least 3"):
+        prompt_excerpt("abcdefgh", width=2)
+
+
+def test_sample_lines_show_the_prompts_start_and_end(tmp_path, caplog):
+    from jaxrl_llm.train.rl.rollout import write_samples
+
+    samples = fake_draw([[VARIED]])(0)._replace(prompts=[f"Solve:\n{SIXTY_ONE}"] * GROUP)
+    with caplog.at_level("INFO", logger="jaxrl_llm"):
+        write_samples(tmp_path / "samples.jsonl", 3, samples, show=1)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample ")]
+    # 68 characters on one line: "Solve: " and the 61; the first 29 and the last 30 shown.
+    assert line.startswith(
+        "sample 0: 'Solve: 0123456789012345678901…12345678901234567890123456789X'"
+    )
