@@ -16,18 +16,53 @@ then the rows are put back in token order and mixed with their routing weights. 
 logits and softmax are f32 whatever the compute dtype, so the expert choice does not flip with
 bf16 rounding.
 
-Shapes: T tokens (``B·S`` flattened), D hidden, E experts, k experts per token, F expert width.
+Expert parallelism. On a mesh with an ``expert`` axis of size ``P > 1`` (``mesh.expert``;
+``parallel.make_mesh(..., expert=P)``) each device holds ``E / P`` whole experts (the logical
+``expert`` axis of the weights is split over it, in storage and in use) and its own
+``T / (data·fsdp·P)`` tokens (the expert axis is one more data axis for the batch). The router
+logits are computed as above (f32, batch-sharded, returned for the auxiliary losses); routing,
+the expert MLPs and the combine run inside ``jax.shard_map`` (``expert_parallel_mlp``), on each
+device's own tokens::
+
+    route the local T_l tokens: top-k of the f32 softmax, renormalised
+    sort the local T_l·k assignments by expert           (stable: token order within an expert)
+    chunk j = the rows for shard j's experts -> [P, C, D] (C = T_l·k slots, zero-padded)
+    all_to_all over "expert"                             (row chunks and their local expert ids)
+    sort the P·C received rows by local expert, three ragged_dot over the E/P local experts
+    unsort, all_to_all back, gather each assignment's row, unsort, combine in f32
+    psum over the axes that split the experts' width F (tensor), as a Megatron MLP
+
+The exchange is a dense ``all_to_all`` with a static per-destination capacity of
+``C = T_l·k`` rows, every local assignment: dropless by construction (no capacity factor, no
+token dropped), at the price of ``P×`` padding in the exchange buffers and in the rows the
+grouped matmul is given (rows past the real ones are zeros and are never read back).
+``jax.lax.ragged_all_to_all``, which would send only the real rows, is not implemented by
+XLA:CPU (jax 0.10.2: ``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), where the tests run.
+Without an expert axis (or with ``P = 1``) the layer is exactly the single-program path above.
+
+Shapes: T tokens (``B·S`` flattened), D hidden, E experts, k experts per token, F expert width,
+P the expert axis's size.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
 
 from jaxrl_llm.models.matmul import dense
-from jaxrl_llm.parallel.rules import ACTIVATION_RULES, with_logical_constraint
+from jaxrl_llm.parallel.mesh import EXPERT_AXIS
+from jaxrl_llm.parallel.rules import (
+    ACTIVATION_RULES,
+    logical_to_spec,
+    mesh_axes_of,
+    spec_entry,
+    spec_for_mesh,
+    with_logical_constraint,
+)
 
 Array = jax.Array
 
@@ -108,15 +143,184 @@ def grouped_experts(
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignment index, sorted by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    rows = x[order // top_k]
+    out = _swiglu_experts(x[order // top_k], w_gate, w_up, w_down, group_sizes)
+    # Row r of ``out`` is assignment order[r]: gather by the permutation's inverse.
+    return _combine(out[_inverse(order)].reshape(tokens, top_k, -1), weights).astype(x.dtype)
+
+
+def _swiglu_experts(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array):
+    """``W_down[e]^T (silu(x W_gate[e]) * x W_up[e])`` for rows sorted into groups by expert."""
     gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
     up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
-    # Row r of ``out`` is assignment order[r]: scatter the permutation's inverse, then gather.
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = out[inverse].reshape(tokens, top_k, -1)
-    mixed = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights.astype(jnp.float32))
-    return mixed.astype(x.dtype)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+
+
+def _inverse(perm: Array) -> Array:
+    """The inverse permutation ``inv`` of ``perm``: ``inv[perm[r]] = r``."""
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
+def _combine(out: Array, weights: Array) -> Array:
+    """``y_t = sum_j w_tj out_tj`` in f32: ``[T, k, D], [T, k] -> [T, D]``."""
+    return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights.astype(jnp.float32))
+
+
+def expert_parallel_mesh() -> Any:
+    """The context mesh (``jax.set_mesh``) when it has an ``expert`` axis of size > 1 that is
+    not already manual (inside a ``jax.shard_map`` over it), else None: whether ``sparse_mlp``
+    runs its experts expert-parallel."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or mesh.shape[EXPERT_AXIS] == 1:
+        return None
+    if EXPERT_AXIS in getattr(mesh, "manual_axes", ()):
+        return None
+    return mesh
+
+
+def _mesh_spec(mesh: Any, *axes: str | None) -> PartitionSpec:
+    """``ACTIVATION_RULES`` spec of logical ``axes`` on ``mesh``, less its manual axes and
+    those of size 1 (which split nothing, and would make the ``shard_map``'s values vary)."""
+    manual, sizes = set(getattr(mesh, "manual_axes", ())), dict(mesh.shape)
+    spec = spec_for_mesh(logical_to_spec(axes, ACTIVATION_RULES), mesh.axis_names)
+    keep = [tuple(a for a in mesh_axes_of(e) if a not in manual and sizes[a] > 1) for e in spec]
+    return PartitionSpec(*(spec_entry(axes) for axes in keep))
+
+
+def expert_parallel_mlp(
+    x: Array,
+    logits: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    *,
+    top_k: int,
+    normalize: bool,
+    mesh: Any = None,
+) -> Array:
+    """Routing and ``grouped_experts`` with the experts split over the ``expert`` mesh axis.
+
+    ``y_t = sum_j w_tj · SwiGLU_{e_tj}(x_t)`` with ``(w, e) = route(z_t)``, computed inside
+    ``jax.shard_map``: the tokens (and their logits) split over the batch's mesh axes
+    (``ACTIVATION_RULES["batch"]``: data, fsdp, expert), each device routing its own tokens
+    (top-k and renormalisation in f32, as ``route``), the weights ``[E, D, F]`` as the rules
+    place them in use (``E`` over ``expert``, ``F`` over ``tensor``, ``D`` whole), the rows
+    exchanged over ``expert`` by ``all_to_all`` (see the module docstring), the combine in f32,
+    and the partial sums over the width's axes (tensor) added by ``psum``.
+
+    Args:
+      x: ``[T, D]`` normalised hidden states; ``T`` must divide into the batch's shards.
+      logits: ``[T, E]`` router logits (``router_logits``; used in f32).
+      w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]``; ``E`` must divide by the expert axis.
+      top_k, normalize: as ``route``.
+      mesh: the mesh (default: the context mesh, ``jax.set_mesh``); it must have an ``expert``
+        axis.
+
+    Returns:
+      ``[T, D]`` in ``x.dtype``, sharded like ``x``.
+
+    Raises:
+      ValueError: no ``expert`` axis, ``T`` or ``E`` not divisible, shapes that disagree, or
+        rule tables that shard the experts' ``D`` or split ``E`` over other axes.
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if getattr(mesh, "empty", False) or EXPERT_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"expert_parallel_mlp needs a mesh with an {EXPERT_AXIS!r} axis (make_mesh(..., "
+            f"expert=P)); the mesh axes are {tuple(getattr(mesh, 'axis_names', ()))}"
+        )
+    tokens, num_experts = logits.shape
+    if x.shape[0] != tokens or w_gate.shape[0] != num_experts:
+        raise ValueError(
+            f"expert_parallel_mlp: x {x.shape} and logits {logits.shape} must agree on T, and "
+            f"logits and w_gate {w_gate.shape} on E"
+        )
+    shards = dict(mesh.shape)
+    rows_spec = _mesh_spec(mesh, "batch", None)
+    in_spec = _mesh_spec(mesh, "expert", "embed", "mlp")
+    out_spec = _mesh_spec(mesh, "expert", "mlp", "embed")
+    if in_spec[0] != EXPERT_AXIS or out_spec[0] != EXPERT_AXIS or in_spec[1] or out_spec[2]:
+        raise ValueError(
+            f"expert parallelism needs the experts' weights split over {EXPERT_AXIS!r} alone on "
+            f"their expert dim and whole on D, but ACTIVATION_RULES give {in_spec} / {out_spec}"
+        )
+    row_shards = math.prod(shards[a] for a in mesh_axes_of(rows_spec[0]))
+    parts = shards[EXPERT_AXIS]
+    if tokens % row_shards or num_experts % parts:
+        raise ValueError(
+            f"expert parallelism: the {tokens} tokens must divide into the {row_shards} batch "
+            f"shards ({rows_spec[0]}) and the {num_experts} experts into the {parts} shards of "
+            f"the {EXPERT_AXIS!r} axis"
+        )
+    # The axes splitting F (tensor): each device's down projection is a partial sum over them.
+    width_axes = mesh_axes_of(out_spec[1])
+
+    def local(x, logits, w_gate, w_up, w_down):
+        weights, experts = route(logits, top_k=top_k, normalize=normalize)
+        out = _exchange_and_compute(x, experts, w_gate, w_up, w_down, num_experts, parts)
+        mixed = _combine(out, weights)
+        if width_axes:
+            mixed = jax.lax.psum(mixed, width_axes)
+        return mixed.astype(x.dtype)
+
+    manual = set(getattr(mesh, "manual_axes", ()))
+    specs = (rows_spec, rows_spec, in_spec, in_spec, out_spec)
+    args = (x, logits, w_gate, w_up, w_down)
+    if AxisType.Explicit in tuple(mesh.axis_types):  # sharding in types: move them first
+        args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=rows_spec,
+        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
+    )(*args)
+
+
+def _exchange_and_compute(
+    x: Array,
+    experts: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    num_experts: int,
+    parts: int,
+) -> Array:
+    """One device's share of ``expert_parallel_mlp``, inside the ``shard_map``.
+
+    ``x [T_l, D]`` and ``experts [T_l, k]`` are this device's tokens; ``w_* [E/P, ...]`` its
+    experts (those of expert-axis shard ``j`` are ``j·E/P ... (j+1)·E/P - 1``). Returns each
+    assignment's expert output ``[T_l, k, D]`` (this device's rows, computed where their
+    experts live).
+    """
+    tokens, top_k = experts.shape
+    local = w_gate.shape[0]  # E / P
+    capacity = tokens * top_k  # rows one destination can get from this device: all of them
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert, so by shard
+    sorted_experts = flat[order]
+    rows = x[order // top_k]  # [C, D]
+    counts = jnp.bincount(flat, length=num_experts).reshape(parts, local).sum(-1)  # to shard j
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(capacity)
+    index = jnp.minimum(starts[:, None] + slot, capacity - 1)  # [P, C]: sorted row per slot
+    valid = slot < counts[:, None]
+    send = jnp.where(valid[..., None], rows[index], 0)  # [P, C, D]
+    # The expert of each slot as its destination numbers them; ``local`` marks an empty slot.
+    shard_first = jnp.arange(parts, dtype=flat.dtype)[:, None] * local
+    ids = jnp.where(valid, sorted_experts[index] - shard_first, local)
+    received = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0)  # [P, C, D]: [s] from shard s
+    received_ids = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0).reshape(-1)
+    by_expert = jnp.argsort(received_ids, stable=True)  # empty slots last
+    group_sizes = jnp.bincount(received_ids, length=local).astype(jnp.int32)
+    computed = _swiglu_experts(
+        received.reshape(parts * capacity, -1)[by_expert], w_gate, w_up, w_down, group_sizes
+    )
+    computed = computed[_inverse(by_expert)].reshape(parts, capacity, -1)
+    back = jax.lax.all_to_all(computed, EXPERT_AXIS, 0, 0)  # [j]: this device's rows from j
+    # Sorted row r went to shard dest[r], slot r - starts[dest[r]].
+    dest = jnp.searchsorted(starts + counts, slot, side="right")
+    returned = back.reshape(parts * capacity, -1)[dest * capacity + slot - starts[dest]]
+    return returned[_inverse(order)].reshape(tokens, top_k, -1)
 
 
 def sparse_mlp(
@@ -133,7 +337,9 @@ def sparse_mlp(
     """A sparse layer's MLP (see the module docstring) on ``h: [B, S, D]``.
 
     ``y = sum_j w_j · SwiGLU_{e_j}(h) [+ sigmoid(h g) · SwiGLU_s(h)]`` with ``(w, e)`` the
-    top-k routing of ``z = h W_r`` (f32), dropless over the ``B·S`` tokens.
+    top-k routing of ``z = h W_r`` (f32), dropless over the ``B·S`` tokens. On a context mesh
+    with an ``expert`` axis of size > 1 the routed experts run expert-parallel
+    (``expert_parallel_mlp``); the shared expert is a dense MLP either way.
 
     Args:
       h: ``[B, S, D]`` normalised hidden states (compute dtype).
@@ -146,10 +352,19 @@ def sparse_mlp(
       ``(y [B, S, D] in h.dtype, router logits z [B, S, E] f32)``.
     """
     batch, seq, d = h.shape
+    mesh = expert_parallel_mesh()
+    if mesh is not None:  # the small router whole on every device (its E is expert-split)
+        router = _constrain(router, None, None)
     logits = router_logits(h, router)
-    weights, experts = route(logits.reshape(batch * seq, -1), top_k=top_k, normalize=normalize)
-    tokens = h.reshape(batch * seq, d)
-    out = grouped_experts(tokens, weights, experts, w_gate, w_up, w_down).reshape(h.shape)
+    flat_logits, tokens = logits.reshape(batch * seq, -1), h.reshape(batch * seq, d)
+    if mesh is None:
+        weights, experts = route(flat_logits, top_k=top_k, normalize=normalize)
+        out = grouped_experts(tokens, weights, experts, w_gate, w_up, w_down)
+    else:  # routing, experts and combine on each device's own tokens
+        out = expert_parallel_mlp(
+            tokens, flat_logits, w_gate, w_up, w_down, top_k=top_k, normalize=normalize, mesh=mesh
+        )
+    out = out.reshape(h.shape)
     if shared is not None:
         gate = _constrain(jax.nn.silu(dense(h, shared.w_gate)), "batch", None, "mlp")
         up = _constrain(dense(h, shared.w_up), "batch", None, "mlp")
@@ -228,6 +443,8 @@ def router_z_loss(router_logits: Array, mask: Array | None = None) -> Array:
 
 __all__ = [
     "SharedExpert",
+    "expert_parallel_mlp",
+    "expert_parallel_mesh",
     "grouped_experts",
     "load_balancing_loss",
     "route",

@@ -16,7 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.parallel.rules import ACTIVATION_RULES, MeshAxes, Rules, mesh_axes_of, spec_entry
+from jaxrl_llm.parallel.rules import (
+    ACTIVATION_RULES,
+    MeshAxes,
+    Rules,
+    mesh_axes_of,
+    present_mesh_axes,
+    spec_entry,
+)
 
 
 def batch_mesh_axes(mesh: Mesh, rules: Rules | MeshAxes = ACTIVATION_RULES) -> tuple[str, ...]:
@@ -39,6 +46,7 @@ def batch_mesh_axes(mesh: Mesh, rules: Rules | MeshAxes = ACTIVATION_RULES) -> t
         axes = mesh_axes_of(rules["batch"], name="rule for logical axis 'batch'")
     else:
         axes = mesh_axes_of(rules, name="batch mesh axes")
+    axes = present_mesh_axes(axes, mesh.axis_names)  # an optional axis (expert) may be absent
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"batch mesh axes {missing} are not in the mesh axes {mesh.axis_names}")

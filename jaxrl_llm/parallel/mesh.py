@@ -1,5 +1,15 @@
 """Device mesh construction: one ``("data", "fsdp", "tensor")`` mesh over every device.
 
+Expert parallelism (``mesh.expert = e > 1``) adds a fourth axis, ``("data", "fsdp", "expert",
+"tensor")``: a mixture-of-experts layer's experts are split over ``expert`` (``E / e`` whole
+experts per device, tokens exchanged by all-to-all: ``models.moe``), and for every other layer
+the axis is one more data axis (the batch is split over ``data x fsdp x expert``; dense weights
+are replicated over it), as MaxText's ``expert`` axis and Megatron's expert-parallel groups
+carved out of the data-parallel ranks. With ``e = 1`` (the default) the mesh has no ``expert``
+axis at all -- the three-axis mesh of every job without expert parallelism, unchanged -- and the
+rule tables' ``expert`` entries drop out (``rules.OPTIONAL_MESH_AXES``). ``expert`` sits next to
+``tensor``, the minor (fastest-linked) end, since its all-to-all runs in every MoE layer.
+
 Axis types. JAX 0.10's own ``jax.make_mesh`` defaults to ``AxisType.Explicit`` ("sharding in
 types"): every array carries its sharding in its abstract type and an op whose output sharding is
 ambiguous -- e.g. an einsum whose contracting dimension is sharded on both operands, which is
@@ -23,28 +33,35 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+# The axes of a mesh with expert parallelism (``make_mesh(..., expert=e)``, ``e > 1``).
+EXPERT_AXIS = "expert"
+EXPERT_MESH_AXES: tuple[str, str, str, str] = ("data", "fsdp", EXPERT_AXIS, "tensor")
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def resolve_mesh_shape(
-    data: int, fsdp: int, tensor: int, *, num_devices: int
+    data: int, fsdp: int, tensor: int, *, num_devices: int, expert: int = 1
 ) -> tuple[int, int, int]:
-    """Fills a ``-1`` axis so that ``data * fsdp * tensor == num_devices``.
+    """Fills a ``-1`` axis so that ``data * fsdp * expert * tensor == num_devices``.
 
     Args:
       data: size of the pure data-parallel axis, or -1.
       fsdp: size of the fully-sharded data-parallel axis, or -1.
       tensor: size of the tensor-parallel axis, or -1.
       num_devices: the number of devices the mesh must cover exactly.
+      expert: size of the expert-parallel axis (a positive int, never filled).
 
     Returns:
-      The three concrete axis sizes, in ``MESH_AXES`` order.
+      The three concrete sizes ``(data, fsdp, tensor)``, in ``MESH_AXES`` order (``expert`` is
+      as given).
 
     Raises:
-      ValueError: a size is not a positive int or -1, more than one size is -1, or the sizes
-        cannot multiply to ``num_devices``.
+      ValueError: a size is not a positive int or -1 (``expert``: not a positive int), more
+        than one size is -1, or the sizes cannot multiply to ``num_devices``.
     """
+    if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
+        raise ValueError(f"mesh axis 'expert' must be a positive int, got {expert!r}")
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
@@ -52,18 +69,22 @@ def resolve_mesh_shape(
     fill = [name for name, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    shown = sizes if expert == 1 else {**sizes, "expert": expert}
     if fill:
-        known = math.prod(size for size in sizes.values() if size != -1)
+        known = math.prod(size for size in sizes.values() if size != -1) * expert
         if num_devices % known:
             raise ValueError(
-                f"cannot fill mesh axis {fill[0]!r}: the other sizes {sizes} multiply to {known}, "
+                f"cannot fill mesh axis {fill[0]!r}: the other sizes {shown} multiply to {known}, "
                 f"which does not divide the {num_devices} devices"
             )
         sizes[fill[0]] = num_devices // known
-    if math.prod(sizes.values()) != num_devices:
+    total = math.prod(sizes.values()) * expert
+    if total != num_devices:
+        product = f"data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']}"
+        if expert > 1:
+            product += f" x expert={expert}"
         raise ValueError(
-            f"mesh sizes data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
-            f"= {math.prod(sizes.values())} must equal the number of devices ({num_devices})"
+            f"mesh sizes {product} = {total} must equal the number of devices ({num_devices})"
         )
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
@@ -73,12 +94,15 @@ def make_mesh(
     fsdp: int = -1,
     tensor: int = 1,
     *,
+    expert: int = 1,
     devices: Sequence[jax.Device] | None = None,
     axis_types: str | AxisType = "auto",
 ) -> Mesh:
     """Builds the ``("data", "fsdp", "tensor")`` device mesh over all (or the given) devices.
 
-    ``data * fsdp * tensor == len(devices)``; one size may be -1 and is filled. ``data``
+    ``data * fsdp * expert * tensor == len(devices)``; one of data, fsdp, tensor may be -1 and
+    is filled. With ``expert > 1`` the mesh is ``("data", "fsdp", "expert", "tensor")``
+    (``EXPERT_MESH_AXES``; see the module docstring). ``data``
     replicates parameters (pure data parallelism, e.g. across slices), ``fsdp`` shards the batch
     and the parameters' ``embed`` dimension (ZeRO-3 / FSDP, Rajbhandari et al., 2020), ``tensor``
     shards heads and the MLP width (Megatron-LM, Shoeybi et al., 2019); the compiler inserts the
@@ -89,12 +113,14 @@ def make_mesh(
       data: data-parallel axis size, or -1 to fill.
       fsdp: FSDP axis size, or -1 to fill (the default: all devices shard the batch and the state).
       tensor: tensor-parallel axis size, or -1 to fill.
+      expert: expert-parallel axis size (mixture-of-experts layers; 1: no ``expert`` axis).
       devices: the devices to use; defaults to ``jax.devices()`` (all processes' devices).
       axis_types: ``"auto"`` (default, see the module docstring) or ``"explicit"``, or a
         ``jax.sharding.AxisType``; applied to all three axes and always passed to JAX.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names ``MESH_AXES``. Activate it with
+      A ``jax.sharding.Mesh`` with axis names ``MESH_AXES`` (``EXPERT_MESH_AXES`` when
+      ``expert > 1``). Activate it with
       ``jax.set_mesh(mesh)``.
 
     Raises:
@@ -111,10 +137,14 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device, got an empty device list")
-    shape = resolve_mesh_shape(data, fsdp, tensor, num_devices=len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES), devices=devices
+    data, fsdp, tensor = resolve_mesh_shape(
+        data, fsdp, tensor, num_devices=len(devices), expert=expert
     )
+    if expert == 1:
+        shape, names = (data, fsdp, tensor), MESH_AXES
+    else:
+        shape, names = (data, fsdp, expert, tensor), EXPERT_MESH_AXES
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names), devices=devices)
 
 
 def current_platform(mesh: Mesh | None = None) -> tuple[str, str]:

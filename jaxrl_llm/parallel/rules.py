@@ -10,6 +10,17 @@ MaxText. Derive variants with ``{**PARAM_RULES, "embed": None}``.
 
 Nothing here silently falls back to replication: a dimension that its mesh axes do not divide,
 an unknown logical name, or a mesh axis used twice in one spec is a ``ValueError``.
+
+Expert parallelism. The ``expert`` mesh axis (``make_mesh(..., expert=e)``, only on meshes
+with ``e > 1``) shards the experts' dimension of a mixture-of-experts layer's weights (logical
+``expert``: ``[E, D, F]`` -> ``E / e`` experts per device, in storage and in use, so neither the
+weights nor their optimizer moments are ever gathered over it) and is one more data axis for the
+batch (``batch`` -> ``("data", "fsdp", "expert")``): the attention and every dense layer run on
+``B / (data·fsdp·expert)`` rows per device, and the MoE layer exchanges its tokens over
+``expert`` by all-to-all (``models.moe``). Dense weights (``embed`` -> ``fsdp``) are replicated
+over ``expert``, as over ``data``. ``expert`` is an *optional* mesh axis
+(``OPTIONAL_MESH_AXES``): on a mesh without it -- every mesh with ``e = 1`` -- it is dropped
+from the specs, exactly as an axis of size 1 would be, so the tables serve both meshes.
 """
 
 from __future__ import annotations
@@ -40,12 +51,16 @@ LOGICAL_AXES: tuple[str, ...] = (
     "expert",
 )
 
+# Mesh axes that a rule may name and a mesh may lack: on a mesh without one, a spec drops it (the
+# same sharding as the axis at size 1). Every other mesh axis a rule names must be in the mesh.
+OPTIONAL_MESH_AXES: tuple[str, ...] = ("expert",)
+
 # Parameters and optimizer state: FSDP shards the model width, tensor parallelism the
 # per-head / MLP / vocabulary dims. A weight [embed, heads, head_dim] thus lives on
 # (fsdp x tensor) shards and is all-gathered over fsdp just before use.
 PARAM_RULES: Rules = MappingProxyType(
     {
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
         "embed": "fsdp",
         "mlp": "tensor",
         "heads": "tensor",
@@ -54,18 +69,20 @@ PARAM_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
-        # Mixture-of-experts weights' expert dim: replicated until a mesh has an expert axis
-        # (expert parallelism); the experts' width is tensor-split as "mlp".
-        "expert": None,
+        # Mixture-of-experts weights' expert dim: split over the expert axis (expert
+        # parallelism; dropped on a mesh without one); the experts' width is tensor-split as
+        # "mlp".
+        "expert": "expert",
     }
 )
 
-# Activations: the batch is split over every data-like axis; the residual stream's width is
-# replicated across tensor shards (Megatron style), while heads, MLP width and vocab logits are
-# tensor-sharded between the matmuls that produce and consume them.
+# Activations: the batch is split over every data-like axis (expert included); the residual
+# stream's width is replicated across tensor shards (Megatron style), while heads, MLP width and
+# vocab logits are tensor-sharded between the matmuls that produce and consume them. Experts'
+# weights stay split over the expert axis where they are used (no gather over it).
 ACTIVATION_RULES: Rules = MappingProxyType(
     {
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
         "embed": None,
         "mlp": "tensor",
         "heads": "tensor",
@@ -74,15 +91,15 @@ ACTIVATION_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
-        "expert": None,
+        "expert": "expert",
     }
 )
 
-# Sampling: rows over data+fsdp, the KV cache split by kv-head over tensor; the cache's sequence
-# axis stays whole because every decode step writes one dynamic slot of it.
+# Sampling: rows over data+fsdp(+expert), the KV cache split by kv-head over tensor; the cache's
+# sequence axis stays whole because every decode step writes one dynamic slot of it.
 SAMPLING_RULES: Rules = MappingProxyType(
     {
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
         "embed": None,
         "mlp": "tensor",
         "heads": "tensor",
@@ -91,7 +108,7 @@ SAMPLING_RULES: Rules = MappingProxyType(
         "vocab": "tensor",
         "layers": None,
         "cache_seq": None,
-        "expert": None,
+        "expert": "expert",
     }
 )
 
@@ -129,11 +146,25 @@ def spec_entry(mesh_axes: tuple[str, ...]) -> MeshAxes:
     return mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
 
 
+def present_mesh_axes(mesh_axes: Sequence[str], axis_names: Sequence[str]) -> tuple[str, ...]:
+    """``mesh_axes`` less the optional ones (``OPTIONAL_MESH_AXES``) missing from a mesh whose
+    axes are ``axis_names``; other missing axes are kept (and later refused by the caller)."""
+    return tuple(a for a in mesh_axes if a in axis_names or a not in OPTIONAL_MESH_AXES)
+
+
+def spec_for_mesh(spec: PartitionSpec, axis_names: Sequence[str]) -> PartitionSpec:
+    """``spec`` with the optional mesh axes that the mesh lacks dropped (``present_mesh_axes``)."""
+    entries = (present_mesh_axes(mesh_axes_of(e), axis_names) for e in spec)
+    return PartitionSpec(*(spec_entry(axes) for axes in entries))
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """Maps logical axis names to a ``PartitionSpec``: ``spec[i] = rules[axes[i]]``.
 
     ``None`` in ``axes`` (an unnamed dimension) gives ``None`` (replicated). The GSPMD sharding
-    annotation (Xu et al., 2021) in the logical-axis style of t5x/levanter.
+    annotation (Xu et al., 2021) in the logical-axis style of t5x/levanter. The spec names
+    every mesh axis of the rules, optional ones included; ``spec_for_mesh`` fits it to a mesh
+    (``logical_to_sharding`` and ``with_logical_constraint`` do).
 
     Args:
       axes: one logical name (or ``None``) per array dimension, e.g.
@@ -234,7 +265,8 @@ def _structure_error(axes_paths: list[str], shape_paths: list[str]) -> ValueErro
 def logical_to_sharding(tree: Any, mesh: Mesh, rules: Rules, *, shapes: Any = None) -> Any:
     """Maps a pytree of logical-axes tuples to the matching pytree of ``NamedSharding``.
 
-    ``sharding(leaf) = NamedSharding(mesh, logical_to_spec(leaf, rules))``. The recipe for
+    ``sharding(leaf) = NamedSharding(mesh, logical_to_spec(leaf, rules))`` (less the optional
+    mesh axes ``mesh`` lacks: ``spec_for_mesh``). The recipe for
     state born sharded (MaxText): ``jax.eval_shape(init)`` → logical axes → these shardings →
     ``jax.jit(init, out_shardings=...)``.
 
@@ -276,7 +308,7 @@ def logical_to_sharding(tree: Any, mesh: Mesh, rules: Rules, *, shapes: Any = No
     for (path, axes), shape in zip(leaves, leaf_shapes):
         where = jax.tree_util.keystr(path) or "tree"
         try:
-            spec = logical_to_spec(axes, rules)
+            spec = spec_for_mesh(logical_to_spec(axes, rules), mesh.axis_names)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
         _check_fits(where, axes, spec, shape, mesh_shape)
@@ -294,8 +326,9 @@ def with_logical_constraint(x: jax.Array, axes: Sequence[str | None], rules: Rul
     ``x ↦ with_sharding_constraint(x, logical_to_spec(axes, rules))`` on ``Auto`` mesh axes and
     ``x ↦ reshard(x, spec)`` on ``Explicit`` ones (where a sharding constraint only asserts).
     Mesh axes that are ``Manual`` (inside ``jax.shard_map``) are dropped from the spec, since the
-    data is already per-device along them. A no-op when no mesh is set (``jax.set_mesh``) or
-    the mesh has a single device, so model code calls it unconditionally.
+    data is already per-device along them, and so are optional mesh axes the mesh lacks. A
+    no-op when no mesh is set (``jax.set_mesh``) or the mesh has a single device, so model code
+    calls it unconditionally.
 
     Args:
       x: an array of any shape, e.g. hidden states ``[B, S, D]``.
@@ -312,7 +345,7 @@ def with_logical_constraint(x: jax.Array, axes: Sequence[str | None], rules: Rul
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x
-    spec = logical_to_spec(axes, rules)
+    spec = spec_for_mesh(logical_to_spec(axes, rules), mesh.axis_names)
     manual = set(getattr(mesh, "manual_axes", ()))
     spec = PartitionSpec(
         *(spec_entry(tuple(a for a in mesh_axes_of(e) if a not in manual)) for e in spec)

@@ -123,7 +123,9 @@ def serving_mesh(mesh: Mesh, tensor: int) -> Mesh:
     if mesh.size % tensor:
         raise ValueError(f"serving tensor size {tensor} does not divide {mesh.size} devices")
     devices = np.asarray(mesh.devices).reshape(mesh.size // tensor, 1, tensor)
-    return Mesh(devices, MESH_AXES, axis_types=tuple(mesh.axis_types))
+    # (A trainer mesh with an expert axis has four axes, all of one type; the serving mesh has
+    # none: the sampler holds every expert, tensor-split.)
+    return Mesh(devices, MESH_AXES, axis_types=(mesh.axis_types[0],) * len(MESH_AXES))
 
 
 def serving_layout(

@@ -177,6 +177,13 @@ class CheckpointSection:
 class MeshSection:
     """Device mesh sizes (``-1`` fills with the remaining devices).
 
+    ``expert``: expert parallelism for a mixture-of-experts model (a positive int, never
+    filled; 1 = none). The mesh gains an ``expert`` axis of that size (``parallel.make_mesh``):
+    each MoE layer's experts, and their optimizer moments, are split over it (``E / expert``
+    experts per device, tokens exchanged by all-to-all; ``models.moe``), and every other layer
+    treats it as one more data axis, so the batch splits over ``data x fsdp x expert``. The
+    experts' count must divide by it; with ``fsdp: -1`` the fsdp axis takes the devices left.
+
     ``rollout_devices``: an RL job's first N devices only sample (their own serving mesh,
     weights copied over after each update); the trainer's mesh takes the rest. 0 = shared.
     On several processes the last N devices sample, and they must be whole processes
@@ -186,7 +193,15 @@ class MeshSection:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    expert: int = 1
     rollout_devices: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
+            raise ValueError(
+                f"mesh.expert must be a positive int (1: no expert parallelism), got "
+                f"{self.expert!r}"
+            )
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -238,7 +253,7 @@ class LoggingSection:
         when tensorboardX is installed (the ``tensorboard`` extra) and nothing otherwise;
         ``true`` says in one line when it is missing; ``false`` never.
       plots: ``plots/*.png`` at every evaluation and at the end.
-      progress: a progress bar.
+      progress: progress bars (the SFT warm-up's and the steps').
       show_samples: completions printed at each evaluation (all go to ``samples.jsonl``).
       wandb: a W&B run logging the metrics, the config, the plots and the summary; null (the
         default) = off. Needs the ``wandb`` extra (``pip install "jaxrl-llm[wandb]"``).

@@ -36,15 +36,19 @@ log = logging.getLogger("jaxrl_llm")
 
 def make_run_mesh(section) -> jax.sharding.Mesh:
     """The mesh of ``mesh.*`` over the devices after the ``mesh.rollout_devices`` sampling
-    ones; without a ``-1`` the first ``data·fsdp·tensor`` of them are used."""
+    ones; without a ``-1`` the first ``data·fsdp·expert·tensor`` of them are used. With
+    ``mesh.expert > 1`` the mesh has an ``expert`` axis (``parallel.make_mesh``), which the
+    batch also splits over (``parallel.batch_shards`` counts it)."""
     sizes = (section.data, section.fsdp, section.tensor)
+    expert = getattr(section, "expert", 1)
     devices = split_devices(rollout_devices(section))[1]
     if -1 not in sizes:
-        count = int(np.prod(sizes))
+        count = int(np.prod(sizes)) * expert
         if count > len(devices):
-            raise ValueError(f"mesh {sizes} needs {count} devices; {len(devices)} available")
+            shape = sizes if expert == 1 else (*sizes, f"expert={expert}")
+            raise ValueError(f"mesh {shape} needs {count} devices; {len(devices)} available")
         devices = devices[:count]
-    return parallel.make_mesh(*sizes, devices=devices)
+    return parallel.make_mesh(*sizes, expert=expert, devices=devices)
 
 
 def split_devices(rollout_devices: int, devices: Sequence[Any] | None = None) -> tuple[list, list]:

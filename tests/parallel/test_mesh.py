@@ -5,6 +5,7 @@ import pytest
 from jax.sharding import AxisType
 
 from jaxrl_llm.parallel import MESH_AXES, make_mesh, resolve_mesh_shape
+from jaxrl_llm.parallel.mesh import EXPERT_MESH_AXES
 
 
 def test_eight_fake_devices():
@@ -83,3 +84,57 @@ def test_resolve_mesh_shape_is_pure():
     assert resolve_mesh_shape(1, 1, 1, num_devices=1) == (1, 1, 1)
     with pytest.raises(ValueError, match="must equal the number of devices"):
         resolve_mesh_shape(2, 1, 1, num_devices=1)
+
+
+@pytest.mark.parametrize(
+    "args, expert, expected",
+    [
+        ((1, 2, 1), 4, (1, 2, 4, 1)),
+        ((2, 1, 1), 4, (2, 1, 4, 1)),
+        ((1, 2, 2), 2, (1, 2, 2, 2)),
+        ((1, -1, 1), 4, (1, 2, 4, 1)),
+        ((-1, 2, 1), 2, (2, 2, 2, 1)),
+        ((1, 1, -1), 8, (1, 1, 8, 1)),
+    ],
+)
+def test_expert_axis(args, expert, expected):
+    """``expert > 1`` adds the ``expert`` axis (next to ``tensor``); -1 fills what it leaves."""
+    mesh = make_mesh(*args, expert=expert)
+    assert mesh.axis_names == EXPERT_MESH_AXES == ("data", "fsdp", "expert", "tensor")
+    assert tuple(mesh.shape.values()) == expected
+    assert {d.id for d in mesh.devices.flat} == {d.id for d in jax.devices()}
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert make_mesh(*args, expert=expert, axis_types="explicit").axis_types == (
+        (AxisType.Explicit,) * 4
+    )
+
+
+def test_expert_one_is_the_three_axis_mesh():
+    assert make_mesh(2, 4, 1, expert=1).axis_names == MESH_AXES
+    assert resolve_mesh_shape(1, -1, 1, num_devices=8, expert=4) == (1, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "args, expert, match",
+    [
+        ((1, 2, 1), 0, "mesh axis 'expert' must be a positive int, got 0"),
+        ((1, -1, 1), -1, "mesh axis 'expert' must be a positive int, got -1"),
+        ((1, 2, 1), True, "mesh axis 'expert' must be a positive int, got True"),
+        ((1, 2, 1), 2.0, "mesh axis 'expert' must be a positive int, got 2.0"),
+        ((1, 2, 1), 2, r"data=1 x fsdp=2 x tensor=1 x expert=2 = 4 must equal .* \(8\)"),
+        ((1, -1, 1), 3, r"cannot fill mesh axis 'fsdp'.*'expert': 3.*multiply to 3"),
+    ],
+)
+def test_bad_expert_sizes(args, expert, match):
+    with pytest.raises(ValueError, match=match):
+        make_mesh(*args, expert=expert)
+
+
+def test_mesh_section_expert_key():
+    from jaxrl_llm.train.config import MeshSection  # noqa: PLC0415
+
+    assert MeshSection().expert == 1
+    assert MeshSection(expert=4, fsdp=2).expert == 4
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="mesh.expert must be a positive int"):
+            MeshSection(expert=bad)

@@ -17,12 +17,16 @@ from jaxrl_llm.parallel import (
     MESH_AXES,
     PARAM_RULES,
     SAMPLING_RULES,
+    batch_mesh_axes,
+    batch_shards,
     is_logical_axes,
     logical_to_sharding,
     logical_to_spec,
     make_mesh,
     with_logical_constraint,
 )
+from jaxrl_llm.parallel.mesh import EXPERT_MESH_AXES
+from jaxrl_llm.parallel.rules import OPTIONAL_MESH_AXES, present_mesh_axes, spec_for_mesh
 
 PARAM_TREE = {
     "embed": ("vocab", "embed"),
@@ -65,7 +69,7 @@ def test_tables_cover_every_logical_axis_with_valid_mesh_axes(rules):
     assert set(rules) == set(LOGICAL_AXES)
     for value in rules.values():
         axes = (value,) if isinstance(value, str) else (value or ())
-        assert set(axes) <= set(MESH_AXES)
+        assert set(axes) <= set(EXPERT_MESH_AXES) == {*MESH_AXES, *OPTIONAL_MESH_AXES}
     with pytest.raises(TypeError):
         rules["embed"] = None
 
@@ -76,9 +80,12 @@ def test_table_contents():
         assert PARAM_RULES[name] == "tensor"
         assert ACTIVATION_RULES[name] == "tensor"
     assert PARAM_RULES["layers"] is None and PARAM_RULES["head_dim"] is None
-    assert ACTIVATION_RULES["batch"] == ("data", "fsdp")
     assert ACTIVATION_RULES["embed"] is None
-    assert SAMPLING_RULES["batch"] == ("data", "fsdp")
+    # Expert parallelism: the experts' dim on the expert axis (in storage and in use), which is
+    # also one more batch axis.
+    for rules in (PARAM_RULES, ACTIVATION_RULES, SAMPLING_RULES):
+        assert rules["batch"] == ("data", "fsdp", "expert")
+        assert rules["expert"] == "expert"
     assert SAMPLING_RULES["kv_heads"] == "tensor"
     assert SAMPLING_RULES["cache_seq"] is None
 
@@ -88,11 +95,14 @@ def test_logical_to_spec():
         None, "fsdp", "tensor", None
     )
     assert logical_to_spec(("batch", None, "embed"), ACTIVATION_RULES) == P(
-        ("data", "fsdp"), None, None
+        ("data", "fsdp", "expert"), None, None
     )
     assert logical_to_spec(
         ("layers", "batch", "cache_seq", "kv_heads", "head_dim"), SAMPLING_RULES
-    ) == P(None, ("data", "fsdp"), None, "tensor", None)
+    ) == P(None, ("data", "fsdp", "expert"), None, "tensor", None)
+    assert logical_to_spec(("layers", "expert", "embed", "mlp"), PARAM_RULES) == P(
+        None, "expert", "fsdp", "tensor"
+    )
     assert logical_to_spec((), PARAM_RULES) == P()
     assert logical_to_spec(("x",), {"x": ("fsdp",)}) == P("fsdp")
     assert logical_to_spec(("x",), {"x": ()}) == P(None)
@@ -293,3 +303,60 @@ def test_with_logical_constraint_drops_manual_axes_inside_shard_map(axis_types):
         )
         out = jax.jit(f)(x)
     np.testing.assert_array_equal(np.asarray(out), 2.0 * np.arange(32.0).reshape(16, 2))
+
+
+# --- the optional expert axis ----------------------------------------------------------------
+
+EXPERT_TREE = {
+    "router": ("layers", "embed", "expert"),
+    "w_gate": ("layers", "expert", "embed", "mlp"),
+    "w_down": ("layers", "expert", "mlp", "embed"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+}
+EXPERT_SHAPES = {
+    "router": (2, 64, 8),
+    "w_gate": (2, 8, 64, 96),
+    "w_down": (2, 8, 96, 64),
+    "wq": (2, 64, 4, 16),
+}
+
+
+def test_optional_axis_is_dropped_only_where_the_mesh_lacks_it():
+    assert present_mesh_axes(("data", "fsdp", "expert"), MESH_AXES) == ("data", "fsdp")
+    assert present_mesh_axes(("data", "expert"), EXPERT_MESH_AXES) == ("data", "expert")
+    assert present_mesh_axes(("nope", "expert"), MESH_AXES) == ("nope",)  # refused later
+    spec = P(None, ("data", "fsdp", "expert"), "expert", None)
+    assert spec_for_mesh(spec, MESH_AXES) == P(None, ("data", "fsdp"), None, None)
+    assert spec_for_mesh(spec, EXPERT_MESH_AXES) == spec
+
+
+def test_expert_weights_on_meshes_with_and_without_the_expert_axis():
+    plain = logical_to_sharding(EXPERT_TREE, make_mesh(1, 4, 2), PARAM_RULES, shapes=EXPERT_SHAPES)
+    assert plain["w_gate"].spec == P(None, None, "fsdp", "tensor")  # today's layout
+    assert plain["router"].spec == P(None, "fsdp", None)
+    mesh = make_mesh(1, 2, 2, expert=2)
+    sharded = logical_to_sharding(EXPERT_TREE, mesh, PARAM_RULES, shapes=EXPERT_SHAPES)
+    assert sharded["w_gate"].spec == P(None, "expert", "fsdp", "tensor")
+    assert sharded["w_down"].spec == P(None, "expert", "tensor", "fsdp")
+    assert sharded["router"].spec == P(None, "fsdp", "expert")
+    assert sharded["wq"].spec == P(None, "fsdp", "tensor", None)  # dense: replicated over expert
+    array = jax.device_put(np.zeros(EXPERT_SHAPES["w_gate"], np.float32), sharded["w_gate"])
+    assert {s.data.shape for s in array.addressable_shards} == {(2, 4, 32, 48)}
+    with pytest.raises(ValueError, match=r"dim 1 \('expert'\) of size 5 .* 'expert' of size 2"):
+        logical_to_sharding(
+            ("layers", "expert", "embed", "mlp"), mesh, PARAM_RULES, shapes=(2, 5, 64, 96)
+        )
+
+
+def test_batch_splits_over_the_expert_axis():
+    assert batch_mesh_axes(make_mesh(2, 2, 2)) == ("data", "fsdp")
+    assert batch_shards(make_mesh(2, 2, 2)) == 4
+    mesh = make_mesh(2, 1, 1, expert=4)
+    assert batch_mesh_axes(mesh) == ("data", "fsdp", "expert")
+    assert batch_shards(mesh) == 8
+    with jax.set_mesh(mesh):
+        x = jax.jit(lambda x: with_logical_constraint(x, ("batch", None), ACTIVATION_RULES))(
+            jnp.ones((16, 4))
+        )
+    assert "expert" in x.sharding.spec[0]  # (JAX leaves the size-1 fsdp out of the spec)
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 4)}
