@@ -346,7 +346,7 @@ PRESETS: dict[str, Objective] = {
         Objective(name="prime", advantage="prime", aggregation="token-mean"),
         # On-policy distillation: the student's own samples, the teacher's per-token reverse
         # KL as the advantage (needs a teacher: ``teacher.path``).
-        Objective(name="opd", advantage="distill", aggregation="token-mean"),
+        Objective(name="distill", advantage="distill", aggregation="token-mean"),
     )
 }
 

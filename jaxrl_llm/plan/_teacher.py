@@ -1,5 +1,5 @@
 """``plan`` for on-policy distillation's teacher (``teacher.path``: the ``distill`` and
-``grpo_distill`` advantages, e.g. ``objective.name=opd``).
+``grpo_distill`` advantages, e.g. ``objective.name=distill``).
 
 Only the directory's ``config.json`` is read (``setup.load_model(..., weights=False)``), as
 ``plan`` reads ``model.path``'s and ``reward_model.path``'s. The teacher is planned as ``train``

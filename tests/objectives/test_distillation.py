@@ -37,7 +37,7 @@ def test_distillation_refuses_shapes_that_differ(rng):
 
 def test_the_distill_estimator_ignores_the_reward(rng):
     rewards, mask, old, teacher = _batch(rng)
-    objective = objectives.make("opd", distill_coef=2.0)
+    objective = objectives.make("distill", distill_coef=2.0)
     adv, returns = objectives.compute_advantages(
         objective, rewards, mask, group_size=G, old_logprobs=old, teacher_logprobs=teacher
     )
@@ -75,9 +75,11 @@ def test_the_estimators_name_a_missing_input(rng, missing):
     arrays = {"old_logprobs": old, "teacher_logprobs": teacher}
     del arrays[missing]
     with pytest.raises(ValueError, match=f"the distill estimator needs {missing}"):
-        objectives.compute_advantages(objectives.make("opd"), rewards, mask, group_size=G, **arrays)
+        objectives.compute_advantages(
+            objectives.make("distill"), rewards, mask, group_size=G, **arrays
+        )
 
 
 def test_distill_coef_must_not_be_negative():
     with pytest.raises(ValueError, match="distill_coef"):
-        objectives.make("opd", distill_coef=-1.0)
+        objectives.make("distill", distill_coef=-1.0)

@@ -1,4 +1,4 @@
-"""``jaxrl-llm plan`` for on-policy distillation (``objective.name=opd``): the teacher at
+"""``jaxrl-llm plan`` for on-policy distillation (``objective.name=distill``): the teacher at
 ``teacher.path`` as ``train`` loads and runs it, by hand.
 
 ``train.rl.context.load_teacher`` keeps the teacher all run, frozen, in the compute dtype (bf16
@@ -49,7 +49,7 @@ PAIRS = ROWS * 24 * 25 // 2  # causal (query, key) pairs; 4 N H FLOPs a pair and
 TEACHER_FORWARD = 2 * TEACHER_LAYER * ROWS * SEQ + 4 * 4 * 16 * PAIRS + ROWS * T * 2 * 32 * 256
 # bf16 (the TPU compute dtype), every leaf split over fsdp 4.
 TEACHER_BYTES = TEACHER_PARAMS * 2 // 4
-OPD = ("objective.name=opd", "teacher.path={teacher}")
+OPD = ("objective.name=distill", "teacher.path={teacher}")
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +160,12 @@ def test_without_a_teacher_nothing_changes(paths):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("objective.name=opd", "teacher.path={root}/other_vocab"), "teacher.path .* vocab_size"),
-        (("objective.name=opd", "teacher.path={root}/nowhere"), "teacher.path: no config.json"),
-        (("objective.name=opd",), "needs a teacher"),
+        (
+            ("objective.name=distill", "teacher.path={root}/other_vocab"),
+            "teacher.path .* vocab_size",
+        ),
+        (("objective.name=distill", "teacher.path={root}/nowhere"), "teacher.path: no config.json"),
+        (("objective.name=distill",), "needs a teacher"),
         (("teacher.path={teacher}",), "teacher.path is read by the distillation objectives"),
     ],
 )
@@ -188,12 +191,12 @@ def test_sampler_chips_of_their_own_do_not_hold_the_teacher(paths):
 
 @needs_libtpu
 def test_plan_of_the_opd_recipe_shows_the_teacher(paths, tmp_path):
-    """``jaxrl-llm plan configs/opd.yaml`` (deviceless, v5litepod-4) with a small policy and a
+    """``jaxrl-llm plan configs/distill.yaml`` (deviceless, v5litepod-4) with a small policy and a
     Qwen2-shaped teacher: a ``teacher_logprobs`` row called once a step, the teacher's weights
     in every program's HBM, the report's ``teacher`` entry."""
     report_path = tmp_path / "plan.json"
     code, out, err = plan(
-        "configs/opd.yaml",
+        "configs/distill.yaml",
         "--topology",
         "v5litepod-4",
         *_overrides(paths, "teacher.path={root}/qwen2"),

@@ -83,7 +83,7 @@ SPEC_PRESETS: dict[str, dict] = {
         "value_clip": 0.5,
     },
     "prime": {"advantage": "prime"},
-    "opd": {"advantage": "distill"},
+    "distill": {"advantage": "distill"},
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(SPEC_PRESETS)

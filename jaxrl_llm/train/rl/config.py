@@ -263,7 +263,7 @@ class TeacherSection:
     Attributes:
       path: a Hugging Face checkpoint directory whose vocabulary is the policy's (they share
         the tokenizer); read by the objectives whose estimator takes the teacher's log-probs
-        (``opd``: ``distill`` advantages; ``grpo_distill`` with a reward too). Stored in the
+        (``distill``: ``distill`` advantages; ``grpo_distill`` with a reward too). Stored in the
         compute dtype; its log-probs come from the same forward as the policy's.
     """
 
@@ -502,7 +502,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     if cfg.teacher.path is not None and not distills:
         raise ValueError(
             f"teacher.path is read by the distillation objectives (distill or grpo_distill "
-            f"advantages, e.g. objective.name=opd), not by {objective.name!r}"
+            f"advantages, e.g. objective.name=distill), not by {objective.name!r}"
         )
     from jaxrl_llm.train.rl.episodes import check_env  # noqa: PLC0415  (imports envs)
 

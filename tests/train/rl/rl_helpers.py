@@ -83,7 +83,7 @@ SAMPLE_KEYS = {"step", "prompt", "completion", "reward", "correct"}
 
 def distillation_teacher(path: str | os.PathLike, alphabet: str | None = None, seed: int = 3):
     """A transformers Llama with random weights saved at ``path`` with the built-in character
-    tokenizer (``alphabet``: another one): a teacher for ``objective.name=opd`` on the built-in
+    tokenizer (``alphabet``: another one): a teacher for ``objective.name=distill`` on the built-in
     task. Returns the torch model."""
     from jaxrl_llm import data  # noqa: PLC0415
     from tests.models import hf_utils  # noqa: PLC0415

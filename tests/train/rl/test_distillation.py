@@ -1,4 +1,4 @@
-"""On-policy distillation end to end (issue 47, item 1): ``objective.name=opd`` with a
+"""On-policy distillation end to end (issue 47, item 1): ``objective.name=distill`` with a
 teacher checkpoint on disk.
 
 The teacher is a transformers Llama with random weights saved with the built-in character
@@ -57,7 +57,7 @@ class RecordingTrainer(RLTrainer):
 def test_opd_trains_on_the_teachers_log_probs(tmp_path):
     torch_teacher = rl_helpers.distillation_teacher(tmp_path / "teacher")
     cfg = rl_helpers.tiny_config(
-        rl_helpers.CONFIGS / "opd.yaml",
+        rl_helpers.CONFIGS / "distill.yaml",
         tmp_path / "run",
         f"teacher.path={tmp_path / 'teacher'}",
         "trainer.max_steps=2",
@@ -99,13 +99,15 @@ def test_the_teacher_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match=r"teacher.path .* its tokenizer is not the policy's"):
         RLTrainer(
             rl_helpers.tiny_config(
-                rl_helpers.CONFIGS / "opd.yaml", tmp_path / "run", f"teacher.path={other}"
+                rl_helpers.CONFIGS / "distill.yaml", tmp_path / "run", f"teacher.path={other}"
             )
         )
     no_teacher = rl_helpers.tiny_config(
-        rl_helpers.CONFIGS / "opd.yaml", tmp_path / "run", "teacher.path=null"
+        rl_helpers.CONFIGS / "distill.yaml", tmp_path / "run", "teacher.path=null"
     )
-    with pytest.raises(ValueError, match=r"objective 'opd' \(distill advantages\) needs a teacher"):
+    with pytest.raises(
+        ValueError, match=r"objective 'distill' \(distill advantages\) needs a teacher"
+    ):
         check_config(no_teacher)
     unused = rl_helpers.tiny_config(None, tmp_path / "run", f"teacher.path={other}")
     with pytest.raises(ValueError, match="teacher.path is read by the distillation objectives"):

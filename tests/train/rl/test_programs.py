@@ -85,7 +85,7 @@ VARIANTS = {
     "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
     "sampler devices of their own": ("mesh.rollout_devices=4", "rollout.max_staleness=1"),
     # On-policy distillation: the grpo job's exported policy is the teacher too.
-    "opd, a teacher": ("objective.name=opd", "teacher.path={hf}"),
+    "distill, a teacher": ("objective.name=distill", "teacher.path={hf}"),
 }
 # Programs the trainer calls through ``self.programs`` rather than an attribute.
 SPEC_PROGRAMS = ("teacher_logprobs",)

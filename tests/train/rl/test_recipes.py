@@ -47,7 +47,7 @@ def test_every_built_in_recipe_config_is_covered():
 
 def _recipe_config(name: str, run_dir):
     extra = () if name == "dapo" else (rl_helpers.SHAPED_REWARDS,)
-    if name == "opd":  # a teacher on disk, with the built-in tokenizer
+    if name == "distill":  # a teacher on disk, with the built-in tokenizer
         teacher = pathlib.Path(run_dir).parent / "teacher"
         rl_helpers.distillation_teacher(teacher)
         extra = (f"teacher.path={teacher}",)
