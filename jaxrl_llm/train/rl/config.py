@@ -49,6 +49,8 @@ class DataSection:
         keeping the end with ``truncation_side: left`` as verl's, the start with ``right``).
       num_train, digits, ops: the built-in task's size (training prompts), operand digit
         counts and operators.
+      slip_rate: ``task: carry_slips``: the share of carrying (borrowing) problems whose
+        warm-up demonstration drops the carry (``data.carry_slips``).
     """
 
     task: str = "arithmetic"
@@ -72,6 +74,7 @@ class DataSection:
     num_train: int = 4000
     digits: tuple[int, ...] = (1, 2)
     ops: tuple[str, ...] = ("+", "-")
+    slip_rate: float = 0.7
 
 
 @dataclasses.dataclass(frozen=True)

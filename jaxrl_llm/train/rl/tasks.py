@@ -19,12 +19,12 @@ import os
 from typing import Any
 
 from jaxrl_llm import data
-from jaxrl_llm.data import coverage
+from jaxrl_llm.data import carry_slips, coverage
 from jaxrl_llm.data.datasets import Example, last_user_message
 
 log = logging.getLogger("jaxrl_llm")
 
-DATA_TASKS = ("arithmetic", "jsonl", "hf")
+DATA_TASKS = ("arithmetic", "carry_slips", "jsonl", "hf")
 OVERLONG_PROMPTS = ("filter", "error", "truncate")
 TRUNCATION_SIDES = ("left", "right")
 
@@ -67,6 +67,16 @@ def check_data(section: Any) -> None:
     _name("answer_field", d.answer_field)
     for key in ("prompt_key", "answer_key", "messages_key", "eval_split"):
         _name(key, getattr(d, key), optional=True)
+    if d.task == "carry_slips":
+        bad = [op for op in d.ops if op not in carry_slips.SLIP_OPS]
+        if bad:
+            raise ValueError(
+                f"data.task=carry_slips takes data.ops from {carry_slips.SLIP_OPS}, got {bad}"
+            )
+        try:  # data.slip_rate where the section has one
+            carry_slips.check_slip_rate(getattr(d, "slip_rate", carry_slips.SLIP_RATE))
+        except ValueError as err:
+            raise ValueError(f"data.{err}") from None
     if d.task == "jsonl":
         if d.train_path is None:
             raise ValueError("data.task=jsonl needs data.train_path")
@@ -114,6 +124,15 @@ def load_task(section: Any, seed: int) -> tuple[list[Example], list[Example]]:
             seed=seed,
             digits=section.digits,
             ops=section.ops,
+        )
+        return examples[section.eval_size :], examples[: section.eval_size]
+    if section.task == "carry_slips":  # the same prompts; the demonstrations slip
+        examples = carry_slips.carry_slip_examples(
+            section.num_train + section.eval_size,
+            seed=seed,
+            digits=section.digits,
+            ops=section.ops,
+            slip_rate=getattr(section, "slip_rate", carry_slips.SLIP_RATE),
         )
         return examples[section.eval_size :], examples[: section.eval_size]
     prompt_key, answer_key = data_keys(section)

@@ -383,7 +383,10 @@ def test_the_hf_task_with_truncation_through_load_examples(tmp_path, hf_dir, tok
         (["data.task=hf", "data.path=d", "data.messages_key=m"], "needs data.chat_template=true"),
         (["data.task=jsonl", "data.train_path=x", "data.path=d"], "data.path is read by data.tas"),
         (["data.truncation_side=middle"], r"data.truncation_side must be one of \('left', 'righ"),
-        (["data.task=parquet"], r"data.task must be one of \('arithmetic', 'jsonl', 'hf'\)"),
+        (
+            ["data.task=parquet"],
+            r"data.task must be one of \('arithmetic', 'carry_slips', 'jsonl', 'hf'\)",
+        ),
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens must be an int >= 1"),
     ],
 )

@@ -540,7 +540,7 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
         ),
         pytest.param(
             ["data.task=gsm8k"],
-            r"data.task must be one of \('arithmetic', 'jsonl', 'hf'\)",
+            r"data.task must be one of \('arithmetic', 'carry_slips', 'jsonl', 'hf'\)",
             id="task",
         ),
         pytest.param(["data.task=jsonl"], r"data.task=jsonl needs data.train_path", id="jsonl"),
