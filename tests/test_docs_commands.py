@@ -173,6 +173,7 @@ RUNS: dict[str, Run] = {
     f"jaxrl-llm train configs/qwen2.5-0.5b-gsm8k-grpo.yaml model.path={MODEL_PATH} mesh.fsdp=8": (
         Run((*SMALL_REAL, "data.train_path=gsm8k.jsonl", "data.eval_path=null"))
     ),
+    "jaxrl-llm train configs/carry_slips.yaml": Run(),
     "jaxrl-llm train configs/tool_calculator.yaml": Run(),
     "jaxrl-llm train configs/tool_calculator.yaml env.name=null run_dir=runs/no_tool": Run(),
     f"jaxrl-llm train rollout.max_staleness=1 mesh.rollout_devices=4 {OFF_POLICY}": Run(
