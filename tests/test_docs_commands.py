@@ -356,6 +356,7 @@ def _run(command: str, workspace: pathlib.Path, spec: Run) -> tuple[int, str, st
         argv += [
             x for x in _small(argv) if x.split("=", 1)[0] not in {a.split("=")[0] for a in argv}
         ]
+        argv += FORCED
     out, err = io.StringIO(), io.StringIO()
     saved_path = list(sys.path)
     with (

@@ -70,14 +70,16 @@ def _rows(run_dir):
 def test_a_signal_finishes_the_step_checkpoints_it_and_the_resumed_run_is_the_same(
     tmp_path, signum
 ):
+    # The handlers this process had (an xdist worker may start with SIGINT ignored).
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     straight = tmp_path / "straight"
     _fit(_config(straight, max_steps=5))
     run_dir = tmp_path / "run"
     with pytest.raises(core.Interrupted) as info:
         _fit(_config(run_dir, max_steps=5), signals={2: [signum]})  # during step 3
     assert (info.value.signum, info.value.step, info.value.where) == (signum, 3, "at step 3")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and core.stop_requested() is None
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
+    assert core.stop_requested() is None
     steps, extras = _steps(run_dir)
     assert steps == [2, 3] and extras[3]["saved_at"] == 3
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]

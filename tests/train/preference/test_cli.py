@@ -64,10 +64,11 @@ def test_train_main_runs_a_dpo_config(tmp_path, capsys):
     assert saved == load_config(PreferenceConfig, CONFIGS / "dpo.yaml", argv[1:])
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         assert ckpt.latest_step() == 2
-    # The preference job's curves (no evaluation row: no eval/ curve) and its timeline.
+    # The preference job's curves, its timeline, and the held-out accuracy from the
+    # evaluations before and after training (no evaluation row in between).
     pngs = {p.name for p in (run_dir / "plots").glob("*.png")}
     curves = {"loss.png", "rewards_accuracies.png", "rewards_margins.png", "time_step.png"}
-    assert pngs == curves | {"timeline.png"}
+    assert pngs == curves | {"eval_rewards_accuracies.png", "timeline.png"}
     for name in pngs:
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
