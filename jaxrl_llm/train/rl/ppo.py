@@ -408,7 +408,8 @@ class PPOTrainer(RLTrainer):
         if not self.joint:
             self.value_fn_step = critic["critic_update"].fn
 
-    def score(self, step, samples, seqs, old, ref, rewards):
+    def score(self, step, samples, seqs, forwards, rewards):
+        old, ref = forwards.old, forwards.ref
         values = self.values_fn(self.value_params, seqs)
         adv, returns = self.advantage_fn(
             rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, values=values

@@ -191,7 +191,8 @@ class PRIMETrainer(RLTrainer):
         self.prm_state, metrics = self.prm_step(self.prm_state, batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if k.startswith("prm/")}
 
-    def score(self, step, samples, seqs, old, ref, rewards):
+    def score(self, step, samples, seqs, forwards, rewards):
+        old, ref = forwards.old, forwards.ref
         metrics: dict[str, Any] = {}
         labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
         if self.cfg.prime.update == "before":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +77,25 @@ def advantage_metrics(advantages: np.ndarray, trained: np.ndarray) -> dict[str, 
     }
 
 
-def reverse_kl(student, teacher, mask) -> float:
+@jax.jit
+def reverse_kl(student, teacher, mask) -> jax.Array:
     """The mean over the trained tokens of ``log π_old − log π_T``: the per-token reverse KL
-    to the teacher that on-policy distillation lowers (0 with no trained token)."""
-    student, teacher, mask = (
-        np.asarray(parallel.fetch(x), np.float64) for x in (student, teacher, mask)
-    )
-    count = mask.sum()
-    return float(((student - teacher) * mask).sum() / count) if count else 0.0
+    to the teacher that on-policy distillation lowers (0 with no trained token). Computed on
+    device: a scalar, not three ``[B, T]`` arrays, comes back to the host."""
+    mask = mask.astype(jnp.float32)
+    count = jnp.sum(mask)
+    total = jnp.sum(jnp.where(mask > 0, student - teacher, 0.0))
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+
+
+class StepForwards(NamedTuple):
+    """The frozen forwards of one step's batch, ``[B, T]`` on device (None when not run):
+    behaviour (``old``: recomputed, the sampler's, or None on-policy), reference and
+    distillation teacher log-probs."""
+
+    old: Any = None
+    ref: Any = None
+    teacher: Any = None
 
 
 class RLTrainer(Trainer):
@@ -406,14 +417,13 @@ class RLTrainer(Trainer):
         recomputed = old is not None and not self.sampler_logprobs
         forwards = recomputed + (ref is not None) + (teacher is not None)
         timer.count("logprobs", tokens * forwards)
-        self.step_teacher_logprobs = teacher
         with timer.phase("advantages"):
             device_rewards = setup.to_device(samples.rewards, run.mesh)
             attention = None if samples.loss_mask is None else seqs.completion_mask
             if attention is not None:  # the loss and advantages see the sampled tokens only
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
-            batch, score_metrics = self.score(step, samples, seqs, old, ref, device_rewards)
-            self.step_teacher_logprobs = None  # read by score: not kept through the update
+            forwards = StepForwards(old, ref, teacher)
+            batch, score_metrics = self.score(step, samples, seqs, forwards, device_rewards)
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
             batch, corrected = correct_batch(run.objective, batch)
             adv = parallel.fetch(batch.advantages)
@@ -441,7 +451,7 @@ class RLTrainer(Trainer):
             **{f"reward/{k}": float(np.mean(v)) for k, v in samples.components.items()},
             **{f"env/{k}": float(np.mean(v)) for k, v in (samples.info or {}).items()},
             **{k: float(v) for k, v in info.items()},
-            **score_metrics,
+            **{k: float(v) for k, v in score_metrics.items()},
             **corrected,
             **update_metrics,
             "tokens_per_s": tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
@@ -449,18 +459,20 @@ class RLTrainer(Trainer):
         self.watch.observe(step + 1, metrics)
         return metrics
 
-    def score(self, step, samples, seqs, old, ref, rewards) -> tuple[RolloutBatch, dict]:
-        """Hook: the update's batch (advantages, and whatever else the update needs)."""
+    def score(
+        self, step, samples, seqs, forwards: StepForwards, rewards
+    ) -> tuple[RolloutBatch, dict]:
+        """Hook: the update's batch (advantages, and whatever else the update needs) and its
+        metrics (floats or device scalars)."""
+        old, ref = forwards.old, forwards.ref
         extra, metrics = {}, {}
         requires = self.run.objective.estimator_requires
         if "reward_columns" in requires:  # e.g. GDPO
             columns = rollout_lib.reward_columns(samples)
             extra["reward_columns"] = setup.to_device(columns, self.run.mesh)
         if "teacher_logprobs" in requires:  # on-policy distillation
-            extra["teacher_logprobs"] = self.step_teacher_logprobs
-            metrics["distill/reverse_kl"] = reverse_kl(
-                old, self.step_teacher_logprobs, seqs.completion_mask
-            )
+            extra["teacher_logprobs"] = forwards.teacher
+            metrics["distill/reverse_kl"] = reverse_kl(old, forwards.teacher, seqs.completion_mask)
         adv, _ = self.advantage_fn(
             rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, **extra
         )

@@ -48,9 +48,9 @@ class RecordingTrainer(RLTrainer):
             program.name, recorded, program.calls_per_step, program.builder, program.config
         )
 
-    def score(self, step, samples, seqs, old, ref_lp, rewards):
-        batch, metrics = super().score(step, samples, seqs, old, ref_lp, rewards)
-        self.seen[-1].update(old=np.asarray(old), advantages=np.asarray(batch.advantages))
+    def score(self, step, samples, seqs, forwards, rewards):
+        batch, metrics = super().score(step, samples, seqs, forwards, rewards)
+        self.seen[-1].update(old=np.asarray(forwards.old), advantages=np.asarray(batch.advantages))
         return batch, metrics
 
 
