@@ -6,6 +6,10 @@ Every prompt is sampled ``samples`` times at ``temperature``; a completion is co
 task's own check (``Samples.correct``), and its answer for maj@k is the final answer written
 in it (``rewards.math.extract_answer``, compared by value: ``0.5`` and ``\\frac{1}{2}`` vote
 together). Intervals are percentile bootstraps over the prompts (``estimators.summarize``).
+
+The prompts are drawn ``batch_prompts`` at a time (what the sampler is known to hold: the
+caller passes a rollout batch's worth), each batch with its own key folded from the seed (one
+batch: the seed's key itself), under a progress bar with the time left when asked.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def sampled_report(
     seed: int = 0,
     resamples: int = 1000,
     mesh=None,
+    batch_prompts: int | None = None,
+    progress: bool = False,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """``(summary, per_prompt)``: ``samples`` completions of each example at ``temperature``.
 
@@ -54,28 +60,44 @@ def sampled_report(
       seed: the sampling key and the bootstrap's seed.
       resamples: bootstrap resamples.
       mesh: the mesh ``params`` live on (default: the run's).
+      batch_prompts: prompts drawn at a time (None: all at once); a multiple of the mesh's
+        batch shards, as the sampler requires.
+      progress: draw a progress bar over the prompts on stderr (when it is a terminal).
 
     Returns:
       The summary, and per prompt ``{prompt, correct, samples, answers}``.
 
     Raises:
-      ValueError: ``samples < k``, ``k < 1``, or no examples.
+      ValueError: ``samples < k``, ``k < 1``, ``batch_prompts < 1``, or no examples.
     """
     if k < 1 or samples < k:
         raise ValueError(f"need 1 <= k <= samples, got k={k}, samples={samples}")
     if not examples:
         raise ValueError("no prompts to evaluate")
-    drawn = context.sample(
-        params,
-        list(examples),
-        jax.random.key(seed),
-        temperature=temperature,
-        group_size=samples,
-        mesh=mesh,
-    )
-    correct = np.asarray(drawn.correct, bool).reshape(len(examples), samples)
+    examples = list(examples)
+    size = len(examples) if batch_prompts is None else batch_prompts
+    if size < 1:
+        raise ValueError(f"batch_prompts must be at least 1, got {batch_prompts}")
+    starts = range(0, len(examples), size)
+    key = jax.random.key(seed)
+    correct, completions = [], []
+    with _bar(len(examples), progress) as bar:
+        for i, start in enumerate(starts):
+            part = examples[start : start + size]
+            drawn = context.sample(
+                params,
+                part,
+                key if len(starts) == 1 else jax.random.fold_in(key, i),
+                temperature=temperature,
+                group_size=samples,
+                mesh=mesh,
+            )
+            correct.append(np.asarray(drawn.correct, bool).reshape(len(part), samples))
+            completions.extend(drawn.completions)
+            bar.update(len(part))
+    correct = np.concatenate(correct)
     answers = [
-        [final_answer(drawn.completions[p * samples + j]) for j in range(samples)]
+        [final_answer(completions[p * samples + j]) for j in range(samples)]
         for p in range(len(examples))
     ]
     summary = summarize(correct, ks=sorted({1, k}), answers=answers, resamples=resamples, seed=seed)
@@ -90,6 +112,21 @@ def sampled_report(
         for p in range(len(examples))
     ]
     return summary, per_prompt
+
+
+def _bar(prompts: int, progress: bool):
+    """A tqdm bar over the prompts drawn (rate and time left), erased when done; nothing
+    unless ``progress`` and stderr is a terminal (tqdm's ``disable=None``)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(
+        total=prompts,
+        desc="evaluating",
+        unit="prompt",
+        disable=None if progress else True,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 __all__ = ["final_answer", "sampled_report"]

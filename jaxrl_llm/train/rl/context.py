@@ -333,9 +333,18 @@ class RunContext:
                 temperature=temperature,
                 seed=self.cfg.seed,
                 mesh=mesh,
+                batch_prompts=eval_batch_prompts(self.cfg.rollout, t.eval_k),
             )
             metrics |= {key: value for key, value in summary.items() if "@" in key}
         return metrics, samples
+
+
+def eval_batch_prompts(rollout, samples: int) -> int:
+    """Prompts an evaluation drawing ``samples`` completions a prompt samples at a time: about
+    a rollout batch's rows (``prompts_per_step x group_size``, what the sampler holds in
+    training), in whole multiples of ``prompts_per_step`` (which the mesh's batch shards
+    divide, as they divide ``data.eval_size``, so every batch does)."""
+    return rollout.prompts_per_step * max(1, rollout.group_size // samples)
 
 
 def make_run_context(

@@ -5,7 +5,8 @@ held-out prompts, with bootstrap confidence intervals.
 run left in ``RUN_DIR/hf`` on the run's own task and eval set; ``CONFIG`` (a YAML file)
 evaluates ``model.path``. Every held-out prompt is sampled ``--samples`` times (default ``K``)
 at ``--temperature`` (default the config's ``rollout.temperature``), through the same sampler,
-prompt formatting, stop tokens and correctness check as training (``train.rl.context``). The
+prompt formatting, stop tokens and correctness check as training (``train.rl.context``), a
+rollout batch's rows at a time (``context.eval_batch_prompts``) under a progress bar. The
 report gives, for ``k`` in ``1`` and ``K``, the unbiased pass@k, mean@k and maj@k (the majority
 final answer, ``rewards.math.extract_answer``) with their percentile-bootstrap intervals over
 the prompts (``jaxrl_llm.evaluation.estimators``); ``--json FILE`` writes them with the
@@ -123,6 +124,7 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
     from jaxrl_llm.train import setup  # noqa: PLC0415
     from jaxrl_llm.train.rl.context import (  # noqa: PLC0415
         RunContext,
+        eval_batch_prompts,
         load_examples,
         task_reward,
     )
@@ -164,6 +166,8 @@ def evaluate(cfg, *, k: int, samples: int, temperature: float, seed: int, resamp
         temperature=temperature,
         seed=seed,
         resamples=resamples,
+        batch_prompts=eval_batch_prompts(cfg.rollout, samples),
+        progress=True,
     )
 
 

@@ -22,7 +22,12 @@ from jaxrl_llm import data, models
 from jaxrl_llm.data.encoding import encode_prompts, stop_token_ids
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.rl.config import TrainConfig, check_config
-from jaxrl_llm.train.rl.context import load_examples, normalize_scores, screen_prompts
+from jaxrl_llm.train.rl.context import (
+    eval_batch_prompts,
+    load_examples,
+    normalize_scores,
+    screen_prompts,
+)
 from jaxrl_llm.train.rl.trainer import SFT_WARMUP_STEPS_BUILTIN, RLTrainer
 from jaxrl_llm.train.setup import tiny_model_config
 from tests.train.rl import rl_helpers
@@ -502,3 +507,12 @@ def test_rollouts_use_the_configured_paged_cache(tmp_path, monkeypatch):
 def test_paged_cache_settings_are_checked(overrides, match):
     with pytest.raises(ValueError, match=match):
         check_config(load_config(TrainConfig, None, list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("samples", "want"),
+    [(1, 256), (2, 128), (8, 32), (16, 32), (3, 64)],
+)
+def test_eval_batches_hold_about_a_rollout_batch(samples, want):
+    rollout = types.SimpleNamespace(prompts_per_step=32, group_size=8)
+    assert eval_batch_prompts(rollout, samples) == want

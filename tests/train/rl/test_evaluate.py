@@ -23,8 +23,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval_run")
+    # 5000 training problems: 300 warm-up steps over the tiny set's 200 memorise them and
+    # leave held-out accuracy at 0, where every sampled estimate is 0 too.
     cfg = rl_helpers.tiny_config(
-        None, path, "sft_warmup.steps=300", "trainer.max_steps=1", "trainer.eval_k=4"
+        None,
+        path,
+        "sft_warmup.steps=300",
+        "trainer.max_steps=1",
+        "trainer.eval_k=4",
+        "data.num_train=5000",
     )
     RLTrainer(cfg).fit()
     return path
