@@ -18,7 +18,6 @@ from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.rl.config import check_config
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from tests.models import hf_utils
-from tests.reference import logprobs as ref
 from tests.train.rl import rl_helpers
 
 pytestmark = pytest.mark.slow
@@ -73,17 +72,9 @@ def test_opd_trains_on_the_teachers_log_probs(tmp_path):
         prompt, prompt_mask = np.asarray(seqs.prompt_tokens), np.asarray(seqs.prompt_mask)
         completion = np.asarray(seqs.completion_tokens)
         completion_mask = np.asarray(seqs.completion_mask)
-        want = np.zeros(completion.shape)
-        for i in range(len(prompt)):  # each row unpadded, as transformers reads one prompt
-            real_prompt = prompt[i][prompt_mask[i] > 0]
-            real_completion = completion[i][completion_mask[i] > 0]
-            seq = np.concatenate([real_prompt, real_completion])[None]
-            logits = hf_utils.hf_logits(torch_teacher, seq, np.ones_like(seq), double=True)
-            n = len(real_completion)
-            lp, _ = ref.completion_logprobs(
-                logits, len(real_prompt), real_completion[None], np.ones((1, n)), temperature=1.0
-            )
-            want[i, :n] = lp[0]
+        want = hf_utils.hf_completion_logprobs(
+            torch_teacher, prompt, prompt_mask, completion, completion_mask
+        )
         got = np.asarray(seen["teacher"])
         valid = completion_mask > 0
         np.testing.assert_allclose(got[valid], want[valid], atol=2e-4)
@@ -112,3 +103,43 @@ def test_the_teacher_settings_are_checked(tmp_path):
     unused = rl_helpers.tiny_config(None, tmp_path / "run", f"teacher.path={other}")
     with pytest.raises(ValueError, match="teacher.path is read by the distillation objectives"):
         check_config(unused)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("teacher")
+    rl_helpers.distillation_teacher(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("rollout.engine=continuous", "rollout.slots=8"),
+        ("rollout.max_staleness=1",),
+        ("model.lora={rank: 4, alpha: 8.0, targets: [q, v, o]}",),
+    ],
+    ids=["continuous_engine", "one_step_off", "lora_student"],
+)
+def test_distillation_with_each_sampler_pipeline_and_student(teacher_dir, tmp_path, extra):
+    """Every step's advantages are the teacher's log-probs of that step's own samples minus the
+    behaviour log-probs, however the samples were drawn (continuous engine, a one-step-off
+    pipeline) and whatever trains (a LoRA student's adapters)."""
+    cfg = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "distill.yaml",
+        tmp_path / "run",
+        f"teacher.path={teacher_dir}",
+        "trainer.max_steps=2",
+        "model.compute_dtype=float32",
+        *extra,
+    )
+    trainer = RecordingTrainer(cfg)
+    trainer.fit()
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == len(trainer.seen) == 2
+    for row, seen in zip(rows, trainer.seen, strict=True):
+        valid = np.asarray(seen["seqs"].completion_mask) > 0
+        gap = np.where(valid, np.asarray(seen["teacher"]) - seen["old"], 0.0)
+        np.testing.assert_allclose(seen["advantages"], gap, atol=1e-6)
+        assert row["distill/reverse_kl"] == pytest.approx(-gap[valid].mean(), abs=1e-5)
+        assert row["grad_norm"] > 0
