@@ -6,6 +6,9 @@
 - :func:`off_policy_sequence_mask` — DeepSeek-V3.2's off-policy sequence masking: drop the
   negative-advantage completions the current policy has drifted far from (DeepSeek-AI 2025,
   "DeepSeek-V3.2", arXiv:2512.02556, Eq. 9; TRL's ``off_policy_mask_threshold``).
+- :func:`m2po_mask` — M2PO's second-moment trust region: drop the tokens of largest squared
+  log-ratio until the batch's second moment is under a threshold (Zheng et al. 2025,
+  "Second-Moment Trust Policy Optimization", arXiv:2510.01161; AReaL's ``m2_threshold``).
 
 The masks carry no gradient and are 0 on padding. A selected-out token contributes 0 to the
 loss but still counts in the aggregation's normaliser (TRL multiplies the per-token loss by
@@ -122,3 +125,68 @@ def off_policy_sequence_mask(
     adv = adv[:, None] if adv.ndim == 1 else adv
     keep = (adv >= 0) | (mean_drift <= threshold)
     return (valid & keep).astype(jnp.float32)
+
+
+def second_moment(log_ratio: Array, mask: Array) -> Array:
+    """``M̂₂ = Σ_t m_t·(log r_t)² / max(Σ_t m_t, 1)``: the mean squared log-ratio of the valid
+    tokens (0 when there is none); no gradient.
+
+    Args:
+      log_ratio: ``[B, T]`` log importance ratios.
+      mask: ``[B, T]`` valid tokens.
+
+    Returns:
+      f32 scalar.
+    """
+    check_batch_time("log_ratio", log_ratio, mask)
+    valid = as_mask(mask) > 0
+    delta = jnp.where(valid, jax.lax.stop_gradient(f32(log_ratio)), 0.0)
+    return jnp.sum(delta * delta) / jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0)
+
+
+def m2po_mask(log_ratio: Array, mask: Array, *, threshold: float = 0.04) -> Array:
+    """M2PO's mask: without the ``k`` tokens of largest ``(log r)²``, ``M̂₂ < τ``; ``k`` least.
+
+    Zheng et al. 2025, "Second-Moment Trust Policy Optimization" (arXiv:2510.01161; AReaL's
+    ``actor.m2_threshold``, ``_apply_m2po_masking``): instead of clipping each token's ratio,
+    constrain the second moment ``M̂₂ = (1/N)·Σ_i (log r_i)²`` of the log importance ratios of
+    the batch. With the ``N`` valid tokens sorted by ``M₂,i = (log r_i)²`` in decreasing order
+    (``s_1 ≥ … ≥ s_N``), the suffix means are ``A_j = Σ_{i≥j} s_i / (N − j + 1)``; the first
+    ``k = min{j − 1 : A_j < τ}`` tokens are masked (``k = 0`` when ``M̂₂ < τ`` already), and
+    when no suffix mean is under ``τ`` all but the smallest one (``k = N − 1``, AReaL's
+    fallback: a batch never loses every token). ``A_j`` is non-increasing in ``j``, so ``k``
+    is the fewest tokens whose removal brings the kept tokens' ``M̂₂`` under ``τ``.
+
+    Static shapes under jit: one sort of the ``B·T`` entries (padding last), a reverse cumsum
+    for the suffix sums, and a scatter back. Ties of ``(log r)²`` at the cut are broken by
+    position (the earlier flat index ``b·T + t`` is masked first; AReaL's order among ties
+    is the unspecified one of ``torch.sort``); the count ``k`` does not depend on it.
+
+    Args:
+      log_ratio: ``[B, T]`` log importance ratios ``log π_θ − log π_behav`` (no gradient flows).
+      mask: ``[B, T]`` valid tokens (the policy loss's mask).
+      threshold: ``τ > 0`` (AReaL's default 0.04).
+
+    Returns:
+      ``[B, T]`` float32 0/1 (0 on padding), no gradient. No valid token: all 0.
+
+    Raises:
+      ValueError: on mismatched shapes or ``τ <= 0``.
+    """
+    if not threshold > 0:
+        raise ValueError(f"m2_threshold must be > 0, got {threshold!r}")
+    check_batch_time("log_ratio", log_ratio, mask)
+    valid = as_mask(mask) > 0
+    delta = jnp.where(valid, jax.lax.stop_gradient(f32(log_ratio)), 0.0)
+    m2 = (delta * delta).reshape(-1)
+    flat_valid = valid.reshape(-1)
+    # Decreasing (log r)², ties by position, padding (key 1 > every -(log r)²) last.
+    order = jnp.argsort(jnp.where(flat_valid, -m2, 1.0), stable=True)
+    ordered = jnp.where(flat_valid[order], m2[order], 0.0)
+    suffix = jnp.cumsum(ordered[::-1])[::-1]  # Σ_{i ≥ j} s_i, summed from the smallest
+    n = jnp.sum(flat_valid, dtype=jnp.int32)
+    index = jnp.arange(m2.shape[0], dtype=jnp.int32)
+    below = (index < n) & (suffix / jnp.maximum(n - index, 1).astype(jnp.float32) < threshold)
+    masked = jnp.where(jnp.any(below), jnp.argmax(below), jnp.maximum(n - 1, 0))
+    dropped = jnp.zeros_like(flat_valid).at[order].set(index < masked).reshape(valid.shape)
+    return (valid & ~dropped).astype(jnp.float32)

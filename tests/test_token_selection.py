@@ -1,5 +1,5 @@
 """Tests for jaxrl_llm.token_selection against the float64 references of
-tests/reference/stabilisers.py (TRL's formulas)."""
+tests/reference/stabilisers.py (TRL's formulas) and tests/reference/m2po.py (AReaL's M2PO)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import pytest
 
 from jaxrl_llm import token_selection
 from tests.reference import losses as ref
+from tests.reference import m2po as m2ref
 from tests.reference import stabilisers as stab
 
 B, T = 6, 5
@@ -117,3 +118,107 @@ def test_errors(rng):
         token_selection.off_policy_sequence_mask(
             entropy, entropy, np.zeros(B + 1), mask, threshold=0.5
         )
+
+
+# ----------------------------------------------------------------------------- M2PO
+
+
+def _log_ratios(rng, scale=0.3):
+    log_ratio = rng.normal(0.0, scale, (B, T)).astype(np.float32)
+    log_ratio[1, 0], log_ratio[2, 1] = 2.0, -1.5  # outliers
+    mask = ref.ragged_mask(rng, B, T, empty_rows=(4,), full_rows=(0, 1))
+    return np.where(mask > 0, log_ratio, np.inf).astype(np.float32), mask  # padding: inf
+
+
+@pytest.mark.parametrize("threshold", [1e-4, 0.01, 0.04, 0.1, 1.0, 10.0])
+def test_m2po_mask_matches_areal_reference(rng, threshold):
+    log_ratio, mask = _log_ratios(rng)
+    out = np.asarray(token_selection.m2po_mask(log_ratio, mask, threshold=threshold))
+    want = m2ref.m2po_mask(log_ratio, mask, threshold)
+    np.testing.assert_array_equal(out, want)
+    assert not np.any(out[mask == 0]) and out.sum() >= 1
+    kept_m2 = m2ref.second_moment(np.where(out > 0, log_ratio, 0.0), out)
+    if out.sum() > 1:  # not AReaL's keep-one fallback: the kept tokens are under τ
+        assert kept_m2 < threshold
+    np.testing.assert_allclose(
+        token_selection.second_moment(log_ratio, mask), m2ref.second_moment(log_ratio, mask), 1e-6
+    )
+
+
+def test_m2po_mask_hand_checked():
+    # Valid (log r)²: .25 .01 .09 0 .04, M̂₂ = .39/5 = .078 ≥ .04; without .25: .14/4 = .035.
+    log_ratio = jnp.array([[0.5, 0.1, -0.3], [0.0, 0.2, 9.0]])
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]], jnp.float32)
+    out = token_selection.m2po_mask(log_ratio, mask, threshold=0.04)
+    np.testing.assert_array_equal(out, [[0, 1, 1], [1, 1, 0]])
+    np.testing.assert_allclose(token_selection.second_moment(log_ratio, mask), 0.078, rtol=1e-6)
+    # τ = .03: .14/4 = .035 still ≥ τ; without .09 too: .05/3 ≈ .0167 < τ, so two go.
+    out = token_selection.m2po_mask(log_ratio, mask, threshold=0.03)
+    np.testing.assert_array_equal(out, [[0, 1, 0], [1, 1, 0]])
+
+
+def test_m2po_mask_edge_cases():
+    mask = jnp.array([[1, 1, 1], [1, 0, 0]], jnp.float32)
+    # Already under the threshold: nothing is masked (the strict < of AReaL: M̂₂ = τ masks).
+    small = jnp.full((2, 3), 0.1)
+    np.testing.assert_array_equal(token_selection.m2po_mask(small, mask, threshold=0.02), mask)
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(small, mask, threshold=0.01), [[0, 0, 0], [1, 0, 0]]
+    )
+    # A suffix mean equal to τ is not under it (AReaL's strict <): (log r)² .25 .25 0, suffix
+    # means 1/6, 1/8, 0 (exact in f32); τ = 1/8 masks two tokens.
+    exact = jnp.array([[0.5, 0.0, -0.5], [0.5, 0.0, 0.0]])
+    one_row = jnp.array([[1, 1, 1], [0, 0, 0]], jnp.float32)
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(exact, one_row, threshold=0.125), [[0, 1, 0], [0, 0, 0]]
+    )
+    # No suffix under τ: every token but the smallest goes (never all of them).
+    big = jnp.array([[3.0, -2.0, 4.0], [1.0, 7.0, 7.0]])
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(big, mask, threshold=0.5), [[0, 0, 0], [1, 0, 0]]
+    )
+    # Ties: (log r)² .25 .25 .01 | .25, suffix means .19 .17 .13 .01: two of the three tied
+    # tokens go (τ = .15), the earlier flat indices first.
+    ties = jnp.array([[0.5, -0.5, 0.1], [0.5, 0.0, 0.0]])
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(ties, mask, threshold=0.15), [[0, 0, 1], [1, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(ties, mask, threshold=0.15),
+        m2ref.m2po_mask(np.asarray(ties), np.asarray(mask), 0.15),
+    )
+    # All tied above τ: AReaL's fallback keeps one, the last of them.
+    flat = jnp.full((2, 3), 0.5)
+    np.testing.assert_array_equal(
+        token_selection.m2po_mask(flat, mask, threshold=0.2), [[0, 0, 0], [1, 0, 0]]
+    )
+    # Empty mask (and garbage padding): all 0, no NaN; one valid token: kept.
+    empty = jnp.zeros((2, 3))
+    garbage = jnp.array([[jnp.nan, jnp.inf, -jnp.inf], [1.0, 2.0, 3.0]])
+    np.testing.assert_array_equal(token_selection.m2po_mask(garbage, empty, threshold=0.04), empty)
+    assert float(token_selection.second_moment(garbage, empty)) == 0.0
+    one = jnp.array([[0, 0, 0], [0, 0, 1]], jnp.float32)
+    np.testing.assert_array_equal(token_selection.m2po_mask(garbage, one, threshold=0.04), one)
+
+
+def test_m2po_mask_has_no_gradient_and_jits(rng):
+    log_ratio, mask = _log_ratios(rng)
+    log_ratio = np.where(mask > 0, log_ratio, 0.0).astype(np.float32)
+    grad = jax.grad(lambda x: token_selection.m2po_mask(x, mask, threshold=0.04).sum())(
+        jnp.asarray(log_ratio)
+    )
+    assert not np.any(grad)
+    jitted = jax.jit(token_selection.m2po_mask, static_argnames="threshold")
+    np.testing.assert_array_equal(
+        jitted(log_ratio, mask, threshold=0.04),
+        m2ref.m2po_mask(log_ratio, mask, 0.04),
+    )
+
+
+def test_m2po_errors(rng):
+    log_ratio, mask = _log_ratios(rng)
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="m2_threshold"):
+            token_selection.m2po_mask(log_ratio, mask, threshold=bad)
+    with pytest.raises(ValueError, match="mask shape"):
+        token_selection.m2po_mask(log_ratio[:, :-1], mask, threshold=0.04)

@@ -24,12 +24,15 @@ except keys ending in ``_min`` / ``_max``, which reduce by min / max.
 
 Modules: :mod:`.registry` (the generic registry), :mod:`.surrogate_registry`,
 :mod:`.estimator_registry`, :mod:`.objective` (``Objective``, presets), :mod:`.policy`
-(``policy_loss``), :mod:`.estimation` (``compute_advantages``, ``advantage_fn``) and
-:mod:`.terms` (``value_loss``, ``sft_loss``, ``combine``).
+(``policy_loss``), :mod:`.estimation` (``compute_advantages``, ``advantage_fn``),
+:mod:`.terms` (``value_loss``, ``sft_loss``, ``combine``) and :mod:`.entropy_control` (the
+adaptive entropy coefficient's state and update).
 """
 
 # `objectives.advantages` has always been jaxrl_llm.advantages (tests/train use it).
 from jaxrl_llm import advantages
+from jaxrl_llm.objectives import entropy_control
+from jaxrl_llm.objectives.entropy_control import EntropyControl
 from jaxrl_llm.objectives.estimation import advantage_fn, compute_advantages
 from jaxrl_llm.objectives.estimator_registry import (
     ESTIMATORS,
@@ -74,6 +77,7 @@ __all__ = [
     "RATIOS",
     "SURROGATES",
     "AdvantageInputs",
+    "EntropyControl",
     "EstimatorSpec",
     "Objective",
     "SurrogateInputs",
@@ -83,6 +87,7 @@ __all__ = [
     "available",
     "combine",
     "compute_advantages",
+    "entropy_control",
     "estimators_available",
     "make",
     "outcome_token_rewards",

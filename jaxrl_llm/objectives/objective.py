@@ -108,6 +108,21 @@ class Objective:
       reward_weights: weights of the reward columns of the ``gdpo`` estimator (``None``: 1).
       distill_coef: weight of the teacher term ``log π_T − log π_old`` of the ``distill`` and
         ``grpo_distill`` estimators (on-policy distillation).
+      m2_threshold: ``τ`` of M2PO's second-moment mask (AReaL's name): the tokens of largest
+        ``(log π_θ − log π_sampler)²`` leave the policy loss until the batch's mean squared
+        log-ratio is under it (:func:`~jaxrl_llm.token_selection.m2po_mask`; AReaL's default
+        0.04); ``None``: off. ``π_sampler`` as for ``off_policy_mask_threshold``.
+      entropy_target: adaptive entropy coefficient (Skywork-OR1; TRL's
+        ``use_adaptive_entropy`` / ``entropy_target``): target mean per-token entropy in nats.
+        The coefficient, ``entropy_coef`` at the start, moves by ``entropy_coef_delta`` each
+        optimizer step (up while the measured entropy is at or below the target, else down)
+        within ``entropy_coef_bounds``, and the bonus applies only while the last measured
+        entropy is at or below the target (:mod:`~jaxrl_llm.objectives.entropy_control`; the
+        coefficient is train state, handed to ``policy_loss(entropy_coef=...)``). ``None``:
+        the fixed ``entropy_coef``.
+      entropy_coef_delta: the adaptive coefficient's step (TRL's ``entropy_coef_delta``).
+      entropy_coef_bounds: ``(min, max)`` of the adaptive coefficient (TRL's
+        ``entropy_coef_min`` / ``entropy_coef_max``).
     """
 
     name: str = "custom"
@@ -147,11 +162,15 @@ class Objective:
     kl_bias_correction: bool = False
     reward_weights: tuple[float, ...] | None = None
     distill_coef: float = 1.0
+    m2_threshold: float | None = None
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_bounds: tuple[float, float] = (0.0, 1.0)
 
     def __post_init__(self):
         # Frozen: the normalisations go through object.__setattr__.
         object.__setattr__(self, "extra", freeze_extra(self.extra))
-        for field in ("cov_bounds", "reward_weights"):  # YAML gives lists
+        for field in ("cov_bounds", "reward_weights", "entropy_coef_bounds"):  # YAML: lists
             value = getattr(self, field)
             if isinstance(value, list | tuple):
                 object.__setattr__(self, field, tuple(float(v) for v in value))
@@ -213,6 +232,9 @@ class Objective:
                 f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}"
             )
         _checks.check_non_negative("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        if self.m2_threshold is not None and not self.m2_threshold > 0:
+            raise ValueError(f"m2_threshold must be > 0, got {self.m2_threshold!r}")
+        self._check_entropy_control()
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("reward_weights must hold one weight per reward column")
         estimator = estimator_registry.ESTIMATORS.get(self.advantage)
@@ -223,6 +245,25 @@ class Objective:
                 f"the {self.advantage} estimator normalises each reward column: a KL penalty "
                 "in the reward has no column; use kl_placement='loss'"
             )
+
+    def _check_entropy_control(self) -> None:
+        _checks.check_non_negative("entropy_target", self.entropy_target)
+        _checks.check_positive("entropy_coef_delta", self.entropy_coef_delta)
+        bounds = self.entropy_coef_bounds
+        if not (isinstance(bounds, tuple) and len(bounds) == 2 and 0 <= bounds[0] <= bounds[1]):
+            raise ValueError(
+                f"entropy_coef_bounds must be (min, max) with 0 <= min <= max, got {bounds!r}"
+            )
+        if self.entropy_target is not None and not bounds[0] <= self.entropy_coef <= bounds[1]:
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef!r} (the adaptive coefficient's start) must lie "
+                f"in entropy_coef_bounds={bounds!r}"
+            )
+
+    @property
+    def adaptive_entropy(self) -> bool:
+        """Whether the entropy coefficient is adaptive (``entropy_target`` set): train state."""
+        return self.entropy_target is not None
 
     @property
     def extra_dict(self) -> dict[str, Any]:
@@ -237,8 +278,9 @@ class Objective:
 
     @property
     def needs_entropy(self) -> bool:
-        """Whether ``policy_loss`` needs the per-token entropy (bonus or top-entropy mask)."""
-        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
+        """Whether ``policy_loss`` needs the per-token entropy (bonus, adaptive coefficient or
+        top-entropy mask)."""
+        return self.entropy_coef > 0 or self.adaptive_entropy or self.top_entropy_quantile < 1.0
 
     @property
     def needs_reward_columns(self) -> bool:

@@ -26,6 +26,8 @@ RESERVED_METRICS = frozenset(
         "kl_loss",
         "entropy",
         "entropy_loss",
+        "entropy_coef",
+        "entropy_top",
         "loss",
     }
 )
@@ -108,11 +110,11 @@ def _token_selection(
         )
         selection = entropy_selection
         metrics["top_entropy_frac"] = inputs.token_mean(entropy_selection)
+    sampling = inputs.old_logprobs
+    if batch.rollout_logprobs is not None:
+        _checks.check_batch_time("rollout_logprobs", batch.rollout_logprobs, inputs.mask)
+        sampling = jax.lax.stop_gradient(_checks.f32(batch.rollout_logprobs))
     if objective.off_policy_mask_threshold is not None:
-        sampling = inputs.old_logprobs
-        if batch.rollout_logprobs is not None:
-            _checks.check_batch_time("rollout_logprobs", batch.rollout_logprobs, inputs.mask)
-            sampling = jax.lax.stop_gradient(_checks.f32(batch.rollout_logprobs))
         kept = token_selection.off_policy_sequence_mask(
             logprobs,
             sampling,
@@ -121,6 +123,14 @@ def _token_selection(
             threshold=objective.off_policy_mask_threshold,
         )
         metrics["off_policy_masked_frac"] = inputs.token_mean(1.0 - kept)
+        selection = kept if selection is None else selection * kept
+    if objective.m2_threshold is not None:
+        # M2PO: log π_θ − log π_sampler, as AReaL's proximal − behaviour log-probs on a
+        # batch's first optimizer step (the parameters the old log-probs were taken with).
+        log_ratio = jax.lax.stop_gradient(logprobs) - sampling
+        kept = token_selection.m2po_mask(log_ratio, inputs.mask, threshold=objective.m2_threshold)
+        metrics["m2po_m2"] = inputs.token_mean(jnp.square(log_ratio))
+        metrics["m2po_masked_frac"] = inputs.token_mean(1.0 - kept)
         selection = kept if selection is None else selection * kept
     return selection, entropy_selection, metrics
 
@@ -131,6 +141,7 @@ def policy_loss(
     batch: RolloutBatch,
     *,
     entropy: Array | None = None,
+    entropy_coef: Array | float | None = None,
 ) -> LossOutput:
     """The policy loss of an objective on one (micro-)batch.
 
@@ -151,7 +162,15 @@ def policy_loss(
     only the top-entropy tokens, with ``off_policy_mask_threshold`` only rows the policy has
     not drifted from (or with ``A ≥ 0``) keep their surrogate loss (the others add 0 and
     still count in the normalisers, as in TRL); the entropy bonus acts on the top-entropy
-    tokens; the KL term keeps every token, times the ratio with ``kl_bias_correction``.
+    tokens; the KL term keeps every token, times the ratio with ``kl_bias_correction``. With
+    ``m2_threshold`` (M2PO) the tokens of largest ``(log π_θ − log π_sampler)²`` of this
+    (micro-)batch leave the surrogate too, until its second moment is under the threshold.
+
+    Adaptive entropy coefficient (``objective.entropy_target``): the coefficient is train
+    state (:mod:`~jaxrl_llm.objectives.entropy_control`); the caller hands this step's value
+    as ``entropy_coef`` (``entropy_control.applied_coef``), reported as the ``entropy_coef``
+    metric, and the ``entropy`` (and, with a top-entropy mask, ``entropy_top``) metrics feed
+    the controller's next update.
 
     Args:
       objective: which pieces to use.
@@ -159,14 +178,17 @@ def policy_loss(
       batch: ``RolloutBatch`` with ``completion_mask``, ``old_logprobs`` and ``advantages``
         (``[B]`` or ``[B, T]``); ``ref_logprobs`` when the objective puts KL in the loss.
       entropy: optional ``[B, T]`` per-token entropy (needed when ``objective.needs_entropy``:
-        ``entropy_coef > 0`` or ``top_entropy_quantile < 1``).
+        ``entropy_coef > 0``, an ``entropy_target`` or ``top_entropy_quantile < 1``).
+      entropy_coef: scalar (may be traced) coefficient of the entropy bonus this step; given
+        exactly when the objective's coefficient is adaptive (``entropy_target`` set).
 
     Returns:
       ``LossOutput(loss, metrics)``; metrics as listed in shared/SPEC_LOSSES.md, the
       surrogate's first.
 
     Raises:
-      ValueError: on mismatched shapes, a missing reference or entropy, or a surrogate whose
+      ValueError: on mismatched shapes, a missing reference or entropy, an ``entropy_coef``
+        missing for an adaptive coefficient (or given for a fixed one), or a surrogate whose
         output is malformed.
     """
     mask = _checks.as_mask(batch.completion_mask)
@@ -182,7 +204,17 @@ def policy_loss(
             f"objective {objective.name!r} puts KL in the loss: batch.ref_logprobs is None"
         )
     if objective.needs_entropy and entropy is None:
-        raise ValueError("entropy_coef > 0 and top_entropy_quantile < 1 need the per-token entropy")
+        raise ValueError(
+            "entropy_coef > 0, entropy_target and top_entropy_quantile < 1 need the per-token "
+            "entropy"
+        )
+    if objective.adaptive_entropy != (entropy_coef is not None):
+        raise ValueError(
+            "policy_loss(entropy_coef=...) is this step's adaptive entropy coefficient: give it "
+            "exactly when objective.entropy_target is set "
+            f"(entropy_target={objective.entropy_target!r}, entropy_coef={entropy_coef!r}); "
+            "see jaxrl_llm.objectives.entropy_control"
+        )
 
     all_tokens = aggregation.normalisers(mask)[0] if batch.num_tokens is None else batch.num_tokens
     weights, mask, old_logprobs, corrected = _rollout_correction(
@@ -246,12 +278,21 @@ def policy_loss(
 
     if entropy is not None:
         metrics["entropy"] = inputs.token_mean(jax.lax.stop_gradient(entropy))
-        if objective.entropy_coef > 0:
+        if objective.adaptive_entropy or objective.entropy_coef > 0:
             # With a top-entropy mask the bonus acts on the tokens the policy loss trains (TRL).
             bonus = entropy if entropy_selection is None else entropy * entropy_selection
             entropy_loss = inputs.aggregate(bonus)
             metrics["entropy_loss"] = entropy_loss
-            loss = loss - objective.entropy_coef * entropy_loss
+            coef = objective.entropy_coef
+            if objective.adaptive_entropy:
+                coef = jax.lax.stop_gradient(_checks.f32(entropy_coef))
+                _checks.check_shape("entropy_coef", coef, ())
+                # Additive like every metric: each micro-batch's share of the batch's tokens.
+                share = _metrics.masked_sum(1.0, batch.completion_mask) / jnp.maximum(all_tokens, 1)
+                metrics["entropy_coef"] = coef * share
+                if entropy_selection is not None:  # the controller measures the bonus's tokens
+                    metrics["entropy_top"] = inputs.token_mean(jax.lax.stop_gradient(bonus))
+            loss = loss - coef * entropy_loss
 
     metrics["loss"] = loss
     return LossOutput(loss=loss, metrics=metrics)

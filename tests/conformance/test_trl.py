@@ -1,5 +1,7 @@
 r"""Conformance with TRL's GRPO trainer (``trl.trainer.grpo_trainer.GRPOTrainer``): the two
-token masks it exposes as methods, run on the same inputs as ours; and with its GKD trainer's
+token masks it exposes as methods, run on the same inputs as ours; its adaptive entropy
+coefficient (``use_adaptive_entropy``), run by its own ``_compute_loss`` on a stand-in
+trainer over several optimizer steps; and with its GKD trainer's
 generalised JSD (``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss``), values and
 gradients.
 
@@ -109,3 +111,131 @@ def test_generalized_jsd_matches_trl_gkd_in_values_and_gradients(rng, beta, temp
     theirs.backward()
     np.testing.assert_allclose(float(value), theirs.item(), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), torch_student.grad.numpy(), atol=1e-6)
+
+
+def _trl_trainer(*, quantile, coef, target, delta, bounds):
+    """A stand-in ``GRPOTrainer`` for its own ``_compute_loss``: one process, no accumulation,
+    ``loss_type="bnpo"`` (the token mean), no KL; the model forward is replaced by the given
+    log-probs and entropies."""
+    from collections import defaultdict  # noqa: PLC0415
+
+    accelerator = types.SimpleNamespace(
+        pad_across_processes=lambda x, dim, pad_index: x,
+        gather=lambda x: x,
+        reduce=lambda x, reduction: x,
+        sync_gradients=True,
+        num_processes=1,
+    )
+    trainer = types.SimpleNamespace(
+        accelerator=accelerator,
+        model=types.SimpleNamespace(training=True),
+        aux_loss_enabled=False,
+        top_entropy_quantile=quantile,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=0.0,
+        loss_type="bnpo",
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        use_vllm=False,
+        current_gradient_accumulation_steps=1,
+        entropy_coef=coef,
+        use_adaptive_entropy=True,
+        _entropy_bonus_enabled=True,
+        _last_world_entropy=float("inf"),
+        _entropy_window_stats=None,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        args=types.SimpleNamespace(
+            entropy_target=target,
+            entropy_coef_delta=delta,
+            entropy_coef_min=bounds[0],
+            entropy_coef_max=bounds[1],
+            use_bias_correction_kl=False,
+            delta=None,  # TRL's two-sided clip: off
+        ),
+    )
+    trainer.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, trainer)
+    return trainer
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_adaptive_entropy_coefficient_matches_trl_over_steps(rng, quantile):
+    """TRL's controller, run by its ``_compute_loss`` over optimizer steps whose entropies
+    cross the target, against ``objectives.entropy_control`` + ``policy_loss``: the applied
+    coefficient, the loss and its gradients (log-probs and entropies), the measured entropy and
+    the next coefficient, step by step. With a top-entropy mask TRL's bonus averages over the
+    selected tokens, ours over all tokens (the aggregation of every term): that known factor
+    is applied to TRL's numbers before comparing."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxrl_llm import objectives  # noqa: PLC0415
+    from jaxrl_llm.objectives import entropy_control  # noqa: PLC0415
+    from jaxrl_llm.types import RolloutBatch  # noqa: PLC0415
+
+    target, delta, bounds = 0.8, 0.01, (0.0, 0.025)
+    objective = objectives.make(
+        "dapo",
+        clip_high=0.2,
+        top_entropy_quantile=quantile,
+        entropy_coef=0.005,
+        entropy_target=target,
+        entropy_coef_delta=delta,
+        entropy_coef_bounds=bounds,
+    )
+    trainer = _trl_trainer(quantile=quantile, coef=0.005, target=target, delta=delta, bounds=bounds)
+    control = entropy_control.init_control(objective)
+    mask = _mask(rng)
+    applied_nonzero = 0
+    # Mean entropies around the target: up, up, at/below, below, ..., then above.
+    for scale in (0.5, 0.6, 0.7, 0.9, 1.2, 0.4, 1.5, 0.3):
+        lp = -rng.uniform(0.1, 3.0, (B, T)).astype(np.float32)
+        old = (lp + rng.normal(0.0, 0.2, (B, T))).astype(np.float32)
+        entropy = rng.uniform(0.0, 2.0 * scale, (B, T)).astype(np.float32)
+        adv = rng.normal(size=B).astype(np.float32)
+        lp_t = torch.tensor(lp, requires_grad=True)
+        h_t = torch.tensor(entropy, requires_grad=True)
+        trainer._get_per_token_logps_and_entropies = lambda *a, **k: (lp_t, h_t, None)  # noqa: B023
+        inputs = {
+            "prompt_ids": torch.zeros((B, 1), dtype=torch.long),
+            "prompt_mask": torch.ones((B, 1), dtype=torch.long),
+            "completion_ids": torch.zeros((B, T), dtype=torch.long),
+            "completion_mask": torch.tensor(mask),
+            "advantages": torch.tensor(adv),
+            "old_per_token_logps": torch.tensor(old),
+        }
+        trl_applied = trainer.entropy_coef if trainer._last_world_entropy <= target else 0.0
+        theirs = GRPOTrainer._compute_loss(trainer, None, inputs)
+        theirs.backward()
+
+        applied = entropy_control.applied_coef(objective, control)
+        batch = RolloutBatch(
+            completion_mask=jnp.asarray(mask),
+            old_logprobs=jnp.asarray(old),
+            advantages=jnp.asarray(adv),
+        )
+
+        def loss_fn(x, h, applied=applied, batch=batch):
+            out = objectives.policy_loss(objective, x, batch, entropy=h, entropy_coef=applied)
+            return out.loss, out.metrics
+
+        (loss, metrics), (d_lp, d_h) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            jnp.asarray(lp), jnp.asarray(entropy)
+        )
+        control = entropy_control.update_control(objective, control, metrics)
+
+        # TRL's bonus is the mean entropy of the selected tokens; ours is aggregated like every
+        # term, over all N tokens (additive over micro-batches): a factor Σsel / N apart.
+        sel = np.asarray(token_selection.top_entropy_mask(entropy, mask, quantile=quantile))
+        share, bonus = sel.sum() / mask.sum(), float(np.sum(entropy * sel, dtype=np.float64))
+        theirs_loss = theirs.item() + trl_applied * bonus * (1 / sel.sum() - 1 / mask.sum())
+        np.testing.assert_allclose(float(applied), trl_applied, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(float(loss), theirs_loss, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(d_lp), lp_t.grad.numpy() * mask, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(d_h), h_t.grad.numpy() * mask * share, atol=1e-7)
+        np.testing.assert_allclose(float(control.coef), trainer.entropy_coef, rtol=1e-6)
+        np.testing.assert_allclose(
+            float(control.entropy), trainer._last_world_entropy, rtol=1e-5, atol=1e-7
+        )
+        applied_nonzero += trl_applied > 0
+    assert 0 < applied_nonzero < 8  # the bonus was on for some steps, off for others

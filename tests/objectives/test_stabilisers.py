@@ -1,6 +1,7 @@
 """The 2025-26 stabilisers through ``policy_loss`` / ``compute_advantages``: DPPO, KL-Cov,
-Clip-Cov, the top-entropy and off-policy token masks, the importance-weighted KL and GDPO,
-against the float64 references of tests/reference/stabilisers.py, on every preset."""
+Clip-Cov, the top-entropy, off-policy and M2PO token masks (M2PO in detail:
+tests/objectives/test_m2po.py), the importance-weighted KL and GDPO, against the float64
+references of tests/reference/stabilisers.py, on every preset."""
 
 from __future__ import annotations
 
@@ -205,10 +206,12 @@ STABILISERS = {
     "top_entropy": {"top_entropy_quantile": 0.4},
     "off_policy": {"off_policy_mask_threshold": 0.05},
     "kl_bias_correction": {"kl_bias_correction": True},
+    "m2po": {"m2_threshold": 0.04},
     "all": {
         "top_entropy_quantile": 0.4,
         "off_policy_mask_threshold": 0.05,
         "kl_bias_correction": True,
+        "m2_threshold": 0.04,
     },
 }
 
@@ -225,7 +228,9 @@ def test_every_preset_composes_with_the_stabilisers(rng, which):
         loss, _, grad, _ = _run(objective, data, rollout_logprobs=sampling)
         assert np.isfinite(loss) and np.all(np.isfinite(grad)), name
         assert not np.any(grad[mask == 0]), name
-        inert = make(name, top_entropy_quantile=1.0, off_policy_mask_threshold=1e9)
+        inert = make(
+            name, top_entropy_quantile=1.0, off_policy_mask_threshold=1e9, m2_threshold=1e9
+        )
         assert _run(inert, data)[0] == _run(make(name), data)[0], name
 
 
