@@ -32,12 +32,11 @@ import json
 import pathlib
 import re
 import shlex
-import string
 import sys
 
 import pytest
 
-from jaxrl_llm import cli, data
+from jaxrl_llm import cli
 from tests.models import hf_utils
 from tests.train import helpers
 
@@ -277,7 +276,6 @@ MATH_PROBLEM = {
     "level": "Level 1",
     "type": "Prealgebra",
 }
-ALPHABET = "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c")
 
 
 def _jsonl(path: pathlib.Path, rows) -> None:
@@ -308,16 +306,7 @@ def workspace(tmp_path_factory):
         folder.mkdir(parents=True)
         (folder / "0.json").write_text(json.dumps(MATH_PROBLEM))
     _jsonl(root / "prompts.jsonl", [{"prompt": "12+34="}, {"prompt": "7-5="}])
-    model = root / "local_model"
-    tokenizer = data.build_char_tokenizer(ALPHABET, save_dir=model)
-    hf_utils.build_checkpoint(
-        "qwen2",
-        str(model),
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    hf_utils.build_char_checkpoint("qwen2", root / "local_model", hf_utils.PRINTABLE_ALPHABET)
     with helpers.persistent_compilation_cache(root / "jax_cache"):
         yield root
 

@@ -1,4 +1,5 @@
-"""Tiny random transformers (PyTorch) checkpoints for parity tests; never downloads anything.
+"""Tiny random transformers (PyTorch) checkpoints for parity tests, their configs, batches and
+logits, and local checkpoints with a character tokenizer for jobs; never downloads anything.
 
 Weights are re-drawn at a larger scale than HF's 0.02 init (and norms/biases away from their
 1/0 init) so that logits vary by O(1) and a wrong transpose, bias or norm cannot hide.
@@ -8,10 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import string
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+
+from jaxrl_llm import data
+from jaxrl_llm.models import load_pretrained
+from tests.reference import logprobs as logprobs_ref
 
 TINY = dict(
     vocab_size=128,
@@ -120,6 +127,14 @@ GEMMA_VARIANTS = {
 }
 
 
+# The ``architectures`` a released checkpoint's config.json names where it is not the config
+# class's ``*ForCausalLM`` (Gemma 3 text checkpoints: the text-only ``Gemma3TextConfig``).
+CAUSAL_LM = {"gemma3": "Gemma3ForCausalLM"}
+# Printable ASCII without tabs and line breaks: a character tokenizer's alphabet that covers the
+# configs' system prompts and any question a test writes.
+PRINTABLE_ALPHABET = "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c")
+
+
 def hf_config(name: str, **overrides) -> transformers.PretrainedConfig:
     """The transformers config of variant ``name`` (a key of ``VARIANTS`` or
     ``GEMMA_VARIANTS``)."""
@@ -128,14 +143,21 @@ def hf_config(name: str, **overrides) -> transformers.PretrainedConfig:
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build_model(name: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A float32 eager-attention ``*ForCausalLM`` with randomised weights."""
+def hf_dict(name: str, **overrides) -> dict:
+    """Variant ``name``'s config as a ``config.json`` dict, with the ``architectures`` entry a
+    released checkpoint carries (``CAUSAL_LM``, else the config class's ``*ForCausalLM``)."""
     config = hf_config(name, **overrides)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    model = model.to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
+    out = config.to_dict()
+    default = type(config).__name__.replace("Config", "ForCausalLM")
+    out["architectures"] = [CAUSAL_LM.get(name, default)]
+    return out
+
+
+def randomise_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraws every parameter in place from ``torch.Generator().manual_seed(seed)``: norm
+    scales ``1 + 0.2 N(0, 1)``, biases ``0.1 N(0, 1)``, embeddings and LM head ``0.5 N(0, 1)``,
+    other matrices ``N(0, 1 / fan_in)`` (fan_in = last dim). Returns ``model``."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
@@ -150,6 +172,15 @@ def build_model(name: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
+def build_model(name: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A float32 eager-attention ``*ForCausalLM`` with randomised weights."""
+    config = hf_config(name, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return randomise_weights(model.to(torch.float32).eval(), seed + 1)
+
+
 def save_model(model: torch.nn.Module, path: str, **save_kwargs) -> str:
     """``model.save_pretrained(path)``; returns ``path``."""
     model.save_pretrained(path, **save_kwargs)
@@ -161,6 +192,40 @@ def build_checkpoint(name: str, path: str, *, seed: int = 0, **overrides) -> tor
     model = build_model(name, seed=seed, **overrides)
     save_model(model, path)
     return model
+
+
+def build_char_checkpoint(
+    name: str, path: str | os.PathLike, alphabet: str, *, seed: int = 0
+) -> torch.nn.Module:
+    """Variant ``name`` saved at ``path`` beside the built-in character tokenizer of
+    ``alphabet`` (``data.build_char_tokenizer``), its vocabulary and bos / eos / pad ids the
+    tokenizer's: a local checkpoint a job loads as ``model.path``. Returns the torch model."""
+    tokenizer = data.build_char_tokenizer(alphabet, save_dir=path)
+    return build_checkpoint(
+        name,
+        os.fspath(path),
+        seed=seed,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def load_variants(tmp_path_factory, names, *, first_seed: int, prefix: str = "") -> dict:
+    """Each variant of ``names`` built (seed ``first_seed + i`` for the ``i``-th), saved in a
+    fresh ``tmp_path_factory`` directory ``prefix + name`` and loaded in float32.
+
+    Returns:
+      ``name -> (torch model, ModelConfig, f32 params, checkpoint directory)``.
+    """
+    out = {}
+    for i, name in enumerate(names):
+        path = str(tmp_path_factory.mktemp(prefix + name))
+        torch_model = build_checkpoint(name, path, seed=first_seed + i)
+        config, params = load_pretrained(path, dtype=jnp.float32)
+        out[name] = (torch_model, config, params, path)
+    return out
 
 
 def rewrite_config(path: str, update: dict, remove: tuple[str, ...] = ()) -> None:
@@ -196,6 +261,30 @@ def hf_logits(
         )
     logits = out.logits
     return (logits.float() if logits.dtype == torch.bfloat16 else logits).numpy()
+
+
+def hf_completion_logprobs(
+    model: torch.nn.Module,
+    prompt: np.ndarray,
+    prompt_mask: np.ndarray,
+    completion: np.ndarray,
+    completion_mask: np.ndarray,
+) -> np.ndarray:
+    """``log p(c_t | prompt, c_<t)`` ``[B, T]`` (0 at completion padding) from a float64
+    transformers run of each row alone, unpadded (``prompt ; completion`` with the masks' real
+    tokens only): the reference for log-probs of padded batches."""
+    want = np.zeros(np.shape(completion))
+    for row in range(len(prompt)):  # each row unpadded, as transformers reads one prompt
+        real_prompt = prompt[row][prompt_mask[row] > 0]
+        real_completion = completion[row][completion_mask[row] > 0]
+        seq = np.concatenate([real_prompt, real_completion])[None]
+        full = hf_logits(model, seq, np.ones_like(seq), double=True)
+        n = len(real_completion)
+        lp, _ = logprobs_ref.completion_logprobs(
+            full, len(real_prompt), real_completion[None], np.ones((1, n)), temperature=1.0
+        )
+        want[row, :n] = lp[0]
+    return want
 
 
 def padded_batch(

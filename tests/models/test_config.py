@@ -12,13 +12,6 @@ from jaxrl_llm.models.config import rope_inv_freq
 from tests.models import hf_utils
 
 
-def _hf_dict(name, **overrides):
-    config = hf_utils.hf_config(name, **overrides)
-    out = config.to_dict()
-    out["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
-    return out
-
-
 def _to_transformers4(hf):
     """The same config written the transformers-4 way: rope_theta + rope_scaling."""
     hf = dict(hf)
@@ -31,7 +24,7 @@ def _to_transformers4(hf):
 
 @pytest.mark.parametrize("name", sorted(hf_utils.VARIANTS))
 def test_parses_each_variant(name):
-    hf = _hf_dict(name)
+    hf = hf_utils.hf_dict(name)
     config = ModelConfig.from_hf_dict(hf)
     assert config.vocab_size == 128 and config.hidden_size == 64
     assert config.num_hidden_layers == 2
@@ -42,27 +35,27 @@ def test_parses_each_variant(name):
 
 
 def test_variant_features():
-    qwen2 = ModelConfig.from_hf_dict(_hf_dict("qwen2"))
+    qwen2 = ModelConfig.from_hf_dict(hf_utils.hf_dict("qwen2"))
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm) == (True, False, False)
     assert (qwen2.rope_type, qwen2.rope_factor, qwen2.rope_theta) == ("linear", 2.0, 5000.0)
-    qwen3 = ModelConfig.from_hf_dict(_hf_dict("qwen3"))
+    qwen3 = ModelConfig.from_hf_dict(hf_utils.hf_dict("qwen3"))
     assert (qwen3.qkv_bias, qwen3.o_bias, qwen3.qk_norm, qwen3.head_dim) == (True, True, True, 32)
-    llama = ModelConfig.from_hf_dict(_hf_dict("llama"))
+    llama = ModelConfig.from_hf_dict(hf_utils.hf_dict("llama"))
     assert llama.tie_word_embeddings and llama.rope_type == "llama3"
     assert llama.rope_original_max_position_embeddings == 64 and llama.head_dim == 16
-    mistral = ModelConfig.from_hf_dict(_hf_dict("mistral"))
+    mistral = ModelConfig.from_hf_dict(hf_utils.hf_dict("mistral"))
     assert (mistral.qkv_bias, mistral.o_bias, mistral.rope_theta) == (False, False, 1e6)
 
 
 @pytest.mark.parametrize("name", sorted(hf_utils.VARIANTS))
 def test_transformers4_layout_gives_same_config(name):
-    hf5 = _hf_dict(name)
+    hf5 = hf_utils.hf_dict(name)
     assert ModelConfig.from_hf_dict(_to_transformers4(hf5)) == ModelConfig.from_hf_dict(hf5)
 
 
 @pytest.mark.parametrize("name", sorted(hf_utils.VARIANTS))
 def test_to_hf_dict_round_trips(name):
-    config = ModelConfig.from_hf_dict(_hf_dict(name))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict(name))
     assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
     # transformers itself reads it back with the same RoPE.
     hf = hf_utils.hf_config(name).__class__.from_dict(config.to_hf_dict())
@@ -73,7 +66,7 @@ def test_to_hf_dict_round_trips(name):
 @pytest.mark.parametrize("name", sorted(hf_utils.VARIANTS))
 def test_rope_inv_freq_matches_transformers(name):
     hf_config = hf_utils.hf_config(name)
-    config = ModelConfig.from_hf_dict(_hf_dict(name))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict(name))
     rope_type = hf_config.rope_parameters["rope_type"]
     if rope_type == "default":
         # transformers' default init, written out (it is not in ROPE_INIT_FUNCTIONS).
@@ -85,7 +78,7 @@ def test_rope_inv_freq_matches_transformers(name):
 
 
 def test_llama3_rope_scales_low_frequencies_only():
-    config = ModelConfig.from_hf_dict(_hf_dict("llama"))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict("llama"))
     plain = rope_inv_freq(dataclasses.replace(config, rope_type="default"))
     scaled = rope_inv_freq(config)
     wavelen = 2 * np.pi / plain
@@ -113,32 +106,32 @@ def test_llama3_rope_scales_low_frequencies_only():
     ],
 )
 def test_refuses_unsupported(update, match):
-    hf = _hf_dict("llama")
+    hf = hf_utils.hf_dict("llama")
     hf.update(update)
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(hf)
 
 
 def test_refuses_sliding_windows_in_use():
-    mistral = _hf_dict("mistral")
+    mistral = hf_utils.hf_dict("mistral")
     mistral["sliding_window"] = 64
     with pytest.raises(ValueError, match="sliding_window=64"):
         ModelConfig.from_hf_dict(mistral)
     # A window at least as long as the context is never active.
     mistral["sliding_window"] = mistral["max_position_embeddings"]
     ModelConfig.from_hf_dict(mistral)
-    qwen = _hf_dict("qwen2")
+    qwen = hf_utils.hf_dict("qwen2")
     qwen["use_sliding_window"] = True
     with pytest.raises(ValueError, match="use_sliding_window"):
         ModelConfig.from_hf_dict(qwen)
-    qwen = _hf_dict("qwen3")
+    qwen = hf_utils.hf_dict("qwen3")
     qwen["layer_types"] = ["sliding_attention", "full_attention"]
     with pytest.raises(ValueError, match="sliding_attention"):
         ModelConfig.from_hf_dict(qwen)
 
 
 def test_direct_construction_is_validated():
-    base = ModelConfig.from_hf_dict(_hf_dict("mistral"))
+    base = ModelConfig.from_hf_dict(hf_utils.hf_dict("mistral"))
     with pytest.raises(ValueError, match="unknown rope type"):
         dataclasses.replace(base, rope_type="dynamic")
     with pytest.raises(ValueError, match="head_dim"):

@@ -37,9 +37,9 @@ from jaxrl_llm.models import (
 )
 from jaxrl_llm.models import attention as attn_lib
 from jaxrl_llm.models.config import rope_inv_freq
-from jaxrl_llm.sampling import SamplingOptions, generate, layout
+from jaxrl_llm.sampling import layout
 from tests.models import hf_utils
-from tests.sampling.hf_reference import engine_and_hf_greedy, hf_greedy
+from tests.sampling.hf_reference import assert_engine_matches_hf, assert_greedy_matches_hf
 
 NAMES = sorted(hf_utils.GEMMA_VARIANTS)
 WINDOW = hf_utils.GEMMA_WINDOW
@@ -52,28 +52,14 @@ jit_forward = jax.jit(forward, static_argnums=1, static_argnames="remat")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (torch model, config, f32 params, checkpoint dir) per Gemma variant."""
-    out = {}
-    for i, name in enumerate(NAMES):
-        path = str(tmp_path_factory.mktemp(name))
-        torch_model = hf_utils.build_checkpoint(name, path, seed=60 + i)
-        config, params = load_pretrained(path, dtype=jnp.float32)
-        out[name] = (torch_model, config, params, path)
-    return out
-
-
-def _hf_dict(name, **overrides):
-    config = hf_utils.hf_config(name, **overrides)
-    out = config.to_dict()
-    arch = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
-    out["architectures"] = [arch.get(name, "Gemma3ForCausalLM")]
-    return out
+    return hf_utils.load_variants(tmp_path_factory, NAMES, first_seed=60)
 
 
 # --- config ---------------------------------------------------------------------------------
 
 
 def test_config_reads_the_gemma_features():
-    gemma = ModelConfig.from_hf_dict(_hf_dict("gemma"))
+    gemma = ModelConfig.from_hf_dict(hf_utils.hf_dict("gemma"))
     assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings
     assert (gemma.qkv_bias, gemma.o_bias, gemma.qk_norm, gemma.sandwich_norms) == (
         True,
@@ -84,13 +70,13 @@ def test_config_reads_the_gemma_features():
     assert gemma.attention_scale == 32**-0.5 and gemma.layer_types is None
     assert gemma.embed_scale == 8.0
 
-    gemma2 = ModelConfig.from_hf_dict(_hf_dict("gemma2"))
+    gemma2 = ModelConfig.from_hf_dict(hf_utils.hf_dict("gemma2"))
     assert gemma2.sliding_layers == (True, False, True, False)  # every other layer, from 0
     assert (gemma2.sliding_window, gemma2.query_pre_attn_scalar) == (WINDOW, 20)
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (4.0, 8.0)
     assert gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.attention_scale == 20**-0.5
 
-    gemma3 = ModelConfig.from_hf_dict(_hf_dict("gemma3"))
+    gemma3 = ModelConfig.from_hf_dict(hf_utils.hf_dict("gemma3"))
     assert gemma3.sliding_layers == (True, True, False, True) and gemma3.qk_norm
     assert (gemma3.rope_type, gemma3.rope_factor, gemma3.rope_theta) == ("linear", 4.0, 1e4)
     assert gemma3.rope_local_theta == 100.0
@@ -102,7 +88,7 @@ def test_config_reads_the_gemma_features():
 def test_transformers4_layouts_give_the_same_config():
     """Gemma 3 written the transformers-4 way (flat RoPE keys, a sliding-window pattern
     instead of layer_types) and a Gemma 1 release's ``hidden_act: gelu`` (the tanh GELU)."""
-    hf5 = _hf_dict("gemma3", layer_types=None, sliding_window_pattern=3)
+    hf5 = hf_utils.hf_dict("gemma3", layer_types=None, sliding_window_pattern=3)
     hf4 = {k: v for k, v in hf5.items() if k not in ("rope_parameters", "layer_types")}
     hf4.update(
         rope_theta=1e4,
@@ -121,13 +107,13 @@ def test_transformers4_layouts_give_the_same_config():
     config = ModelConfig.from_hf_dict(plain)
     assert config.sliding_layers == (True,) * 5 + (False, True)
     assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
-    gemma = ModelConfig.from_hf_dict({**_hf_dict("gemma"), "hidden_act": "gelu"})
+    gemma = ModelConfig.from_hf_dict({**hf_utils.hf_dict("gemma"), "hidden_act": "gelu"})
     assert gemma.hidden_act == "gelu_pytorch_tanh"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_to_hf_dict_round_trips_through_transformers(name):
-    config = ModelConfig.from_hf_dict(_hf_dict(name))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict(name))
     hf_dict = config.to_hf_dict()
     assert ModelConfig.from_hf_dict(hf_dict) == config
     hf = type(hf_utils.hf_config(name)).from_dict(hf_dict)
@@ -151,7 +137,7 @@ def test_keys_left_out_take_the_transformers_defaults(name):
         "layer_types",
         "_sliding_window_pattern",
     )
-    hf = _hf_dict(name, num_hidden_layers=7, layer_types=None)
+    hf = hf_utils.hf_dict(name, num_hidden_layers=7, layer_types=None)
     hf = {k: v for k, v in hf.items() if k not in left_out}
     config = ModelConfig.from_hf_dict(hf)
     theirs = type(hf_utils.hf_config(name)).from_dict(hf)
@@ -168,7 +154,7 @@ def test_irregular_layer_types_round_trip():
     """Layer kinds that no sliding-window pattern gives are written as layer_types, which
     transformers reads back."""
     types = ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
-    config = ModelConfig.from_hf_dict(_hf_dict("gemma3", layer_types=list(types)))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict("gemma3", layer_types=list(types)))
     assert config.layer_types == types
     hf_dict = config.to_hf_dict()
     assert "sliding_window_pattern" not in hf_dict
@@ -179,7 +165,7 @@ def test_irregular_layer_types_round_trip():
 def test_rope_frequencies_match_transformers_per_layer_type():
     hf_config = hf_utils.hf_config("gemma3")
     rotary = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
-    config = ModelConfig.from_hf_dict(_hf_dict("gemma3"))
+    config = ModelConfig.from_hf_dict(hf_utils.hf_dict("gemma3"))
     np.testing.assert_allclose(
         rope_inv_freq(config), rotary.full_attention_inv_freq.numpy(), rtol=1e-6
     )
@@ -213,7 +199,7 @@ def test_rope_frequencies_match_transformers_per_layer_type():
     ],
 )
 def test_refuses_what_it_does_not_run(name, update, match):
-    hf = {**_hf_dict(name), **update}
+    hf = {**hf_utils.hf_dict(name), **update}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(hf)
 
@@ -418,19 +404,9 @@ def test_greedy_generate_matches_transformers(models, name, decode_layers, rng):
     runs past the window."""
     torch_model, config, params, _ = models[name]
     tokens, mask = hf_utils.padded_batch(rng, [9, 3, 6], 9, vocab=128, side="left")
-    ours = generate(
-        params,
-        config,
-        tokens,
-        mask,
-        key=jax.random.key(0),
-        max_new_tokens=14,
-        sampling=SamplingOptions(eos_ids=(), pad_id=0, temperature=0.0),
-        decode_layers=decode_layers,
+    assert_greedy_matches_hf(
+        torch_model, params, config, tokens, mask, 14, decode_layers=decode_layers
     )
-    want, want_logprobs = hf_greedy(torch_model, tokens, mask, 14, pad_id=0)
-    np.testing.assert_array_equal(np.asarray(ours.tokens), want)
-    np.testing.assert_allclose(np.asarray(ours.logprobs), want_logprobs, atol=1e-4)
 
 
 def test_continuous_engine_with_a_paged_cache_matches_transformers(models):
@@ -438,12 +414,9 @@ def test_continuous_engine_with_a_paged_cache_matches_transformers(models):
     slots; a sliding layer attends through the block-table gather, whose mask holds the
     window)."""
     torch_model, config, params, _ = models["gemma2"]
-    runs = engine_and_hf_greedy(
+    assert_engine_matches_hf(
         torch_model, params, config, [7, 2, 9], [9, 11, 4], seed=3, kv_block_size=4
     )
-    for result, want, want_logprobs in runs:
-        np.testing.assert_array_equal(result.tokens, want)
-        np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4)
 
 
 # --- checkpoints and precision --------------------------------------------------------------

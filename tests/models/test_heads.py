@@ -19,7 +19,6 @@ from jaxrl_llm.data import build_char_tokenizer
 from jaxrl_llm.models import (
     forward,
     init_scalar_params,
-    load_pretrained,
     load_scalar_model,
     save_scalar_model,
     scalar_logical_axes,
@@ -57,23 +56,6 @@ def _batch(rng, vocab):
     return prompt, prompt_mask, completion, completion_mask
 
 
-def _randomise(model, seed):
-    """O(1) weights as in ``hf_utils.build_model``, including the classifier's ``score``."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if pname.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif pname.endswith("bias"):
-                param.copy_(0.1 * noise)
-            elif "embed_tokens" in pname:
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(noise / np.sqrt(param.shape[-1]))
-    return model
-
-
 def _hf_seq_cls(name, path, *, seed, num_labels=1):
     """A randomised float32 ``*ForSequenceClassification`` saved to ``path``."""
     config = hf_utils.hf_config(name, num_labels=num_labels)
@@ -81,7 +63,8 @@ def _hf_seq_cls(name, path, *, seed, num_labels=1):
     model = transformers.AutoModelForSequenceClassification.from_config(
         config, attn_implementation="eager"
     )
-    model = _randomise(model.to(torch.float32).eval(), seed + 1)
+    # O(1) weights as in ``hf_utils.build_model``, the classifier's ``score`` included.
+    model = hf_utils.randomise_weights(model.to(torch.float32).eval(), seed + 1)
     model.save_pretrained(path)
     return model
 
@@ -113,13 +96,8 @@ def _hf_token_values(model, hidden, lengths, completion_mask):
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory):
     """name -> (causal-LM directory, config, f32 policy params)."""
-    out = {}
-    for i, name in enumerate(NAMES):
-        path = str(tmp_path_factory.mktemp(f"policy_{name}"))
-        hf_utils.build_checkpoint(name, path, seed=20 + i)
-        config, params = load_pretrained(path, dtype=jnp.float32)
-        out[name] = (path, config, params)
-    return out
+    loaded = hf_utils.load_variants(tmp_path_factory, NAMES, first_seed=20, prefix="policy_")
+    return {name: (path, config, params) for name, (_, config, params, path) in loaded.items()}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from jaxrl_llm.models import (
     ModelConfig,
     cast_params,
     forward,
-    load_pretrained,
     logits,
     moe,
     param_count,
@@ -25,6 +24,7 @@ from jaxrl_llm.models import (
     save_pretrained,
 )
 from tests.models import hf_utils
+from tests.reference import moe as ref
 
 jit_forward = jax.jit(forward, static_argnums=1, static_argnames="return_router_logits")
 
@@ -32,62 +32,23 @@ jit_forward = jax.jit(forward, static_argnums=1, static_argnames="return_router_
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (torch model, config, f32 params) for each tiny MoE variant."""
-    out = {}
-    for i, name in enumerate(hf_utils.MOE_VARIANTS):
-        path = str(tmp_path_factory.mktemp(name))
-        torch_model = hf_utils.build_checkpoint(name, path, seed=30 + i)
-        config, params = load_pretrained(path, dtype=jnp.float32)
-        out[name] = (torch_model, config, params)
-    return out
+    loaded = hf_utils.load_variants(tmp_path_factory, hf_utils.MOE_VARIANTS, first_seed=30)
+    return {
+        name: (torch_model, config, params)
+        for name, (torch_model, config, params, _) in loaded.items()
+    }
 
 
-def _np_route(logits, top_k, normalize):
-    """float64 top-k routing: ``(weights [T, k], experts [T, k])``."""
-    logits = np.asarray(logits, np.float64)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(probs, experts, axis=-1)
-    if normalize:
-        weights /= weights.sum(-1, keepdims=True)
-    return weights, experts
-
-
-def _silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def _np_experts(x, weights, experts, w_gate, w_up, w_down):
-    """float64 per-token loop: ``y_t = sum_j w_tj · SwiGLU_{e_tj}(x_t)``."""
-    x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j, e in enumerate(experts[t]):
-            hidden = _silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])
-            out[t] += weights[t, j] * (hidden @ w_down[e])
-    return out
-
-
-def _weight(rng, *shape, scale=1.0):
-    """f32 ``N(0, scale^2 / fan_in)`` with fan_in the next-to-last dim."""
-    return (scale * rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
-
-
-def _layer_weights(rng, d=8, e=4, f=6, scale=1.0):
-    """``(router [D, E], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D])``."""
-    return (
-        _weight(rng, d, e, scale=scale),
-        _weight(rng, e, d, f),
-        _weight(rng, e, d, f),
-        _weight(rng, e, f, d),
-    )
+def _layer_weights(rng, d=8, scale=1.0):
+    """``(router [D, E], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D])``, E = 4, F = 6."""
+    return ref.layer_weights(rng, d, 4, 6, router_scale=scale)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_route_is_top_k_of_the_softmax(rng, normalize):
     logits = rng.standard_normal((7, 5)).astype(np.float32)
     weights, experts = moe.route(jnp.asarray(logits), top_k=2, normalize=normalize)
-    want_weights, want_experts = _np_route(logits, 2, normalize)
+    want_weights, want_experts = ref.route(logits, 2, normalize)
     np.testing.assert_array_equal(np.asarray(experts), want_experts)
     np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
     if normalize:  # Mixtral's form: the softmax over the k chosen logits
@@ -105,7 +66,7 @@ def test_grouped_experts_equal_a_per_token_loop(rng):
     got = moe.grouped_experts(
         jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts, jnp.int32), w_gate, w_up, w_down
     )
-    want = _np_experts(x, weights, experts, w_gate, w_up, w_down)
+    want = ref.experts_mlp(x, weights, experts, w_gate, w_up, w_down)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -135,7 +96,8 @@ def test_gradient_matches_a_float64_per_token_loop(rng, normalize):
     ragged matmuls and the unsort, against ``jax.grad`` of a float64 per-token loop."""
     d, top_k = 8, 2
     router, w_gate, w_up, w_down = _layer_weights(rng, d=d, scale=3.0)
-    shared = (_weight(rng, d, 5), _weight(rng, d, 5), _weight(rng, 5, d), _weight(rng, d, 1))
+    weight = ref.fan_in_weight
+    shared = (weight(rng, d, 5), weight(rng, d, 5), weight(rng, 5, d), weight(rng, d, 1))
     h = rng.standard_normal((2, 5, d)).astype(np.float32)
     cotangent = rng.standard_normal((2, 5, d)).astype(np.float32)
     args = (h, router, w_gate, w_up, w_down, shared)
@@ -154,7 +116,7 @@ def test_gradient_matches_a_float64_per_token_loop(rng, normalize):
         return jnp.sum(out * cotangent)
 
     got = jax.jit(jax.grad(ours, argnums=tuple(range(6))))(*args)
-    _, experts = _np_route(h.reshape(-1, d) @ router, top_k, normalize)
+    _, experts = ref.route(h.reshape(-1, d) @ router, top_k, normalize)
     assert len(np.unique(experts)) == 4  # every expert takes part
     with jax.enable_x64(True):
         args64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), args)
@@ -277,21 +239,14 @@ def test_param_count_of_moe_models(models):
         assert param_count(config) == size == sum(p.numel() for p in torch_model.parameters())
 
 
-def _moe_hf_dict(name, **overrides):
-    config = hf_utils.hf_config(name, **overrides)
-    out = config.to_dict()
-    out["architectures"] = [type(config).__name__.replace("Config", "ForCausalLM")]
-    return out
-
-
 def test_config_fields():
-    qwen3 = ModelConfig.from_hf_dict(_moe_hf_dict("qwen3_moe"))
+    qwen3 = ModelConfig.from_hf_dict(hf_utils.hf_dict("qwen3_moe"))
     assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.moe_intermediate_size) == (8, 2, 48)
     assert qwen3.norm_topk_prob and qwen3.qk_norm and qwen3.shared_expert_intermediate_size == 0
-    qwen2 = ModelConfig.from_hf_dict(_moe_hf_dict("qwen2_moe"))
+    qwen2 = ModelConfig.from_hf_dict(hf_utils.hf_dict("qwen2_moe"))
     assert not qwen2.norm_topk_prob and qwen2.shared_expert_intermediate_size == 80
     assert (qwen2.qkv_bias, qwen2.o_bias) == (True, False)
-    mixtral = ModelConfig.from_hf_dict(_moe_hf_dict("mixtral"))
+    mixtral = ModelConfig.from_hf_dict(hf_utils.hf_dict("mixtral"))
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 96
     assert mixtral.router_aux_loss_coef == 0.001 and mixtral.is_moe and not qwen3.qkv_bias
 
@@ -307,14 +262,14 @@ def test_config_fields():
     ],
 )
 def test_refuses_what_it_does_not_implement(name, update, key):
-    hf = {**_moe_hf_dict(name), **update}
+    hf = {**hf_utils.hf_dict(name), **update}
     with pytest.raises(ValueError, match=key) as err:
         ModelConfig.from_hf_dict(hf)
     assert "\n" not in str(err.value)
 
 
 def test_direct_construction_is_validated():
-    base = ModelConfig.from_hf_dict(_moe_hf_dict("mixtral"))
+    base = ModelConfig.from_hf_dict(hf_utils.hf_dict("mixtral"))
     with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
         dataclasses.replace(base, num_experts_per_tok=9)
     with pytest.raises(ValueError, match="norm_topk_prob must be True"):

@@ -2,25 +2,22 @@
 static ``generate`` (stacked and per-layer layouts) and the continuous engine (paged cache, slot
 refills) equals transformers ``generate(do_sample=False)`` on tiny random checkpoints."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm.models import load_pretrained
-from tests.models.hf_utils import MOE_VARIANTS, build_checkpoint, padded_batch
-from tests.sampling.hf_reference import assert_greedy_matches_hf, engine_and_hf_greedy
+from tests.models.hf_utils import MOE_VARIANTS, load_variants, padded_batch
+from tests.sampling.hf_reference import assert_engine_matches_hf, assert_greedy_matches_hf
 
 MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for i, name in enumerate(MOE_VARIANTS):
-        path = str(tmp_path_factory.mktemp(name))
-        torch_model = build_checkpoint(name, path, seed=40 + i)
-        out[name] = (torch_model, *load_pretrained(path, dtype=jnp.float32))
-    return out
+    loaded = load_variants(tmp_path_factory, MOE_VARIANTS, first_seed=40)
+    return {
+        name: (torch_model, config, params)
+        for name, (torch_model, config, params, _) in loaded.items()
+    }
 
 
 @pytest.mark.parametrize(
@@ -38,9 +35,6 @@ def test_greedy_matches_transformers_generate(checkpoints, name, decode_layers):
 
 def test_continuous_engine_matches_transformers_generate(checkpoints):
     torch_model, config, params = checkpoints["qwen2_moe"]
-    runs = engine_and_hf_greedy(
+    assert_engine_matches_hf(
         torch_model, params, config, [5, 2, 9, 4], [6, 8, 3, 8], seed=5, kv_block_size=4
     )
-    for result, want, want_logprobs in runs:
-        np.testing.assert_array_equal(result.tokens, want)
-        np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4)

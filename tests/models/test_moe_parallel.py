@@ -6,6 +6,7 @@ NumPy per-token reference and the unsharded layer, forward and gradients; hand-b
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -19,6 +20,7 @@ from jaxrl_llm import cli, models, parallel
 from jaxrl_llm.models import moe
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.state import create_train_state
+from tests.reference import moe as ref
 
 pytestmark = pytest.mark.needs_devices(8)
 
@@ -34,40 +36,12 @@ MESHES = {
 }
 
 
-def _silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def _np_route(logits, top_k, normalize):
-    """float64 top-k routing: ``(weights [T, k], experts [T, k])``."""
-    logits = np.asarray(logits, np.float64)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(probs, experts, axis=-1)
-    if normalize:
-        weights /= weights.sum(-1, keepdims=True)
-    return weights, experts
-
-
-def _np_layer(x, weights, experts, w_gate, w_up, w_down):
-    """float64 per token: ``y_t = sum_j w_tj · W_down[e]^T (silu(x_t W_gate[e]) * x_t W_up[e])``."""
-    x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j, e in enumerate(experts[t]):
-            out[t] += weights[t, j] * ((_silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e])
-    return out
-
-
 def _weights(rng, shared):
-    """``(router, w_gate, w_up, w_down[, shared expert's four])`` f32, ``N(0, 1/fan_in)``."""
-
-    def w(*shape, scale=1.0):
-        return (scale * rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
-
-    out = [w(D, E, scale=3.0), w(E, D, F), w(E, D, F), w(E, F, D)]
+    """``(router, w_gate, w_up, w_down[, shared expert's four])`` f32, ``N(0, 1/fan_in)`` (the
+    router's ``N(0, 9/fan_in)``)."""
+    out = list(ref.layer_weights(rng, D, E, F, router_scale=3.0))
     if shared:
+        w = functools.partial(ref.fan_in_weight, rng)
         out += [w(D, 6), w(D, 6), w(6, D), w(D, 1)]
     return tuple(out)
 
@@ -142,12 +116,12 @@ def test_sharded_layer_equals_float64_reference_and_unsharded_layer(rng, name):
     plain_out, plain_grads = run(params, h, cotangent)  # no mesh: the single-program layer
 
     x = h.reshape(-1, D)
-    weights, experts = _np_route(x @ params[0], top_k, normalize)
+    weights, experts = ref.route(x @ params[0], top_k, normalize)
     assert len(np.unique(experts)) == E  # every expert (so every shard) takes part
-    want = _np_layer(x, weights, experts, *params[1:4])
+    want = ref.experts_mlp(x, weights, experts, *params[1:4])
     if shared:
         s_gate, s_up, s_down, s_sigmoid = (np.asarray(a, np.float64) for a in params[4:])
-        dense = (_silu(x @ s_gate) * (x @ s_up)) @ s_down
+        dense = (ref.silu(x @ s_gate) * (x @ s_up)) @ s_down
         want = want + dense / (1.0 + np.exp(-(x @ s_sigmoid)))
     np.testing.assert_allclose(np.asarray(out).reshape(-1, D), want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(plain_out), atol=1e-5, rtol=0)
@@ -187,7 +161,7 @@ def test_hand_built_routings(rng, case):
     x = rng.standard_normal((T_BATCH * T_SEQ, D)).astype(np.float32)
     logits, top_k, picks = _hand_logits(rng, case)
     cotangent = rng.standard_normal(x.shape).astype(np.float32)
-    weights, experts = _np_route(logits, top_k, True)
+    weights, experts = ref.route(logits, top_k, True)
     if picks is not None:
         np.testing.assert_array_equal(np.sort(experts, -1), np.sort(picks, -1))
     unused = sorted(set(range(E)) - set(experts.ravel().tolist()))
@@ -205,7 +179,7 @@ def test_hand_built_routings(rng, case):
         grads, out = jax.jit(jax.grad(loss, argnums=(1, 2, 3), has_aux=True))(
             x, w_gate, w_up, w_down
         )
-    want = _np_layer(x, weights, experts, w_gate, w_up, w_down)
+    want = ref.experts_mlp(x, weights, experts, w_gate, w_up, w_down)
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
     for g in grads:
         g = np.asarray(g)

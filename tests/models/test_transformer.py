@@ -15,7 +15,6 @@ from jaxrl_llm.models import (
     forward,
     init_cache,
     init_params,
-    load_pretrained,
     logical_axes,
     logits,
     unembed,
@@ -45,13 +44,11 @@ jit_forward = jax.jit(forward, static_argnums=1, static_argnames="remat")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """name -> (torch model, config, f32 params) for each tiny variant."""
-    out = {}
-    for i, name in enumerate(NAMES):
-        path = str(tmp_path_factory.mktemp(name))
-        torch_model = hf_utils.build_checkpoint(name, path, seed=i)
-        config, params = load_pretrained(path, dtype=jnp.float32)
-        out[name] = (torch_model, config, params)
-    return out
+    loaded = hf_utils.load_variants(tmp_path_factory, NAMES, first_seed=0)
+    return {
+        name: (torch_model, config, params)
+        for name, (torch_model, config, params, _) in loaded.items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -93,3 +93,16 @@ def engine_and_hf_greedy(torch_model, params, config, lengths, budgets, *, seed,
         )
         out.append((result, want[0], want_logprobs[0]))
     return out
+
+
+def assert_engine_matches_hf(
+    torch_model, params, config, lengths, budgets, *, seed, kv_block_size, atol=1e-4
+):
+    """Every request of :func:`engine_and_hf_greedy` decodes transformers' tokens, and each
+    step's log-prob is theirs to ``atol``."""
+    runs = engine_and_hf_greedy(
+        torch_model, params, config, lengths, budgets, seed=seed, kv_block_size=kv_block_size
+    )
+    for result, want, want_logprobs in runs:
+        np.testing.assert_array_equal(result.tokens, want)
+        np.testing.assert_allclose(result.logprobs, want_logprobs, atol=atol)

@@ -11,7 +11,6 @@ from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.step import TokenBudget, merge_micro_batches, split_micro_batches
 from jaxrl_llm.types import Sequences
 from tests.models import hf_utils
-from tests.reference import logprobs as ref
 
 P, T = 5, 6
 LENGTHS = ([5, 3, 1, 4, 2, 5], [6, 4, 2, 1, 5, 3])  # prompt, completion tokens per row
@@ -31,17 +30,9 @@ def test_micro_batched_logprobs_match_the_float64_reference(tmp_path, rng, micro
     config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
     prompt, prompt_mask = hf_utils.padded_batch(rng, LENGTHS[0], P, vocab=128, side="left")
     completion, completion_mask = hf_utils.padded_batch(rng, LENGTHS[1], T, vocab=128, side="right")
-    want = np.zeros((len(prompt), T))
-    for row in range(len(prompt)):
-        real_prompt = prompt[row][prompt_mask[row] > 0]
-        real_completion = completion[row][completion_mask[row] > 0]
-        seq = np.concatenate([real_prompt, real_completion])[None]
-        full = hf_utils.hf_logits(torch_model, seq, np.ones_like(seq), double=True)
-        n = len(real_completion)
-        lp, _ = ref.completion_logprobs(
-            full, len(real_prompt), real_completion[None], np.ones((1, n)), temperature=1.0
-        )
-        want[row, :n] = lp[0]
+    want = hf_utils.hf_completion_logprobs(
+        torch_model, prompt, prompt_mask, completion, completion_mask
+    )
     fn = make_logprob_fn(config, micro_batches=micro_batches)
     got = fn(params, Sequences(prompt, prompt_mask, completion, completion_mask))
     assert got.shape == (len(prompt), T)

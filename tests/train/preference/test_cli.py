@@ -18,20 +18,9 @@ from jaxrl_llm.train.preference.config import PreferenceConfig, check_config
 from jaxrl_llm.train.rl.config import TrainConfig
 from tests.train import helpers
 from tests.train.helpers import assert_user_error
+from tests.train.preference.preference_helpers import TINY  # test_trainer.py's settings
 
 CONFIGS = helpers.CONFIGS
-# The settings of test_trainer.py: the runs share compiled programs through the cache.
-TINY = (
-    "sft_warmup.steps=0",
-    "data.num_train=16",
-    "data.eval_size=16",
-    "trainer.batch_size=8",
-    "trainer.learning_rate=5e-3",
-    "logging.progress=false",
-    "logging.plots=false",
-    "logging.tensorboard=false",
-    "mesh.fsdp=1",
-)
 PREFERENCE_CONFIGS = ("dpo.yaml", "kto.yaml", "orpo.yaml", "simpo.yaml", "cpo.yaml")
 
 

@@ -39,15 +39,8 @@ from jaxrl_llm.train.step import make_step
 from jaxrl_llm.types import PreferenceBatch
 from tests.reference import preference as ref_pref
 from tests.reference import preference_training as ref
+from tests.train.preference.preference_helpers import SMALL_MODEL
 
-SMALL_MODEL = (
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
-    "model.tiny.head_dim=16",
-)
 BETA = 0.5
 
 

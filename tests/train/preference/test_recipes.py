@@ -25,16 +25,9 @@ from jaxrl_llm.train.state import TrainState
 from jaxrl_llm.train.step import make_step
 from jaxrl_llm.types import PreferenceBatch
 from tests.train import helpers
+from tests.train.preference.preference_helpers import SMALL_MODEL
 
 CONFIGS = helpers.CONFIGS
-SMALL_MODEL = (
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
-    "model.tiny.head_dim=16",
-)
 TINY_RUN = (
     "sft_warmup.steps=0",
     "data.num_train=16",

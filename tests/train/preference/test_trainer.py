@@ -25,19 +25,8 @@ from jaxrl_llm.train.preference.config import PreferenceConfig
 from jaxrl_llm.train.preference.run import run
 from jaxrl_llm.train.preference.trainer import SFT_WARMUP_STEPS_BUILTIN, PreferenceTrainer
 from tests.train import helpers
+from tests.train.preference.preference_helpers import TINY
 
-# One device, no SFT, 16 training pairs (an epoch is 2 steps), 16 held out, batches of 8.
-TINY = (
-    "sft_warmup.steps=0",
-    "data.num_train=16",
-    "data.eval_size=16",
-    "trainer.batch_size=8",
-    "trainer.learning_rate=5e-3",
-    "logging.progress=false",
-    "logging.plots=false",
-    "logging.tensorboard=false",
-    "mesh.fsdp=1",
-)
 STEPS = 8
 METRIC_KEYS = (
     "loss",

@@ -88,16 +88,8 @@ def distillation_teacher(path: str | os.PathLike, alphabet: str | None = None, s
     from jaxrl_llm import data  # noqa: PLC0415
     from tests.models import hf_utils  # noqa: PLC0415
 
-    tokenizer = data.build_char_tokenizer(alphabet or data.ARITHMETIC_ALPHABET, save_dir=path)
-    return hf_utils.build_checkpoint(
-        "llama",
-        os.fspath(path),
-        seed=seed,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    alphabet = alphabet or data.ARITHMETIC_ALPHABET
+    return hf_utils.build_char_checkpoint("llama", path, alphabet, seed=seed)
 
 
 def tiny_config(

@@ -38,8 +38,8 @@ class RecordingTrainer(RLTrainer):
         program = self.programs["teacher_logprobs"]
         inner = program.fn
 
-        def recorded(params, seqs):
-            out = inner(params, seqs)
+        def recorded(params, seqs, *packing):
+            out = inner(params, seqs, *packing)
             self.seen.append({"seqs": seqs, "teacher": out})
             return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import string
 
 import pytest
 
@@ -22,7 +21,7 @@ from tests.train.rl import rl_helpers
 
 CONFIG = rl_helpers.CONFIGS / "qwen2.5-0.5b-gsm8k-grpo.yaml"
 # Printable ASCII without tabs and line breaks: covers the system prompt and the questions.
-ALPHABET = "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c")
+ALPHABET = hf_utils.PRINTABLE_ALPHABET
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +43,7 @@ def _write_jsonl(path: pathlib.Path, pairs) -> str:
 def checkpoint_dir(tmp_path_factory) -> pathlib.Path:
     """A random Qwen2 checkpoint whose token ids agree with the saved character tokenizer."""
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    tokenizer = data.build_char_tokenizer(ALPHABET, save_dir=path)
-    hf_utils.build_checkpoint(
-        "qwen2",
-        str(path),
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    hf_utils.build_char_checkpoint("qwen2", path, ALPHABET)
     return path
 
 
