@@ -5,6 +5,10 @@ The unembedding, ``log_softmax`` and target gather run over chunks of the sequen
 ``[B, C, V]`` chunk of logits at a time and the backward pass recomputes each chunk instead
 of storing it, so memory is ``O(B * C * V)`` rather than ``O(B * T * V)``. A single chunk is
 not rematerialised (it would hold the same logits while costing another unembedding product).
+
+``packed_completion_logprobs`` gives the same log-probs from packed rows (several sequences
+per row, ``jaxrl_llm.packing``): the model and the unembedding run over the packed rows only,
+and the results are scattered back to the padded ``[B, T]`` layout.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import jax.numpy as jnp
 from jaxrl_llm._checks import check_positive, check_rank, check_same_shape
 from jaxrl_llm.models import ModelConfig, forward, unembed, unembedding
 from jaxrl_llm.models.layers import constrain
+from jaxrl_llm.packing import PackingPlan, pack, unpack
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of
+from jaxrl_llm.types import Sequences
 
 Array = jax.Array
 
@@ -196,18 +202,8 @@ def completion_logprobs(
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
     """
-    check_rank("prompt_tokens", prompt_tokens, 2)
-    check_rank("completion_tokens", completion_tokens, 2)
-    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
-    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
+    tokens, mask = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     prompt_len = prompt_tokens.shape[1]
-    if prompt_len < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
-        raise ValueError(
-            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
-            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
-        )
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
     hidden, _ = forward(
         params, config, tokens, attention_mask=mask, remat=remat, dropout_key=dropout_key
     )
@@ -243,3 +239,110 @@ def completion_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
     )
+
+
+def _joined(
+    prompt_tokens: Array, prompt_mask: Array, completion_tokens: Array, completion_mask: Array
+) -> tuple[Array, Array]:
+    """``([prompt ; completion] int32, [prompt_mask ; completion_mask] bool)``, ``[B, P + T]``,
+    after the shape checks."""
+    check_rank("prompt_tokens", prompt_tokens, 2)
+    check_rank("completion_tokens", completion_tokens, 2)
+    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
+    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
+    if prompt_tokens.shape[1] < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
+        raise ValueError(
+            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
+            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
+        )
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
+    return tokens, mask
+
+
+def packed_completion_logprobs(
+    params: Any,
+    config: ModelConfig,
+    seqs: Sequences,
+    plan: PackingPlan,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    remat: str = "none",
+    return_prompt_logprobs: bool = False,
+    dropout_key: Array | None = None,
+) -> Array | tuple[Array, Array]:
+    """``completion_logprobs`` of ``seqs`` computed on packed rows: the same ``[B, T]`` values.
+
+    The ``[B, P + T]`` rows ``[prompt ; completion]`` are packed by ``plan`` into ``[R, W]``
+    (``jaxrl_llm.packing.pack``); the model runs once over them with the plan's segment ids and
+    positions (attention within a sequence only, positions restarting at 0, as padded). Packed
+    slot ``i`` predicts the token at slot ``i + 1`` when both hold the same sequence and that
+    token is scored (a completion token with ``completion_mask``; with
+    ``return_prompt_logprobs`` also a prompt token): ``z_i = unembed(h_i) / tau``,
+    ``logp = z_i[x_{i+1}] - logsumexp(z_i)``, chunk by chunk over the packed rows
+    (``token_logprobs_from_hidden``: the unembedding runs over ``R x W`` slots, not ``B x T``).
+    Each value is then scattered back to its token's padded place (``unpack``): 0 on padding,
+    on unscored tokens and on each sequence's first token.
+
+    Each row needs at least one real prompt token (as for ``completion_logprobs``); the masks
+    must be a left-padded prompt and a right-padded completion; ``plan`` must come from
+    ``packing.plan_sequences(seqs.prompt_mask, seqs.completion_mask, shards=...)`` (not checked
+    under jit: another plan gives wrong values). With a ``dropout_key`` the LoRA dropout masks
+    are drawn over the packed layout (random like the padded ones, not the same draws).
+
+    Args:
+      params, config: the model.
+      seqs: the padded ``Sequences`` (``[B, P]`` left-padded prompts, ``[B, T]`` right-padded
+        completions).
+      plan: a ``PackingPlan`` for ``[B, P + T]``.
+      temperature, chunk_size, return_entropy, remat, return_prompt_logprobs, dropout_key: as
+        for ``completion_logprobs`` (``chunk_size`` counts packed slots).
+
+    Returns:
+      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs [B, P])``.
+    """
+    prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
+    tokens, _ = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    if return_prompt_logprobs and return_entropy:
+        raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+    shape = tokens.shape
+    prompt_len = prompt_tokens.shape[1]
+    scored_prompt = prompt_mask.astype(bool) & return_prompt_logprobs
+    scored = jnp.concatenate([scored_prompt, completion_mask.astype(bool)], axis=1)
+    packed_tokens = pack(tokens, plan)
+    segments, positions = plan.flat("segment_ids"), plan.flat("positions")
+    hidden, _ = forward(
+        params,
+        config,
+        packed_tokens,
+        positions=positions,
+        segment_ids=segments,
+        remat=remat,
+        dropout_key=dropout_key,
+    )
+    # Slot i predicts slot i + 1 of the same sequence when that token is scored.
+    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+    predicted = same & pack(scored, plan)[:, 1:]
+    unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
+    out = token_logprobs_from_hidden(
+        hidden[:, :-1],
+        unembed_fn,
+        packed_tokens[:, 1:],
+        mask=predicted,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+
+    def padded(x: Array) -> Array:  # the value of slot i's target, at the target's slot
+        return unpack(jnp.pad(x, [(0, 0), (1, 0)]), plan, shape)
+
+    if return_entropy:
+        logprobs, entropy = out
+        return padded(logprobs)[:, prompt_len:], padded(entropy)[:, prompt_len:]
+    logprobs = padded(out)
+    if return_prompt_logprobs:
+        return logprobs[:, prompt_len:], logprobs[:, :prompt_len]
+    return logprobs[:, prompt_len:]

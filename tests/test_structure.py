@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "jaxrl_llm.masked_stats",
         "jaxrl_llm.console",
         "jaxrl_llm.user_code",
+        "jaxrl_llm.packing",
     ),
     ("jaxrl_llm.parallel",),
     ("jaxrl_llm.models",),

@@ -212,13 +212,15 @@ def dot_product_attention(
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
     window_active: Any = True,
+    segment_ids: Array | None = None,
 ) -> Array:
     """Causal self-attention over the S tokens of this call, pad keys masked.
 
     ``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` (Vaswani et al. 2017) over the keys ``j``
-    with ``j <= i`` and ``key_valid[b, j]``; query head ``n`` reads key/value head
-    ``n // (N / K)`` (grouped-query attention, Ainslie et al. 2023). Pads may sit anywhere in a
-    row (left-padded prompts, right-padded completions, gaps).
+    with ``j <= i`` and ``key_valid[b, j]`` (and, for packed rows, ``segment_ids[b, j] ==
+    segment_ids[b, i]``); query head ``n`` reads key/value head ``n // (N / K)`` (grouped-query
+    attention, Ainslie et al. 2023). Pads may sit anywhere in a row (left-padded prompts,
+    right-padded completions, gaps).
 
     Rows of pad queries (``key_valid[b, i]`` False) are finite but implementation-defined:
     ``"xla"`` and ``"einsum"`` let a pad query see the real keys before it plus its own slot
@@ -245,6 +247,11 @@ def dot_product_attention(
       window_active: whether ``sliding_window`` applies: True, False, or a traced bool (the
         flag of a layer inside a scan over sliding and global layers; the kernels then run
         under ``jax.lax.cond``, the masked paths mask with the traced limit).
+      segment_ids: ``[B, S]`` int32 for packed rows (``jaxrl_llm.packing``): ``k >= 1`` on
+        the ``k``-th sequence of a row, 0 on padding; a query sees only keys of its own
+        segment (a window counts slots, which within a segment are its positions). Real
+        tokens are those with ``key_valid`` and a nonzero id. ``"cudnn"`` has no segment ids
+        (JAX's public cuDNN attention takes none): packed rows run the ``"einsum"`` path there.
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
@@ -264,6 +271,9 @@ def dot_product_attention(
         sliding_window = None
     if sliding_window is not None:
         _check_block("sliding_window", sliding_window, multiple=1)
+    if segment_ids is not None:
+        segment_ids = _check_segments(segment_ids, key_valid.shape)
+        key_valid = key_valid & (segment_ids > 0)
     name = resolve_attention_implementation(
         implementation,
         dtype=q.dtype,
@@ -274,11 +284,15 @@ def dot_product_attention(
     if name == "xla":
         seq = q.shape[1]
         window = window_limit(sliding_window, window_active, seq)
-        mask = attention_mask(key_valid, jnp.arange(seq), window=window)
+        segments = None if segment_ids is None else (segment_ids, segment_ids)
+        mask = attention_mask(key_valid, jnp.arange(seq), window=window, segments=segments)
         if logit_softcap is not None:  # jax.nn's attention has no soft cap: the same in jnp
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
             return cache_attention(q, k, v, mask, scale=scale, logit_softcap=logit_softcap)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=None)
+    if name == "cudnn" and segment_ids is not None:  # no segment ids in jax.nn's cuDNN path
+        _check_cudnn(q)
+        name = "einsum"
     if name == "einsum":
         if block_q is not None:
             _check_block("block_q", block_q, multiple=1)
@@ -292,6 +306,7 @@ def dot_product_attention(
             logit_softcap=logit_softcap,
             sliding_window=sliding_window,
             window_active=window_active,
+            segment_ids=segment_ids,
         )
     if name == "cudnn":
         _check_cudnn(q)
@@ -318,8 +333,12 @@ def dot_product_attention(
         interpret=interpret,
         logit_softcap=logit_softcap,
     )
+    # Splash's segments: 0 on pads, the sequence's id (1 when unpacked) on real tokens.
+    segments = key_valid.astype(jnp.int32)
+    if segment_ids is not None:
+        segments = jnp.where(key_valid, segment_ids, 0)
     if sliding_window is None or window_active is True:
-        return splash(q, k, v, key_valid, sliding_window=sliding_window)
+        return splash(q, k, v, segments, sliding_window=sliding_window)
     # A scanned layer's own flag: one kernel or the other (the masks are static).
     return jax.lax.cond(
         window_active,
@@ -328,8 +347,20 @@ def dot_product_attention(
         q,
         k,
         v,
-        key_valid,
+        segments,
     )
+
+
+def _check_segments(segment_ids: Any, shape: tuple[int, ...]) -> Array:
+    """``segment_ids`` as int32 after checking it is an integer array of ``key_valid``'s shape."""
+    if jnp.shape(segment_ids) != tuple(shape) or not jnp.issubdtype(
+        jnp.result_type(segment_ids), jnp.integer
+    ):
+        raise ValueError(
+            f"segment_ids must be a [B, S] = {tuple(shape)} integer array, got shape "
+            f"{jnp.shape(segment_ids)} dtype {jnp.result_type(segment_ids)}"
+        )
+    return jnp.asarray(segment_ids, jnp.int32)
 
 
 def _check_inputs(q: Array, k: Array, v: Array, key_valid: Array) -> None:

@@ -1,6 +1,14 @@
 """The attention backends behind ``attention.dot_product_attention``: blocked einsums (CPU),
 the Pallas TPU splash kernel, and cuDNN over rows compacted to causal + lengths form.
 
+Packed rows (several sequences per row, ``segment_ids``; ``jaxrl_llm.packing``): the masked
+paths (``"xla"``, ``"einsum"``) mask keys of other segments, splash takes the segment ids as
+its ``SegmentIds``. cuDNN does not take them here: JAX 0.10's public
+``jax.nn.dot_product_attention`` has no segment ids or packed (THD) layout (only causal masks
+and per-row lengths; the ``q_offsets`` of the private ``jax._src.cudnn`` entry point are not
+public API), so ``"cudnn"`` runs packed batches on the ``"einsum"`` path (exact, but its
+memory is ``O(S^2 / blocks)`` rather than ``O(S)``).
+
 Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
 """
 
@@ -22,17 +30,24 @@ _SPLASH_LANES = 128
 
 
 def attention_mask(
-    key_valid: Array, query_slots: Array, *, window: Any = None, key_offset: int = 0
+    key_valid: Array,
+    query_slots: Array,
+    *,
+    window: Any = None,
+    key_offset: int = 0,
+    segments: tuple[Array, Array] | None = None,
 ) -> Array:
     """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real (and,
     with a ``window`` W, ``i - j < W``: a sliding window of the W newest slots, transformers'
-    rule).
+    rule; with ``segments``, j in i's segment).
 
     ``query_slots`` is ``[S]`` (the same for every row) or ``[B, S]`` (per row). A query always
     sees its own slot, so pad queries get a finite (ignored) output instead of attending to
     nothing; for real queries this changes nothing since their own slot is real. ``window`` is
     None, an int, or a traced int scalar (``window_limit``). ``key_offset``: the slot of
-    ``key_valid``'s first column (a block of keys that starts later).
+    ``key_valid``'s first column (a block of keys that starts later). ``segments``: ``(query
+    segment ids [B, S], key segment ids [B, S_kv])`` of packed rows (several sequences per row,
+    ``jaxrl_llm.packing``), or None (one sequence per row).
     """
     key_slots = key_offset + jnp.arange(key_valid.shape[1])
     query_slots = query_slots if query_slots.ndim == 2 else query_slots[None]
@@ -41,8 +56,11 @@ def attention_mask(
     if window is not None:
         causal = causal & (distance < window)
     own = distance == 0
-    mask = (causal & key_valid[:, None, :]) | own
-    return mask[:, None]
+    visible = causal & key_valid[:, None, :]
+    if segments is not None:
+        query_segments, key_segments = segments
+        visible = visible & (query_segments[:, :, None] == key_segments[:, None, :])
+    return (visible | own)[:, None]
 
 
 def window_limit(window: int | None, active: Any, slots: int) -> Any:
@@ -86,6 +104,7 @@ def _einsum_attention(
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
     window_active: Any = True,
+    segment_ids: Array | None = None,
 ) -> Array:
     """Attention over blocks of queries, each against only the keys up to its last query.
 
@@ -95,7 +114,8 @@ def _einsum_attention(
     block (about half the work), and XLA:CPU runs the products and the softmax as separate
     kernels instead of fusing the softmax into the second product's operand. A sliding window
     that surely applies (``window_active`` True) also skips the keys before the block's first
-    query's window; a traced ``window_active`` masks them instead.
+    query's window; a traced ``window_active`` masks them instead. ``segment_ids`` ``[B, S]``
+    (packed rows): a query sees only the keys of its own segment (``attention_mask``).
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -111,8 +131,15 @@ def _einsum_attention(
     for start in range(0, seq, block):
         stop = min(seq, start + block)
         first = max(0, start - sliding_window + 1) if window_active is True and window else 0
+        segments = None
+        if segment_ids is not None:
+            segments = (segment_ids[:, start:stop], segment_ids[:, first:stop])
         mask = attention_mask(
-            key_valid[:, first:stop], jnp.arange(start, stop), window=window, key_offset=first
+            key_valid[:, first:stop],
+            jnp.arange(start, stop),
+            window=window,
+            key_offset=first,
+            segments=segments,
         )[:, 0]
         rows = slice(start * group, stop * group)
         keys = slice(first, stop)
@@ -268,7 +295,7 @@ def _splash_local(
     q: Array,
     k: Array,
     v: Array,
-    key_valid: Array,
+    segments: Array,
     *,
     scale: float,
     block_q: int,
@@ -279,10 +306,12 @@ def _splash_local(
 ) -> Array:
     """Splash attention on one device's ``[B, S, N, H]`` block.
 
-    Real tokens get segment id 1 and pads (including the padding up to a multiple of 128)
-    segment id 0; the kernel lets query i see key j iff ``j <= i`` (``CausalMask``) and both
-    share a segment. Real queries thus see exactly the real keys before them, and a pad query
-    sees at least itself, so no row of the softmax is empty.
+    ``segments`` ``[B, S]`` int32: the segment id of each token, 0 on pads (the padding up to
+    a multiple of 128 too): 1 on every real token of an unpacked row, ``k`` on the ``k``-th
+    sequence of a packed one. The kernel lets query i see key j iff ``j <= i``
+    (``CausalMask``) and both share a segment (``SegmentIds``). Real queries thus see exactly
+    the real keys of their own sequence before them, and a pad query sees at least itself, so
+    no row of the softmax is empty.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
@@ -303,7 +332,7 @@ def _splash_local(
 
     # The kernel has no scale argument: scale the queries (in f32, then back to their dtype).
     scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
-    segments = jnp.pad(key_valid.astype(jnp.int32), ((0, 0), (0, padded - seq)))
+    segments = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, padded - seq)))
     out = jax.vmap(kernel)(
         head_major(scaled), head_major(k), head_major(v), SegmentIds(q=segments, kv=segments)
     )
@@ -323,8 +352,9 @@ def _mapped_axes(mesh: Any, rule: str, sizes: tuple[int, ...]) -> tuple[str, ...
     return tuple(axes)
 
 
-def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options: Any) -> Array:
-    """Splash attention, under ``jax.shard_map`` when a multi-device mesh is set.
+def _splash_attention(q: Array, k: Array, v: Array, segments: Array, **options: Any) -> Array:
+    """Splash attention (``_splash_local``, ``segments [B, S]`` int32 with 0 on pads), under
+    ``jax.shard_map`` when a multi-device mesh is set.
 
     A Pallas kernel is one opaque custom call that XLA's partitioner cannot split, so on a
     mesh the batch is mapped over the activation rules' ``batch`` axes and the heads over the
@@ -333,7 +363,7 @@ def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options:
     local = functools.partial(_splash_local, **options)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return local(q, k, v, key_valid)
+        return local(q, k, v, segments)
     batch_axes = _mapped_axes(mesh, "batch", (q.shape[0],))
     head_axes = _mapped_axes(mesh, "heads", (q.shape[2], k.shape[2]))
     heads_spec = PartitionSpec(spec_entry(batch_axes), None, spec_entry(head_axes), None)
@@ -347,7 +377,7 @@ def _splash_attention(q: Array, k: Array, v: Array, key_valid: Array, **options:
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
-    return mapped(q, k, v, key_valid)
+    return mapped(q, k, v, segments)
 
 
 # Slots of one row the paged kernel loads per compute block (pages_per_compute_block x P).

@@ -280,6 +280,7 @@ class DecoderLayer(nnx.Module):
         table: Array | None = None,
         dropout_key: Array | None = None,
         local: Any = False,
+        segment_ids: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None, Array | None]:
         """One block on ``x: [B, S, D]``.
 
@@ -297,6 +298,8 @@ class DecoderLayer(nnx.Module):
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
           local: whether this is a sliding-window layer (``config.sliding_layers``): a Python
             bool, or a traced bool inside the layer scan.
+          segment_ids: ``[B, S]`` int32 of packed rows (0 on padding; a query sees only its own
+            segment), or None. Not with ``kv``.
 
         Returns:
           ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
@@ -327,8 +330,11 @@ class DecoderLayer(nnx.Module):
                 logit_softcap=self.logit_softcap,
                 sliding_window=window,
                 window_active=local,
+                segment_ids=segment_ids,
             )
         else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed rows) cannot be used with a KV cache")
             # Built here from [S] and [B, S_kv] inputs, not passed in as [B, 1, S, S_kv], so XLA
             # can fuse it into the attention instead of keeping an O(S^2) mask alive.
             limit = window_limit(window, local, key_valid.shape[1])

@@ -95,6 +95,7 @@ class Transformer(nnx.Module):
         unstacked_layers: tuple[Params, ...] | None = None,
         dropout_key: Array | None = None,
         return_router_logits: bool = False,
+        segment_ids: Array | None = None,
     ) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
         """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
@@ -103,6 +104,10 @@ class Transformer(nnx.Module):
         batch, seq = tokens.shape
         attention_mask = _check_optional("attention_mask", attention_mask, tokens.shape)
         positions = _check_optional("positions", positions, tokens.shape)
+        if segment_ids is not None:
+            _check_optional("segment_ids", segment_ids, tokens.shape)
+            segment_ids, positions = _packed_rows(segment_ids, positions, attention_mask, cache)
+            attention_mask = segment_ids > 0
         if attention_mask is None:
             attention_mask = jnp.ones((batch, seq), dtype=bool)
         attention_mask = attention_mask.astype(bool)
@@ -169,6 +174,7 @@ class Transformer(nnx.Module):
                 if dropout_key is None
                 else jax.random.fold_in(dropout_key, layer_id),
                 local=local,
+                segment_ids=segment_ids,
             )
             return (x, kv), router_logits
 
@@ -211,6 +217,32 @@ def _is_local(config: ModelConfig, layer_id: Any) -> Any:
     if isinstance(layer_id, int):
         return sliding[layer_id]
     return jnp.asarray(sliding)[layer_id]
+
+
+def _packed_rows(
+    segment_ids: Array, positions: Array | None, attention_mask: Array | None, cache: Any
+) -> tuple[Array, Array]:
+    """``(segment_ids int32, positions)`` of packed rows after the checks; ``positions``
+    defaults to each slot's offset in its segment (``i - first slot of segment[i]``)."""
+    if cache is not None:
+        raise ValueError(
+            "segment_ids (packed rows) are for training and scoring forwards: they cannot be "
+            "used with a KV cache"
+        )
+    if attention_mask is not None:
+        raise ValueError("pass segment_ids (0 = padding) or attention_mask, not both")
+    if not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+        raise ValueError(f"segment_ids must be integers, got {jnp.result_type(segment_ids)}")
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    if positions is None:
+        slots = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+        starts = jnp.concatenate(
+            [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+            axis=1,
+        )
+        first = jax.lax.cummax(jnp.where(starts, slots, 0), axis=1)
+        positions = jnp.where(segment_ids > 0, slots - first, 0)
+    return segment_ids, positions
 
 
 def _check_optional(name: str, x: Array | None, shape: tuple[int, ...]) -> Array | None:
@@ -287,6 +319,7 @@ def forward(
     remat: str = "none",
     dropout_key: Array | None = None,
     return_router_logits: bool = False,
+    segment_ids: Array | None = None,
 ) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
     """Hidden states after the final norm, optionally reading and writing a KV cache.
 
@@ -320,6 +353,12 @@ def forward(
       return_router_logits: also return every layer's router logits, from which
         ``models.moe.load_balancing_loss`` and ``models.moe.router_z_loss`` compute the
         mixture-of-experts auxiliary losses.
+      segment_ids: ``[B, S]`` int32 for packed rows (several sequences per row,
+        ``jaxrl_llm.packing``): ``k >= 1`` on the ``k``-th sequence of a row, 0 on padding. A
+        token attends only to the tokens of its own segment before it (sliding windows count
+        slots, which within a segment are its positions); ``positions`` then default to each
+        token's offset in its segment (restarting at 0). Replaces ``attention_mask`` (real
+        tokens = nonzero ids); training and scoring only: an error with a cache.
 
     Returns:
       ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
@@ -348,6 +387,7 @@ def forward(
         unstacked_layers=unstacked,
         dropout_key=dropout_key,
         return_router_logits=return_router_logits,
+        segment_ids=segment_ids,
     )
 
 
