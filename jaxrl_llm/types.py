@@ -58,6 +58,8 @@ class RolloutBatch(NamedTuple):
       is_weights: ``[B, T]`` rollout-correction importance weights multiplying the per-token
         surrogate loss (``jaxrl_llm.correction``; no gradient), when computed for the whole
         batch before the update.
+      packing: a ``jaxrl_llm.packing.PackingPlan`` of the rows (the forward runs packed), or
+        None (padded). A step's batch carries one plan a micro-batch (leading axis ``K``).
     """
 
     completion_mask: Array
@@ -75,6 +77,7 @@ class RolloutBatch(NamedTuple):
     rollout_logprobs: Array | None = None
     attention_mask: Array | None = None
     is_weights: Array | None = None
+    packing: Any = None
 
 
 class MaskedSequences(NamedTuple):

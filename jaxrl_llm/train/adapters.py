@@ -82,6 +82,7 @@ def create_lora_state(
     mesh,
     params: PyTree | None,
     param_dtype=jnp.float32,
+    entropy_control: PyTree = None,
 ) -> LoraState:
     """The adapters' train state and the frozen base, born sharded on ``mesh``.
 
@@ -93,6 +94,7 @@ def create_lora_state(
       params: the base (``load_pretrained``, or after a warm-up), optionally with adapters
         already (``lora.load_adapted``: training continues from them); None: a random base.
       param_dtype: the adapters' master weights' dtype (and a random base's before its cast).
+      entropy_control: the state's adaptive entropy coefficient (``TrainState``), or None.
     """
     if config.lora is None:
         raise ValueError("create_lora_state needs a ModelConfig with lora set")
@@ -126,6 +128,7 @@ def create_lora_state(
         mesh=mesh,
         params=adapters,
         params_axes=adapter_axes,
+        entropy_control=entropy_control,
     )
     return LoraState(state, shardings, base, base_shardings)
 
@@ -312,10 +315,12 @@ def setup_run(
     resuming: bool,
     params: PyTree | None,
     key: jax.Array,
+    entropy_control: PyTree = None,
 ) -> LoraState:
     """A LoRA run's state and base: the base from ``params`` (a loaded checkpoint, or the
     built-in model after its warm-up) on a fresh run, from ``run_dir/base`` when a built-in
-    model's run resumes; ``run_dir/base`` written on a fresh built-in run."""
+    model's run resumes; ``run_dir/base`` written on a fresh built-in run.
+    ``entropy_control``: the state's adaptive entropy coefficient (``TrainState``), or None."""
     from jaxrl_llm.train import setup  # noqa: PLC0415
 
     dtype = setup.param_dtype(cfg.model)
@@ -323,7 +328,13 @@ def setup_run(
     if builtin and resuming:
         params = load_base(run_dir, mesh=mesh, dtype=dtype)
     created = create_lora_state(
-        config, optimizer, key=key, mesh=mesh, params=params, param_dtype=dtype
+        config,
+        optimizer,
+        key=key,
+        mesh=mesh,
+        params=params,
+        param_dtype=dtype,
+        entropy_control=entropy_control,
     )
     if builtin and not resuming:
         save_base(run_dir, config, created.base)

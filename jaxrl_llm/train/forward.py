@@ -12,10 +12,12 @@ from typing import Any
 import jax
 
 from jaxrl_llm import logprobs, parallel
+from jaxrl_llm.train.packing import micro_plan
 from jaxrl_llm.train.step import (
     TokenBudget,
     merge_micro_batches,
     micro_batch_count,
+    packed_micro_batch_count,
     split_micro_batches,
 )
 from jaxrl_llm.types import Sequences
@@ -23,8 +25,12 @@ from jaxrl_llm.types import Sequences
 PyTree = Any
 
 
-def sequence_logprobs(params, model_config, seqs: Sequences, **kwargs) -> jax.Array:
-    """``[B, T]`` per-token log-probs of ``seqs.completion_tokens`` (``completion_logprobs``)."""
+def sequence_logprobs(params, model_config, seqs: Sequences, *, packing=None, **kwargs):
+    """``[B, T]`` per-token log-probs of ``seqs.completion_tokens`` (``completion_logprobs``),
+    or, with a ``packing`` plan (``jaxrl_llm.packing``: leaves ``[shards, rows, W]``), the same
+    values computed over packed rows (``packed_completion_logprobs``)."""
+    if packing is not None:
+        return logprobs.packed_completion_logprobs(params, model_config, seqs, packing, **kwargs)
     return logprobs.completion_logprobs(
         params,
         model_config,
@@ -49,28 +55,52 @@ def make_logprob_fn(
     No gradient flows into ``params``; ``temperature`` is the sampling temperature, so the
     log-probs are those of the distribution the tokens were drawn from. ``micro_batches``
     (as in ``train.step.make_step``) runs the rows in K strided groups, one after another.
+    ``packing``: the batch's stacked plan (``train.packing.plan_micro_batches`` for these K
+    micro-batches), or None (padded).
     """
 
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
     devices = 1 if mesh is None else parallel.batch_shards(mesh)
 
-    def fn(params, seqs: Sequences):
+    def fn(params, seqs: Sequences, packing=None):
         with parallel.mesh_context(mesh):
-            return _logprobs(params, seqs)
+            return _logprobs(params, seqs, packing)
 
-    def _logprobs(params, seqs: Sequences):
+    def _logprobs(params, seqs: Sequences, packing):
         params = jax.lax.stop_gradient(params)
 
-        def one(part: Sequences):
+        def one(part: Sequences, plan=None):
             return sequence_logprobs(
-                params, model_config, part, temperature=temperature, chunk_size=chunk_size
+                params,
+                model_config,
+                part,
+                packing=plan,
+                temperature=temperature,
+                chunk_size=chunk_size,
             )
 
-        k = micro_batch_count(micro_batches, seqs, devices)
+        k = packed_micro_batch_count(
+            packing, micro_batches, micro_batch_count(micro_batches, seqs, devices)
+        )
         if k == 1:
-            return one(seqs)
-        return merge_micro_batches(jax.lax.map(one, split_micro_batches(seqs, k)))
+            return one(seqs, None if packing is None else micro_plan(packing, 0))
+        parts = split_micro_batches(seqs, k)
+        return merge_micro_batches(jax.lax.map(lambda xs: one(*xs), (parts, packing)))
 
     if param_shardings is None:
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=(param_shardings, None))
+        return LogprobProgram(jax.jit(fn))
+    return LogprobProgram(jax.jit(fn, in_shardings=(param_shardings, None, None)))
+
+
+class LogprobProgram:
+    """A jitted ``(params, seqs, packing)`` called (and lowered) as ``(params, seqs)`` when
+    the batch is padded: ``jax.jit`` with ``in_shardings`` takes positional arguments only."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, params, seqs: Sequences, packing=None):
+        return self.jitted(params, seqs, packing)
+
+    def lower(self, params, seqs: Sequences, packing=None):
+        return self.jitted.lower(params, seqs, packing)

@@ -29,12 +29,15 @@ class TrainState(NamedTuple):
       params: model parameters (plain nested dict).
       opt_state: optax state.
       rng: PRNG key carried across steps.
+      entropy_control: ``objectives.EntropyControl`` of an adaptive entropy coefficient
+        (``objective.entropy_target``), else None.
     """
 
     step: Array
     params: PyTree
     opt_state: PyTree
     rng: Array
+    entropy_control: PyTree = None
 
 
 def _path_tuple(path) -> tuple:
@@ -86,6 +89,7 @@ def state_logical_axes(
             abstract_state.opt_state, params_axes, abstract_state.params
         ),
         rng=(None,) * len(abstract_state.rng.shape),
+        entropy_control=jax.tree.map(lambda _: (), abstract_state.entropy_control),
     )
 
 
@@ -113,7 +117,7 @@ def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
     )
 
 
-def _state_init(model_config, optimizer, param_dtype, init_params, key: Array):
+def _state_init(model_config, optimizer, param_dtype, init_params, key: Array, control=None):
     """``params or None -> TrainState``: the init ``create_train_state`` runs (``None``: fresh
     parameters from ``init_params``, else the model's initialiser)."""
     init_key, state_key = jax.random.split(key)
@@ -128,6 +132,7 @@ def _state_init(model_config, optimizer, param_dtype, init_params, key: Array):
             params=params,
             opt_state=optimizer.init(params),
             rng=state_key,
+            entropy_control=control,
         )
 
     return init
@@ -143,6 +148,7 @@ def abstract_train_state(
     rules=None,
     init_params: Callable[[Array], PyTree] | None = None,
     params_axes: PyTree | None = None,
+    entropy_control: PyTree = None,
 ) -> tuple[TrainState, TrainState]:
     """The state ``create_train_state`` makes with these arguments, shapes only.
 
@@ -159,7 +165,9 @@ def abstract_train_state(
     """
     if init_params is not None and params_axes is None:
         raise ValueError("create_train_state with init_params also needs params_axes")
-    init = _state_init(model_config, optimizer, param_dtype, init_params, jax.random.key(0))
+    init = _state_init(
+        model_config, optimizer, param_dtype, init_params, jax.random.key(0), entropy_control
+    )
     abstract = jax.eval_shape(init, params)
     shardings = state_shardings(abstract, model_config, mesh, rules, params_axes)
     return with_shardings(abstract, shardings), shardings
@@ -176,6 +184,7 @@ def create_train_state(
     rules=None,
     init_params: Callable[[Array], PyTree] | None = None,
     params_axes: PyTree | None = None,
+    entropy_control: PyTree = None,
 ) -> tuple[TrainState, TrainState]:
     """A fresh (or pretrained-initialised) train state, born sharded on ``mesh``.
 
@@ -205,8 +214,9 @@ def create_train_state(
         rules=rules,
         init_params=init_params,
         params_axes=params_axes,
+        entropy_control=entropy_control,
     )
-    init = _state_init(model_config, optimizer, param_dtype, init_params, key)
+    init = _state_init(model_config, optimizer, param_dtype, init_params, key, entropy_control)
     if params is None:
         state = jax.jit(lambda: init(None), out_shardings=shardings)()
     else:

@@ -29,6 +29,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxrl_llm import aggregation, parallel
+from jaxrl_llm.objectives import entropy_control as entropy_ctl
+from jaxrl_llm.train.packing import micro_plan
 from jaxrl_llm.train.state import TrainState
 
 Array = jax.Array
@@ -41,6 +43,7 @@ class Totals(NamedTuple):
 
     num_tokens: Array  # scalar f32: valid completion tokens of the whole batch
     num_seqs: Array  # scalar f32: non-empty rows of the whole batch
+    entropy_coef: Array | None = None  # scalar f32: an adaptive entropy coefficient's value
 
 
 class TokenBudget(NamedTuple):
@@ -94,6 +97,22 @@ def micro_batch_count(micro_batches: int | TokenBudget, batch: Any, devices: int
         return micro_batches
     rows = jax.tree.leaves(batch)[0].shape[0]
     return micro_batches.micro_batches(rows, row_length(batch), devices)
+
+
+def packed_micro_batch_count(plan: Any, micro_batches: int | TokenBudget, padded: int) -> int:
+    """The micro-batches a forward runs: a packed batch's plan decides (its leading axis, one
+    plan a micro-batch: a token budget counts packed rows, ``train.packing.plan_by_budget``);
+    a padded batch runs ``padded``, its own count. A plan made for a fixed count other than
+    ``micro_batches`` is refused (static shapes: at trace time)."""
+    if plan is None:
+        return padded
+    count = plan.source.shape[0]
+    if not isinstance(micro_batches, TokenBudget) and count != micro_batches:
+        raise ValueError(
+            f"the packing plan has {count} micro-batch plans; the step runs {micro_batches} "
+            "micro-batches (plan with the step's micro-batch count)"
+        )
+    return count
 
 
 def merge_micro_batches(stacked: PyTree) -> PyTree:
@@ -157,6 +176,7 @@ def make_step(
     accumulate: str = "sum",
     param_shardings: PyTree | None = None,
     loss_takes_key: bool = False,
+    adaptive_entropy: Any = None,
 ) -> Step:
     """A pure optimizer step ``(state, batch) -> (state, metrics)`` around any loss.
 
@@ -175,12 +195,16 @@ def make_step(
       loss_takes_key: call ``loss_fn(params, batch, totals, key)`` with a PRNG key for this
         step and micro-batch (from ``state.rng``; e.g. LoRA dropout), reproducible on resume.
 
+    A batch with a ``packing`` plan (``train.packing.plan_micro_batches``: leaves ``[K, ...]``,
+    one plan a micro-batch) hands each micro-batch its own plan in the same field.
+
     Returns:
       The step ``(state, batch, frozen=None) -> (state, metrics)``; its metrics add
       ``grad_norm`` (and ``num_tokens`` with ``accumulate="sum"``). ``frozen``: parameters the
       loss reads but nothing updates (a LoRA run's base): the loss sees
       ``merge_trees(frozen, state.params)``, the gradient covers ``state.params`` only.
     """
+    micro_batches_arg = micro_batches
     budget = micro_batches if isinstance(micro_batches, TokenBudget) else None
     if budget is None and not isinstance(micro_batches, int):
         raise ValueError(f"micro_batches must be an int or a TokenBudget, got {micro_batches!r}")
@@ -202,17 +226,24 @@ def make_step(
             return loss_fn(p, b, t, k) if loss_takes_key else loss_fn(p, b, t)
 
         grad_fn = jax.grad(loss, has_aux=True)
-        micro_batches = count(batch)
+        plan = getattr(batch, "packing", None)  # [K, ...] leaves: one plan a micro-batch
+        if plan is not None:
+            batch = batch._replace(packing=None)
+        micro_batches = packed_micro_batch_count(plan, micro_batches_arg, count(batch))
         if micro_batches == 1:
+            if plan is not None:
+                batch = batch._replace(packing=micro_plan(plan, 0))
             return grad_fn(params, batch, totals, key)
 
         def body(acc, xs):
-            micro, index = xs
+            micro, index, micro_packing = xs
+            if micro_packing is not None:
+                micro = micro._replace(packing=micro_packing)
             grads, metrics = grad_fn(params, micro, totals, jax.random.fold_in(key, index))
             return jax.tree.map(jnp.add, acc, grads), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        parts = (split_micro_batches(batch, micro_batches), jnp.arange(micro_batches))
+        parts = (split_micro_batches(batch, micro_batches), jnp.arange(micro_batches), plan)
         grads, stacked = jax.lax.scan(body, zeros, parts)
         if accumulate == "mean":
             grads = jax.tree.map(lambda g: g / micro_batches, grads)
@@ -221,6 +252,9 @@ def make_step(
 
     def step(state: TrainState, batch, frozen: PyTree | None = None):
         totals = totals_of(batch.completion_mask) if accumulate == "sum" else None
+        if adaptive_entropy is not None:  # an Objective with entropy_target: its coefficient
+            coef = entropy_ctl.applied_coef(adaptive_entropy, state.entropy_control)
+            totals = totals._replace(entropy_coef=coef)
         params = state.params
         rng, key = jax.random.split(state.rng)
         if param_shardings is not None and _is_explicit(_mesh_of(param_shardings)):
@@ -235,14 +269,20 @@ def make_step(
         metrics = dict(metrics)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if budget is not None:
-            metrics["micro_batches"] = jnp.asarray(count(batch), jnp.int32)
+            plan = getattr(batch, "packing", None)
+            used = packed_micro_batch_count(plan, micro_batches_arg, count(batch))
+            metrics["micro_batches"] = jnp.asarray(used, jnp.int32)
         if totals is not None:
             metrics["num_tokens"] = totals.num_tokens
+        control = state.entropy_control
+        if adaptive_entropy is not None:
+            control = entropy_ctl.update_control(adaptive_entropy, control, metrics)
         new_state = TrainState(
             step=state.step + 1,
             params=optax.apply_updates(params, updates),
             opt_state=opt_state,
             rng=rng,
+            entropy_control=control,
         )
         return new_state, metrics
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from jaxrl_llm import objectives, user_code
 from jaxrl_llm.sampling.layout import DECODE_LAYERS
 from jaxrl_llm.sampling.serving import TENSOR_CHOICES
@@ -21,6 +23,7 @@ from jaxrl_llm.train.config import (
     OptimizerSection,
     RLWarmupSection,
 )
+from jaxrl_llm.train.packing import packing_mode
 from jaxrl_llm.train.rl.tasks import DATA_TASKS, OVERLONG_PROMPTS, check_data  # noqa: F401
 from jaxrl_llm.train.step import TokenBudget
 
@@ -140,6 +143,10 @@ class RolloutSection:
       kv_block_size, kv_blocks: the continuous engine's paged KV cache (``sampling.paging``):
         blocks of this many slots (0: contiguous rows) and how many (default: every slot's
         longest request; fewer preempt and recompute the newest requests when they run out).
+      expected_length_fraction: the expected mean completion length as a fraction ``f`` of
+        ``max_new_tokens`` (``0 < f <= 1``; long chain-of-thought runs report about 0.3), for
+        ``jaxrl-llm plan``'s real-token figures (goodput, MFU over real tokens); None:
+        unknown (plan then counts full-length completions). Training ignores it.
     """
 
     prompts_per_step: int = 32
@@ -161,6 +168,7 @@ class RolloutSection:
     partial: bool = False
     kv_block_size: int = 0
     kv_blocks: int | None = None
+    expected_length_fraction: float | None = None
 
 
 ROLLOUT_ENGINES = ("static", "continuous")
@@ -192,6 +200,11 @@ class TrainerSection(OptimizerSection):
       stop_without_signal: stop the run (with advice) after this many steps in a row whose
         trained advantages are all exactly 0 (no learning signal: every group's completions
         got the same reward); the first such step is warned at once. 0: never stop.
+      packing: sequence packing of the policy's training-side forwards (the update, the
+        behaviour, reference and teacher log-probs; ``train.packing``): several sequences a
+        row, attention within each, so no FLOPs go to padding and the losses see the same
+        log-probs. ``on``: every batch; ``auto``: a batch whose packed rows are at most 3/4 of
+        its padded rows (long-tailed lengths); ``off`` (the default): padded rows.
     """
 
     max_steps: int = 200
@@ -203,6 +216,7 @@ class TrainerSection(OptimizerSection):
     eval_k: int = 1
     eval_temperature: float | None = None
     stop_without_signal: int = 20
+    packing: bool | str = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +447,17 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     _choice("rollout.decode_layers", r.decode_layers, DECODE_LAYERS)
     _at_least("rollout.kv_block_size", r.kv_block_size, 0)
     _at_least("rollout.kv_blocks", 1 if r.kv_blocks is None else r.kv_blocks, 1)
+    if packing_mode(t.packing) != "off" and jax.process_count() > 1:
+        raise ValueError(
+            f"trainer.packing={packing_mode(t.packing)} runs on one process so far (this job has "
+            f"{jax.process_count()}); set trainer.packing=off"
+        )
+    fraction = r.expected_length_fraction
+    if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
+        raise ValueError(
+            f"rollout.expected_length_fraction must be in (0, 1] (the expected mean completion "
+            f"length over rollout.max_new_tokens) or null, got {fraction!r}"
+        )
     if (r.kv_block_size or r.kv_blocks) and (r.engine != "continuous" or not r.kv_block_size):
         raise ValueError(
             "rollout.kv_blocks and rollout.kv_block_size (a paged KV cache) need "

@@ -78,6 +78,7 @@ def make_policy_loss_fn(
             params,
             model_config,
             sequences_of(batch),
+            packing=batch.packing,  # this micro-batch's plan, or None (padded)
             temperature=temperature,
             chunk_size=chunk_size,
             remat=remat,
@@ -88,7 +89,11 @@ def make_policy_loss_fn(
         if batch.old_logprobs is None:  # on-policy: this forward's own log-probs, held fixed
             batch = batch._replace(old_logprobs=jax.lax.stop_gradient(token_logprobs))
         result = objectives.policy_loss(
-            objective, token_logprobs, with_totals(batch, totals), entropy=entropy
+            objective,
+            token_logprobs,
+            with_totals(batch, totals),
+            entropy=entropy,
+            entropy_coef=None if totals is None else totals.entropy_coef,
         )
         metrics = result.metrics
         if batch.rollout_logprobs is not None:
@@ -155,4 +160,5 @@ def make_policy_step(
         micro_batches=micro_batches,
         param_shardings=param_shardings,
         loss_takes_key=has_dropout(model_config),  # LoRA dropout in the update
+        adaptive_entropy=objective if objective.adaptive_entropy else None,
     )

@@ -108,6 +108,9 @@ def make_joint_step(
         micro_batches=micro_batches,
         param_shardings=param_shardings,
         loss_takes_key=has_dropout(model_config),
+        # An adaptive entropy coefficient follows the policy term's entropy (none while the
+        # critic warms up alone).
+        adaptive_entropy=objective if objective.adaptive_entropy and not value_only else None,
     )
 
 
@@ -351,6 +354,7 @@ class PPOTrainer(RLTrainer):
                 mesh=run.mesh,
                 params=params,
                 params_axes={"policy": policy_axes, "value": axes},
+                entropy_control=self.state.entropy_control,
             )
             return
         optimizer = make_model_optimizer(critic)
@@ -434,7 +438,9 @@ class PPOTrainer(RLTrainer):
         metrics: dict[str, Any] = {}
         if not warming_up:
             self.state, metrics = self.update_fn(self.state, minibatch)
-        self.value_state, value_metrics = self.value_fn_step(self.value_state, minibatch)
+        # The critic's forward runs padded (its own micro-batching): no packing plan.
+        critic_batch = minibatch._replace(packing=None)
+        self.value_state, value_metrics = self.value_fn_step(self.value_state, critic_batch)
         value_metrics = dict(value_metrics)
         value_metrics["vf_grad_norm"] = value_metrics.pop("grad_norm")
         value_metrics.pop("num_tokens", None)

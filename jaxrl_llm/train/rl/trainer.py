@@ -21,6 +21,7 @@ import numpy as np
 from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, core, export, setup
+from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.plots import RL_PLOT_KEYS
@@ -28,6 +29,7 @@ from jaxrl_llm.train.rl import remote, warmup, watch
 from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.config import (
     TrainConfig,
+    forward_micro_batching,
     micro_batching,
 )
 from jaxrl_llm.train.rl.context import load_reward_model, load_teacher, make_run_context
@@ -44,6 +46,7 @@ from jaxrl_llm.train.rl.updates import (  # noqa: F401 (on_policy_update re-expo
 )
 from jaxrl_llm.train.rl.warmup import SFT_WARMUP_STEPS_BUILTIN
 from jaxrl_llm.train.state import create_train_state
+from jaxrl_llm.train.step import TokenBudget
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 log = logging.getLogger("jaxrl_llm")
@@ -241,6 +244,10 @@ class RLTrainer(Trainer):
             params, self.extra[core.WARMUP_KEY] = warmup.warm_up(
                 cfg, run, params, steps=self.sft_steps, key=sft_key
             )
+        # An adaptive entropy coefficient is state: checkpointed and resumed with the rest.
+        control = None
+        if run.objective.adaptive_entropy:
+            control = objectives.entropy_control.init_control(run.objective)
         if run.model_config.lora is None:
             self.state, self.shardings = create_train_state(
                 run.model_config,
@@ -249,6 +256,7 @@ class RLTrainer(Trainer):
                 mesh=run.mesh,
                 params=params,
                 param_dtype=self.spec.precision.param,
+                entropy_control=control,
             )
         else:
             self.state, self.shardings, self.base, self.base_shardings = adapters.setup_run(
@@ -260,6 +268,7 @@ class RLTrainer(Trainer):
                 resuming=self.latest is not None,
                 params=params,
                 key=init_key,
+                entropy_control=control,
             )
         self.copy_params = setup.copy_fn(self.shardings.params)
         self.row_sharding = setup.row_sharding(run.mesh)
@@ -392,7 +401,9 @@ class RLTrainer(Trainer):
         tokens = float(trained.sum())
         timer.count("rollout", tokens)
         with timer.phase("logprobs"):
-            seqs = run.to_device(
+            # Prompts padded to a bucketed width (as ``run.to_device``); the host copy's masks
+            # plan the packing.
+            host_seqs = setup.bucket_prompts(
                 Sequences(
                     samples.prompt_tokens,
                     samples.prompt_mask,
@@ -400,16 +411,22 @@ class RLTrainer(Trainer):
                     samples.completion_mask,
                 )
             )
+            seqs = setup.to_device(host_seqs, run.mesh)
             sampled = setup.to_device(samples.logprobs, run.mesh)
+            plan = self.packing_plan(
+                host_seqs.prompt_mask, mask, forward_micro_batching(cfg.trainer, self.platform)
+            )
             if self.sampler_logprobs:
                 old = sampled
             else:
-                old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs)
-            ref = None if self.reference is None else self.ref_logprob_fn(self.reference, seqs)
+                old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs, plan)
+            ref = None
+            if self.reference is not None:
+                ref = self.ref_logprob_fn(self.reference, seqs, plan)
             teacher = None
             if self.teacher is not None:
                 teacher_fn = self.programs["teacher_logprobs"].fn
-                teacher = teacher_fn(self.teacher[1], seqs)
+                teacher = teacher_fn(self.teacher[1], seqs, plan)
         samples = run.finish_scoring(samples, timer)  # while the forwards run on device
         info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
         with timer.phase("logprobs"):
@@ -434,6 +451,10 @@ class RLTrainer(Trainer):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for part in np.split(order, cfg.trainer.minibatches):
                     minibatch = take_rows(batch, jnp.asarray(part), self.row_sharding)
+                    plan = self.packing_plan(
+                        host_seqs.prompt_mask[part], mask[part], self.micro_batches
+                    )
+                    minibatch = minibatch._replace(packing=plan)
                     updates.append(self.update(step, minibatch))
             update_metrics = mean_metrics(jax.device_get(updates))
         timer.count("update", tokens * cfg.trainer.epochs)
@@ -458,6 +479,31 @@ class RLTrainer(Trainer):
         }
         self.watch.observe(step + 1, metrics)
         return metrics
+
+    def packing_plan(self, prompt_mask, completion_mask, micro_batching):
+        """The stacked packing plan (on device) of these host rows for the forward whose
+        micro-batching is ``micro_batching`` (``train.packing``; a token budget is spent on
+        packed rows), or None: run padded (``trainer.packing=off``, or ``auto`` and rows
+        near full)."""
+        mode = packing_lib.packing_mode(self.cfg.trainer.packing)
+        if mode == "off":
+            return None
+        shards = parallel.batch_shards(self.run.mesh)
+        if isinstance(micro_batching, TokenBudget):  # the budget counts packed rows
+            plan = packing_lib.plan_by_budget(
+                prompt_mask,
+                completion_mask,
+                tokens=micro_batching.tokens,
+                minimum=micro_batching.minimum,
+                shards=shards,
+            )
+        else:
+            plan = packing_lib.plan_micro_batches(
+                prompt_mask, completion_mask, micro_batches=micro_batching, shards=shards
+            )
+        if not packing_lib.worth_packing(plan, len(completion_mask), mode):
+            return None
+        return packing_lib.place_plan(plan, self.run.mesh)
 
     def score(
         self, step, samples, seqs, forwards: StepForwards, rewards

@@ -1,0 +1,99 @@
+"""RL runs with ``trainer.packing`` (issue 44, item 1): the policy's update, behaviour and
+reference forwards run over packed rows and train what the padded run trains.
+
+The reference is the padded run of the same config (whose forward is checked against
+transformers elsewhere): two off-policy steps (two minibatches, so the behaviour forward runs),
+two micro-batches, a KL term (the reference forward), float32; the metrics and the parameters
+after both steps agree to float rounding. On 8 fake devices (fsdp 4 x data 2), each of the
+8 batch shards packs its own rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.train.metrics import read_metrics
+from jaxrl_llm.train.rl.trainer import RLTrainer
+from tests.train.rl import rl_helpers
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("loss", "pg_loss", "grad_norm", "kl", "entropy", "ratio_mean", "clip_frac")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    with rl_helpers.persistent_compilation_cache(tmp_path_factory.getbasetemp() / "jax_cache"):
+        yield
+
+
+class PlanRecorder(RLTrainer):
+    """Records the shape of every packing plan the trainer makes (None: padded)."""
+
+    def packing_plan(self, *args):
+        plan = super().packing_plan(*args)
+        self.__dict__.setdefault("plans", []).append(None if plan is None else plan.source.shape)
+        return plan
+
+
+def _run(path, packing, *extra):
+    cfg = rl_helpers.tiny_config(
+        None,
+        path,
+        rl_helpers.SHAPED_REWARDS,
+        "sft_warmup.steps=50",
+        "trainer.max_steps=2",
+        "trainer.minibatches=2",
+        "trainer.micro_batches=2",
+        "model.compute_dtype=float32",
+        "checkpoint.every_steps=1000",
+        f"trainer.packing={packing}",
+        *(extra or ("trainer.micro_batch_tokens=null",)),
+    )
+    trainer = PlanRecorder(cfg)
+    trainer.fit()
+    params = jax.device_get(trainer.state.params)
+    return trainer, read_metrics(path), params
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        (
+            "mesh.data=2",
+            "mesh.fsdp=4",
+            "rollout.prompts_per_step=8",
+            "trainer.micro_batch_tokens=null",
+        ),
+        # A token budget (48 positions a device: two padded rows of 8 + 16): the packed run
+        # counts packed rows (two or three short sequences a row), so it runs fewer
+        # micro-batches than the padded one for the same update.
+        ("trainer.micro_batch_tokens=48", "trainer.micro_batches=1", "rollout.max_new_tokens=16"),
+    ],
+    ids=["one_device", "eight_devices", "token_budget"],
+)
+def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
+    if "mesh.fsdp=4" in extra and jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    padded, padded_rows, padded_params = _run(tmp_path / "padded", "off", *extra)
+    packed, packed_rows, packed_params = _run(tmp_path / "packed", "on", *extra)
+    assert padded.plans == [None] * 6
+    # Per step: the behaviour forward's plan and the two minibatches'.
+    shards = 8 if "mesh.fsdp=4" in extra else 1
+    assert len(packed.plans) == 6
+    assert all(p is not None and p[1] == shards for p in packed.plans)
+    if "trainer.micro_batch_tokens=48" in extra:
+        assert all(
+            packed["micro_batches"] < padded["micro_batches"]
+            for padded, packed in zip(padded_rows, packed_rows, strict=True)
+        )
+    else:
+        assert all(p[0] in (1, 2) for p in packed.plans)
+    for want, got in zip(padded_rows, packed_rows, strict=True):
+        for key in KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for want, got in zip(jax.tree.leaves(padded_params), jax.tree.leaves(packed_params)):
+        np.testing.assert_allclose(got, want, atol=2e-5)
