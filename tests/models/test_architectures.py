@@ -77,9 +77,11 @@ def _raw(name: str) -> dict:
 
 
 def test_available_architectures_are_the_shipped_files():
-    assert available_architectures() == NAMES
-    assert ARCHITECTURE_DIR.is_dir()
-    assert sorted(p.stem for p in ARCHITECTURE_DIR.glob("*.json")) == list(NAMES)
+    # NAMES: the dense Qwen / Llama / Mistral entries these tests check field by field; the
+    # mixture-of-experts and Gemma entries are checked in test_catalog.py.
+    shipped = tuple(sorted(p.stem for p in ARCHITECTURE_DIR.glob("*.json")))
+    assert ARCHITECTURE_DIR.is_dir() and available_architectures() == shipped
+    assert set(NAMES) <= set(shipped)
 
 
 @pytest.mark.parametrize("name", NAMES)
