@@ -26,6 +26,7 @@ from jaxrl_llm.models import checkpoint as _ckpt
 from jaxrl_llm.models.config import ARCHITECTURES, ModelConfig
 from jaxrl_llm.models.layers import gathered
 from jaxrl_llm.models.transformer import Params, forward, init_params, logical_axes, param_shapes
+from jaxrl_llm.packing import PackingPlan, pack, unpack
 
 Array = jax.Array
 ScalarParams = dict[str, Any]
@@ -146,10 +147,17 @@ def check_scalar_params(params: ScalarParams, config: ModelConfig) -> None:
 
 
 def _sequence_hidden(
-    params: ScalarParams, config: ModelConfig, seqs: tuple, remat: str, dropout_key: Array | None
+    params: ScalarParams,
+    config: ModelConfig,
+    seqs: tuple,
+    remat: str,
+    dropout_key: Array | None,
+    packing: PackingPlan | None = None,
 ) -> tuple[Array, Array]:
     """Hidden states ``[B, P+T, D]`` of ``[prompt ; completion]`` (``seqs``: prompt tokens and
-    mask, completion tokens and mask) and its mask ``[B, P+T]``."""
+    mask, completion tokens and mask) and its mask ``[B, P+T]``. With a ``packing`` plan
+    (``jaxrl_llm.packing``) the backbone runs over the packed rows and the states come back to
+    the padded layout (zeros on padding), so what reads them is unchanged."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     check_scalar_params(params, config)
     check_rank("prompt_tokens", prompt_tokens, 2)
@@ -164,6 +172,17 @@ def _sequence_hidden(
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
     backbone = backbone_config(config)
+    if packing is not None:
+        hidden, _ = forward(
+            params["backbone"],
+            backbone,
+            pack(tokens, packing),
+            positions=packing.flat("positions"),
+            segment_ids=packing.flat("segment_ids"),
+            remat=remat,
+            dropout_key=dropout_key,
+        )
+        return unpack(hidden, packing, tokens.shape), mask
     kwargs = {"attention_mask": mask, "remat": remat, "dropout_key": dropout_key}
     hidden, _ = forward(params["backbone"], backbone, tokens, **kwargs)
     return hidden, mask
@@ -186,6 +205,7 @@ def token_values(
     *,
     remat: str = "none",
     dropout_key: Array | None = None,
+    packing: PackingPlan | None = None,
 ) -> Array:
     """``V_t = h_{P-1+t} . w``: the value of the state that predicts completion token ``t``.
 
@@ -208,6 +228,8 @@ def token_values(
       completion_mask: ``[B, T]``, 1 on real completion tokens.
       remat: the backbone's remat policy (``"none"`` or ``"layer"``).
       dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
+      packing: a ``jaxrl_llm.packing.PackingPlan`` of the ``[B, P+T]`` rows: the backbone runs
+        packed (the same values to rounding), or None.
 
     Returns:
       ``values [B, T]`` f32.
@@ -216,7 +238,7 @@ def token_values(
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
     seqs = (prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-    hidden, _ = _sequence_hidden(params, config, seqs, remat, dropout_key)
+    hidden, _ = _sequence_hidden(params, config, seqs, remat, dropout_key, packing)
     prompt_len, length = prompt_tokens.shape[1], completion_tokens.shape[1]
     values = _head(hidden[:, prompt_len - 1 : prompt_len - 1 + length], params["score"])
     return jnp.where(completion_mask.astype(bool), values, 0.0)

@@ -27,6 +27,7 @@ from jaxrl_llm.models import (
     token_values,
 )
 from jaxrl_llm.models.heads import SEQ_CLS_ARCHITECTURES, backbone_config
+from jaxrl_llm.packing import plan_sequences
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, logical_to_spec, make_mesh
 from tests.models import hf_utils
 from tests.reference import heads as ref
@@ -490,3 +491,18 @@ def test_save_without_any_pad_id_raises(policies, tmp_path):
     bare = dataclasses.replace(config, pad_token_id=None, eos_token_ids=())
     with pytest.raises(ValueError, match="pad token id"):
         save_scalar_model(str(tmp_path / "x"), bare, params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_rows_give_the_padded_values(policies, name, rng):
+    """``packing``: the backbone over packed rows (two sequences a row), the head on the
+    states put back: the padded values, to float rounding."""
+    config, params = _scalar_from_policy(policies, name)
+    prompt, prompt_mask, completion, completion_mask = _batch(rng, config.vocab_size)
+    plan = plan_sequences(prompt_mask, completion_mask)
+    assert plan.rows < len(prompt)  # some rows do share
+    want = jit_values(params, config, prompt, prompt_mask, completion, completion_mask)
+    got = jax.jit(token_values, static_argnums=1)(
+        params, config, prompt, prompt_mask, completion, completion_mask, packing=plan
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

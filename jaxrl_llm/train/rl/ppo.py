@@ -44,7 +44,12 @@ def make_value_loss_fn(model_config, objective: objectives.Objective, *, remat: 
 
     def loss_fn(params, batch: RolloutBatch, totals, key=None):
         values = heads.token_values(
-            params, model_config, *sequences_of(batch), remat=remat, dropout_key=key
+            params,
+            model_config,
+            *sequences_of(batch),
+            remat=remat,
+            dropout_key=key,
+            packing=batch.packing,  # the micro-batch's plan (the policy's), or None
         )
         out = objectives.value_loss(objective, values, with_totals(batch, totals))
         return out.loss, out.metrics
@@ -438,9 +443,8 @@ class PPOTrainer(RLTrainer):
         metrics: dict[str, Any] = {}
         if not warming_up:
             self.state, metrics = self.update_fn(self.state, minibatch)
-        # The critic's forward runs padded (its own micro-batching): no packing plan.
-        critic_batch = minibatch._replace(packing=None)
-        self.value_state, value_metrics = self.value_fn_step(self.value_state, critic_batch)
+        # The critic's step micro-batches as the policy's: the same packing plans serve it.
+        self.value_state, value_metrics = self.value_fn_step(self.value_state, minibatch)
         value_metrics = dict(value_metrics)
         value_metrics["vf_grad_norm"] = value_metrics.pop("grad_norm")
         value_metrics.pop("num_tokens", None)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.train.metrics import read_metrics
-from jaxrl_llm.train.rl.trainer import RLTrainer
+from jaxrl_llm.train.rl.config import make_objective
+from jaxrl_llm.train.rl.run import trainer_class
 from tests.train.rl import rl_helpers
 
 pytestmark = pytest.mark.slow
@@ -29,13 +30,15 @@ def _compilation_cache(tmp_path_factory):
         yield
 
 
-class PlanRecorder(RLTrainer):
-    """Records the shape of every packing plan the trainer makes (None: padded)."""
+def recorder(base: type) -> type:
+    """``base`` recording the shape of every packing plan it makes (None: padded)."""
 
     def packing_plan(self, *args):
-        plan = super().packing_plan(*args)
+        plan = base.packing_plan(self, *args)
         self.__dict__.setdefault("plans", []).append(None if plan is None else plan.source.shape)
         return plan
+
+    return type(f"Recording{base.__name__}", (base,), {"packing_plan": packing_plan})
 
 
 def _run(path, packing, *extra):
@@ -52,7 +55,7 @@ def _run(path, packing, *extra):
         f"trainer.packing={packing}",
         *(extra or ("trainer.micro_batch_tokens=null",)),
     )
-    trainer = PlanRecorder(cfg)
+    trainer = recorder(trainer_class(make_objective(cfg.objective)))(cfg)
     trainer.fit()
     params = jax.device_get(trainer.state.params)
     return trainer, read_metrics(path), params
@@ -92,8 +95,27 @@ def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
         )
     else:
         assert all(p[0] in (1, 2) for p in packed.plans)
+    _check_same(padded_rows, packed_rows, padded_params, packed_params, KEYS)
+
+
+def _check_same(padded_rows, packed_rows, padded_params, packed_params, keys):
     for want, got in zip(padded_rows, packed_rows, strict=True):
-        for key in KEYS:
+        for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     for want, got in zip(jax.tree.leaves(padded_params), jax.tree.leaves(packed_params)):
         np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["separate", "joint"])
+def test_packed_ppo_trains_what_the_padded_ppo_trains(tmp_path, optimizer):
+    """PPO's critic update reads the policy's packing plans (its step micro-batches alike):
+    the critic's loss, gradient and weights match the padded run's too."""
+    extra = ("objective.name=ppo", f"critic.optimizer={optimizer}", "critic.warmup_steps=0")
+    padded, padded_rows, _ = _run(tmp_path / "padded", "off", *extra)
+    packed, packed_rows, _ = _run(tmp_path / "packed", "on", *extra)
+    assert all(p is not None for p in packed.plans)
+    keys = ("loss", "grad_norm", "vf_loss") + (("vf_grad_norm",) if optimizer == "separate" else ())
+    critic = "value_state" if optimizer == "separate" else "state"
+    padded_params = jax.device_get(getattr(padded, critic).params)
+    packed_params = jax.device_get(getattr(packed, critic).params)
+    _check_same(padded_rows, packed_rows, padded_params, packed_params, keys)
