@@ -3,7 +3,8 @@
 ``jaxrl-llm plan CONFIG --topology NAME`` compiles the training and sampling programs for a TPU
 slice without one attached (deviceless: ``jax.experimental.topologies`` + libtpu) and reports,
 per chip, HBM use against capacity, FLOPs, trip-weighted collective bytes, roofline times and
-estimated step time, MFU and decode tokens/s. This package holds the reusable pieces:
+estimated step time, MFU (the roofline's upper bound and the expected one), goodput and decode
+tokens/s. This package holds the reusable pieces:
 
 * ``topology``: ``resolve_topology(name) -> TopologySpec``, ``get_devices(spec)`` and
   ``try_compile(lowered)`` (a compile that reports running out of HBM instead of raising);
@@ -16,6 +17,9 @@ estimated step time, MFU and decode tokens/s. This package holds the reusable pi
 * ``programs``: the RL step's programs as ``jaxrl-llm train`` builds them, lowered with
   abstract arguments for a topology (``build_job``), compiled and planned (``plan_job``: the
   JSON-ready report), per-chip memory by part (``memory_parts``);
+* ``goodput``: what the roofline does not know: the length model (padded, real and packed
+  positions), the measured matmul efficiency per chip generation (``MATMUL_EFFICIENCY``,
+  ``matmul_efficiency``), the expected time and MFU, goodput and MFU over real tokens;
 * ``cli``: ``plan_main``, the ``jaxrl-llm plan`` command (docs/plan.md).
 """
 
@@ -41,6 +45,7 @@ from jaxrl_llm.plan.flops import (
     param_count,
     train_flops,
 )
+from jaxrl_llm.plan.goodput import MATMUL_EFFICIENCY, matmul_efficiency
 from jaxrl_llm.plan.hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
@@ -72,6 +77,7 @@ from jaxrl_llm.plan.topology import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MATMUL_EFFICIENCY",
     "CollectiveOp",
     "CompileOutcome",
     "JobShape",
@@ -97,6 +103,7 @@ __all__ = [
     "hlo_hbm_bytes",
     "ici_time_s",
     "libtpu_available",
+    "matmul_efficiency",
     "matmul_params",
     "memory_breakdown",
     "memory_parts",

@@ -19,6 +19,12 @@ from jaxrl_llm.plan import hlo as hlo_lib
 from jaxrl_llm.plan._aux import aux_state, policy_view, with_aux_bytes
 from jaxrl_llm.plan._aux_programs import joint_update_program, lower_aux_programs
 from jaxrl_llm.plan._collectives import _optimal_seconds, loop_body_module, unique_collectives
+from jaxrl_llm.plan._frozen_model import (
+    REWARD_MODEL,
+    TEACHER,
+    frozen_model_state,
+    lower_frozen_program,
+)
 from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
     PROGRAMS,
@@ -41,7 +47,6 @@ from jaxrl_llm.plan._lora import (
     policy,
     serving_trees,
 )
-from jaxrl_llm.plan._reward import lower_reward_program, reward_model_state
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan._split import (
     SAMPLER_PROGRAMS,
@@ -51,7 +56,6 @@ from jaxrl_llm.plan._split import (
     split_job,
     weight_sync,
 )
-from jaxrl_llm.plan._teacher import lower_teacher_program, teacher_state
 from jaxrl_llm.plan.topology import TopologySpec, get_devices
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -134,8 +138,8 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         ),
         params,
     )
-    rm = reward_model_state(cfg, model_config, mesh)
-    teacher = teacher_state(cfg, model_config, mesh)
+    rm = frozen_model_state(REWARD_MODEL, cfg, model_config, mesh)
+    teacher = frozen_model_state(TEACHER, cfg, model_config, mesh)
     sizes = with_aux_bytes(
         state_bytes(state, reference, params_compute, None, frozen and frozen.base), critic
     )
@@ -306,10 +310,10 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
         {"reference": sizes.reference, "aux_model": sizes.aux},
         functools.partial(decode_hbm_bytes_per_chip, model_config),
     )
-    if low.teacher is not None:  # (e) on-policy distillation's teacher, scoring each rollout
-        lower_teacher_program(programs, low, inputs)
-    if low.reward_model is not None:  # (f) a learned reward model, scoring each rollout
-        lower_reward_program(programs, low, inputs)
+    # (e) on-policy distillation's teacher and (f) a learned reward model, scoring each rollout.
+    for model in (low.teacher, low.reward_model):
+        if model is not None:
+            lower_frozen_program(programs, low, inputs, model)
     return {name: programs[name] for name in PROGRAMS if name in programs}
 
 

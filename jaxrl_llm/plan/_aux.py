@@ -5,7 +5,7 @@ resident all step (the ``aux_model`` memory part) and the programs that read or 
 
 PPO's critic (``PPOTrainer.setup_extra_networks``) is the policy's architecture with a scalar
 head, or with ``critic.init=reward_model`` the architecture of the scalar-head model at
-``critic.path`` (its ``config.json``, ``plan._reward.scalar_model_config``), in
+``critic.path`` (its ``config.json``, ``plan._frozen_model.side_model_config``), in
 ``model.param_dtype``. With ``critic.optimizer=separate`` it has its own state and AdamW
 (``values``, ``critic_update``); with ``joint`` one state holds ``{"policy", "value"}`` under
 the trainer's optimizer, and the update program is the joint step (``make_joint_step``: policy
@@ -34,13 +34,13 @@ from jax.sharding import Mesh
 
 from jaxrl_llm import models, parallel
 from jaxrl_llm.models import heads, lora
+from jaxrl_llm.plan._frozen_model import side_model_config
 from jaxrl_llm.plan._job import (
     PlanError,
     StateBytes,
     _optimizer_bytes,
     shard_bytes,
 )
-from jaxrl_llm.plan._reward import scalar_model_config
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.optim import make_model_optimizer
 from jaxrl_llm.train.state import TrainState, abstract_train_state
@@ -181,7 +181,7 @@ def critic_config(cfg, model_config: models.ModelConfig) -> models.ModelConfig:
     ``critic.init=reward_model`` (``PPOTrainer._initial_value_params``)."""
     if cfg.critic.init != "reward_model":
         return model_config
-    return scalar_model_config(cfg.critic.path, "critic.path", model_config, cfg.model)
+    return side_model_config(cfg.critic.path, "critic.path", model_config, cfg.model)
 
 
 def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=None) -> Aux | None:

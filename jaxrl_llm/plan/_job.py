@@ -353,8 +353,8 @@ class Lowering(OfRun):
       aux: PPO's critic or PRIME's PRM (``plan._aux.Aux``), or None.
       layout: the sampler's ``ServingLayout``.
       frozen: a LoRA run's frozen base (``plan._lora.Frozen``), or None.
-      reward_model: ``reward_model.path``'s ``plan._reward.RewardModel``, or None.
-      teacher: ``teacher.path``'s ``plan._teacher.Teacher``, or None.
+      reward_model: ``reward_model.path``'s ``plan._frozen_model.FrozenModel``, or None.
+      teacher: ``teacher.path``'s ``plan._frozen_model.FrozenModel``, or None.
       split: the sampler's own chips (``plan._split.Split``), or None.
       sampler_free: the chip's usable HBM less the resident state.
     """
@@ -408,9 +408,9 @@ class Job(OfRun):
     programs: dict[str, Program]
     serving: Any = None  # sampling.serving.ServingLayout of the rollout
     aux: Any = None  # plan._aux.Aux: PPO's critic or PRIME's PRM, or None
-    reward_model: Any = None  # plan._reward.RewardModel of reward_model.path, or None
+    reward_model: Any = None  # plan._frozen_model.FrozenModel of reward_model.path
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
-    teacher: Any = None  # plan._teacher.Teacher of teacher.path, or None
+    teacher: Any = None  # plan._frozen_model.FrozenModel of teacher.path
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

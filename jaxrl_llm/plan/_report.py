@@ -20,6 +20,7 @@ from jaxrl_llm.plan._analysis import (
 from jaxrl_llm.plan._aux import ASSUMPTIONS as JOINT_ASSUMPTIONS
 from jaxrl_llm.plan._aux import critic_report
 from jaxrl_llm.plan._engine import engine_shape
+from jaxrl_llm.plan._frozen_model import frozen_model_report
 from jaxrl_llm.plan._job import (
     ASSUMPTIONS,
     Job,
@@ -27,13 +28,15 @@ from jaxrl_llm.plan._job import (
 )
 from jaxrl_llm.plan._lora import ASSUMPTIONS as LORA_ASSUMPTIONS
 from jaxrl_llm.plan._lora import lora_report
-from jaxrl_llm.plan._reward import ASSUMPTIONS as RM_ASSUMPTIONS
-from jaxrl_llm.plan._reward import reward_model_report
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan._split import ASSUMPTIONS as SPLIT_ASSUMPTIONS
 from jaxrl_llm.plan._split import split_report
-from jaxrl_llm.plan._teacher import ASSUMPTIONS as TEACHER_ASSUMPTIONS
-from jaxrl_llm.plan._teacher import teacher_report
+from jaxrl_llm.plan.goodput import (
+    expected_seconds,
+    goodput_report,
+    matmul_efficiency,
+    step_tokens,
+)
 from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compile
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
@@ -118,8 +121,8 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
             "step_s": compute,
             "step_conservative_s": compute,
             "bound": None,
-            "mfu": None,
-            "mfu_conservative": None,
+            "roofline_mfu_bound": None,
+            "roofline_mfu_bound_conservative": None,
             "tokens_per_s": None,
             "tokens_per_s_conservative": None,
         }
@@ -133,6 +136,16 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
             xla_optimal_seconds=None,
             collectives=[],
         )
+    # Expected: the compute time at the chip generation's measured matmul efficiency.
+    efficiency = matmul_efficiency(spec.generation).value
+    expected = expected_seconds(times, efficiency) if compiled is not None else None
+    times["expected_s"] = expected
+    times["expected_mfu"] = (
+        program.model_flops
+        / (spec.peak_bf16_flops_per_chip * (program.chips or spec.chips) * expected)
+        if expected
+        else None
+    )
     out["times"] = times
     if program.name == "decode_step":
         # The floor: one decode step's unavoidable HBM traffic on the serving layout (weights
@@ -155,6 +168,7 @@ def plan_job(
     *,
     devices: Sequence[Any] | None = None,
     compile_anyway: bool = False,
+    length_source: str | None = None,
 ) -> dict[str, Any]:
     """The plan of an RL job on a topology: per-chip memory by part and program, roofline
     times, the estimated RL step, MFU and decode tokens/s, and what to change if it does not
@@ -162,6 +176,8 @@ def plan_job(
 
     When the resident state alone (parameters, optimizer state, reference) exceeds the chip's
     usable HBM nothing is compiled (the answer is known) unless ``compile_anyway``.
+    ``length_source`` says where ``rollout.expected_length_fraction`` came from (default: the
+    config key; ``goodput``'s length model).
 
     Raises:
       PlanError: see ``build_job``.
@@ -173,10 +189,16 @@ def plan_job(
         name: _program_report(job, program, outcomes.get(name))
         for name, program in job.programs.items()
     }
-    return summarise(job, programs, skipped_compile=skip)
+    return summarise(job, programs, skipped_compile=skip, length_source=length_source)
 
 
-def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) -> dict[str, Any]:
+def summarise(
+    job: Job,
+    programs: Mapping[str, dict],
+    *,
+    skipped_compile: bool,
+    length_source: str | None = None,
+) -> dict[str, Any]:
     """The top-level report from the per-program ones (see ``plan_job``)."""
     spec, shape, state = job.spec, job.shape, job.state
     largest = max(programs, key=lambda n: programs[n]["total_bytes"])
@@ -197,6 +219,30 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
     peak_flops = spec.chips * spec.peak_bf16_flops_per_chip
     update, decode = programs["update"]["times"], programs["decode_step"]["times"]
     config = job.model_config
+    all_compiled = all(p["compiled"] for p in programs.values())
+    expected_step = None
+    if all_compiled and all(p["times"]["expected_s"] is not None for p in programs.values()):
+        expected_step = sum(
+            p["calls_per_step"] * p["times"]["expected_s"] for p in programs.values()
+        )
+        if job.split is not None:
+            expected_step = split_report(job, programs, "expected_s")["step_s"]
+    tokens = step_tokens(
+        shape.rows,
+        shape.prompt_len,
+        shape.completion_len,
+        min(job.cfg.data.max_prompt_tokens, shape.prompt_len),
+        job.cfg.rollout.expected_length_fraction,
+        length_source,
+    )
+    goodput = goodput_report(
+        programs,
+        tokens,
+        matmul_efficiency(spec.generation),
+        peak_flops,
+        step_s if all_compiled else None,
+        expected_step,
+    )
     report: dict[str, Any] = {
         "fits": fits,
         "topology": spec.cloud_name,
@@ -212,13 +258,17 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
         "est_step_conservative_s": step_cons,
         # A program that did not compile counts its compute time only: a lower bound.
         "est_step_is_lower_bound": not all(p["compiled"] for p in programs.values()),
-        "est_mfu": update["mfu"],
-        "est_mfu_conservative": update["mfu_conservative"],
-        "est_step_mfu": (
-            model_flops / (peak_flops * step_s)
-            if step_s > 0 and all(p["compiled"] for p in programs.values())
-            else None
+        # Over the roofline times: upper bounds, not expected utilisations.
+        "roofline_mfu_bound": update["roofline_mfu_bound"],
+        "roofline_mfu_bound_conservative": update["roofline_mfu_bound_conservative"],
+        "roofline_step_mfu_bound": (
+            model_flops / (peak_flops * step_s) if step_s > 0 and all_compiled else None
         ),
+        "est_mfu": update["roofline_mfu_bound"],  # the old name (benchmarks/pod_plans.py)
+        # At the chip generation's measured matmul efficiency (goodput.MATMUL_EFFICIENCY).
+        "expected_step_s": expected_step,
+        "expected_mfu": update["expected_mfu"],
+        **goodput,
         "est_decode_tokens_per_s": decode["tokens_per_s"],
         "est_decode_tokens_per_s_conservative": decode["tokens_per_s_conservative"],
         "est_decode_roofline_tokens_per_s": job.programs["decode_step"].tokens
@@ -270,8 +320,8 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
         },
         "objective": job.objective.name,
         "critic": critic_report(job),
-        "reward_model": reward_model_report(job),
-        "teacher": teacher_report(job),
+        "reward_model": frozen_model_report(job, job.reward_model),
+        "teacher": frozen_model_report(job, job.teacher),
         "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
         "resident_bytes": dataclasses.asdict(state),
         "programs": dict(programs),
@@ -279,8 +329,7 @@ def summarise(job: Job, programs: Mapping[str, dict], *, skipped_compile: bool) 
             *ASSUMPTIONS,
             *(LORA_ASSUMPTIONS if config.lora is not None else ()),
             *(JOINT_ASSUMPTIONS if job.aux is not None and job.aux.joint else ()),
-            *(RM_ASSUMPTIONS if job.reward_model is not None else ()),
-            *(TEACHER_ASSUMPTIONS if job.teacher is not None else ()),
+            *(m.kind.assumption for m in (job.reward_model, job.teacher) if m is not None),
             *(SPLIT_ASSUMPTIONS if job.split is not None else ()),
         ],
     }

@@ -2,8 +2,10 @@
 
 Compiles, without a TPU (deviceless, ``libtpu`` only), the programs ``jaxrl-llm train CONFIG``
 runs for an RL job on a Cloud TPU slice, and prints a per-chip report: HBM by part against the
-chip's capacity, per-program compute / HBM / ICI times, the estimated RL step, the update
-step's MFU and decode tokens/s (``jaxrl_llm.plan.programs``; docs/plan.md).
+chip's capacity, per-program compute / HBM / ICI times, the estimated RL step (roofline and
+expected), the update step's MFU (the roofline's upper bound and the expected one), goodput
+over real tokens and decode tokens/s (``jaxrl_llm.plan.programs``, ``jaxrl_llm.plan.goodput``;
+docs/plan.md).
 
 Exit status: 0 when every program fits, 1 when one does not (the report says what to change),
 2 on bad input (unknown topology, config key or architecture, a job that is not RL, no
@@ -44,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
             "Compile an RL job's programs (policy update, log-prob forwards, rollout prefill "
             "and decode step) for a Cloud TPU topology without one attached, and report per "
             "chip: HBM by part against capacity, compute / HBM / ICI time per program, the "
-            "estimated RL step, MFU and decode tokens/s. Exit 0: fits, 1: does not fit, "
+            "estimated RL step, MFU (roofline bound and expected), goodput and decode "
+            "tokens/s. Exit 0: fits, 1: does not fit, "
             "2: bad input."
         ),
         epilog="Example: jaxrl-llm plan configs/grpo.yaml --topology v5litepod-16 "
@@ -63,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         "--compile-anyway",
         action="store_true",
         help="compile even when the resident state alone exceeds the chip's HBM",
+    )
+    parser.add_argument(
+        "--lengths-from",
+        metavar="RUN_DIR",
+        help="an earlier RL run's directory: its metrics.jsonl's completion_length_mean (the "
+        "last 10 steps) sets the expected completion length (instead of "
+        "rollout.expected_length_fraction)",
     )
     return parser
 
@@ -107,7 +117,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = resolve_topology(args.topology)
         cfg = _load(config_path, overrides)
-        report = plan_job(cfg, spec, compile_anyway=args.compile_anyway)
+        cfg, source = _with_lengths(cfg, args.lengths_from)
+        report = plan_job(cfg, spec, compile_anyway=args.compile_anyway, length_source=source)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -124,6 +135,20 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
             json.dump(report, f, indent=2, default=_json_default)
             f.write("\n")
     return EXIT_FITS if report["fits"] else EXIT_DOES_NOT_FIT
+
+
+def _with_lengths(cfg, run_dir: str | None):
+    """``(cfg, length_source)``: with ``run_dir``, ``rollout.expected_length_fraction`` from its
+    metrics (``goodput.lengths_from_run``); else the config as it is."""
+    if run_dir is None:
+        return cfg, None
+    import dataclasses  # noqa: PLC0415
+
+    from jaxrl_llm.plan.goodput import lengths_from_run  # noqa: PLC0415
+
+    fraction, source = lengths_from_run(run_dir, cfg.rollout.max_new_tokens)
+    rollout = dataclasses.replace(cfg.rollout, expected_length_fraction=fraction)
+    return dataclasses.replace(cfg, rollout=rollout), source
 
 
 def _json_default(value: Any) -> Any:
@@ -265,6 +290,40 @@ def _aux_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _expected_lines(report: Mapping[str, Any]) -> list[str]:
+    """The roofline's MFU (an upper bound), the expected step and MFU, the length model and
+    goodput (``plan.goodput``)."""
+    eff, tokens = report["matmul_efficiency"], report["tokens"]
+    if eff["value"] is None:
+        expected = f"expected RL step: - (matmul efficiency {eff['source']})"
+    else:
+        expected = (
+            f"expected RL step: {_s(report['expected_step_s'])} s at {_pct(eff['value'])} "
+            f"matmul efficiency on {eff['generation']} (measured MFU: {eff['source']})"
+        )
+    f = tokens["expected_length_fraction"]
+    return [
+        expected,
+        f"update step MFU: {_pct(report['roofline_mfu_bound'])} roofline upper bound "
+        f"({_pct(report['roofline_mfu_bound_conservative'])} with no overlap), "
+        f"{_pct(report['expected_mfu'])} expected; whole RL step: "
+        f"{_pct(report['roofline_step_mfu_bound'])} upper bound, "
+        f"{_pct(report['expected_step_mfu'])} expected",
+        f"tokens a step: {tokens['padded_positions']:,} padded positions, "
+        f"{tokens['real_tokens']:,.0f} real ({tokens['prompt_tokens']} a prompt, prompts taken "
+        f"as full; completions {f:.2f} x {report['job']['completion_len']}, "
+        f"{tokens['length_source']}), {tokens['packed_positions']:,} packed (whole rows)",
+        f"goodput: {_rate(report['goodput_tokens_per_s'])} real tokens/s expected "
+        f"({_rate(report['goodput_tokens_per_s_roofline_bound'])} at the roofline, an upper "
+        f"bound); MFU over real tokens: {_pct(report['mfu_real_tokens'])} expected "
+        f"({_pct(report['mfu_real_tokens_roofline_bound'])} upper bound)",
+    ]
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3g}"
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The readable per-chip report of ``plan_job``'s dict."""
     model, job, mesh = report["model"], report["job"], report["mesh"]
@@ -309,8 +368,10 @@ def format_report(report: Mapping[str, Any]) -> str:
                 _ms(t["ici_s"]),
                 _ms(t["step_s"]),
                 _ms(t["step_conservative_s"]),
+                _ms(t["expected_s"]),
                 t["bound"] or "-",
-                _pct(t["mfu"]),
+                _pct(t["roofline_mfu_bound"]),
+                _pct(t["expected_mfu"]),
                 f"= {shared}" if shared else ("-" if compile_s is None else f"{compile_s:.1f}"),
             ]
         )
@@ -323,8 +384,10 @@ def format_report(report: Mapping[str, Any]) -> str:
             "ICI",
             "step",
             "no overlap",
+            "expected",
             "bound",
-            "MFU",
+            "MFU bound",
+            "exp. MFU",
             "compile s",
         ],
         rows,
@@ -338,8 +401,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"estimated RL step: {report['est_step_s']:.3g} s{bound} (collectives hidden; "
         f"{report['est_step_conservative_s']:.3g} s with none hidden), "
         f"{dominant} {report['step_breakdown_s'][dominant]:.3g} s of it",
-        f"update step MFU: {_pct(report['est_mfu'])} ({_pct(report['est_mfu_conservative'])} "
-        f"with no overlap); whole RL step: {_pct(report['est_step_mfu'])}",
+        *_expected_lines(report),
         f"decode: {_rate(report['est_decode_tokens_per_s'])} tokens/s on the slice "
         f"({_rate(report['est_decode_tokens_per_s_conservative'])} with no overlap), every "
         f"row decoding {job['completion_len']} tokens; "

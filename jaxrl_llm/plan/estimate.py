@@ -16,7 +16,9 @@ Given a compiled (deviceless) program and a ``TopologySpec``:
   hidden (an upper bound short of latency and launch overheads). Real steps land in between,
   nearer the first when collectives are large, async and inside scanned layers.
 * MFU = model FLOPs / (chips x peak x step time) (PaLM's definition, Chowdhery et al. 2022,
-  App. B: model FLOPs exclude rematerialisation); tokens/s = tokens per call / step time.
+  App. B: model FLOPs exclude rematerialisation); over the roofline step time it is an upper
+  bound (``roofline_mfu_bound``: a compute-bound program's is model over compiled FLOPs);
+  tokens/s = tokens per call / step time. ``goodput`` applies a measured efficiency.
 
 Figures are per call; bytes per chip (one device's SPMD program), FLOPs over all chips.
 """
@@ -146,8 +148,9 @@ def roofline(
       chips: chips the call runs on (default ``spec.chips``: the whole slice).
 
     Returns:
-      ``compute_s, hbm_s, ici_s, step_s, step_conservative_s, bound, mfu, mfu_conservative,
-      tokens_per_s, tokens_per_s_conservative`` (the last two None without ``tokens``).
+      ``compute_s, hbm_s, ici_s, step_s, step_conservative_s, bound, roofline_mfu_bound,
+      roofline_mfu_bound_conservative, tokens_per_s, tokens_per_s_conservative`` (the last
+      two None without ``tokens``); the MFUs are over the roofline times: upper bounds.
     """
     for name, value in (("flops", flops), ("hbm_bytes", hbm_bytes), ("ici_s", ici_s)):
         if not value >= 0:
@@ -166,8 +169,8 @@ def roofline(
         "step_s": step_s,
         "step_conservative_s": step_conservative_s,
         "bound": max(terms, key=terms.get),
-        "mfu": model_flops / (peak * step_s) if step_s > 0 else 0.0,
-        "mfu_conservative": (
+        "roofline_mfu_bound": model_flops / (peak * step_s) if step_s > 0 else 0.0,
+        "roofline_mfu_bound_conservative": (
             model_flops / (peak * step_conservative_s) if step_conservative_s > 0 else 0.0
         ),
         "tokens_per_s": None if tokens is None or step_s == 0 else tokens / step_s,

@@ -31,10 +31,11 @@ PPO's critic and PRIME's implicit PRM are planned as their trainers build them
 (``plan._aux``): a separate critic adds ``values`` and ``critic_update``; with
 ``critic.optimizer=joint`` one state holds policy and critic and the ``update`` is the joint
 step; ``critic.init=reward_model`` takes the critic's architecture from ``critic.path``'s
-config.json. A learned reward model (``reward_model.path``, ``plan._reward``) is resident all
-run in the compute dtype and scores each rollout batch (``rm_scores``); so is on-policy
-distillation's teacher (``teacher.path``, ``plan._teacher``), whose log-probs of each rollout
-batch are ``teacher_logprobs`` (``train.rl.programs.teacher_program``).
+config.json. The frozen side models (``plan._frozen_model``) are resident all run in the
+compute dtype and run once over each rollout batch: a learned reward model
+(``reward_model.path``) scores it (``rm_scores``), on-policy distillation's teacher
+(``teacher.path``) gives its log-probs (``teacher_logprobs``,
+``train.rl.programs.teacher_program``).
 
 Memory per chip counts what is alive during each program, not only its arguments: the train
 state (parameters, optimizer state), the frozen reference and the rollout batch stay resident

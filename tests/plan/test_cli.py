@@ -70,7 +70,8 @@ def test_small_job_fits_and_reports(small_plan):
     assert report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["hbm_capacity_gib"] == 16.0
     assert 0 < report["hbm_per_chip_gib"] < report["hbm_usable_gib"] < report["hbm_capacity_gib"]
-    assert 0 < report["est_mfu"] < 1
+    assert 0 < report["roofline_mfu_bound"] < 1
+    assert report["est_mfu"] == report["roofline_mfu_bound"]  # the old name, kept
     assert report["est_step_s"] > 0 and report["est_decode_tokens_per_s"] > 0
     assert set(report["programs"]) == PROGRAMS
     assert all(p["compiled"] and p["fits"] for p in report["programs"].values())
@@ -122,7 +123,7 @@ def test_small_job_times_add_up(small_plan):
     decode = programs["decode_step"]["times"]
     assert report["est_decode_tokens_per_s"] == pytest.approx(32 / decode["step_s"])
     update = programs["update"]["times"]
-    assert report["est_mfu"] == update["mfu"]
+    assert report["roofline_mfu_bound"] == update["roofline_mfu_bound"]
     # One decode step is one trip of the compiled decode loop, read from its body.
     assert programs["decode_step"]["hlo_of_one_loop_trip"] is True
     # On the serving layout the loop reads its weights in place: no all-gather of them per

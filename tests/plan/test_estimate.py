@@ -61,8 +61,10 @@ def test_roofline_by_hand():
     assert times["hbm_s"] == pytest.approx(0.02)
     assert times["step_s"] == pytest.approx(0.02) and times["bound"] == "hbm"
     assert times["step_conservative_s"] == pytest.approx(0.025)
-    assert times["mfu"] == pytest.approx(0.25)  # half the FLOPs count, over twice the compute time
-    assert times["mfu_conservative"] == pytest.approx(0.2)
+    assert times["roofline_mfu_bound"] == pytest.approx(
+        0.25
+    )  # half the FLOPs count, over twice the compute time
+    assert times["roofline_mfu_bound_conservative"] == pytest.approx(0.2)
     assert times["tokens_per_s"] == pytest.approx(50_000)
     assert times["tokens_per_s_conservative"] == pytest.approx(40_000)
     with pytest.raises(ValueError, match="hbm_bytes"):
@@ -331,7 +333,7 @@ def _check_estimate(report, compiled, nbytes):
     # 5 all-gathers of the full weight over a 4-chip ring: 3/4 of it through each chip.
     assert times["ici_s"] == pytest.approx(5 * 0.75 * nbytes / 1e11)
     assert times["step_s"] == max(times["compute_s"], times["hbm_s"], times["ici_s"])
-    assert times["mfu"] == pytest.approx(FLOPS / (4 * 197e12 * times["step_s"]))
+    assert times["roofline_mfu_bound"] == pytest.approx(FLOPS / (4 * 197e12 * times["step_s"]))
     assert times["tokens_per_s"] == pytest.approx(64 / times["step_s"])
     stats = compiled.memory_analysis()
     memory = report["memory"]

@@ -89,7 +89,7 @@ def test_each_program_runs_on_its_sides_chips(tiny_path):  # noqa: F811
     flops, peak = 1e12, spec.peak_bf16_flops_per_chip
     times = est.roofline(spec, flops=flops, hbm_bytes=0.0, chips=2)
     assert times["compute_s"] == flops / (2 * peak)
-    assert times["mfu"] == pytest.approx(1.0)
+    assert times["roofline_mfu_bound"] == pytest.approx(1.0)
     assert est.roofline(spec, flops=flops, hbm_bytes=0.0)["compute_s"] == flops / (8 * peak)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxrl_llm.train.config_io import load_config
@@ -102,3 +104,19 @@ def test_bad_eval_settings_name_the_key(override, match):
     cfg = load_config(TrainConfig, None, ["run_dir=x", override])
     with pytest.raises(ValueError, match=match):
         check_config(cfg)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.3", "1.5", "nan"])
+def test_a_bad_expected_length_fraction_names_the_key(value):
+    cfg = load_config(TrainConfig, None, ["run_dir=x"])
+    rollout = dataclasses.replace(cfg.rollout, expected_length_fraction=float(value))
+    cfg = dataclasses.replace(cfg, rollout=rollout)
+    with pytest.raises(ValueError, match=r"rollout.expected_length_fraction must be in \(0, 1\]"):
+        check_config(cfg)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("null", None), ("0.3", 0.3), ("1", 1)])
+def test_a_good_expected_length_fraction_loads(value, expected):
+    cfg = load_config(TrainConfig, None, ["run_dir=x", f"rollout.expected_length_fraction={value}"])
+    check_config(cfg)
+    assert cfg.rollout.expected_length_fraction == expected
