@@ -4,9 +4,11 @@ The prompts and reference answers are the built-in arithmetic task's (``"56+78="
 ``"134"``, ``data.arithmetic``). Only the SFT warm-up's demonstrations differ: where the
 problem carries out of the units column (``a + b``) or borrows into it (``a - b``), the
 teacher's worked answer drops that carry or borrow with probability ``slip_rate``
-(``"56+78="`` → ``"124"``, ``"52-7="`` → ``"55"``). Supervised learning imitates the teacher,
-slips included: on carrying problems the warm-up's greedy answer is the slip, while the right
-answer stays among its samples (with probability about ``1 - slip_rate``). A reward that checks
+(``"56+78="`` → ``"124"``, ``"52-7="`` → ``"55"``), a fresh draw each time the warm-up draws
+the problem (``draw_demonstration``): the teacher is unreliable, not wrong about a fixed set of
+problems the student could memorise. Supervised learning imitates the teacher, slips included:
+on carrying problems the warm-up's greedy answer is the slip, while the right answer stays among
+its samples (with probability about ``1 - slip_rate``). A reward that checks
 the answer (``math_match`` against the reference) is what teaches the carry back, so the
 warm-up ends far below the ceiling and RL has that gap to close: the regime of post-training
 on imperfect demonstrations, small enough for the tiny CPU model (``configs/carry_slips.yaml``).
@@ -71,10 +73,13 @@ def carry_slip_examples(
     """``n`` distinct problems of ``data.arithmetic_examples`` (same prompts, answers and order
     for the same arguments), each with the teacher's demonstration.
 
-    ``extra["demonstration"]`` (what ``data.demonstration`` gives the SFT warm-up) is the
+    ``extra["demonstration"]`` (``data.demonstration``'s one fixed demonstration) is the
     reference answer, or, for a problem with a carry or borrow in the units column, with
     probability ``slip_rate`` (a draw of its own, seeded by ``seed``) the answer with it
-    dropped (``slipped_answer``); ``extra["slipped"]`` says which.
+    dropped (``slipped_answer``); ``extra["slipped"]`` says which. A carrying problem also
+    holds both, ``extra["demonstrations"] = (answer, slip)`` with ``extra[
+    "demonstration_weights"] = (1 - slip_rate, slip_rate)``: the SFT warm-up draws one of them
+    afresh at every draw of the problem (``draw_demonstration``).
 
     Raises:
       ValueError: bad settings (``arithmetic_examples``'s), an operator other than ``+`` /
@@ -94,5 +99,8 @@ def carry_slip_examples(
         slips = slipped is not None and bool(u < slip_rate)
         demo = str(slipped) if slips else ex.answer
         extra = {**ex.extra, "task": "carry_slips", "demonstration": demo, "slipped": slips}
+        if slipped is not None:
+            extra["demonstrations"] = (ex.answer, str(slipped))
+            extra["demonstration_weights"] = (1.0 - slip_rate, slip_rate)
         out.append(Example(prompt=ex.prompt, answer=ex.answer, extra=extra))
     return out

@@ -6,6 +6,14 @@ unary signs) by walking Python's AST: no names, calls or attributes, and bounded
 cannot run arbitrary code. :func:`calculator_env` serves it as the tool ``calc`` through
 :class:`~jaxrl_llm.envs.tools.ToolEnv`; its demonstration is one call with the prompt's
 expression, the tool's answer, and that answer restated.
+
+With ``direct_rate`` > 0 the demonstrations come from a teacher who can multiply in its head:
+it answers that share of the problems at once, the right product without calling the tool
+(``direct_demonstration``; a fresh draw at each demonstration, from the environment's own
+seeded stream). The student cannot multiply in its head, so imitating those answers fails:
+the SFT warm-up leaves a policy whose greedy first move is to answer directly (wrong), while
+tool calls stay among its samples, and RL on the task's reward teaches it to reach for the
+tool (``configs/tool_calculator.yaml``).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import operator
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
+
+import numpy as np
 
 from jaxrl_llm.envs.base import Message
 from jaxrl_llm.envs.tools import ToolEnv, format_tool_call
@@ -93,15 +103,69 @@ def calculator_demonstration(example: Any) -> list[Message]:
     ]
 
 
+def direct_demonstration(example: Any) -> list[Message]:
+    """A teacher's episode without the tool: the prompt's value stated at once."""
+    return [{"role": "assistant", "content": calculator(_expression(example.prompt))}]
+
+
+def check_direct_rate(direct_rate: Any) -> float:
+    """``direct_rate`` as a float in [0, 1].
+
+    Raises:
+      ValueError: anything else.
+    """
+    if isinstance(direct_rate, bool) or not isinstance(direct_rate, int | float | np.floating):
+        raise ValueError(f"env.kwargs.direct_rate must be a number in [0, 1], got {direct_rate!r}")
+    if not 0.0 <= direct_rate <= 1.0:
+        raise ValueError(f"env.kwargs.direct_rate must be a number in [0, 1], got {direct_rate!r}")
+    return float(direct_rate)
+
+
+def mixed_demonstrations(direct_rate: float, seed: int = 0) -> Callable[[Any], list[Message]]:
+    """``demonstrate(example)``: ``direct_demonstration`` with probability ``direct_rate``,
+    else ``calculator_demonstration``; each call one draw of a stream seeded by ``seed``.
+
+    Raises:
+      ValueError: ``direct_rate`` outside [0, 1] (``check_direct_rate``) or a ``seed`` that is
+        not a non-negative int.
+    """
+    direct_rate = check_direct_rate(direct_rate)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"env.kwargs.demo_seed must be a non-negative int, got {seed!r}")
+    if direct_rate == 0.0:
+        return calculator_demonstration
+    rng = np.random.default_rng([seed, 15])
+
+    def demonstrate(example: Any) -> list[Message]:
+        if rng.random() < direct_rate:
+            return direct_demonstration(example)
+        return calculator_demonstration(example)
+
+    return demonstrate
+
+
 def calculator_env(
-    reward_fn: Callable[[RewardInput], float], *, timeout_s: float = 1.0, **kwargs: Any
+    reward_fn: Callable[[RewardInput], float],
+    *,
+    timeout_s: float = 1.0,
+    direct_rate: float = 0.0,
+    demo_seed: int = 0,
+    **kwargs: Any,
 ) -> ToolEnv:
     """The arithmetic task with the tool ``calc(expr)`` (``calculator``); ``kwargs`` go to
-    ``ToolEnv`` (``system_prompt``, ``max_calls_per_turn``)."""
+    ``ToolEnv`` (``system_prompt``, ``max_calls_per_turn``).
+
+    ``direct_rate``: the share of the warm-up's demonstrations answered without the tool
+    (``mixed_demonstrations``, drawn from a stream seeded by ``demo_seed``); 0 = every
+    demonstration calls the tool.
+
+    Raises:
+      ValueError: a ``direct_rate`` outside [0, 1] or a bad ``demo_seed``.
+    """
     return ToolEnv(
         {"calc": calculator},
         reward_fn,
         timeout_s=timeout_s,
-        demonstrate=calculator_demonstration,
+        demonstrate=mixed_demonstrations(direct_rate, demo_seed),
         **kwargs,
     )

@@ -1,6 +1,7 @@
 """The carry_slips task: the built-in arithmetic prompts and answers, with demonstrations from a
 teacher who drops the units column's carry or borrow (``data.carry_slips``)."""
 
+import numpy as np
 import pytest
 
 from jaxrl_llm.data import ARITHMETIC_ALPHABET, arithmetic_examples, demonstration
@@ -10,6 +11,7 @@ from jaxrl_llm.data.carry_slips import (
     check_slip_rate,
     slipped_answer,
 )
+from jaxrl_llm.data.demonstrations import draw_demonstration
 from jaxrl_llm.rewards import is_correct
 
 
@@ -133,3 +135,31 @@ def test_multiplication_is_refused():
         slipped_answer(3, "*", 4)
     with pytest.raises(ValueError, match="non-negative"):
         slipped_answer(-3, "+", 4)
+
+
+def test_carrying_problems_hold_both_demonstrations_for_fresh_draws():
+    """The warm-up draws the slip afresh at every draw (``data.draw_demonstration``): a
+    carrying problem holds ``(answer, slip)`` weighted ``(1 - slip_rate, slip_rate)``, any
+    other problem no alternatives (its one demonstration is the answer)."""
+    for rate in (0.7, 0.25):
+        for ex in carry_slip_examples(400, seed=2, slip_rate=rate):
+            a, b = ex.extra["operands"]
+            slip = slipped_answer(a, ex.extra["op"], b)
+            if slip is None:
+                assert "demonstrations" not in ex.extra and "demonstration_weights" not in ex.extra
+                assert draw_demonstration(ex, np.random.default_rng(0)) == ex.answer
+            else:
+                assert ex.extra["demonstrations"] == (ex.answer, str(slip))
+                assert ex.extra["demonstration_weights"] == pytest.approx((1 - rate, rate))
+
+
+def test_fresh_draws_slip_at_the_rate_on_every_carrying_problem():
+    """Drawn 400 times, each carrying problem is demonstrated with its slip ~70% of the time
+    (not always or never, as one frozen draw per problem would be)."""
+    carrying = [ex for ex in carry_slip_examples(60, seed=0) if "demonstrations" in ex.extra]
+    rng = np.random.default_rng(3)
+    for ex in carrying[:10]:
+        draws = [draw_demonstration(ex, rng) for _ in range(400)]
+        assert set(draws) == set(ex.extra["demonstrations"])
+        # Binomial(400, 0.7): standard deviation 0.023; 0.1 is over 4 of them.
+        assert abs(draws.count(ex.extra["demonstrations"][1]) / 400 - SLIP_RATE) < 0.1

@@ -6,6 +6,7 @@ import pytest
 
 from jaxrl_llm.data import Example
 from jaxrl_llm.envs import calculator, calculator_demonstration, calculator_env, make_env
+from jaxrl_llm.envs.calculator import direct_demonstration
 
 
 @pytest.mark.parametrize(
@@ -70,3 +71,51 @@ def test_make_env_builds_the_calculator_and_rejects_unknown_names():
         make_env("no_such_module:factory", lambda inp: 1.0)
     with pytest.raises(ValueError, match="bad settings for environment 'calculator'"):
         make_env("calculator", lambda inp: 1.0, colour="red")
+
+
+TOOL_DEMO = calculator_demonstration(Example("123*456=", "56088"))
+DIRECT_DEMO = [{"role": "assistant", "content": "56088"}]
+
+
+def test_direct_demonstration_states_the_value_without_the_tool():
+    assert direct_demonstration(Example("123*456=", "56088")) == DIRECT_DEMO
+    assert direct_demonstration(Example("4321*8765=", "37873565"))[0]["content"] == "37873565"
+
+
+def test_direct_rate_zero_and_one_are_never_and_always():
+    ex = Example("123*456=", "56088")
+    never = calculator_env(lambda inp: 0.0)  # the default: every demonstration calls the tool
+    assert all(never.demonstration(ex) == TOOL_DEMO for _ in range(50))
+    always = calculator_env(lambda inp: 0.0, direct_rate=1)
+    assert all(always.demonstration(ex) == DIRECT_DEMO for _ in range(50))
+
+
+def test_mixed_demonstrations_are_fresh_draws_at_the_rate():
+    """Each call is a new draw of the teacher (not one frozen choice per problem), from a
+    stream seeded by ``demo_seed``."""
+    ex = Example("123*456=", "56088")
+    env = make_env("calculator", lambda inp: 1.0, direct_rate=0.8, demo_seed=3)
+    draws = [env.demonstration(ex) for _ in range(1000)]
+    assert all(d in (TOOL_DEMO, DIRECT_DEMO) for d in draws)
+    # Binomial(1000, 0.8): standard deviation 0.013; 0.05 is almost 4 of them.
+    assert abs(sum(d == DIRECT_DEMO for d in draws) / 1000 - 0.8) < 0.05
+    again = make_env("calculator", lambda inp: 1.0, direct_rate=0.8, demo_seed=3)
+    other = make_env("calculator", lambda inp: 1.0, direct_rate=0.8, demo_seed=4)
+    assert [again.demonstration(ex) for _ in range(100)] == draws[:100]
+    assert [other.demonstration(ex) for _ in range(100)] != draws[:100]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"direct_rate": 1.5}, r"env.kwargs.direct_rate must be a number in \[0, 1\], got 1.5"),
+        ({"direct_rate": -0.1}, "env.kwargs.direct_rate must be a number in"),
+        ({"direct_rate": "0.5"}, "env.kwargs.direct_rate must be a number in"),
+        ({"direct_rate": True}, "env.kwargs.direct_rate must be a number in"),
+        ({"direct_rate": 0.5, "demo_seed": -1}, "env.kwargs.demo_seed must be a non-negative int"),
+        ({"direct_rate": 0.5, "demo_seed": 1.5}, "env.kwargs.demo_seed must be a non-negative int"),
+    ],
+)
+def test_bad_direct_rates_and_seeds_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_env("calculator", lambda inp: 1.0, **kwargs)

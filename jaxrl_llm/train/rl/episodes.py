@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import data, envs
+from jaxrl_llm.data.demonstrations import draw_demonstration
 from jaxrl_llm.data.encoding import pad_id
 from jaxrl_llm.rewards import is_correct
 from jaxrl_llm.train.rl.rollout import Drawer, DrawRequest, Samples
@@ -130,10 +131,16 @@ def demonstrations(context, examples: Sequence[Any]) -> MaskedSequences:
 
 def demonstration_batches(run, batch_size: int, seed: int, key: int = 1) -> Iterator[Any]:
     """The SFT warm-up's host batches: ``batch_size`` training examples drawn with replacement
-    (seeded by ``(seed, key)``), as ``Sequences`` of prompt and gold completion, or the
-    environment's own multi-turn demonstrations (``MaskedSequences``)."""
+    (seeded by ``(seed, key)``), as ``Sequences`` of prompt and demonstration, or the
+    environment's own multi-turn demonstrations (``MaskedSequences``).
+
+    An example with alternative demonstrations (``data.demonstrations``, e.g. a teacher's
+    slips) has one drawn afresh at each of its draws, from a stream of its own (seeded by
+    ``(seed, key, 1)``): the examples drawn are the same whether or not any has alternatives.
+    """
     cfg = run.cfg
     rng = np.random.default_rng([seed, key])
+    demo_rng = np.random.default_rng([seed, key, 1])
     while True:
         idx = rng.integers(0, len(run.train_examples), batch_size)
         examples = [run.train_examples[j] for j in idx]
@@ -148,7 +155,7 @@ def demonstration_batches(run, batch_size: int, seed: int, key: int = 1) -> Iter
         )
         completion_tokens, completion_mask = data.encode_completions(
             run.tokenizer,
-            [data.demonstration(ex) for ex in examples],
+            [draw_demonstration(ex, demo_rng) for ex in examples],
             max_tokens=cfg.rollout.max_new_tokens,
             eos_id=run.stop_ids[0],
         )

@@ -27,7 +27,7 @@ def test_the_config_is_the_default_grpo_recipe_on_the_task():
     # The default task's GRPO settings; the schedule and the depth differ.
     assert cfg.objective == default.objective and cfg.rollout == default.rollout
     assert cfg.trainer.learning_rate == default.trainer.learning_rate
-    assert (cfg.trainer.max_steps, cfg.sft_warmup.steps) == (300, 3000)
+    assert (cfg.trainer.max_steps, cfg.sft_warmup.steps) == (300, 6000)
     assert cfg.model.tiny.num_hidden_layers == 3
     check_config(cfg)
 

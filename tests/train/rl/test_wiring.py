@@ -105,9 +105,9 @@ def _run_one_step(trainer, before_score):
     seen = {"minibatches": []}
     score, update = trainer.score, trainer.update
 
-    def capture_score(step, samples, seqs, old, ref, rewards):
+    def capture_score(step, samples, seqs, forwards, rewards):
         seen["before"] = before_score(trainer)
-        batch, metrics = score(step, samples, seqs, old, ref, rewards)
+        batch, metrics = score(step, samples, seqs, forwards, rewards)
         seen["batch"] = jax.device_get(batch)
         return batch, metrics
 
