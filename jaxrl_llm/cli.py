@@ -36,6 +36,11 @@ def _register_optional() -> None:
             "eval_main",
             "pass@k, maj@k, mean@k of a run's policy on held-out prompts",
         ),
+        "sweep": (
+            "jaxrl_llm.train.sweep",
+            "sweep_main",
+            "train objective variants x seeds and compare them in a table and a plot",
+        ),
         "plan": (
             "jaxrl_llm.plan.cli",
             "plan_main",

@@ -142,6 +142,9 @@ GSM8K_HF = (
 LORA = "jaxrl-llm train model.lora.rank=16 trainer.learning_rate=5e-4"
 OFF_POLICY = "'objective.overrides={rollout_correction: {is_level: token}}'"
 
+# A sweep shown with its variants and seeds runs one variant, one seed, one small step.
+SMALL_SWEEP = ("--seeds", "0", *SMALL_RL, *FORCED)
+
 RUNS: dict[str, Run] = {
     DEFAULT: Run(),
     "jaxrl-llm train --debug": Run(("run_dir=runs/debug",)),
@@ -192,6 +195,10 @@ RUNS: dict[str, Run] = {
     # plan compiles every program of the job for the TPU (minutes for the 7B; its figures are
     # measured in benchmarks/RESULTS.md, "Pod plans").
     PLAN: Run(force=PLAN_SMALL),
+    "jaxrl-llm sweep configs/carry_slips.yaml --presets grpo,dapo,grpo+kl_cov,dapo+m2po "
+    "--seeds 0,1,2 --out runs/sweep": Run(force=("--presets", "grpo+kl_cov", *SMALL_SWEEP)),
+    "jaxrl-llm sweep --out runs/bakeoff": Run(force=("--presets", "dapo+m2po", *SMALL_SWEEP)),
+    "jaxrl-llm sweep --list": Run(),
     "jaxrl-llm bench losses": Run(
         ("--presets", "grpo", "--shapes", "4x16", "--repeats", "5", "--results", "", "--quiet")
     ),
