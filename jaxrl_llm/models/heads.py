@@ -254,6 +254,7 @@ def sequence_scores(
     *,
     remat: str = "none",
     dropout_key: Array | None = None,
+    packing: PackingPlan | None = None,
 ) -> Array:
     """``r = h_last . w``, the head at the last real token of ``[prompt ; completion]``.
 
@@ -271,6 +272,9 @@ def sequence_scores(
       completion_mask: ``[B, T]``, 1 on real completion tokens.
       remat: the backbone's remat policy (``"none"`` or ``"layer"``).
       dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
+      packing: a ``jaxrl_llm.packing.PackingPlan`` of the ``[B, P+T]`` rows: the backbone runs
+        over the packed rows and the states come back to the padded layout (``unpack``)
+        before the last real token is pooled (the same scores to rounding), or None.
 
     Returns:
       ``scores [B]`` f32.
@@ -279,7 +283,7 @@ def sequence_scores(
       ValueError: mis-shaped inputs or params (at trace time, naming the shapes).
     """
     seqs = (prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-    hidden, mask = _sequence_hidden(params, config, seqs, remat, dropout_key)
+    hidden, mask = _sequence_hidden(params, config, seqs, remat, dropout_key, packing)
     columns = jnp.arange(mask.shape[1], dtype=jnp.int32)
     last = jnp.max(jnp.where(mask, columns, 0), axis=1)
     pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]

@@ -506,3 +506,22 @@ def test_packed_rows_give_the_padded_values(policies, name, rng):
         params, config, prompt, prompt_mask, completion, completion_mask, packing=plan
     )
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_rows_give_the_padded_scores(policies, name, rng):
+    """``sequence_scores(packing=)``: the backbone over packed rows, the states put back, the
+    head at each row's last real token: the float64 pooling of the padded forward's states."""
+    config, params = _scalar_from_policy(policies, name)
+    prompt, prompt_mask, completion, completion_mask = _batch(rng, config.vocab_size)
+    completion_mask[1] = 0  # an empty completion: scored at its last prompt token
+    plan = plan_sequences(prompt_mask, completion_mask)
+    assert plan.rows < len(prompt)  # some rows do share
+    got = jax.jit(sequence_scores, static_argnums=1)(
+        params, config, prompt, prompt_mask, completion, completion_mask, packing=plan
+    )
+    tokens = np.concatenate([prompt, completion], axis=1)
+    mask = np.concatenate([prompt_mask, completion_mask], axis=1)
+    hidden, _ = jit_forward(params["backbone"], backbone_config(config), tokens, mask)
+    want = ref.sequence_scores(hidden, params["score"], mask)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from jaxrl_llm.preference import (
     LOSS_TYPES,
     ORPO_NLL_MODES,
@@ -26,6 +28,7 @@ from jaxrl_llm.train.config import (
     OptimizerSection,
     SFTWarmupSection,
 )
+from jaxrl_llm.train.packing import packing_mode
 
 JOBS = ("preference", "reward_model")
 LOSS_NAMES = ("dpo", "kto", "orpo", "simpo", "cpo", "alphapo", "bradley_terry")
@@ -146,6 +149,12 @@ class PreferenceTrainerSection(OptimizerSection):
         ``batch_size / K`` rows, as TRL's gradient accumulation does.
       eval_every: evaluate on the held-out set every N steps (0 = only before / after).
       eval_batch_size: rows per evaluation batch (0 = ``batch_size``).
+      packing: sequence packing of the update's and the reference's forwards
+        (``train.preference.packing``): the chosen and rejected (KTO: the completions and the
+        mismatched ones) rows of a batch share packed rows, attention within each sequence,
+        so no FLOPs go to padding and every loss is the padded one. ``on``: every batch;
+        ``auto``: a batch whose packed rows are at most 3/4 of its padded rows; ``off`` (the
+        default): padded rows. Evaluation runs padded.
     """
 
     max_steps: int = 300
@@ -154,6 +163,7 @@ class PreferenceTrainerSection(OptimizerSection):
     learning_rate: float = 3e-4
     eval_every: int = 0
     eval_batch_size: int = 0
+    packing: bool | str = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +285,11 @@ def check_config(cfg: PreferenceConfig) -> None:
     for key in ("eval_every", "eval_batch_size"):
         if getattr(trainer, key) < 0:
             raise ValueError(f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
+    if packing_mode(trainer.packing) != "off" and jax.process_count() > 1:
+        raise ValueError(
+            f"trainer.packing={packing_mode(trainer.packing)} runs on one process so far (this "
+            f"job has {jax.process_count()}); set trainer.packing=off"
+        )
     _positive("data.eval_size", data.eval_size)
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
     if cfg.sft_warmup.steps is not None and cfg.sft_warmup.steps < 0:

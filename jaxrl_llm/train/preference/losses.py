@@ -7,7 +7,8 @@ before anything is traced. Each loss function has the ``train.step`` signature
 micro-batches, ``accumulate="mean"``). Pairs travel as ``types.PreferenceBatch``
 (chosen and rejected completions scored in one forward pass over ``2N`` rows), KTO's
 labelled completions as :class:`UnpairedBatch`, a reward model's pairs as
-:class:`RewardBatch`.
+:class:`RewardBatch`; any of them as a ``packing.PackedBatch`` (with ``trainer.packing``) runs
+its ``2N`` forward rows packed (``jaxrl_llm.packing``), the same losses to rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm._checks import f32
-from jaxrl_llm.logprobs import completion_logprobs
+from jaxrl_llm.logprobs import completion_logprobs, packed_completion_logprobs
 from jaxrl_llm.models import heads
 from jaxrl_llm.preference import (
     bradley_terry,
@@ -27,8 +28,10 @@ from jaxrl_llm.preference import (
     preference_loss,
     sequence_logps,
 )
+from jaxrl_llm.train.packing import micro_plan
 from jaxrl_llm.train.preference.config import PreferenceConfig, dpo_loss_types
-from jaxrl_llm.types import PreferenceBatch
+from jaxrl_llm.train.preference.packing import unwrap
+from jaxrl_llm.types import PreferenceBatch, Sequences
 
 Array = jax.Array
 
@@ -100,11 +103,22 @@ def _pair_rows(batch: PreferenceBatch):
     )
 
 
-def _logps_of_both(params, model_config, prompt_tokens, prompt_mask, *completions, **kwargs):
-    """Per-token log-probs of two ``[N, T]`` completion sets for the same prompts, one pass."""
+def _row_logprobs(params, model_config, rows, packing=None, **kwargs):
+    """``completion_logprobs`` of the ``[2N, ...]`` forward rows, or with a ``packing`` plan of
+    them (leaves ``[shards, rows, W]``) ``packed_completion_logprobs``: the same values."""
+    if packing is None:
+        return completion_logprobs(params, model_config, *rows, **kwargs)
+    return packed_completion_logprobs(params, model_config, Sequences(*rows), packing, **kwargs)
+
+
+def _logps_of_both(
+    params, model_config, prompt_tokens, prompt_mask, *completions, packing=None, **kwargs
+):
+    """Per-token log-probs of two ``[N, T]`` completion sets for the same prompts, one pass
+    (over packed rows with a ``packing`` plan of the ``2N`` rows)."""
     n = completions[0].shape[0]
     rows = _both(prompt_tokens, prompt_mask, *completions)
-    token_logps = completion_logprobs(params, model_config, *rows, **kwargs)
+    token_logps = _row_logprobs(params, model_config, rows, packing, **kwargs)
     return token_logps[:n], token_logps[n:]
 
 
@@ -117,18 +131,21 @@ def pair_token_logps(
     remat="none",
     return_prompt_logprobs=False,
     dropout_key=None,
+    packing=None,
 ):
     """Per-token log-probs ``([N, T], [N, T])`` of the chosen and rejected completions.
 
     With ``return_prompt_logprobs``, also ``[N, P]`` log-probs of the (chosen rows') prompt
-    tokens the model predicts, from the same pass (ORPO's TRL-style NLL).
+    tokens the model predicts, from the same pass (ORPO's TRL-style NLL). ``packing``: a plan
+    of the ``2N`` rows ``[chosen ; rejected]`` (leaves ``[shards, rows, W]``), or None.
     """
     if return_prompt_logprobs:
         n = batch.chosen_tokens.shape[0]
-        completion, prompt = completion_logprobs(
+        completion, prompt = _row_logprobs(
             params,
             model_config,
-            *_pair_rows(batch),
+            _pair_rows(batch),
+            packing,
             chunk_size=chunk_size,
             remat=remat,
             return_prompt_logprobs=True,
@@ -144,6 +161,7 @@ def pair_token_logps(
         batch.chosen_mask,
         batch.rejected_tokens,
         batch.rejected_mask,
+        packing=packing,
         chunk_size=chunk_size,
         remat=remat,
         dropout_key=dropout_key,
@@ -151,9 +169,17 @@ def pair_token_logps(
 
 
 def unpaired_token_logps(
-    params, model_config, batch: UnpairedBatch, *, chunk_size=None, remat="none", dropout_key=None
+    params,
+    model_config,
+    batch: UnpairedBatch,
+    *,
+    chunk_size=None,
+    remat="none",
+    dropout_key=None,
+    packing=None,
 ):
-    """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones."""
+    """Per-token log-probs ``([N, T], [N, T])`` of the completions and the mismatched ones
+    (``packing``: a plan of the ``2N`` rows ``[completions ; mismatched]``, or None)."""
     return _logps_of_both(
         params,
         model_config,
@@ -163,6 +189,7 @@ def unpaired_token_logps(
         batch.completion_mask,
         batch.kl_completion_tokens,
         batch.kl_completion_mask,
+        packing=packing,
         chunk_size=chunk_size,
         remat=remat,
         dropout_key=dropout_key,
@@ -186,6 +213,7 @@ def make_pair_loss_fn(
     with_prompt = loss_kwargs.get("nll") == "prompt_and_completion"
 
     def loss_fn(params, batch: PreferenceBatch, totals=None, key=None):
+        batch, plan = unwrap(batch)
         out = pair_token_logps(
             params,
             model_config,
@@ -194,6 +222,7 @@ def make_pair_loss_fn(
             remat=remat,
             return_prompt_logprobs=with_prompt,
             dropout_key=key,
+            packing=plan,
         )
         chosen, rejected = out[:2]
         extra = {}
@@ -238,8 +267,15 @@ def make_kto_loss_fn(model_config, *, beta, chunk_size=None, remat="none", **kto
     """
 
     def loss_fn(params, batch: UnpairedBatch, totals=None, key=None):
+        batch, plan = unwrap(batch)
         token_logps, kl_token_logps = unpaired_token_logps(
-            params, model_config, batch, chunk_size=chunk_size, remat=remat, dropout_key=key
+            params,
+            model_config,
+            batch,
+            chunk_size=chunk_size,
+            remat=remat,
+            dropout_key=key,
+            packing=plan,
         )
         policy = sequence_logps(token_logps, batch.completion_mask)
         kl_policy = sequence_logps(kl_token_logps, batch.kl_completion_mask)
@@ -289,9 +325,15 @@ def make_reward_loss_fn(model_config, *, center_rewards_coefficient=0.0, remat="
     """
 
     def loss_fn(params, batch: RewardBatch, totals=None, key=None):
+        batch, plan = unwrap(batch)
         n = batch.pairs.chosen_tokens.shape[0]
         scores = heads.sequence_scores(
-            params, model_config, *_pair_rows(batch.pairs), remat=remat, dropout_key=key
+            params,
+            model_config,
+            *_pair_rows(batch.pairs),
+            remat=remat,
+            dropout_key=key,
+            packing=plan,
         )
         rw, rl = scores[:n], scores[n:]
         loss = jnp.mean(
@@ -322,16 +364,24 @@ def make_reference_fn(
     For pairs (``PreferenceBatch``): the chosen and the rejected completions; for KTO
     (``UnpairedBatch``): the completions and the mismatched ones. No gradient flows into
     ``ref_params``; ``param_shardings`` are their ``NamedSharding``s, ``row_sharding`` that of
-    the ``[N]`` outputs (give the batch's, so they can join it without a reshard).
+    the ``[N]`` outputs (give the batch's, so they can join it without a reshard). A
+    ``packing.PackedBatch`` (a one-micro-batch plan: leaves ``[1, shards, rows, W]``) runs the
+    ``2N`` rows packed.
     """
 
     def fn(params, batch):
         params = jax.lax.stop_gradient(params)
+        batch, plan = unwrap(batch)
+        plan = None if plan is None else micro_plan(plan, 0)
         if unpaired:
-            first, second = unpaired_token_logps(params, model_config, batch, chunk_size=chunk_size)
+            first, second = unpaired_token_logps(
+                params, model_config, batch, chunk_size=chunk_size, packing=plan
+            )
             masks = batch.completion_mask, batch.kl_completion_mask
         else:
-            first, second = pair_token_logps(params, model_config, batch, chunk_size=chunk_size)
+            first, second = pair_token_logps(
+                params, model_config, batch, chunk_size=chunk_size, packing=plan
+            )
             masks = batch.chosen_mask, batch.rejected_mask
         return sequence_logps(first, masks[0]), sequence_logps(second, masks[1])
 

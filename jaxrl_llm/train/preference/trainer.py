@@ -26,7 +26,9 @@ from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.core import PhaseTimer, Trainer
 from jaxrl_llm.train.optim import make_trainer_optimizer
+from jaxrl_llm.train.packing import place_plan
 from jaxrl_llm.train.plots import PREFERENCE_PLOT_KEYS
+from jaxrl_llm.train.preference import packing as pref_packing
 from jaxrl_llm.train.preference.config import REFERENCE_FREE, PreferenceConfig, check_config
 from jaxrl_llm.train.preference.data import (
     Split,
@@ -36,6 +38,7 @@ from jaxrl_llm.train.preference.data import (
     take,
 )
 from jaxrl_llm.train.preference.losses import RewardBatch, make_loss_fn, make_reference_fn
+from jaxrl_llm.train.preference.packing import PackedBatch
 from jaxrl_llm.train.sft import WarmupMonitor, sft_warmup
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step, merge_trees
@@ -134,21 +137,41 @@ class PreferenceTrainer(Trainer):
                 self.eval_batch,
             )
 
-    def _device_batch(self, split: Split, rows: np.ndarray, ref: dict | None):
-        """The sharded batch of ``rows``, its reference log-probs filled in when needed."""
+    def _device_batch(
+        self, split: Split, rows: np.ndarray, ref: dict | None, *, packed: bool = False
+    ):
+        """The sharded batch of ``rows``, its reference log-probs filled in when needed;
+        ``packed``: the update's batch, its forwards (and the reference's) over packed rows
+        with ``trainer.packing`` (a ``PackedBatch``)."""
         host = take(split, rows, ref, self.unpaired)
         if self.reward_model:
             host = RewardBatch(host, split.arrays.margins[rows])
         batch = setup.to_device(host, self.mesh)
         if self.needs_reference and ref is None:
-            first, second = self.reference_fn(self.reference, batch)
+            rows_in = self._packed(host, batch, 1) if packed else batch
+            first, second = self.reference_fn(self.reference, rows_in)
             fields = (
                 ("ref_logps", "ref_kl_logps")
                 if self.unpaired
                 else ("ref_chosen_logps", "ref_rejected_logps")
             )
             batch = batch._replace(**dict(zip(fields, (first, second))))
+        if packed:
+            batch = self._packed(host, batch, self.cfg.trainer.micro_batches)
         return batch
+
+    def _packed(self, host, batch, micro_batches: int):
+        """``batch`` with the packing plan of its forward rows for ``micro_batches`` strided
+        micro-batches (``packing.plan_batch``, on device), or ``batch`` itself (padded)."""
+        plan = pref_packing.plan_batch(
+            host,
+            micro_batches=micro_batches,
+            shards=parallel.batch_shards(self.mesh),
+            mode=self.cfg.trainer.packing,
+        )
+        if plan is None:
+            return batch
+        return PackedBatch(batch, place_plan(plan, self.mesh))
 
     def _chosen_completions(self) -> Iterator[Sequences]:
         """SFT batches of the chosen (KTO: desirable) completions of the training set."""
@@ -243,7 +266,8 @@ class PreferenceTrainer(Trainer):
         firsts, seconds = [], []
         for start in range(0, len(order), batch_size):
             host = take(split, order[start : start + batch_size], None, self.unpaired)
-            first, second = self.reference_fn(params, setup.to_device(host, self.mesh))
+            batch = self._packed(host, setup.to_device(host, self.mesh), 1)
+            first, second = self.reference_fn(params, batch)
             firsts.append(parallel.fetch(first))
             seconds.append(parallel.fetch(second))
         return {"first": np.concatenate(firsts)[:n], "second": np.concatenate(seconds)[:n]}
@@ -388,7 +412,7 @@ class PreferenceTrainer(Trainer):
         train_ref = None if self.ref_logps is None else self.ref_logps["train"]
         with timer.phase("update"):
             batch = self._device_batch(
-                self.train_split, self.sampler.next_indices(t.batch_size), train_ref
+                self.train_split, self.sampler.next_indices(t.batch_size), train_ref, packed=True
             )
             self.state, metrics = self.step_fn(self.state, batch)
             return {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -20,6 +20,7 @@ import numpy as np
 from jaxrl_llm import data, models, objectives, parallel, rewards
 from jaxrl_llm.evaluation.sampled import sampled_report
 from jaxrl_llm.models import heads
+from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl import episodes, tasks
 from jaxrl_llm.train.rl import rollout as rollout_lib
@@ -122,12 +123,34 @@ def _load_examples(cfg: TrainConfig) -> tuple[list, list]:
 
 def reward_model_program(rm_config) -> Any:
     """The learned reward model's scoring program (``rm_scores``): ``heads.sequence_scores``
-    of ``rm_config`` jitted, ``(params, seqs) -> [B]``; the trainer calls it, ``plan`` lowers it."""
+    of ``rm_config`` jitted, ``(params, seqs, packing=None) -> [B]``; the trainer calls it,
+    ``plan`` lowers it. ``packing``: a one-micro-batch stacked plan of ``seqs``' rows
+    (``reward_model_plan``; leaves ``[1, shards, rows, W]``): the backbone runs over packed
+    rows, the same scores; None: padded."""
 
-    def score_fn(params, seqs: Sequences):
-        return heads.sequence_scores(params, rm_config, *seqs)
+    def score_fn(params, seqs: Sequences, packing=None):
+        plan = None if packing is None else packing_lib.micro_plan(packing, 0)
+        return heads.sequence_scores(params, rm_config, *seqs, packing=plan)
 
     return jax.jit(score_fn)
+
+
+def reward_model_plan(mode: Any, seqs: Sequences, mesh) -> Any:
+    """The packing plan (on device) of the reward model's scoring forward over the host rows
+    ``seqs`` (prompts already bucketed), one micro-batch, per data shard of ``mesh``; or None
+    (padded) when ``mode`` (``trainer.packing``, ``train.packing.worth_packing``) says so."""
+    mode = packing_lib.packing_mode(mode)
+    if mode == "off":
+        return None
+    plan = packing_lib.plan_micro_batches(
+        seqs.prompt_mask,
+        seqs.completion_mask,
+        micro_batches=1,
+        shards=parallel.batch_shards(mesh),
+    )
+    if not packing_lib.worth_packing(plan, len(seqs.completion_mask), mode):
+        return None
+    return packing_lib.place_plan(plan, mesh)
 
 
 def load_reward_model(cfg: TrainConfig, precision, policy_config, mesh):
@@ -287,18 +310,22 @@ class RunContext:
             return self.add_learned_reward(rollout_lib.finish_scoring(samples))
 
     def add_learned_reward(self, samples: rollout_lib.Samples) -> rollout_lib.Samples:
-        """Adds ``weight * normalise(RM score)`` of the learned reward model, scored on device."""
+        """Adds ``weight * normalise(RM score)`` of the learned reward model, scored on device
+        (over packed rows with ``trainer.packing``: ``reward_model_plan``)."""
         if self.reward_model is None:
             return samples
         score_fn, rm_params = self.reward_model
         section = self.cfg.reward_model
-        seqs = Sequences(
-            samples.prompt_tokens,
-            samples.prompt_mask,
-            samples.completion_tokens,
-            samples.completion_mask,
+        seqs = setup.bucket_prompts(
+            Sequences(
+                samples.prompt_tokens,
+                samples.prompt_mask,
+                samples.completion_tokens,
+                samples.completion_mask,
+            )
         )
-        scores = parallel.fetch(score_fn(rm_params, self.to_device(seqs)))
+        plan = reward_model_plan(self.cfg.trainer.packing, seqs, self.mesh)
+        scores = parallel.fetch(score_fn(rm_params, setup.to_device(seqs, self.mesh), plan))
         scores = normalize_scores(scores, section.normalize)
         components = dict(samples.components)
         components["reward_model"] = scores

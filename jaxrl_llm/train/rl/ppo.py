@@ -22,7 +22,9 @@ from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.models import heads, lora
 from jaxrl_llm.train import adapters, export, setup
 from jaxrl_llm.train.adapters import has_dropout
+from jaxrl_llm.train.forward import LogprobProgram
 from jaxrl_llm.train.optim import make_model_optimizer
+from jaxrl_llm.train.packing import micro_plan, packing_mode
 from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
@@ -32,10 +34,6 @@ from jaxrl_llm.train.rl.updates import update_objective
 from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step, make_step, merge_trees
 from jaxrl_llm.types import RolloutBatch, Sequences, sequences_of
-
-
-def _values(model_config, params, seqs: Sequences, remat: str = "none") -> jax.Array:
-    return heads.token_values(params, model_config, *seqs, remat=remat)
 
 
 def make_value_loss_fn(model_config, objective: objectives.Objective, *, remat: str = "none"):
@@ -120,21 +118,28 @@ def make_joint_step(
 
 
 def make_value_fn(model_config, *, param_shardings=None):
-    """A jitted ``(value_params, seqs) -> [B, T]`` of rollout-time values, 0 on padding.
+    """A jitted ``(value_params, seqs, packing=None) -> [B, T]`` of rollout-time values, 0 on
+    padding.
 
     Runs under the parameters' mesh, so the model's activation constraints apply (FSDP:
     batch-sharded activations, weights gathered where used) as in the log-prob forward.
+    ``packing``: a one-micro-batch stacked plan of ``seqs``' rows (``train.packing``: leaves
+    ``[1, shards, rows, W]``): the critic's backbone runs over packed rows (the same values
+    to rounding); None: padded.
     """
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
 
-    def fn(params, seqs: Sequences):
+    def fn(params, seqs: Sequences, packing=None):
+        plan = None if packing is None else micro_plan(packing, 0)
         with parallel.mesh_context(mesh):
-            values = _values(model_config, jax.lax.stop_gradient(params), seqs)
+            values = heads.token_values(
+                jax.lax.stop_gradient(params), model_config, *seqs, packing=plan
+            )
         return values * seqs.completion_mask
 
     if param_shardings is None:
-        return jax.jit(fn)
-    return jax.jit(fn, in_shardings=(param_shardings, None))
+        return LogprobProgram(jax.jit(fn))
+    return LogprobProgram(jax.jit(fn, in_shardings=(param_shardings, None, None)))
 
 
 def joint_update(
@@ -419,7 +424,9 @@ class PPOTrainer(RLTrainer):
 
     def score(self, step, samples, seqs, forwards, rewards):
         old, ref = forwards.old, forwards.ref
-        values = self.values_fn(self.value_params, seqs)
+        plan = self.values_packing_plan(samples, seqs)
+        args = (self.value_params, seqs) if plan is None else (self.value_params, seqs, plan)
+        values = self.values_fn(*args)
         adv, returns = self.advantage_fn(
             rewards, seqs.completion_mask, old_logprobs=old, ref_logprobs=ref, values=values
         )
@@ -433,6 +440,16 @@ class PPOTrainer(RLTrainer):
         }
         batch = self.rollout_batch(seqs, old, ref, rewards, adv, old_values=values, returns=returns)
         return batch, metrics
+
+    def values_packing_plan(self, samples, seqs):
+        """The packing plan of the rollout-time values forward (one micro-batch:
+        ``RLTrainer.packing_plan``), or None (padded). A multi-turn batch
+        (``samples.loss_mask``) runs padded: its ``seqs.completion_mask`` is the loss mask,
+        which need not be one run of tokens a row."""
+        if samples.loss_mask is not None or packing_mode(self.cfg.trainer.packing) == "off":
+            return None
+        prompt_mask = parallel.fetch(seqs.prompt_mask)  # the bucketed prompts' host mask
+        return self.packing_plan(prompt_mask, np.asarray(samples.completion_mask), 1)
 
     def update(self, step: int, minibatch: RolloutBatch) -> dict[str, Any]:
         warming_up = step < self.cfg.critic.warmup_steps

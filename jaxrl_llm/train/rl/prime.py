@@ -19,9 +19,10 @@ import numpy as np
 from jaxrl_llm import implicit_prm, objectives, parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
+from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_model_optimizer
-from jaxrl_llm.train.rl.config import micro_batching
+from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
@@ -36,8 +37,9 @@ def make_prm_loss_fn(
     """``(prm_params, batch, totals) -> (loss, metrics)``: ``implicit_prm.prm_loss``.
 
     ``batch.rewards`` holds the outcome labels in ``{0, 1}``; ``batch.ref_logprobs`` the
-    reference log-probs. The loss averages over the whole batch's non-empty rows, so
-    micro-batches accumulate the full-batch gradient.
+    reference log-probs; ``batch.packing`` the micro-batch's packing plan (the log-probs run
+    over packed rows: the same values), or None. The loss averages over the whole batch's
+    non-empty rows, so micro-batches accumulate the full-batch gradient.
     """
 
     def loss_fn(params, batch: RolloutBatch, totals, key=None):
@@ -45,6 +47,7 @@ def make_prm_loss_fn(
             params,
             model_config,
             sequences_of(batch),
+            packing=batch.packing,  # this micro-batch's plan, or None (padded)
             temperature=temperature,
             chunk_size=chunk_size,
             remat=remat,
@@ -177,7 +180,26 @@ class PRIMETrainer(RLTrainer):
         self.prm_step = built["prm_update"].fn
         self.prm_logprob_fn = built["prm_logprobs"].fn
 
-    def _update_prm(self, seqs, ref, labels) -> dict[str, float]:
+    def prm_packing_plans(self, samples, seqs):
+        """``(forward, update)``: the packing plans (``RLTrainer.packing_plan``) of the PRM's
+        log-prob forward (micro-batched as the policy's frozen forwards) and of its update
+        (micro-batched as the policy's update), or None each (padded). A multi-turn batch
+        (``samples.loss_mask``) runs padded: its ``seqs.completion_mask`` is the loss mask,
+        which need not be one run of tokens a row."""
+        if (
+            samples.loss_mask is not None
+            or packing_lib.packing_mode(self.cfg.trainer.packing) == "off"
+        ):
+            return None, None
+        prompt_mask = parallel.fetch(seqs.prompt_mask)  # the bucketed prompts' host mask
+        mask = np.asarray(samples.completion_mask)
+        forward = forward_micro_batching(self.cfg.trainer, self.platform)
+        return (
+            self.packing_plan(prompt_mask, mask, forward),
+            self.packing_plan(prompt_mask, mask, self.micro_batches),
+        )
+
+    def _update_prm(self, seqs, ref, labels, plan=None) -> dict[str, float]:
         batch = RolloutBatch(
             completion_mask=seqs.completion_mask,
             old_logprobs=None,
@@ -187,6 +209,7 @@ class PRIMETrainer(RLTrainer):
             prompt_mask=seqs.prompt_mask,
             completion_tokens=seqs.completion_tokens,
             rewards=labels,
+            packing=plan,
         )
         self.prm_state, metrics = self.prm_step(self.prm_state, batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if k.startswith("prm/")}
@@ -195,15 +218,16 @@ class PRIMETrainer(RLTrainer):
         old, ref = forwards.old, forwards.ref
         metrics: dict[str, Any] = {}
         labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
+        forward_plan, update_plan = self.prm_packing_plans(samples, seqs)
         if self.cfg.prime.update == "before":
-            metrics.update(self._update_prm(seqs, ref, labels))
-        prm_lp = self.prm_logprob_fn(self.prm_params, seqs)
+            metrics.update(self._update_prm(seqs, ref, labels, update_plan))
+        prm_lp = self.prm_logprob_fn(self.prm_params, seqs, forward_plan)
         dense = implicit_prm.process_rewards(
             prm_lp, ref, seqs.completion_mask, beta=self.run.objective.prime_beta
         )
         adv, _ = self.advantage_fn(rewards, seqs.completion_mask, process_rewards=dense)
         if self.cfg.prime.update == "after":
-            metrics.update(self._update_prm(seqs, ref, labels))
+            metrics.update(self._update_prm(seqs, ref, labels, update_plan))
         host_dense = parallel.fetch(dense)
         valid = np.asarray(samples.completion_mask, bool)
         metrics["prm/process_reward_mean"] = float(host_dense[valid].mean()) if valid.any() else 0.0

@@ -159,3 +159,53 @@ def test_prime_config_errors(tmp_path):
         PRIMETrainer(rl_helpers.tiny_config(*base, "prime.update=sometimes"))
     with pytest.raises(ValueError, match="group_size"):
         PRIMETrainer(rl_helpers.tiny_config(*base, "rollout.group_size=1"))
+
+
+class RecordingPRIME(PRIMETrainer):
+    """PRIME recording the shapes of the PRM's packing plans (None: padded)."""
+
+    def prm_packing_plans(self, samples, seqs):
+        plans = super().prm_packing_plans(samples, seqs)
+        shapes = tuple(None if p is None else p.source.shape for p in plans)
+        self.__dict__.setdefault("prm_plans", []).append(shapes)
+        return plans
+
+
+def _prime_run(path, packing):
+    cfg = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "prime.yaml",
+        path,
+        rl_helpers.SHAPED_REWARDS,
+        "trainer.max_steps=2",
+        "trainer.micro_batches=2",
+        "trainer.micro_batch_tokens=null",
+        "model.compute_dtype=float32",
+        "checkpoint.every_steps=1000",
+        f"trainer.packing={packing}",
+    )
+    trainer = RecordingPRIME(cfg)
+    trainer.fit()
+    return trainer, read_metrics(path), jax.device_get(trainer.prm_state.params)
+
+
+@pytest.mark.slow
+def test_packed_prime_trains_the_prm_the_padded_run_trains(tmp_path):
+    """trainer.packing=on: the PRM's log-prob forward and its (two-micro-batch) update run
+    over packed rows; its loss, accuracy, dense rewards and weights after two steps are the
+    padded run's (f32)."""
+    padded, padded_rows, padded_prm = _prime_run(tmp_path / "padded", "off")
+    packed, packed_rows, packed_prm = _prime_run(tmp_path / "packed", "on")
+    assert padded.prm_plans == [(None, None)] * 2
+    assert len(packed.prm_plans) == 2
+    for forward, update in packed.prm_plans:
+        assert forward is not None and forward[0] == 1  # one forward micro-batch
+        assert update is not None and update[0] == 2  # the update's two micro-batches
+    keys = ("prm/loss", "prm/process_reward_mean", "loss", "grad_norm")
+    for want, got in zip(padded_rows, packed_rows, strict=True):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # The first update's PRM is the reference: every implicit logit is 0 up to rounding, so its
+    # accuracy (the logit's sign) is a coin toss; the second's is not.
+    assert packed_rows[1]["prm/accuracy"] == padded_rows[1]["prm/accuracy"]
+    for want, got in zip(jax.tree.leaves(padded_prm), jax.tree.leaves(packed_prm), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
