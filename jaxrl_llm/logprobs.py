@@ -9,6 +9,10 @@ not rematerialised (it would hold the same logits while costing another unembedd
 ``packed_completion_logprobs`` gives the same log-probs from packed rows (several sequences
 per row, ``jaxrl_llm.packing``): the model and the unembedding run over the packed rows only,
 and the results are scattered back to the padded ``[B, T]`` layout.
+
+``routed_completion_logprobs`` gives either's log-probs together with the mixture-of-experts
+router logits of the same forward (and the mask of the real tokens they cover), from which the
+policy update adds the router losses (``jaxrl_llm.models.moe``) without a second forward.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,16 +206,51 @@ def completion_logprobs(
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
     """
+    seqs = Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
+    return _padded(params, config, seqs, scoring, remat, dropout_key, router=False)[0]
+
+
+class _Scoring(NamedTuple):
+    """What the log-prob functions compute from the hidden states (their keyword arguments)."""
+
+    temperature: float | Array
+    chunk_size: int | None
+    return_entropy: bool
+    return_prompt_logprobs: bool
+
+
+def _padded(
+    params: Any,
+    config: ModelConfig,
+    seqs: Sequences,
+    scoring: _Scoring,
+    remat: str,
+    dropout_key: Array | None,
+    *,
+    router: bool,
+) -> tuple[Any, Array | None, Array]:
+    """``completion_logprobs``'s output, the router logits ``[L, B, P + T, E]`` of its forward
+    (with ``router``; else None) and the real tokens ``[B, P + T]`` bool."""
+    prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     tokens, mask = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     prompt_len = prompt_tokens.shape[1]
-    hidden, _ = forward(
-        params, config, tokens, attention_mask=mask, remat=remat, dropout_key=dropout_key
+    temperature, chunk_size = scoring.temperature, scoring.chunk_size
+    out = forward(
+        params,
+        config,
+        tokens,
+        attention_mask=mask,
+        remat=remat,
+        dropout_key=dropout_key,
+        return_router_logits=router,
     )
+    hidden, router_logits = out[0], (out[2] if router else None)
     length = completion_tokens.shape[1]
     # Gathered (and cast) once here, outside the loop over chunks.
     unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
-    if return_prompt_logprobs:
-        if return_entropy:
+    if scoring.return_prompt_logprobs:
+        if scoring.return_entropy:
             raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
         # Column j predicts token j + 1: prompt tokens 1..P-1 (when both they and the token
         # before them are real) and then the completion tokens, in one chunked pass.
@@ -228,17 +267,18 @@ def completion_logprobs(
             chunk_size=chunk_size,
         )
         prompt_logprobs = jnp.pad(logprobs[:, : prompt_len - 1], [(0, 0), (1, 0)])
-        return logprobs[:, prompt_len - 1 :], prompt_logprobs
+        return (logprobs[:, prompt_len - 1 :], prompt_logprobs), router_logits, mask
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]
-    return token_logprobs_from_hidden(
+    out = token_logprobs_from_hidden(
         hidden,
         unembed_fn,
         completion_tokens,
         mask=completion_mask,
         temperature=temperature,
         chunk_size=chunk_size,
-        return_entropy=return_entropy,
+        return_entropy=scoring.return_entropy,
     )
+    return out, router_logits, mask
 
 
 def _joined(
@@ -303,8 +343,27 @@ def packed_completion_logprobs(
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs [B, P])``.
     """
+    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
+    return _packed(params, config, seqs, plan, scoring, remat, dropout_key, router=False)[0]
+
+
+def _packed(
+    params: Any,
+    config: ModelConfig,
+    seqs: Sequences,
+    plan: PackingPlan,
+    scoring: _Scoring,
+    remat: str,
+    dropout_key: Array | None,
+    *,
+    router: bool,
+) -> tuple[Any, Array | None, Array]:
+    """``packed_completion_logprobs``'s output, the router logits ``[L, R, W, E]`` of its
+    forward over the packed rows (with ``router``; else None) and their real slots ``[R, W]``
+    bool (``segment_ids > 0``)."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     tokens, _ = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    return_entropy, return_prompt_logprobs = scoring.return_entropy, scoring.return_prompt_logprobs
     if return_prompt_logprobs and return_entropy:
         raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
     shape = tokens.shape
@@ -313,7 +372,7 @@ def packed_completion_logprobs(
     scored = jnp.concatenate([scored_prompt, completion_mask.astype(bool)], axis=1)
     packed_tokens = pack(tokens, plan)
     segments, positions = plan.flat("segment_ids"), plan.flat("positions")
-    hidden, _ = forward(
+    out = forward(
         params,
         config,
         packed_tokens,
@@ -321,7 +380,10 @@ def packed_completion_logprobs(
         segment_ids=segments,
         remat=remat,
         dropout_key=dropout_key,
+        return_router_logits=router,
     )
+    hidden, router_logits = out[0], (out[2] if router else None)
+    real = segments > 0
     # Slot i predicts slot i + 1 of the same sequence when that token is scored.
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
     predicted = same & pack(scored, plan)[:, 1:]
@@ -331,8 +393,8 @@ def packed_completion_logprobs(
         unembed_fn,
         packed_tokens[:, 1:],
         mask=predicted,
-        temperature=temperature,
-        chunk_size=chunk_size,
+        temperature=scoring.temperature,
+        chunk_size=scoring.chunk_size,
         return_entropy=return_entropy,
     )
 
@@ -341,8 +403,58 @@ def packed_completion_logprobs(
 
     if return_entropy:
         logprobs, entropy = out
-        return padded(logprobs)[:, prompt_len:], padded(entropy)[:, prompt_len:]
+        return (
+            (padded(logprobs)[:, prompt_len:], padded(entropy)[:, prompt_len:]),
+            router_logits,
+            real,
+        )
     logprobs = padded(out)
     if return_prompt_logprobs:
-        return logprobs[:, prompt_len:], logprobs[:, :prompt_len]
-    return logprobs[:, prompt_len:]
+        return (logprobs[:, prompt_len:], logprobs[:, :prompt_len]), router_logits, real
+    return logprobs[:, prompt_len:], router_logits, real
+
+
+class RoutedLogprobs(NamedTuple):
+    """The log-probs of ``routed_completion_logprobs`` and the router logits of their forward.
+
+    ``logprobs`` is what ``completion_logprobs`` returns for the same arguments (``[B, T]``,
+    or a pair with ``return_entropy`` / ``return_prompt_logprobs``); ``router_logits`` is
+    ``[L, N, S, E]`` f32 over the rows the model ran on (the padded ``[B, P + T]`` rows, or the
+    packed ``[R, W]`` ones), None for a dense model; ``token_mask`` ``[N, S]`` bool marks their
+    real tokens (``[prompt_mask ; completion_mask]``, or ``segment_ids > 0`` when packed).
+    """
+
+    logprobs: Any
+    router_logits: Array | None
+    token_mask: Array
+
+
+def routed_completion_logprobs(
+    params: Any,
+    config: ModelConfig,
+    seqs: Sequences,
+    plan: PackingPlan | None = None,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    remat: str = "none",
+    return_prompt_logprobs: bool = False,
+    dropout_key: Array | None = None,
+) -> RoutedLogprobs:
+    """``completion_logprobs`` (``plan`` None) or ``packed_completion_logprobs`` of ``seqs``
+    and, from the same forward, every layer's router logits with the real-token mask.
+
+    One forward: the router logits are those the log-probs' hidden states were computed with
+    (what ``models.moe.load_balancing_loss`` / ``router_z_loss`` take, with ``token_mask``).
+    The keyword arguments are those of ``completion_logprobs``.
+
+    Returns:
+      A ``RoutedLogprobs``; ``router_logits`` is None for a dense model.
+    """
+    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
+    if plan is None:
+        out = _padded(params, config, seqs, scoring, remat, dropout_key, router=True)
+    else:
+        out = _packed(params, config, seqs, plan, scoring, remat, dropout_key, router=True)
+    return RoutedLogprobs(*out)

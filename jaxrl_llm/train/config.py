@@ -9,6 +9,7 @@ into plain Python values before anything is jitted; it never enters traced code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 
@@ -81,6 +82,14 @@ class ModelSection:
       lora: train low-rank adapters on a frozen base instead of every weight (``LoraSection``);
         null = full fine-tuning. The base is kept in ``compute_dtype``, the adapters' master
         weights and moments in ``param_dtype``; the reference policy is the base itself.
+      router_aux_loss_coef: weight of a mixture-of-experts policy's load-balancing loss
+        (Switch / transformers' ``load_balancing_loss_func``) in the RL update; null = the
+        checkpoint's ``router_aux_loss_coef`` (``config.json``; 0.001 for the Qwen MoE
+        checkpoints and the built-in tiny MoE, 0.02 for Mixtral-8x7B), the weight HF training
+        applies and Megatron-based RL recipes set (1e-3 for Qwen3-30B-A3B); 0 = off.
+        Must stay null or 0 for a dense model.
+      router_z_loss_coef: weight of the router z-loss (ST-MoE: the mean of
+        ``logsumexp(router logits)^2``) in the RL update; 0 = off. Must be 0 for a dense model.
     """
 
     path: str | None = None
@@ -91,6 +100,20 @@ class ModelSection:
     chunk_size: int | None = None
     remat: str = "none"
     lora: LoraSection | None = None
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        coefs = (
+            ("router_aux_loss_coef", self.router_aux_loss_coef),
+            ("router_z_loss_coef", self.router_z_loss_coef),
+        )
+        for key, value in coefs:
+            if value is None and key == "router_aux_loss_coef":
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value >= 0):
+                raise ValueError(f"model.{key} must be a finite number >= 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,15 @@ def sequence_logprobs(params, model_config, seqs: Sequences, *, packing=None, **
     )
 
 
+def routed_sequence_logprobs(
+    params, model_config, seqs: Sequences, *, packing=None, **kwargs
+) -> logprobs.RoutedLogprobs:
+    """``sequence_logprobs``'s values with the router logits of the same forward
+    (``logprobs.routed_completion_logprobs``): what a mixture-of-experts update's router
+    losses are computed from, padded or (with a ``packing`` plan) packed."""
+    return logprobs.routed_completion_logprobs(params, model_config, seqs, packing, **kwargs)
+
+
 def make_logprob_fn(
     model_config,
     *,

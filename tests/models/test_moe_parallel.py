@@ -330,5 +330,6 @@ def test_rl_step_with_expert_parallelism_equals_the_fsdp_run(tmp_path, monkeypat
     fsdp, _ = _first_step(tmp_path, monkeypatch, "mesh.expert=1", "mesh.fsdp=8")
     assert ep["step"] == fsdp["step"] == 1
     assert ep["grad_norm"] > 0 and ep["advantage_std"] > 0 and abs(ep["loss"]) > 1e-3
-    for key in ("loss", "pg_loss", "entropy", "grad_norm", "num_tokens"):
+    keys = ("loss", "pg_loss", "entropy", "grad_norm", "num_tokens")
+    for key in (*keys, "moe/load_balancing_loss", "moe/router_z_loss"):  # router losses too
         np.testing.assert_allclose(ep[key], fsdp[key], rtol=1e-5, atol=1e-7, err_msg=key)

@@ -4,19 +4,24 @@ Everything here is pure and jit-able; the objective and the model settings are b
 ``jax.jit``. The step's batch is a :class:`~jaxrl_llm.types.RolloutBatch` whose token fields are
 set; the whole batch's token and row counts reach every micro-batch (``train.step``), so the
 accumulated gradient equals the full-batch gradient for every aggregation mode.
+
+A mixture-of-experts policy adds its router losses (``RouterLoss``) to the objective's loss,
+from the router logits of the forward that gives the log-probs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxrl_llm import masked_stats, objectives
+from jaxrl_llm.models import moe
 from jaxrl_llm.train.adapters import has_dropout
-from jaxrl_llm.train.forward import sequence_logprobs
+from jaxrl_llm.train.forward import routed_sequence_logprobs, sequence_logprobs
 from jaxrl_llm.train.step import LossFn, Step, Totals, make_step
 from jaxrl_llm.types import RolloutBatch, sequences_of
 
@@ -58,6 +63,81 @@ def sampler_mismatch(
     }
 
 
+class RouterLoss(NamedTuple):
+    """Coefficients of a mixture-of-experts policy's router losses in the update.
+
+    ``loss += aux_coef · load_balancing_loss + z_coef · router_z_loss`` (``models.moe``), both
+    over the real tokens (prompt and completion) of every layer, in f32.
+    """
+
+    aux_coef: float
+    z_coef: float = 0.0
+
+
+def router_loss(
+    model_config, aux_coef: float | None = None, z_coef: float = 0.0
+) -> RouterLoss | None:
+    """The ``RouterLoss`` of ``model.router_aux_loss_coef`` / ``model.router_z_loss_coef``.
+
+    ``aux_coef`` None takes the checkpoint's ``router_aux_loss_coef`` (``ModelConfig``; HF's
+    weight of the load-balancing loss in training). None for a dense model, which must leave
+    both unset (None / 0).
+
+    Raises:
+      ValueError: a coefficient that is not a finite number >= 0, or one set non-zero for a
+        dense model.
+    """
+    for key, value in (("router_aux_loss_coef", aux_coef), ("router_z_loss_coef", z_coef)):
+        if value is None and key == "router_aux_loss_coef":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"model.{key} must be a number >= 0, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"model.{key} must be a finite number >= 0, got {value!r}")
+    if not model_config.is_moe:
+        if aux_coef or z_coef:
+            raise ValueError(
+                f"model.router_aux_loss_coef / model.router_z_loss_coef apply to mixture-of-"
+                f"experts models; {model_config.architecture} here is dense: leave them unset, got "
+                f"{aux_coef!r} / {z_coef!r}"
+            )
+        return None
+    aux = model_config.router_aux_loss_coef if aux_coef is None else aux_coef
+    return RouterLoss(float(aux), float(z_coef))
+
+
+def router_loss_terms(
+    router_logits: jax.Array,
+    token_mask: jax.Array,
+    *,
+    top_k: int,
+    coefs: RouterLoss,
+    weight: jax.Array | float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(w · (aux_coef · LB + z_coef · Z), {"moe/load_balancing_loss": w · LB,
+    "moe/router_z_loss": w · Z})`` for one micro-batch.
+
+    ``LB = models.moe.load_balancing_loss`` and ``Z = models.moe.router_z_loss`` of the
+    ``[L, N, S, E]`` router logits over the ``[N, S]`` real tokens, in f32. ``w`` is the
+    micro-batch's share of the whole batch's completion tokens (``n_k / N``, 1 for the whole
+    batch), so the values summed over the K micro-batches are the token-weighted mean
+    ``sum_k (n_k / N) · L_k`` of the micro-batches' losses: each ``L_k``'s statistics (the
+    experts' load ``f`` and mean probability ``P``) are those of its own tokens, as in Megatron's
+    per-micro-batch auxiliary loss; with one micro-batch, exactly the full-batch value. A zero
+    coefficient adds nothing to the loss (its value is still reported).
+    """
+    lb = moe.load_balancing_loss(router_logits, token_mask, top_k=top_k)
+    z = moe.router_z_loss(router_logits, token_mask)
+    weight = jnp.asarray(weight, jnp.float32)
+    total = jnp.zeros((), jnp.float32)
+    if coefs.aux_coef:
+        total = total + coefs.aux_coef * lb
+    if coefs.z_coef:
+        total = total + coefs.z_coef * z
+    metrics = {"moe/load_balancing_loss": weight * lb, "moe/router_z_loss": weight * z}
+    return weight * total, metrics
+
+
 def make_policy_loss_fn(
     model_config,
     objective: objectives.Objective,
@@ -66,18 +146,24 @@ def make_policy_loss_fn(
     chunk_size: int | None = None,
     remat: str = "none",
     compute_entropy: bool = True,
+    router: RouterLoss | None = None,
 ) -> LossFn:
-    """``(params, batch, totals) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``.
+    """``(params, batch, totals) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``
+    (plus the router losses of a mixture-of-experts model, ``router_loss_terms``).
 
     See :func:`make_policy_step` for the arguments.
     """
     need_entropy = compute_entropy or objective.needs_entropy
+    if router is not None and not model_config.is_moe:
+        raise ValueError(
+            f"router losses apply to mixture-of-experts models; {model_config.architecture} "
+            "is dense: pass router=None"
+        )
+    if router is None and model_config.is_moe:  # the checkpoint's aux weight, no z-loss
+        router = RouterLoss(float(model_config.router_aux_loss_coef))
 
     def loss_fn(params, batch: RolloutBatch, totals: Totals | None, key=None):
-        out = sequence_logprobs(
-            params,
-            model_config,
-            sequences_of(batch),
+        kwargs = dict(
             packing=batch.packing,  # this micro-batch's plan, or None (padded)
             temperature=temperature,
             chunk_size=chunk_size,
@@ -85,6 +171,12 @@ def make_policy_loss_fn(
             return_entropy=need_entropy,
             dropout_key=key,
         )
+        routed = None
+        if router is None:
+            out = sequence_logprobs(params, model_config, sequences_of(batch), **kwargs)
+        else:  # one forward: the log-probs and the router logits they were computed with
+            routed = routed_sequence_logprobs(params, model_config, sequences_of(batch), **kwargs)
+            out = routed.logprobs
         token_logprobs, entropy = out if need_entropy else (out, None)
         if batch.old_logprobs is None:  # on-policy: this forward's own log-probs, held fixed
             batch = batch._replace(old_logprobs=jax.lax.stop_gradient(token_logprobs))
@@ -95,7 +187,23 @@ def make_policy_loss_fn(
             entropy=entropy,
             entropy_coef=None if totals is None else totals.entropy_coef,
         )
-        metrics = result.metrics
+        loss, metrics = result.loss, result.metrics
+        if routed is not None:
+            share = 1.0
+            if totals is not None:  # this micro-batch's share of the batch's tokens
+                count = jnp.sum(batch.completion_mask.astype(jnp.float32))
+                share = count / jnp.maximum(totals.num_tokens, 1.0)
+            extra, router_metrics = router_loss_terms(
+                routed.router_logits,
+                routed.token_mask,
+                top_k=model_config.num_experts_per_tok,
+                coefs=router,
+                weight=share,
+            )
+            metrics = {**metrics, **router_metrics}
+            if router.aux_coef or router.z_coef:  # coefficients 0: the loss left as it was
+                loss = loss + extra
+                metrics["loss"] = loss  # what the step minimises, router losses included
         if batch.rollout_logprobs is not None:
             # Against this step's own forward: exact while the parameters are the rollout's
             # (every step on-policy; a batch's first optimizer step otherwise).
@@ -106,7 +214,7 @@ def make_policy_loss_fn(
                     token_logprobs, batch.rollout_logprobs, batch.completion_mask, count
                 ),
             }
-        return result.loss, metrics
+        return loss, metrics
 
     return loss_fn
 
@@ -122,6 +230,7 @@ def make_policy_step(
     remat: str = "none",
     compute_entropy: bool = True,
     param_shardings: PyTree | None = None,
+    router: RouterLoss | None = None,
 ) -> Step:
     """A pure policy-update step: log-probs → ``objectives.policy_loss`` → gradient → optax.
 
@@ -136,6 +245,11 @@ def make_policy_step(
       remat: ``"none"`` or ``"layer"`` (recompute each layer in the backward pass).
       compute_entropy: also compute the per-token entropy (metric; needed for a bonus).
       param_shardings: the parameters' shardings (``train.step.make_step``).
+      router: a mixture-of-experts policy's router-loss coefficients (``router_loss``, from
+        ``model.router_aux_loss_coef`` / ``model.router_z_loss_coef``); None takes the
+        checkpoint's ``router_aux_loss_coef`` and no z-loss. Must be None for a dense model.
+        The update then adds ``moe/load_balancing_loss`` and ``moe/router_z_loss`` to its
+        metrics, and its ``loss`` metric includes the weighted router losses.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
@@ -153,6 +267,7 @@ def make_policy_step(
         chunk_size=chunk_size,
         remat=remat,
         compute_entropy=compute_entropy,
+        router=router,
     )
     return make_step(
         loss_fn,

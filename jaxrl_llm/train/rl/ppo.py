@@ -26,7 +26,7 @@ from jaxrl_llm.train.forward import LogprobProgram
 from jaxrl_llm.train.optim import make_model_optimizer
 from jaxrl_llm.train.packing import micro_plan, packing_mode
 from jaxrl_llm.train.rl.config import micro_batching
-from jaxrl_llm.train.rl.policy import make_policy_loss_fn, with_totals
+from jaxrl_llm.train.rl.policy import make_policy_loss_fn, router_loss, with_totals
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
@@ -80,16 +80,23 @@ def make_joint_step(
     param_shardings=None,
     value_config=None,
     value_only=False,
+    router=None,
 ):
     """One optimizer over ``{"policy", "value"}``: loss ``pg_total + value_coef·vf_loss``.
 
     ``value_config`` is the value model's config when it differs from the policy's (a critic
     initialised from a reward model). ``value_only`` drops the policy term (the critic's
     warm-up): the policy's gradient is then exactly zero, so Adam leaves it in place (unless
-    the optimizer applies weight decay).
+    the optimizer applies weight decay). ``router``: a mixture-of-experts policy's router loss
+    coefficients (``policy.router_loss``), as in ``make_policy_step``.
     """
     policy_loss = make_policy_loss_fn(
-        model_config, objective, temperature=temperature, chunk_size=chunk_size, remat=remat
+        model_config,
+        objective,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        remat=remat,
+        router=router,
     )
     value_loss = make_value_loss_fn(
         model_config if value_config is None else value_config, objective, remat=remat
@@ -177,6 +184,9 @@ def joint_update(
         param_shardings=shardings.params,
         value_config=value_config,
         value_only=value_only,
+        router=router_loss(
+            model_config, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef
+        ),
     )
     return ProgramSpec(
         "update",

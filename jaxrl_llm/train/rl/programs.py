@@ -26,7 +26,7 @@ from jaxrl_llm import parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching
-from jaxrl_llm.train.rl.policy import make_policy_step
+from jaxrl_llm.train.rl.policy import make_policy_step, router_loss
 from jaxrl_llm.train.rl.spec import RunSpec
 from jaxrl_llm.train.rl.updates import on_policy_update, update_objective
 from jaxrl_llm.train.step import jit_step
@@ -101,6 +101,9 @@ def policy_programs(
             chunk_size=chunk,
             remat=cfg.model.remat,
             param_shardings=shardings.params,
+            router=router_loss(
+                model_config, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef
+            ),
         ),
         shardings,
         frozen=frozen,
