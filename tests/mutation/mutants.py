@@ -35,7 +35,7 @@ def _critic_values_zero(patch: pytest.MonkeyPatch) -> None:
 
     def make_value_fn(*args, **kwargs):
         fn = real(*args, **kwargs)
-        return lambda params, seqs: jnp.zeros_like(fn(params, seqs))
+        return lambda params, seqs, *packing: jnp.zeros_like(fn(params, seqs, *packing))
 
     patch.setattr(ppo, "make_value_fn", make_value_fn)
 

@@ -164,8 +164,8 @@ def test_gdpo_normalises_each_reward_function_of_the_run(tmp_path, monkeypatch):
     captured = {}
     score = RLTrainer.score
 
-    def spy(self, step, samples, seqs, old, ref, rewards):
-        batch, metrics = score(self, step, samples, seqs, old, ref, rewards)
+    def spy(self, step, samples, seqs, forwards, rewards):
+        batch, metrics = score(self, step, samples, seqs, forwards, rewards)
         captured.update(
             components=dict(samples.components),
             advantages=np.asarray(parallel.fetch(batch.advantages)),

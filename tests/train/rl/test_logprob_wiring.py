@@ -329,8 +329,8 @@ def test_sampler_mode_uses_the_samplers_logprobs_without_a_forward(tmp_path):
     try:
         trainer.setup()
         logprob_fn, step_fn = trainer.logprob_fn, trainer.update_fn
-        trainer.logprob_fn = lambda params, seqs: (
-            forwards.append(params) or logprob_fn(params, seqs)
+        trainer.logprob_fn = lambda params, seqs, *packing: (
+            forwards.append(params) or logprob_fn(params, seqs, *packing)
         )
         batches = []
 

@@ -141,8 +141,8 @@ def _first_batch(reward_model_dir, run_dir, monkeypatch, *overrides):
         seen = {}
         score = trainer.score
 
-        def spy(step, samples, seqs, old, ref, rewards):
-            batch, metrics = score(step, samples, seqs, old, ref, rewards)
+        def spy(step, samples, seqs, forwards, rewards):
+            batch, metrics = score(step, samples, seqs, forwards, rewards)
             seen["samples"], seen["batch"] = samples, batch
             raise _Stop
 

@@ -70,17 +70,17 @@ def test_scores_are_waited_for_after_the_forwards_are_dispatched(trainer, monkey
     for name in ("logprob_fn", "ref_logprob_fn"):  # the old policy's and the reference's
         forward = getattr(trainer, name)
 
-        def logged_forward(params, seqs, forward=forward):
+        def logged_forward(params, seqs, *packing, forward=forward):
             events.append("forward")
-            return forward(params, seqs)
+            return forward(params, seqs, *packing)
 
         monkeypatch.setattr(trainer, name, logged_forward)
     seen = {}
     score = trainer.score
 
-    def logged_score(step, samples, seqs, old, ref, rewards):
+    def logged_score(step, samples, seqs, forwards, rewards):
         seen["samples"], seen["rewards"] = samples, np.asarray(jax.device_get(rewards))
-        return score(step, samples, seqs, old, ref, rewards)
+        return score(step, samples, seqs, forwards, rewards)
 
     monkeypatch.setattr(trainer, "score", logged_score)
     timer = PhaseTimer()
