@@ -47,6 +47,7 @@ from jaxrl_llm.plan._lora import (
     policy,
     serving_trees,
 )
+from jaxrl_llm.plan._packing import job_packing
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan._split import (
     SAMPLER_PROGRAMS,
@@ -156,6 +157,12 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
             layout = choose_layout(cfg, model_config, mesh, shape, spec, sizes)
         except ValueError as err:
             raise PlanError(f"the sampler's layout: {err}") from None
+    # trainer.packing: the packed rows of the update and the log-prob forwards (length model).
+    prompt_tokens = min(cfg.data.max_prompt_tokens, shape.prompt_len)
+    platform = parallel.current_platform(mesh)[0]
+    packing = job_packing(
+        cfg, shape, mesh, prompt_tokens, platform, prm=objective.needs_process_rewards
+    )
     if frozen is not None and not layout.is_trainer_layout:  # kept all run (serving_base)
         served_base = shard_bytes(serving_trees(model_config, layout)[0])
         sizes = dataclasses.replace(sizes, serving_base=served_base)
@@ -177,13 +184,26 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
             teacher=teacher,
             split=split,
             sampler_free=spec.usable_hbm_bytes_per_chip - sizes.resident,
+            packing=packing,
         )
     )
     for name, program in programs.items():  # the chips each program runs on
         on_sampler = split is not None and name in SAMPLER_PROGRAMS
         program.chips = len(split.sampler_devices) if on_sampler else mesh.size
     return Job(
-        run, spec, mesh, model_config, shape, sizes, programs, layout, critic, rm, split, teacher
+        run,
+        spec,
+        mesh,
+        model_config,
+        shape,
+        sizes,
+        programs,
+        layout,
+        critic,
+        rm,
+        split,
+        teacher,
+        packing,
     )
 
 
@@ -217,22 +237,36 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
     )
     # (b) the behaviour (and reference) log-probs over the whole rollout batch; with one
     # update per rollout batch the trainer skips the behaviour forward (the update uses its own).
+    # Packed (``trainer.packing``): lowered with the stacked plan ``train`` passes as a third
+    # argument, FLOPs and tokens over the packed rows (``plan._packing``).
     on_policy = takes_own_logprobs(run)
     logprob_fn = built["logprobs"].fn
     policy_params = policy(state.params, frozen)
     seqs = abstract_sequences(mesh, rows, p_len, t_len)
-    logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs)
-    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
+    packing, f_rows, m_rows = low.packing, rows, shape.minibatch_rows
+    f_plan = u_plan = f_packed = u_packed = None
+    if packing is not None:
+        f_plan, u_plan = (
+            packing.plan_of(packing.forwards, mesh),
+            packing.plan_of(packing.update, mesh),
+        )
+        f_packed = packing.forwards if f_plan is not None else None
+        u_packed = packing.update if u_plan is not None else None
+        f_rows = rows if f_packed is None else f_packed.packed_rows
+        m_rows = m_rows if u_packed is None else u_packed.packed_rows
+    logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs, f_plan)
+    forward = flops_lib.forward_flops(model_config, f_rows, seq, logits_positions=t_len)
     programs["logprobs"] = Program(
         name="logprobs",
-        lowered=logprob_fn.lower(policy_params, seqs),
+        lowered=logprob_fn.lower(policy_params, seqs, f_plan),
         calls_per_step=built["logprobs"].calls_per_step,
         function=built["logprobs"].builder,
         flops=forward,
         model_flops=forward,
-        tokens=rows * t_len,
+        tokens=f_rows * t_len,
         argument_parts=dict(weights),
         resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+        packing=f_packed,
     )
     if shape.needs_reference:
         # The old log-probs computed just before stay on device.
@@ -245,43 +279,45 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
         ref = built["ref_logprobs"]
         if frozen is not None:  # the base itself, adapters off (lora.base_config)
             base_config = ref.config
-            ref_forward = flops_lib.forward_flops(base_config, rows, seq, logits_positions=t_len)
+            ref_forward = flops_lib.forward_flops(base_config, f_rows, seq, logits_positions=t_len)
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=ref.fn.lower(frozen.base, seqs),
+                lowered=ref.fn.lower(frozen.base, seqs, f_plan),
                 calls_per_step=ref.calls_per_step,
                 function=ref.builder,
                 flops=ref_forward,
                 model_flops=ref_forward,
-                tokens=rows * t_len,
+                tokens=f_rows * t_len,
                 argument_parts={"frozen_base": sizes.base},
                 resident={**around, "sampler_weights": sizes.serving_base},
+                packing=f_packed,
             )
         else:
             same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=None if same else ref.fn.lower(reference, seqs),
+                lowered=None if same else ref.fn.lower(reference, seqs, f_plan),
                 calls_per_step=ref.calls_per_step,
                 function=ref.builder,
                 flops=forward,
                 model_flops=forward,
-                tokens=rows * t_len,
+                tokens=f_rows * t_len,
                 argument_parts={"reference": sizes.reference},
                 resident=around,
                 same_as="logprobs" if same else None,
+                packing=f_packed,
             )
 
     # (a) the policy update on one minibatch (a LoRA run's base passed as frozen parameters;
     # PPO's joint optimizer: the joint step on the whole state).
+    # Packed: each minibatch's ``RolloutBatch`` carries its stacked plan (``packing``).
     minibatch = abstract_rollout_batch(
         mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, on_policy=on_policy
-    )
+    )._replace(packing=u_plan)
     full_batch = abstract_rollout_batch(
         mesh, objective, shape, rows, logprob_out.dtype, on_policy=on_policy
     )
-    m_rows = shape.minibatch_rows
-    inputs = StepInputs(seqs, logprob_out, minibatch, full_batch)
+    inputs = StepInputs(seqs, logprob_out, minibatch, full_batch, f_plan, f_rows, m_rows)
     if critic is not None and critic.joint:
         programs["update"] = joint_update_program(low, inputs)
     else:
@@ -299,6 +335,7 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
             argument_parts={**weights, "optimizer_state": sizes.optimizer},
             # The whole rollout batch stays on device while its minibatches are drawn.
             resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
+            packing=u_packed,
         )
     if critic is not None:
         lower_aux_programs(programs, low, inputs, built["logprobs"])

@@ -31,7 +31,7 @@ def joint_update_program(low: Lowering, inputs: StepInputs) -> Program:
     """``critic.optimizer=joint``: the update is ``PPOTrainer``'s ``joint_fn``
     (``ppo.joint_update``: ``jit_step(make_joint_step(...))`` on the joint state), both models'
     forward and backward on one minibatch; it takes the whole state, the critic's share
-    included."""
+    included. Packed (``inputs.minibatch.packing``): FLOPs and tokens over the packed rows."""
     aux, run, model_config, shape, sizes = low.aux, low.run, low.model_config, low.shape, low.sizes
     built = joint_update(
         run,
@@ -42,7 +42,7 @@ def joint_update_program(low: Lowering, inputs: StepInputs) -> Program:
         frozen=aux.frozen,
         frozen_shardings=aux.frozen_shardings,
     )
-    m_rows, seq, t_len = shape.minibatch_rows, shape.seq_len, shape.completion_len
+    m_rows, seq, t_len = _update_rows(low, inputs), shape.seq_len, shape.completion_len
 
     def flops(remat: str) -> int:
         policy = flops_lib.train_flops(
@@ -72,7 +72,18 @@ def joint_update_program(low: Lowering, inputs: StepInputs) -> Program:
         },
         # A LoRA critic over the policy's base takes the base's arrays a second time.
         shared_argument_bytes=_base_share(aux, sizes)[0].get("frozen_base", 0),
+        packing=_update_packing(low, inputs),
     )
+
+
+def _update_rows(low: Lowering, inputs: StepInputs) -> int:
+    """The rows one minibatch update computes: its packed rows, or the minibatch's."""
+    return inputs.update_rows or low.shape.minibatch_rows
+
+
+def _update_packing(low: Lowering, inputs: StepInputs) -> Any:
+    """The update's ``plan._packing.PackedForward`` when the minibatch is packed, else None."""
+    return low.packing.update if inputs.minibatch.packing is not None else None
 
 
 def _policy_resident(sizes) -> dict[str, int]:
@@ -133,7 +144,7 @@ def _lower_critic_programs(programs: dict[str, Program], low: Lowering, inputs: 
     if critic.joint:
         return
     step = built["critic_update"]
-    m_rows = shape.minibatch_rows
+    m_rows = _update_rows(low, inputs)  # the policy's plans serve the critic's step
     programs["critic_update"] = Program(
         name="critic_update",
         lowered=step.fn.lower(critic.state, inputs.minibatch),
@@ -146,6 +157,7 @@ def _lower_critic_programs(programs: dict[str, Program], low: Lowering, inputs: 
         tokens=m_rows * t_len,
         argument_parts={"aux_model": sizes.aux, **base_args},
         resident={**policy, "inputs": shard_bytes(inputs.full_batch)},
+        packing=_update_packing(low, inputs),
     )
 
 
@@ -162,6 +174,13 @@ def _lower_prm_programs(
     policy = {**_policy_resident(sizes), **base_rest}
     rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
     per_token = _rows(mesh, (rows, t_len), logprob_out.dtype)
+    # Packed: the PRM's update over the whole batch with its own plan, its log-probs with the
+    # policy's forwards' (``PRIMETrainer.prm_packing_plans``).
+    update_packed = None if low.packing is None else low.packing.prm_update
+    update_plan = None if low.packing is None else low.packing.plan_of(update_packed, mesh)
+    update_packed = update_packed if update_plan is not None else None
+    update_rows = rows if update_packed is None else update_packed.packed_rows
+    forward_rows = inputs.forward_rows or rows
     labels = _rows(mesh, (rows,), jnp.float32)  # the outcome labels, correct in {0, 1}
     batch = RolloutBatch(
         completion_mask=seqs.completion_mask,
@@ -172,6 +191,7 @@ def _lower_prm_programs(
         prompt_mask=seqs.prompt_mask,
         completion_tokens=seqs.completion_tokens,
         rewards=labels,
+        packing=update_plan,
     )
     built = prm_programs(
         run,
@@ -189,14 +209,15 @@ def _lower_prm_programs(
         calls_per_step=step.calls_per_step,
         function=step.builder,
         flops=flops_lib.train_flops(
-            model_config, rows, seq, remat=shape.remat, logits_positions=t_len
+            model_config, update_rows, seq, remat=shape.remat, logits_positions=t_len
         ),
-        model_flops=flops_lib.train_flops(model_config, rows, seq, logits_positions=t_len),
-        tokens=rows * t_len,
+        model_flops=flops_lib.train_flops(model_config, update_rows, seq, logits_positions=t_len),
+        tokens=update_rows * t_len,
         argument_parts={"aux_model": sizes.aux, **base_args},
         resident=dict(policy),
+        packing=update_packed,
     )
-    forward = flops_lib.forward_flops(model_config, rows, seq, logits_positions=t_len)
+    forward = flops_lib.forward_flops(model_config, forward_rows, seq, logits_positions=t_len)
     programs["prm_logprobs"] = Program(
         name="prm_logprobs",
         lowered=None,  # the policy's log-prob program, on the PRM's parameters
@@ -204,7 +225,7 @@ def _lower_prm_programs(
         function=built["prm_logprobs"].builder,
         flops=forward,
         model_flops=forward,
-        tokens=rows * t_len,
+        tokens=forward_rows * t_len,
         argument_parts={"aux_model": sizes.aux_params, **base_args},
         resident={
             **policy,
@@ -212,6 +233,7 @@ def _lower_prm_programs(
             "inputs": shard_bytes(logprob_out),  # the reference log-probs, on device
         },
         same_as="logprobs",
+        packing=None if inputs.forward_plan is None else low.packing.forwards,
     )
 
 

@@ -91,6 +91,8 @@ class FrozenKind:
       counts_sequences: when it runs after the log-prob forwards, the step's sequences are
         counted alive beside its own arguments.
       assumption: its line in the report's assumptions.
+      packs: ``train`` passes it the log-prob forwards' packing plan (``trainer.packing``):
+        lowered with that plan, its FLOPs over the packed rows.
     """
 
     part: str
@@ -101,6 +103,7 @@ class FrozenKind:
     in_rollout: Callable[..., bool] | None
     counts_sequences: bool
     assumption: str
+    packs: bool = False
 
     @property
     def key(self) -> str:
@@ -121,6 +124,7 @@ TEACHER = FrozenKind(
         "part) and scores the rollout batch once a step (teacher_logprobs: the policy's "
         "log-prob forward on the teacher, after the behaviour and reference forwards)"
     ),
+    packs=True,
 )
 REWARD_MODEL = FrozenKind(
     part="reward_model",
@@ -253,8 +257,13 @@ def lower_frozen_program(
         sequences = shard_bytes(inputs.seqs) if kind.counts_sequences else 0
         around["inputs"] = sequences + (1 + forwards) * per_token
     built = kind.build(low.run, model.config, model.shardings)
+    plan = inputs.forward_plan if kind.packs else None  # packed: the forwards' plan
     with jax.set_mesh(mesh):  # ``Trainer.fit`` runs under the trainer's mesh
-        lowered = built.fn.lower(model.params, inputs.seqs)
+        if plan is None:
+            lowered = built.fn.lower(model.params, inputs.seqs)
+        else:
+            lowered = built.fn.lower(model.params, inputs.seqs, plan)
+            rows = inputs.forward_rows
     forward = flops_lib.forward_flops(
         model.config, rows, seq, logits_positions=t_len if kind.unembeds else 0
     )
@@ -268,6 +277,7 @@ def lower_frozen_program(
         tokens=rows * t_len,
         argument_parts={kind.part: weights},
         resident=around,
+        packing=None if plan is None else low.packing.forwards,
     )
 
 

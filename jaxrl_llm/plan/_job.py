@@ -299,6 +299,8 @@ class Program:
         ``build_job``; None: the whole slice).
       function: the public function that built the jitted function it lowered (the one
         ``train`` calls; ``train.rl.programs``), when it is one of those; else None.
+      packing: the packing plan it is lowered with (``plan._packing.PackedForward``: its
+        FLOPs and tokens count the packed rows), or None (padded rows).
     """
 
     name: str
@@ -316,6 +318,7 @@ class Program:
     shared_argument_bytes: int = 0
     chips: int | None = None
     function: str | None = None
+    packing: Any = None
 
 
 class OfRun:
@@ -357,6 +360,7 @@ class Lowering(OfRun):
       teacher: ``teacher.path``'s ``plan._frozen_model.FrozenModel``, or None.
       split: the sampler's own chips (``plan._split.Split``), or None.
       sampler_free: the chip's usable HBM less the resident state.
+      packing: ``trainer.packing`` as planned (``plan._packing.Packing``), or None (padded).
     """
 
     run: RunSpec
@@ -375,6 +379,7 @@ class Lowering(OfRun):
     teacher: Any = None
     split: Any = None
     sampler_free: int | None = None
+    packing: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,14 +389,21 @@ class StepInputs:
     Attributes:
       seqs: the rollout batch's ``Sequences``.
       logprob_out: the log-prob forward's output over it (its shape and dtype).
-      minibatch: one update's ``RolloutBatch``.
+      minibatch: one update's ``RolloutBatch`` (with its packing plan when packed).
       full_batch: the whole rollout batch's (alive while its minibatches are drawn).
+      forward_plan: the frozen log-prob forwards' abstract packing plan (behaviour, reference,
+        teacher: ``[K, shards, rows, W]``), or None (padded).
+      forward_rows: the rows those forwards compute (packed rows, or ``B``).
+      update_rows: the rows one update computes (packed rows, or the minibatch's).
     """
 
     seqs: Any
     logprob_out: Any
     minibatch: Any
     full_batch: Any
+    forward_plan: Any = None
+    forward_rows: int | None = None
+    update_rows: int | None = None
 
 
 @dataclasses.dataclass
@@ -411,6 +423,7 @@ class Job(OfRun):
     reward_model: Any = None  # plan._frozen_model.FrozenModel of reward_model.path
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
     teacher: Any = None  # plan._frozen_model.FrozenModel of teacher.path
+    packing: Any = None  # plan._packing.Packing: trainer.packing as planned
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

@@ -105,6 +105,8 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
         "flops": program.flops,
         "model_flops": program.model_flops,
         "tokens": program.tokens,
+        # Lowered over packed rows (trainer.packing): the plan's sizes, else None (padded).
+        "packing": None if program.packing is None else program.packing.report(),
     }
     if compiled is not None:
         out.update(_hlo_estimate(compiled, spec, program))
@@ -278,6 +280,8 @@ def summarise(
             if decode["step_s"] is None or not programs["decode_step"]["compiled"]
             else programs["decode_step"]["hbm_roofline_s"] / decode["step_s"]
         ),
+        # trainer.packing as lowered: whether the forwards run packed, their rows (plan._packing).
+        "packing": None if job.packing is None else job.packing.report(),
         "sampler_layout": {
             "mesh": dict(job.serving.mesh.shape),
             "tensor": job.serving.tensor,

@@ -313,11 +313,28 @@ def _expected_lines(report: Mapping[str, Any]) -> list[str]:
         f"{tokens['real_tokens']:,.0f} real ({tokens['prompt_tokens']} a prompt, prompts taken "
         f"as full; completions {f:.2f} x {report['job']['completion_len']}, "
         f"{tokens['length_source']}), {tokens['packed_positions']:,} packed (whole rows)",
+        _packing_line(report.get("packing")),
         f"goodput: {_rate(report['goodput_tokens_per_s'])} real tokens/s expected "
         f"({_rate(report['goodput_tokens_per_s_roofline_bound'])} at the roofline, an upper "
         f"bound); MFU over real tokens: {_pct(report['mfu_real_tokens'])} expected "
         f"({_pct(report['mfu_real_tokens_roofline_bound'])} upper bound)",
     ]
+
+
+def _packing_line(packing: Mapping[str, Any] | None) -> str:
+    """Whether the training-side forwards were lowered packed (``trainer.packing``), with
+    their packed rows per shard, or why not."""
+    if not packing or not packing["packed"]:
+        reason = "trainer.packing=off" if not packing else packing["reason"]
+        return f"packing: padded programs ({reason})"
+    sizes = ", ".join(
+        f"{name} {p['packed_rows']} rows ({p['micro_batches']} x {p['shards']} shards x "
+        f"{p['rows_per_shard']}) for {p['padded_rows']} padded"
+        for name in ("update", "forwards", "prm_update")
+        if (p := packing.get(name)) and p["packed"]
+    )
+    mode = packing["mode"]
+    return f"packing: {mode}, packed programs lowered: {sizes} (first-fit at the ceiling)"
 
 
 def _s(seconds: float | None) -> str:

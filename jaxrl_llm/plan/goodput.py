@@ -27,7 +27,9 @@ program's "MFU" there is only its model FLOPs over its compiled FLOPs, an **uppe
 * **goodput**: real tokens per RL step over the step time (tokens/s), and **MFU over real
   tokens**: the model FLOPs of the real tokens only (each program's model FLOPs times its
   real share: ``(p + f T) / (P + T)`` for the programs over the rollout batch, ``f`` for the
-  decode step, ``p / P`` for the prefill) over ``peak x step time``. The share scales
+  decode step, ``p / P`` for the prefill; a program lowered over ``R`` packed rows of a batch
+  of ``B_p`` rows, ``trainer.packing``: ``B_p (p + f T) / (R (P + T))``, at most 1) over
+  ``peak x step time``. The share scales
   attention's ``L^2`` term linearly, so it overstates the real FLOPs of short rows a little.
 """
 
@@ -217,6 +219,17 @@ def lengths_from_run(run_dir: str, max_new_tokens: int, last: int = 10) -> tuple
     return fraction, source
 
 
+def program_real_share(tokens: StepTokens, name: str, program: Mapping[str, Any]) -> float:
+    """``tokens.real_share(name)``, or for a program lowered over packed rows (its report's
+    ``packing``: ``R`` packed rows of a batch of ``B_p`` padded ones) the real share of its
+    packed positions: ``min(1, B_p (p + f T) / (R (P + T)))``."""
+    share = tokens.real_share(name)
+    packing = program.get("packing")
+    if packing and packing.get("packed"):
+        share = min(1.0, share * packing["padded_rows"] / packing["packed_rows"])
+    return share
+
+
 def goodput_report(
     programs: Mapping[str, dict],
     tokens: StepTokens,
@@ -242,7 +255,7 @@ def goodput_report(
     """
     model_flops = sum(p["calls_per_step"] * p["model_flops"] for p in programs.values())
     real_flops = sum(
-        p["calls_per_step"] * p["model_flops"] * tokens.real_share(name)
+        p["calls_per_step"] * p["model_flops"] * program_real_share(tokens, name, p)
         for name, p in programs.items()
     )
 
@@ -284,5 +297,6 @@ __all__ = [
     "goodput_report",
     "lengths_from_run",
     "matmul_efficiency",
+    "program_real_share",
     "step_tokens",
 ]

@@ -21,6 +21,13 @@ data.max_prompt_tokens)`` (the trainer pads to that bucket), completions
 (``rollout.tensor_parallel``: its own serving layout, resharded into by the ``reshard``
 program, or the trainer's).
 
+With ``trainer.packing`` on (or ``auto`` and worth it by the length model), the update and the
+behaviour, reference and teacher log-prob forwards (and PPO's critic or joint update) are
+lowered packed, as ``train`` calls them: the forwards with a stacked packing plan
+``[K, shards, rows, W]`` as a third argument, each minibatch with ``packing=plan``; the rows
+per shard come from the length model (``plan._packing``), and their FLOPs and tokens count the
+packed rows.
+
 A LoRA job (``model.lora``) is planned as ``train`` runs it (``plan._lora``): the train state
 holds the adapters, the frozen base (compute dtype, also the reference) is the update's third
 argument and an argument of the log-prob forwards, ``ref_logprobs`` runs the base alone, and

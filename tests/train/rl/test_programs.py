@@ -5,6 +5,14 @@ programs (argument shapes and dtypes, calls in its one RL step); ``plan`` of the
 the same mesh shape (deviceless TPU where libtpu is installed, else the CPU devices) must lower
 the same programs with the same argument shapes and dtypes, count the same calls per step, and
 name the function that built each (what ``plan --json`` reports as ``function``).
+
+The packed variant (``trainer.packing=on``): the log-prob forwards take the stacked packing
+plan as a third argument and each minibatch's ``RolloutBatch`` carries one. ``train`` sizes its
+plans from the batch's masks, ``plan`` from the length model (full prompts, mean completion
+``f x T``, first-fit at the ceiling), so the packed rows per shard need not agree: the real
+job's lengths are whatever its sampler drew. Its plans are compared in everything but that
+axis: the same programs, argument structure and dtypes, plan leaves of rank 4 with the same
+micro-batches, shards and width (``[K, shards, rows, W]``).
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ import inspect
 import jax
 import pytest
 
+from jaxrl_llm.packing import PackingPlan
 from jaxrl_llm.plan import programs as plan_programs
 from jaxrl_llm.plan.topology import get_devices, libtpu_available, resolve_topology
 from jaxrl_llm.train.config_io import load_config
+from jaxrl_llm.train.packing import packing_mode
 from jaxrl_llm.train.rl.config import TrainConfig, make_objective
 from jaxrl_llm.train.rl.run import trainer_class
 from jaxrl_llm.train.rl.trainer import RLTrainer
@@ -86,6 +96,17 @@ VARIANTS = {
     "sampler devices of their own": ("mesh.rollout_devices=4", "rollout.max_staleness=1"),
     # On-policy distillation: the grpo job's exported policy is the teacher too.
     "distill, a teacher": ("objective.name=distill", "teacher.path={hf}"),
+    # Packed forwards (two minibatches: the behaviour forward runs too).
+    "packed": (
+        "trainer.packing=on",
+        "rollout.expected_length_fraction=0.5",
+        "trainer.minibatches=2",
+    ),
+    "prime, packed": (
+        "objective.name=prime",
+        "trainer.packing=on",
+        "rollout.expected_length_fraction=0.5",
+    ),
 }
 # Programs the trainer calls through ``self.programs`` rather than an attribute.
 SPEC_PROGRAMS = ("teacher_logprobs",)
@@ -93,6 +114,24 @@ SPEC_PROGRAMS = ("teacher_logprobs",)
 
 def _signature(tree):
     return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+
+
+def _free_rows(signature):
+    """``signature`` with the packed-rows axis (2) of each packing plan's leaves left out (see
+    the module: train's rows come from the batch, plan's from the length model)."""
+
+    def free(node):
+        if isinstance(node, PackingPlan):
+            return PackingPlan(*(((*shape[:2], None, *shape[3:]), dtype) for shape, dtype in node))
+        return node
+
+    return jax.tree.map(free, signature, is_leaf=lambda x: isinstance(x, PackingPlan))
+
+
+def _plans(signature) -> list:
+    """The packing plans in a signature (``PackingPlan`` nodes)."""
+    leaves = jax.tree.leaves(signature, is_leaf=lambda x: isinstance(x, PackingPlan))
+    return [x for x in leaves if isinstance(x, PackingPlan)]
 
 
 def _arguments(fn, args, kwargs) -> dict:
@@ -177,7 +216,10 @@ def _check_same_programs(trainer: RLTrainer, job) -> None:
         # A LoRA update is lowered with its frozen base as a third argument the trainer's
         # call binds (``train.step.jit_step``).
         planned_args = _signature(lowered.args_info[0][: len(recorded)])
-        assert planned_args == recorded, name
+        assert _free_rows(planned_args) == _free_rows(recorded), name
+        assert all(len(shape) == 4 for plan in _plans(planned_args) for shape, _ in plan), name
+        if packing_mode(trainer.cfg.trainer.packing) == "on":  # the job packed: so did plan
+            assert _plans(recorded) and len(_plans(planned_args)) == len(_plans(recorded)), name
 
 
 def _check_same_sampler_programs(trainer: RLTrainer, job) -> None:
