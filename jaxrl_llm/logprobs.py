@@ -30,7 +30,7 @@ from jaxrl_llm.models import ModelConfig, forward, unembed, unembedding
 from jaxrl_llm.models.layers import constrain
 from jaxrl_llm.packing import PackingPlan, pack, unpack
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of
-from jaxrl_llm.types import Sequences
+from jaxrl_llm.types import Sequences, join_sequences
 
 Array = jax.Array
 
@@ -233,7 +233,7 @@ def _padded(
     """``completion_logprobs``'s output, the router logits ``[L, B, P + T, E]`` of its forward
     (with ``router``; else None) and the real tokens ``[B, P + T]`` bool."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
-    tokens, mask = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    tokens, mask = join_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     prompt_len = prompt_tokens.shape[1]
     temperature, chunk_size = scoring.temperature, scoring.chunk_size
     out = forward(
@@ -279,25 +279,6 @@ def _padded(
         return_entropy=scoring.return_entropy,
     )
     return out, router_logits, mask
-
-
-def _joined(
-    prompt_tokens: Array, prompt_mask: Array, completion_tokens: Array, completion_mask: Array
-) -> tuple[Array, Array]:
-    """``([prompt ; completion] int32, [prompt_mask ; completion_mask] bool)``, ``[B, P + T]``,
-    after the shape checks."""
-    check_rank("prompt_tokens", prompt_tokens, 2)
-    check_rank("completion_tokens", completion_tokens, 2)
-    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
-    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
-    if prompt_tokens.shape[1] < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
-        raise ValueError(
-            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
-            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
-        )
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
-    return tokens, mask
 
 
 def packed_completion_logprobs(
@@ -362,7 +343,7 @@ def _packed(
     forward over the packed rows (with ``router``; else None) and their real slots ``[R, W]``
     bool (``segment_ids > 0``)."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
-    tokens, _ = _joined(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
+    tokens, _ = join_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     return_entropy, return_prompt_logprobs = scoring.return_entropy, scoring.return_prompt_logprobs
     if return_prompt_logprobs and return_entropy:
         raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")

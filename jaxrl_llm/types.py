@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from jaxrl_llm._checks import check_rank, check_same_shape
 
 Array = jax.Array
 
@@ -153,3 +156,27 @@ def sequences_of(batch: Any) -> Sequences:
         batch.completion_tokens,
         batch.completion_mask if attention is None else attention,
     )
+
+
+def join_sequences(
+    prompt_tokens: Array, prompt_mask: Array, completion_tokens: Array, completion_mask: Array
+) -> tuple[Array, Array]:
+    """``([prompt ; completion] int32, [prompt_mask ; completion_mask] bool)``, ``[B, P + T]``:
+    the rows every forward of a ``Sequences`` runs over, after the shape checks.
+
+    Raises:
+      ValueError: tokens and masks of different shapes, ranks other than 2, an empty prompt
+        axis or prompts and completions of different batch sizes (naming the shapes).
+    """
+    check_rank("prompt_tokens", prompt_tokens, 2)
+    check_rank("completion_tokens", completion_tokens, 2)
+    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
+    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
+    if prompt_tokens.shape[1] < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
+        raise ValueError(
+            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
+            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
+        )
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
+    return tokens, mask

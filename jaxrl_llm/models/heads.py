@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from jaxrl_llm._checks import check_rank, check_same_shape
 from jaxrl_llm.models import checkpoint as _ckpt
 from jaxrl_llm.models.config import ARCHITECTURES, ModelConfig
 from jaxrl_llm.models.layers import gathered
 from jaxrl_llm.models.transformer import Params, forward, init_params, logical_axes, param_shapes
 from jaxrl_llm.packing import PackingPlan, pack, unpack
+from jaxrl_llm.types import join_sequences
 
 Array = jax.Array
 ScalarParams = dict[str, Any]
@@ -160,17 +160,7 @@ def _sequence_hidden(
     the padded layout (zeros on padding), so what reads them is unchanged."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     check_scalar_params(params, config)
-    check_rank("prompt_tokens", prompt_tokens, 2)
-    check_rank("completion_tokens", completion_tokens, 2)
-    check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
-    check_same_shape(completion_tokens=completion_tokens, completion_mask=completion_mask)
-    if prompt_tokens.shape[1] < 1 or prompt_tokens.shape[0] != completion_tokens.shape[0]:
-        raise ValueError(
-            f"prompt_tokens {tuple(prompt_tokens.shape)} must be [B, P] with P >= 1 and the "
-            f"batch of completion_tokens {tuple(completion_tokens.shape)}"
-        )
-    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([prompt_mask.astype(bool), completion_mask.astype(bool)], axis=1)
+    tokens, mask = join_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     backbone = backbone_config(config)
     if packing is not None:
         hidden, _ = forward(
