@@ -22,7 +22,7 @@ from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_model_optimizer
-from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching
+from jaxrl_llm.train.rl.config import micro_batching
 from jaxrl_llm.train.rl.programs import ProgramSpec, builder_name
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, RunSpec
 from jaxrl_llm.train.rl.trainer import RLTrainer
@@ -180,12 +180,12 @@ class PRIMETrainer(RLTrainer):
         self.prm_step = built["prm_update"].fn
         self.prm_logprob_fn = built["prm_logprobs"].fn
 
-    def prm_packing_plans(self, samples, seqs):
-        """``(forward, update)``: the packing plans (``RLTrainer.packing_plan``) of the PRM's
-        log-prob forward (micro-batched as the policy's frozen forwards) and of its update
-        (micro-batched as the policy's update), or None each (padded). A multi-turn batch
-        (``samples.loss_mask``) runs padded: its ``seqs.completion_mask`` is the loss mask,
-        which need not be one run of tokens a row."""
+    def prm_packing_plans(self, samples, seqs, forwards):
+        """``(forward, update)``: the packing plans of the PRM's log-prob forward (the plan the
+        step's frozen forwards ran with, ``forwards.plan``: the same rows and micro-batching)
+        and of its update (micro-batched as the policy's update: ``RLTrainer.packing_plan``),
+        or None each (padded). A multi-turn batch (``samples.loss_mask``) runs padded: its
+        ``seqs.completion_mask`` is the loss mask, which need not be one run of tokens a row."""
         if (
             samples.loss_mask is not None
             or packing_lib.packing_mode(self.cfg.trainer.packing) == "off"
@@ -193,11 +193,7 @@ class PRIMETrainer(RLTrainer):
             return None, None
         prompt_mask = parallel.fetch(seqs.prompt_mask)  # the bucketed prompts' host mask
         mask = np.asarray(samples.completion_mask)
-        forward = forward_micro_batching(self.cfg.trainer, self.platform)
-        return (
-            self.packing_plan(prompt_mask, mask, forward),
-            self.packing_plan(prompt_mask, mask, self.micro_batches),
-        )
+        return forwards.plan, self.packing_plan(prompt_mask, mask, self.micro_batches)
 
     def _update_prm(self, seqs, ref, labels, plan=None) -> dict[str, float]:
         batch = RolloutBatch(
@@ -218,7 +214,7 @@ class PRIMETrainer(RLTrainer):
         old, ref = forwards.old, forwards.ref
         metrics: dict[str, Any] = {}
         labels = setup.to_device(np.asarray(samples.correct, np.float32), self.run.mesh)
-        forward_plan, update_plan = self.prm_packing_plans(samples, seqs)
+        forward_plan, update_plan = self.prm_packing_plans(samples, seqs, forwards)
         if self.cfg.prime.update == "before":
             metrics.update(self._update_prm(seqs, ref, labels, update_plan))
         prm_lp = self.prm_logprob_fn(self.prm_params, seqs, forward_plan)

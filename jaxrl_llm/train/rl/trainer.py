@@ -94,11 +94,14 @@ def reverse_kl(student, teacher, mask) -> jax.Array:
 class StepForwards(NamedTuple):
     """The frozen forwards of one step's batch, ``[B, T]`` on device (None when not run):
     behaviour (``old``: recomputed, the sampler's, or None on-policy), reference and
-    distillation teacher log-probs."""
+    distillation teacher log-probs, and the packing plan they ran with (``packing_plan`` for
+    the frozen forwards' micro-batching; None: padded), which other forwards of the same rows
+    and micro-batching reuse."""
 
     old: Any = None
     ref: Any = None
     teacher: Any = None
+    plan: Any = None
 
 
 class RLTrainer(Trainer):
@@ -439,7 +442,7 @@ class RLTrainer(Trainer):
             attention = None if samples.loss_mask is None else seqs.completion_mask
             if attention is not None:  # the loss and advantages see the sampled tokens only
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
-            forwards = StepForwards(old, ref, teacher)
+            forwards = StepForwards(old, ref, teacher, plan)
             batch, score_metrics = self.score(step, samples, seqs, forwards, device_rewards)
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
             batch, corrected = correct_batch(run.objective, batch)

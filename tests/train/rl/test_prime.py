@@ -164,9 +164,11 @@ def test_prime_config_errors(tmp_path):
 class RecordingPRIME(PRIMETrainer):
     """PRIME recording the shapes of the PRM's packing plans (None: padded)."""
 
-    def prm_packing_plans(self, samples, seqs):
-        plans = super().prm_packing_plans(samples, seqs)
+    def prm_packing_plans(self, samples, seqs, forwards):
+        plans = super().prm_packing_plans(samples, seqs, forwards)
         shapes = tuple(None if p is None else p.source.shape for p in plans)
+        # The PRM's forward reuses the frozen forwards' plan (no second host planning).
+        assert plans[0] is None or plans[0] is forwards.plan
         self.__dict__.setdefault("prm_plans", []).append(shapes)
         return plans
 
