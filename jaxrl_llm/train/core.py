@@ -484,7 +484,12 @@ class Trainer:
                 raise
         max_steps = cfg.trainer.max_steps
         last = self.last_evaluation  # the last step's own evaluation is the one after training
-        after = last[1] if last is not None and last[0] == max_steps else self.evaluate()
+        if max_steps == 0:  # the warm-up only (an RL job): nothing trained since the first one
+            after = self.extra[self.eval_key]
+        elif last is not None and last[0] == max_steps:
+            after = last[1]
+        else:
+            after = self.evaluate()
         summary = {
             "job": cfg.job,
             "steps": max_steps,
@@ -501,7 +506,8 @@ class Trainer:
         summary["hf"] = os.fspath(hf_dir)
         if self.is_main:
             self.metrics_writer.write_summary(summary)
-        self._plot(max_steps, after)
+        if max_steps:  # no step: no rows to draw
+            self._plot(max_steps, after)
         self._close()
         log.info("evaluation after training: %s", after)
         log.info("Hugging Face checkpoint of the final policy: %s", hf_dir)

@@ -10,6 +10,13 @@ one cell, and its output goes to ``OUT/VARIANT/seedN.log``. Runs go one at a tim
 N at once). Then ``train.sweep_report`` reads every run's ``summary.json`` and ``metrics.jsonl``
 and writes ``OUT/sweep.md`` (the table), ``OUT/sweep.json`` and ``OUT/sweep_accuracy.png``.
 
+Shared warm-up (``--warmup shared``, the default when the config warms up): each seed's SFT
+warm-up trains once, in ``OUT/_warmup/seedN`` (``trainer.max_steps=0``: the warm-up, its
+evaluation and its Hugging Face export), and every variant of that seed starts RL from it
+(``model.path=OUT/_warmup/seedN/hf sft_warmup.steps=0``): the variants of a seed then differ in
+their objective only, and the bake-off pays one warm-up a seed instead of one a run.
+``--warmup each`` warms every run up on its own.
+
 Resumable: a run directory whose ``summary.json`` holds the evaluation after RL is reused, not
 retrained; an unfinished one continues from its last checkpoint (every run is started with
 ``resume=true``). A cell's command is kept in ``OUT/VARIANT/seedN.json``: a finished run whose
@@ -117,6 +124,10 @@ DEFAULT_THRESHOLD = 20.0
 INTERRUPTED_EXIT = 130
 #: Keys the sweep sets per run: an override of one would be silently replaced.
 SWEEP_KEYS = ("objective.name", "seed", "run_dir", "resume")
+#: ``--warmup``: one warm-up a seed shared by its variants, or one a run.
+WARMUP_MODES = ("shared", "each")
+#: The directory (under the sweep's) of the shared warm-ups: ``OUT/_warmup/seedN``.
+WARMUP_DIR = "_warmup"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,21 +298,16 @@ def finished(config, variant: Variant, seed: int, out, overrides) -> bool:
     return True
 
 
-def run_cell(config, variant: Variant, seed: int, out, overrides) -> Outcome:
-    """Trains one cell in a subprocess (or reuses its finished run).
+def _train(where: pathlib.Path, argv: list[str]) -> tuple[str, str]:
+    """Runs ``jaxrl-llm ARGV`` into ``where`` (its command kept in ``where``'s ``.json``, its
+    output in its ``.log``): ``("trained", "")`` or ``("failed", detail)``.
 
     Raises:
-      ValueError: the cell's finished run was trained with another command.
       KeyboardInterrupt: the run stopped on Ctrl-C (exit 130).
     """
-    where = run_dir(out, variant.name, seed)
-    argv = ["train", *cell_argv(config, variant, seed, out, overrides)]
-    record = where.parent / f"seed{seed}.json"
-    if finished(config, variant, seed, out, overrides):
-        return Outcome(variant.name, seed, where, "reused")
     where.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(argv) + "\n", encoding="utf-8")
-    log_path = where.parent / f"seed{seed}.log"
+    (where.parent / f"{where.name}.json").write_text(json.dumps(argv) + "\n", encoding="utf-8")
+    log_path = where.parent / f"{where.name}.log"
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ jaxrl-llm {' '.join(argv)}\n")
         log.flush()
@@ -311,9 +317,93 @@ def run_cell(config, variant: Variant, seed: int, out, overrides) -> Outcome:
     if code == INTERRUPTED_EXIT:  # the run stopped on Ctrl-C, with a checkpoint
         raise KeyboardInterrupt
     if code != 0 or finished_summary(where) is None:
-        detail = f"exit {code}: {_last_error(log_path)} (log: {log_path})"
-        return Outcome(variant.name, seed, where, "failed", detail)
-    return Outcome(variant.name, seed, where, "trained")
+        return "failed", f"exit {code}: {_last_error(log_path)} (log: {log_path})"
+    return "trained", ""
+
+
+def run_cell(config, variant: Variant, seed: int, out, overrides) -> Outcome:
+    """Trains one cell in a subprocess (or reuses its finished run).
+
+    Raises:
+      ValueError: the cell's finished run was trained with another command.
+      KeyboardInterrupt: the run stopped on Ctrl-C (exit 130).
+    """
+    where = run_dir(out, variant.name, seed)
+    if finished(config, variant, seed, out, overrides):
+        return Outcome(variant.name, seed, where, "reused")
+    status, detail = _train(where, ["train", *cell_argv(config, variant, seed, out, overrides)])
+    return Outcome(variant.name, seed, where, status, detail)
+
+
+def warmup_dir(out: str | os.PathLike, seed: int) -> pathlib.Path:
+    """Where seed ``seed``'s shared warm-up trains: ``OUT/_warmup/seedN``."""
+    return pathlib.Path(out) / WARMUP_DIR / f"seed{seed}"
+
+
+def warmup_argv(config: str | None, seed: int, out, overrides) -> list[str]:
+    """The ``jaxrl-llm train`` arguments of a seed's shared warm-up: the config and the user's
+    overrides (the config's objective: the warm-up does not use it), the seed, and no RL step
+    (``trainer.max_steps=0``: warm up, evaluate, export ``hf/``)."""
+    return [
+        *([config] if config is not None else []),
+        *overrides,
+        f"seed={seed}",
+        f"run_dir={os.fspath(warmup_dir(out, seed))}",
+        "resume=true",
+        "logging.progress=false",
+        "trainer.max_steps=0",
+    ]
+
+
+def from_warmup(out: str | os.PathLike, seed: int) -> list[str]:
+    """The overrides that start a variant's RL from seed ``seed``'s shared warm-up."""
+    return [f"model.path={os.fspath(warmup_dir(out, seed) / 'hf')}", "sft_warmup.steps=0"]
+
+
+def run_warmup(config, seed: int, out, overrides) -> Outcome:
+    """Trains seed ``seed``'s shared warm-up (or reuses it: finished with the same command).
+
+    Raises:
+      ValueError: it finished with another command.
+      KeyboardInterrupt: it stopped on Ctrl-C (exit 130).
+    """
+    where = warmup_dir(out, seed)
+    argv = ["train", *warmup_argv(config, seed, out, overrides)]
+    if finished_summary(where) is not None:
+        record = where.parent / f"seed{seed}.json"
+        saved = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else None
+        if saved is not None and saved != argv:
+            raise ValueError(
+                f"{where} (a shared warm-up) finished with another command ({record}); choose "
+                "another --out or remove it to retrain"
+            )
+        return Outcome(WARMUP_DIR, seed, where, "reused")
+    status, detail = _train(where, argv)
+    return Outcome(WARMUP_DIR, seed, where, status, detail)
+
+
+def warms_up(config: str | None, overrides) -> bool:
+    """Whether the config's RL runs start with an SFT warm-up (what ``--warmup shared``
+    shares).
+
+    Raises:
+      ValueError: ``model.lora`` with a warm-up (its export is an adapter, which
+        ``model.path`` cannot start from: use ``--warmup each``).
+    """
+    from jaxrl_llm.train import setup  # noqa: PLC0415  (imports JAX)
+    from jaxrl_llm.train.config_io import load_config  # noqa: PLC0415
+    from jaxrl_llm.train.rl.config import TrainConfig  # noqa: PLC0415
+    from jaxrl_llm.train.rl.warmup import SFT_WARMUP_STEPS_BUILTIN  # noqa: PLC0415
+
+    cfg = load_config(TrainConfig, config, list(overrides))
+    if setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN) == 0:
+        return False
+    if cfg.model.lora is not None:
+        raise ValueError(
+            "--warmup shared: a LoRA run's warm-up exports an adapter, not a model to start "
+            "from; use --warmup each"
+        )
+    return True
 
 
 def sweep(
@@ -326,8 +416,10 @@ def sweep(
     jobs: int = 1,
     train: bool = True,
     progress=None,
+    share_warmup: bool = False,
 ) -> list[Outcome]:
-    """Trains (or reuses) every variant × seed; returns the outcomes in that order.
+    """Trains (or reuses) every variant × seed; returns the outcomes in that order (with
+    ``share_warmup``, each seed's warm-up first).
 
     Args:
       config: the YAML config (None: the built-in task).
@@ -338,8 +430,12 @@ def sweep(
       jobs: runs at once.
       train: False: only read what is there (a missing run counts as failed).
       progress: called with each :class:`Outcome` as it comes.
+      share_warmup: train each seed's warm-up once (:func:`run_warmup`) and start every
+        variant of the seed from it (:func:`from_warmup`); a seed whose warm-up failed fails
+        its cells without training them.
     """
     cells = [(v, s) for v in variants for s in seeds]
+    per_seed = {s: list(overrides) + (from_warmup(out, s) if share_warmup else []) for s in seeds}
     if not train:
         outcomes = []
         for v, s in cells:
@@ -349,26 +445,44 @@ def sweep(
             outcomes.append(Outcome(v.name, s, where, status, detail))
         return outcomes
     for v, s in cells:  # a stale finished run is refused before anything trains
-        finished(config, v, s, out, overrides)
+        finished(config, v, s, out, per_seed[s])
     stopping = threading.Event()
+    warmed: dict[int, Outcome] = {}
 
-    def cell(variant: Variant, seed: int) -> Outcome:
+    def guarded(fn, *args) -> Outcome:
         if stopping.is_set():  # interrupted: no run starts
             raise KeyboardInterrupt
         try:
-            return run_cell(config, variant, seed, out, list(overrides))
+            return fn(*args)
         except KeyboardInterrupt:
             stopping.set()
             raise
 
+    def cell(variant: Variant, seed: int) -> Outcome:
+        warmup = warmed.get(seed)
+        if warmup is not None and warmup.status == "failed":
+            where = run_dir(out, variant.name, seed)
+            return Outcome(variant.name, seed, where, "failed", f"warm-up failed: {warmup.detail}")
+        return guarded(run_cell, config, variant, seed, out, per_seed[seed])
+
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(cell, v, s) for v, s in cells]
     outcomes = []
-    try:
+
+    def collect(futures) -> list[Outcome]:
+        done = []
         for future in futures:
-            outcomes.append(future.result())
+            done.append(future.result())
             if progress is not None:
-                progress(outcomes[-1])
+                progress(done[-1])
+        return done
+
+    try:
+        if share_warmup:
+            futures = [pool.submit(guarded, run_warmup, config, s, out, overrides) for s in seeds]
+            for outcome in collect(futures):
+                warmed[outcome.seed] = outcome
+                outcomes.append(outcome)
+        outcomes += collect([pool.submit(cell, v, s) for v, s in cells])
     except BaseException:  # Ctrl-C: the runs under way stop with a checkpoint, none starts
         stopping.set()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -425,6 +539,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument(
+        "--warmup",
+        choices=WARMUP_MODES,
+        default="shared",
+        help="shared (default): each seed's SFT warm-up trains once, under OUT/_warmup, and "
+        "its variants start RL from it; each: every run warms up on its own",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: write the report from the runs already under --out",
@@ -460,11 +581,14 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         variants = [parse_variant(name) for name in parse_list(args.presets, "--presets")]
         seeds = parse_seeds(args.seeds)
+        share = False
         if not args.report_only:
             check_variants(config, variants, overrides)
+            share = args.warmup == "shared" and warms_up(config, overrides)
 
         def progress(outcome: Outcome) -> None:
-            line = f"{outcome.variant} seed {outcome.seed}: {outcome.status} ({outcome.run_dir})"
+            name = "warm-up" if outcome.variant == WARMUP_DIR else outcome.variant
+            line = f"{name} seed {outcome.seed}: {outcome.status} ({outcome.run_dir})"
             print(line if not outcome.detail else f"{line}: {outcome.detail}", file=sys.stderr)
 
         outcomes = sweep(
@@ -476,6 +600,7 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
             jobs=args.jobs,
             train=not args.report_only,
             progress=progress,
+            share_warmup=share,
         )
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
@@ -487,13 +612,15 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    report = write_report(args.out, _as_mapping(outcomes), threshold=args.threshold)
+    cells = [o for o in outcomes if o.variant != WARMUP_DIR]
+    report = write_report(args.out, _as_mapping(cells), threshold=args.threshold)
     print(markdown_table(report), end="")
     out = pathlib.Path(args.out)
     print(f"table: {out / TABLE_FILE}; plot: {out / PLOT_FILE}", file=sys.stderr)
     failed = [o for o in outcomes if o.status == "failed"]
     for outcome in failed:
-        print(f"failed: {outcome.variant} seed {outcome.seed}: {outcome.detail}", file=sys.stderr)
+        name = "warm-up" if outcome.variant == WARMUP_DIR else outcome.variant
+        print(f"failed: {name} seed {outcome.seed}: {outcome.detail}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -514,11 +641,16 @@ __all__ = [
     "check_variants",
     "describe_variants",
     "finished",
+    "from_warmup",
     "parse_list",
     "parse_seeds",
     "parse_variant",
     "run_cell",
     "run_dir",
+    "run_warmup",
     "sweep",
     "sweep_main",
+    "warms_up",
+    "warmup_argv",
+    "warmup_dir",
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import re
 import subprocess
@@ -266,6 +265,60 @@ def test_a_failed_run_names_its_error_and_log(tmp_path, monkeypatch):
     assert outcome.detail == f"exit 2: error: step 3 diverged (log: {log})"
 
 
+def test_a_shared_warmup_trains_once_a_seed_and_starts_its_variants(tmp_path, monkeypatch):
+    variants = [sweep.parse_variant("grpo"), sweep.parse_variant("dapo")]
+    calls = []
+
+    def fake_call(argv, **_):
+        calls.append(argv[3:])
+        where = pathlib.Path(next(a for a in argv if a.startswith("run_dir=")).split("=", 1)[1])
+        if "seed=1" in argv and "trainer.max_steps=0" in argv:
+            return 1  # seed 1's warm-up fails
+        _finish(where)
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    outcomes = sweep.sweep("c.yaml", variants, [0, 1], tmp_path, ["x=1"], share_warmup=True)
+    warm0, warm1 = tmp_path / "_warmup" / "seed0", tmp_path / "_warmup" / "seed1"
+    # The two warm-ups first (the config's objective, no RL step), then seed 0's two variants
+    # from its warm-up; seed 1's variants are failed without training.
+    assert calls == [
+        ["train", "c.yaml", "x=1", "seed=0", f"run_dir={warm0}", "resume=true",
+         "logging.progress=false", "trainer.max_steps=0"],
+        ["train", "c.yaml", "x=1", "seed=1", f"run_dir={warm1}", "resume=true",
+         "logging.progress=false", "trainer.max_steps=0"],
+        ["train", "c.yaml", "x=1", f"model.path={warm0 / 'hf'}", "sft_warmup.steps=0",
+         "objective.name=grpo", "seed=0", f"run_dir={tmp_path / 'grpo' / 'seed0'}",
+         "resume=true", "logging.progress=false"],
+        ["train", "c.yaml", "x=1", f"model.path={warm0 / 'hf'}", "sft_warmup.steps=0",
+         "objective.name=dapo", "seed=0", f"run_dir={tmp_path / 'dapo' / 'seed0'}",
+         "resume=true", "logging.progress=false"],
+    ]  # fmt: skip
+    assert [(o.variant, o.seed, o.status) for o in outcomes] == [
+        ("_warmup", 0, "trained"),
+        ("_warmup", 1, "failed"),
+        ("grpo", 0, "trained"),
+        ("grpo", 1, "failed"),
+        ("dapo", 0, "trained"),
+        ("dapo", 1, "failed"),
+    ]
+    assert outcomes[3].detail.startswith("warm-up failed: exit 1")
+    # Again: the finished warm-up and cells are reused; seed 1's warm-up is retried.
+    calls.clear()
+    again = sweep.sweep("c.yaml", variants, [0], tmp_path, ["x=1"], share_warmup=True)
+    assert calls == [] and {o.status for o in again} == {"reused"}
+    # A finished warm-up under other overrides is refused before anything trains.
+    with pytest.raises(ValueError, match="shared warm-up.*another command"):
+        sweep.sweep("c.yaml", [], [0], tmp_path, ["x=2"], share_warmup=True)
+
+
+def test_a_lora_config_cannot_share_its_warmup():
+    with pytest.raises(ValueError, match="--warmup each"):
+        sweep.warms_up(CONFIG, ["model.lora.rank=4"])
+    assert sweep.warms_up(CONFIG, [])
+    assert not sweep.warms_up(CONFIG, ["sft_warmup.steps=0"])
+
+
 @pytest.mark.parametrize("where", ["sweep", "run"])
 def test_ctrl_c_stops_the_sweep_and_says_how_to_resume(where, tmp_path, monkeypatch, capsys):
     calls = []
@@ -337,4 +390,10 @@ def test_a_tiny_sweep_trains_and_reports(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert table == (out / "sweep.md").read_text() and table.count("\n") == 4
     assert (out / "sweep_accuracy.png").stat().st_size > 0
-    assert os.path.isfile(out / "dapo+m2po" / "seed0" / "summary.json")
+    # One shared warm-up; both variants start RL from its export, evaluated as it was.
+    warmup = json.loads((out / "_warmup" / "seed0" / "summary.json").read_text())
+    assert warmup["steps"] == 0 and warmup["sft_warmup_steps"] == 2
+    for variant in ("grpo", "dapo+m2po"):
+        summary = json.loads((out / variant / "seed0" / "summary.json").read_text())
+        assert summary["eval_before_rl"] == warmup["eval_before_rl"]
+        assert summary["steps"] == 2 and not summary.get("sft_warmup_steps")

@@ -429,7 +429,6 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         ("rollout.prompts_per_step", r.prompts_per_step),
         ("rollout.group_size", r.group_size),
         ("rollout.max_new_tokens", r.max_new_tokens),
-        ("trainer.max_steps", t.max_steps),
         ("trainer.epochs", t.epochs),
         ("trainer.minibatches", t.minibatches),
         ("trainer.micro_batches", t.micro_batches),
@@ -437,6 +436,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         ("data.eval_size", cfg.data.eval_size),
     ):
         _at_least(key, value, 1)
+    _at_least("trainer.max_steps", t.max_steps, 0)  # 0: the warm-up only (evaluated, exported)
     _at_least("rollout.temperature", r.temperature, 0.0)
     _at_least("rollout.burst", r.burst, 1)
     _at_least("rollout.reward_workers", r.reward_workers, 0)
