@@ -34,14 +34,15 @@ from jaxrl_llm.train.precision import (  # noqa: F401 (re-exported: their old ho
 log = logging.getLogger("jaxrl_llm")
 
 
-def make_run_mesh(section) -> jax.sharding.Mesh:
+def make_run_mesh(section, reserve: int = 0) -> jax.sharding.Mesh:
     """The mesh of ``mesh.*`` over the devices after the ``mesh.rollout_devices`` sampling
-    ones; without a ``-1`` the first ``data·fsdp·expert·tensor`` of them are used. With
-    ``mesh.expert > 1`` the mesh has an ``expert`` axis (``parallel.make_mesh``), which the
-    batch also splits over (``parallel.batch_shards`` counts it)."""
+    ones, less the last ``reserve`` of them (an RL job's ``teacher.devices``:
+    :func:`reserved_mesh`); without a ``-1`` the first ``data·fsdp·expert·tensor`` of them are
+    used. With ``mesh.expert > 1`` the mesh has an ``expert`` axis (``parallel.make_mesh``),
+    which the batch also splits over (``parallel.batch_shards`` counts it)."""
     sizes = (section.data, section.fsdp, section.tensor)
     expert = getattr(section, "expert", 1)
-    devices = split_devices(rollout_devices(section))[1]
+    devices = trainer_devices(section, reserve)
     if -1 not in sizes:
         count = int(np.prod(sizes)) * expert
         if count > len(devices):
@@ -49,6 +50,30 @@ def make_run_mesh(section) -> jax.sharding.Mesh:
             raise ValueError(f"mesh {shape} needs {count} devices; {len(devices)} available")
         devices = devices[:count]
     return parallel.make_mesh(*sizes, expert=expert, devices=devices)
+
+
+def trainer_devices(section, reserve: int = 0) -> list:
+    """The devices the trainer's mesh may take: those after the ``mesh.rollout_devices``
+    sampling ones, less the last ``reserve`` (held for :func:`reserved_mesh`).
+
+    Raises:
+      ValueError: ``reserve`` leaves the trainer no device.
+    """
+    devices = split_devices(rollout_devices(section))[1]
+    if reserve and not 0 < reserve < len(devices):
+        raise ValueError(
+            f"teacher.devices={reserve} must leave the trainer a device: {len(devices)} "
+            "device(s) after mesh.rollout_devices"
+        )
+    return devices[: len(devices) - reserve]
+
+
+def reserved_mesh(section, reserve: int) -> jax.sharding.Mesh:
+    """An fsdp mesh over the last ``reserve`` of the trainer's devices
+    (:func:`trainer_devices`): a frozen model's devices of its own (``teacher.devices``)."""
+    devices = split_devices(rollout_devices(section))[1]
+    trainer_devices(section, reserve)  # checks reserve
+    return parallel.make_mesh(1, reserve, 1, devices=devices[len(devices) - reserve :])
 
 
 def split_devices(rollout_devices: int, devices: Sequence[Any] | None = None) -> tuple[list, list]:

@@ -282,9 +282,16 @@ class TeacherSection:
         the tokenizer); read by the objectives whose estimator takes the teacher's log-probs
         (``distill``: ``distill`` advantages; ``grpo_distill`` with a reward too). Stored in the
         compute dtype; its log-probs come from the same forward as the policy's.
+      devices: 0 (the default): the teacher shares the trainer's devices; N: it lives on
+        devices of its own, the last N of those the trainer would take (fsdp over them; one
+        process), and the trainer's mesh takes the rest. Its forward then runs there, over
+        the batch copied to them (packed for their batch shards), and its log-probs are
+        copied back: a teacher too large to sit beside the policy's state, or one whose
+        forward should not queue behind the trainer's programs.
     """
 
     path: str | None = None
+    devices: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,6 +538,14 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         raise ValueError(
             f"teacher.path is read by the distillation objectives (distill or grpo_distill "
             f"advantages, e.g. objective.name=distill), not by {objective.name!r}"
+        )
+    _at_least("teacher.devices", cfg.teacher.devices, 0)
+    if cfg.teacher.devices and cfg.teacher.path is None:
+        raise ValueError("teacher.devices places a teacher: set teacher.path too")
+    if cfg.teacher.devices and jax.process_count() > 1:
+        raise ValueError(
+            f"teacher.devices={cfg.teacher.devices} runs on one process so far (this job has "
+            f"{jax.process_count()}); set teacher.devices=0 to share the trainer's devices"
         )
     from jaxrl_llm.train.rl.episodes import check_env  # noqa: PLC0415  (imports envs)
 

@@ -143,7 +143,7 @@ class RLTrainer(Trainer):
         self.watch = watch.StepWatch(
             cfg.trainer.stop_without_signal, cfg.rollout.group_size, cfg.rollout.max_new_tokens
         )
-        mesh = setup.make_run_mesh(cfg.mesh)
+        mesh = setup.make_run_mesh(cfg.mesh, reserve=cfg.teacher.devices)
         tokenizer, model_config, params = setup.build_policy(cfg, mesh, self.spec.precision)
         self.sft_steps = setup.sft_warmup_steps(cfg, SFT_WARMUP_STEPS_BUILTIN)
         self.run = make_run_context(
@@ -154,8 +154,17 @@ class RLTrainer(Trainer):
             objective,
             reward_model=load_reward_model(cfg, self.spec.precision, model_config, mesh),
         )
-        # On-policy distillation's teacher: (config, frozen params) or None.
-        self.teacher = load_teacher(cfg, self.spec.precision, model_config, tokenizer, mesh)
+        # On-policy distillation's teacher: (config, frozen params) or None, on the trainer's
+        # mesh or on devices of its own (``teacher.devices``: ``teacher_mesh``).
+        self.teacher_mesh = None
+        if cfg.teacher.devices:
+            self.teacher_mesh = setup.reserved_mesh(cfg.mesh, cfg.teacher.devices)
+            setup.check_batch_sizes(
+                {"rollout batch on teacher.devices": self.spec.shape.rows}, self.teacher_mesh
+            )
+        self.teacher = load_teacher(
+            cfg, self.spec.precision, model_config, tokenizer, self.teacher_mesh or mesh
+        )
         train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
         rows = self.spec.shape.rows
         sizes = {
@@ -428,8 +437,7 @@ class RLTrainer(Trainer):
                 ref = self.ref_logprob_fn(self.reference, seqs, plan)
             teacher = None
             if self.teacher is not None:
-                teacher_fn = self.programs["teacher_logprobs"].fn
-                teacher = teacher_fn(self.teacher[1], seqs, plan)
+                teacher = self.teacher_logprobs(host_seqs, seqs, plan)
         samples = run.finish_scoring(samples, timer)  # while the forwards run on device
         info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
         with timer.phase("logprobs"):
@@ -483,15 +491,34 @@ class RLTrainer(Trainer):
         self.watch.observe(step + 1, metrics)
         return metrics
 
-    def packing_plan(self, prompt_mask, completion_mask, micro_batching):
+    def teacher_logprobs(self, host_seqs: Sequences, seqs: Sequences, plan):
+        """The distillation teacher's ``[B, T]`` log-probs of the batch (dispatched, not
+        waited for), on the trainer's mesh. ``seqs`` / ``plan``: the batch and the frozen
+        forwards' packing plan on the trainer's mesh; a teacher on devices of its own
+        (``teacher_mesh``) gets ``host_seqs`` placed there and a plan for its batch shards."""
+        fn = self.programs["teacher_logprobs"].fn
+        if self.teacher_mesh is None:
+            return fn(self.teacher[1], seqs, plan)
+        there = setup.to_device(host_seqs, self.teacher_mesh)
+        micro = forward_micro_batching(self.cfg.trainer, self.platform)
+        own_plan = None
+        if plan is not None:  # packed here: packed there too, for its own shards
+            mask = np.asarray(host_seqs.completion_mask)
+            own_plan = self.packing_plan(host_seqs.prompt_mask, mask, micro, self.teacher_mesh)
+        with jax.set_mesh(self.teacher_mesh):  # not the trainer's mesh, which ``fit`` sets
+            out = fn(self.teacher[1], there, own_plan)
+        return jax.device_put(out, seqs.completion_mask.sharding)
+
+    def packing_plan(self, prompt_mask, completion_mask, micro_batching, mesh=None):
         """The stacked packing plan (on device) of these host rows for the forward whose
         micro-batching is ``micro_batching`` (``train.packing``; a token budget is spent on
         packed rows), or None: run padded (``trainer.packing=off``, or ``auto`` and rows
-        near full)."""
+        near full). ``mesh``: where the forward runs (None: the trainer's)."""
         mode = packing_lib.packing_mode(self.cfg.trainer.packing)
         if mode == "off":
             return None
-        shards = parallel.batch_shards(self.run.mesh)
+        mesh = self.run.mesh if mesh is None else mesh
+        shards = parallel.batch_shards(mesh)
         if isinstance(micro_batching, TokenBudget):  # the budget counts packed rows
             plan = packing_lib.plan_by_budget(
                 prompt_mask,
@@ -506,7 +533,7 @@ class RLTrainer(Trainer):
             )
         if not packing_lib.worth_packing(plan, len(completion_mask), mode):
             return None
-        return packing_lib.place_plan(plan, self.run.mesh)
+        return packing_lib.place_plan(plan, mesh)
 
     def score(
         self, step, samples, seqs, forwards: StepForwards, rewards

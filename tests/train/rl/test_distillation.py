@@ -10,6 +10,7 @@ teacher's settings are checked (missing, unused, another tokenizer).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -103,6 +104,17 @@ def test_the_teacher_settings_are_checked(tmp_path):
     unused = rl_helpers.tiny_config(None, tmp_path / "run", f"teacher.path={other}")
     with pytest.raises(ValueError, match="teacher.path is read by the distillation objectives"):
         check_config(unused)
+    placed = rl_helpers.tiny_config(None, tmp_path / "run", "teacher.devices=2")
+    with pytest.raises(ValueError, match="teacher.devices places a teacher: set teacher.path"):
+        check_config(placed)
+    every = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "distill.yaml",
+        tmp_path / "run",
+        f"teacher.path={other}",
+        f"teacher.devices={jax.device_count()}",
+    )
+    with pytest.raises(ValueError, match="teacher.devices=8 must leave the trainer a device"):
+        RLTrainer(every)
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +155,39 @@ def test_distillation_with_each_sampler_pipeline_and_student(teacher_dir, tmp_pa
         np.testing.assert_allclose(seen["advantages"], gap, atol=1e-6)
         assert row["distill/reverse_kl"] == pytest.approx(-gap[valid].mean(), abs=1e-5)
         assert row["grad_norm"] > 0
+
+
+def test_a_teacher_on_devices_of_its_own_gives_the_shared_runs_steps(teacher_dir, tmp_path):
+    """``teacher.devices=2`` on 8 devices: the teacher's weights live on the last 2, the
+    trainer's ``mesh.fsdp=4`` on the first 4, and two packed steps (the teacher's own packing
+    plan for its 2 batch shards, not the trainer's 4) give the teacher log-probs, losses and
+    gradient norms of the same trainer mesh with the teacher beside it (f32)."""
+
+    def run(name: str, *extra: str):
+        cfg = rl_helpers.tiny_config(
+            rl_helpers.CONFIGS / "distill.yaml",
+            tmp_path / name,
+            f"teacher.path={teacher_dir}",
+            "trainer.max_steps=2",
+            "model.compute_dtype=float32",
+            "trainer.packing=on",
+            *extra,
+        )
+        trainer = RecordingTrainer(cfg)
+        trainer.fit()
+        return trainer, read_metrics(tmp_path / name)
+
+    shared, shared_rows = run("shared", "mesh.fsdp=4")
+    own, own_rows = run("own", "mesh.fsdp=4", "teacher.devices=2")
+    devices = jax.devices()
+    assert set(own.run.mesh.devices.flat) == set(shared.run.mesh.devices.flat) == set(devices[:4])
+    placed = {d for leaf in jax.tree.leaves(own.teacher[1]) for d in leaf.devices()}
+    assert placed == set(devices[6:])
+    for want, got in zip(shared.seen, own.seen, strict=True):
+        assert set(got["teacher"].devices()) == set(devices[6:])
+        np.testing.assert_allclose(
+            np.asarray(got["teacher"]), np.asarray(want["teacher"]), rtol=1e-5, atol=1e-6
+        )
+    for want, got in zip(shared_rows, own_rows, strict=True):
+        for key in ("loss", "distill/reverse_kl", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
