@@ -8,8 +8,8 @@ distribution with mean ``0.3 T`` (shape 2), clipped to ``[8, T]``. Two programs,
 width, ``train.packing.plan_micro_batches``):
 
 * ``logprobs``: the behaviour / reference forward (``train.forward.make_logprob_fn``);
-* ``update``: one GRPO policy step (``train.rl.policy.make_policy_step`` + ``jit_step``:
-  forward, chunked log-probs, the loss, backward, AdamW).
+* ``update``: one GRPO policy step (``bench.grpo_update``: ``train.rl.policy.make_policy_step``
+  + ``jit_step``: forward, chunked log-probs, the loss, backward, AdamW).
 
 Times are medians of ``--repeats`` calls after one warm-up call (compile excluded), padded and
 packed calls alternating in one process. ``speed-up`` = padded / packed time. ``max |d|`` is the
@@ -34,13 +34,9 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import advantages, models, objectives, parallel
+from jaxrl_llm import bench, models, parallel
 from jaxrl_llm.train.forward import make_logprob_fn
-from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.packing import place_plan, plan_micro_batches
-from jaxrl_llm.train.rl.policy import make_policy_step
-from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch, Sequences
 
 PROMPT = (32, 64)
@@ -72,22 +68,7 @@ def long_tailed_batch(batch: int, length: int, vocab: int, seed: int = 0) -> Rol
     drawn = rng.gamma(2.0, MEAN_FRACTION * length / 2.0, size=batch)
     completion_len = np.clip(np.round(drawn), 8, length).astype(int)
     completion_mask = np.arange(length)[None, :] < completion_len[:, None]
-    base = -np.log(vocab) + 0.1 * rng.standard_normal((batch, length))
-    ref = base + 0.05 * rng.standard_normal((batch, length))
-    rewards = rng.integers(0, 2, size=batch).astype(np.float32)
-    return RolloutBatch(
-        completion_mask=completion_mask,
-        old_logprobs=np.where(completion_mask, base, 0.0).astype(np.float32),
-        advantages=np.asarray(advantages.grpo(rewards, group_size=GROUP_SIZE), np.float32),
-        ref_logprobs=np.where(completion_mask, ref, 0.0).astype(np.float32),
-        prompt_tokens=np.where(prompt_mask, rng.integers(1, vocab, prompt_mask.shape), 0).astype(
-            np.int32
-        ),
-        prompt_mask=prompt_mask,
-        completion_tokens=np.where(
-            completion_mask, rng.integers(1, vocab, completion_mask.shape), 0
-        ).astype(np.int32),
-    )
+    return bench.grpo_rollout_batch(rng, prompt_mask, completion_mask, vocab, group_size=GROUP_SIZE)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -122,29 +103,11 @@ def run(batch: int, length: int, repeats: int) -> dict:
             median_seconds(lambda: forward(params, seqs, plan), repeats),
         )
     }
-    optimizer = make_optimizer(1e-6)
-    state, shardings = create_train_state(
-        config, optimizer, key=jax.random.key(1), mesh=mesh, params=params
-    )
-    step = jit_step(
-        make_policy_step(
-            config, objectives.make("grpo"), optimizer, param_shardings=shardings.params
-        ),
-        shardings,
-    )
+    update = bench.grpo_update(config, params, mesh, learning_rate=1e-6, key=jax.random.key(1))
     packed_batch = device._replace(packing=plan)
-    holder = {"state": state}
-
-    def update(b):
-        def call():
-            holder["state"], metrics = step(holder["state"], b)
-            return holder["state"], metrics
-
-        return call
-
     times["update"] = (
-        median_seconds(update(device), repeats),
-        median_seconds(update(packed_batch), repeats),
+        median_seconds(lambda: update(device), repeats),
+        median_seconds(lambda: update(packed_batch), repeats),
     )
     real = int(host.prompt_mask.sum() + host.completion_mask.sum())
     return {

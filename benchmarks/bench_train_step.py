@@ -48,13 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import advantages, bench, objectives, parallel
-from jaxrl_llm.models import LoraSpec, load_pretrained
-from jaxrl_llm.train import adapters
-from jaxrl_llm.train.optim import make_optimizer
-from jaxrl_llm.train.rl.policy import make_policy_step
-from jaxrl_llm.train.state import create_train_state
-from jaxrl_llm.train.step import jit_step
+from jaxrl_llm import bench, objectives, parallel
+from jaxrl_llm.models import load_pretrained
 from jaxrl_llm.types import RolloutBatch
 
 # Llama-shaped models: (vocab, hidden, intermediate, layers, heads, kv_heads).
@@ -160,23 +155,7 @@ def host_batch(batch: int, length: int, vocab: int, *, seed: int = 0) -> Rollout
     prompt_mask = np.arange(PROMPT_LEN)[None, :] >= (PROMPT_LEN - prompt_len)[:, None]
     completion_len = rng.integers(length // 2, length + 1, size=batch)
     completion_mask = np.arange(length)[None, :] < completion_len[:, None]
-    # A random model's log-probs are near -log V: old / ref log-probs there give ratios near 1.
-    base = -np.log(vocab) + 0.1 * rng.standard_normal((batch, length))
-    ref = base + 0.05 * rng.standard_normal((batch, length))
-    rewards = rng.integers(0, 2, size=batch).astype(np.float32)
-    return RolloutBatch(
-        completion_mask=completion_mask,
-        old_logprobs=np.where(completion_mask, base, 0.0).astype(np.float32),
-        advantages=np.asarray(advantages.grpo(rewards, group_size=GROUP_SIZE), np.float32),
-        ref_logprobs=np.where(completion_mask, ref, 0.0).astype(np.float32),
-        prompt_tokens=np.where(prompt_mask, rng.integers(1, vocab, prompt_mask.shape), 0).astype(
-            np.int32
-        ),
-        prompt_mask=prompt_mask,
-        completion_tokens=np.where(
-            completion_mask, rng.integers(1, vocab, completion_mask.shape), 0
-        ).astype(np.int32),
-    )
+    return bench.grpo_rollout_batch(rng, prompt_mask, completion_mask, vocab, group_size=GROUP_SIZE)
 
 
 def jax_step_fn(
@@ -192,43 +171,24 @@ def jax_step_fn(
     # f32 master weights; ``dtype`` is the compute dtype (matmuls and activations).
     config, params = load_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh)
     config = dataclasses.replace(config, compute_dtype=dtype)
-    optimizer = make_optimizer(LEARNING_RATE)
-    frozen = frozen_shardings = None
-    if lora_rank is None:
-        state, shardings = create_train_state(
-            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
-        )
-    else:
-        config = dataclasses.replace(config, lora=LoraSpec(lora_rank, 2.0 * lora_rank))
-        state, shardings, frozen, frozen_shardings = adapters.create_lora_state(
-            config, optimizer, key=jax.random.key(0), mesh=mesh, params=params
-        )
     # No entropy: the PyTorch step does not compute it either.
-    step = jit_step(
-        make_policy_step(
-            config,
-            objectives.make("grpo"),
-            optimizer,
-            compute_entropy=False,
-            param_shardings=shardings.params,
-        ),
-        shardings,
-        frozen=frozen,
-        frozen_shardings=frozen_shardings,
+    update = bench.grpo_update(
+        config,
+        params,
+        mesh,
+        learning_rate=LEARNING_RATE,
+        key=jax.random.key(0),
+        compute_entropy=False,
+        lora_rank=lora_rank,
     )
     batch = parallel.shard_batch(data, mesh)
-    holder = {"state": state}
 
     def call() -> float:
-        holder["state"], metrics = step(holder["state"], batch)
-        jax.block_until_ready((holder["state"], metrics))
+        _, metrics = jax.block_until_ready(update(batch))
         return float(metrics["loss"])
 
-    leaves = jax.tree.leaves((state.params, state.opt_state, frozen))
-    call.state_bytes = int(sum(x.size * x.dtype.itemsize for x in leaves))
-    call.temp_bytes = lambda: int(  # an extra compile: only when asked
-        step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-    )
+    call.state_bytes = update.state_bytes
+    call.temp_bytes = lambda: update.temp_bytes(batch)  # an extra compile: only when asked
     return call, len(devices)
 
 

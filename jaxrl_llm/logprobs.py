@@ -13,6 +13,9 @@ and the results are scattered back to the padded ``[B, T]`` layout.
 ``routed_completion_logprobs`` gives either's log-probs together with the mixture-of-experts
 router logits of the same forward (and the mask of the real tokens they cover), from which the
 policy update adds the router losses (``jaxrl_llm.models.moe``) without a second forward.
+
+The three take the same keyword options, ``LogprobOptions`` (temperature, chunk size, entropy,
+remat, prompt log-probs, dropout key), and run the same forward (padded or packed).
 """
 
 from __future__ import annotations
@@ -159,6 +162,45 @@ def _chunk(
     return logprobs, entropy
 
 
+class LogprobOptions(NamedTuple):
+    """The keyword options of ``completion_logprobs``, ``packed_completion_logprobs`` and
+    ``routed_completion_logprobs`` (each takes them as keywords: ``**options``).
+
+    Attributes:
+      temperature: ``tau > 0`` (Python float or traced scalar): log-probs of
+        ``log_softmax(logits / tau)``, as the sampler draws.
+      chunk_size: sequence positions per unembedding chunk (packed: packed slots); None:
+        ``default_chunk_size``.
+      return_entropy: also return the per-token entropy of the scaled distribution.
+      remat: the model's remat policy (``"none"`` or ``"layer"``).
+      return_prompt_logprobs: also return ``[B, P]`` log-probs of the prompt tokens the model
+        predicts (``log pi(x_j | x_<j)``; 0 on padding and on each row's first real token,
+        which nothing predicts), from the same forward pass: what an NLL over the whole
+        sequence (TRL ORPOTrainer's) needs. Not combined with ``return_entropy``.
+      dropout_key: a PRNG key for the model's LoRA dropout (training), or None.
+    """
+
+    temperature: float | Array = 1.0
+    chunk_size: int | None = None
+    return_entropy: bool = False
+    remat: str = "none"
+    return_prompt_logprobs: bool = False
+    dropout_key: Array | None = None
+
+
+def _options(options: dict[str, Any]) -> LogprobOptions:
+    """The ``LogprobOptions`` of a log-prob function's keyword arguments, checked."""
+    unknown = sorted(set(options) - set(LogprobOptions._fields))
+    if unknown:
+        raise TypeError(
+            f"unknown log-prob option(s) {unknown}; the options are {list(LogprobOptions._fields)}"
+        )
+    out = LogprobOptions(**options)
+    if out.return_prompt_logprobs and out.return_entropy:
+        raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+    return out
+
+
 def completion_logprobs(
     params: Any,
     config: ModelConfig,
@@ -166,13 +208,7 @@ def completion_logprobs(
     prompt_mask: Array,
     completion_tokens: Array,
     completion_mask: Array,
-    *,
-    temperature: float | Array = 1.0,
-    chunk_size: int | None = None,
-    return_entropy: bool = False,
-    remat: str = "none",
-    return_prompt_logprobs: bool = False,
-    dropout_key: Array | None = None,
+    **options: Any,
 ) -> Array | tuple[Array, Array]:
     """``log pi(y_t | x, y_<t)`` of each completion token under the temperature-scaled policy.
 
@@ -193,65 +229,39 @@ def completion_logprobs(
       prompt_mask: ``[B, P]``, 1 on real prompt tokens.
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on tokens to score.
-      temperature: ``tau > 0``.
-      chunk_size: sequence positions per unembedding chunk (None: ``default_chunk_size``).
-      return_entropy: also return the per-token entropy of the scaled distribution.
-      remat: the model's remat policy (``"none"`` or ``"layer"``).
-      return_prompt_logprobs: also return ``[B, P]`` log-probs of the prompt tokens the model
-        predicts (``log pi(x_j | x_<j)``; 0 on padding and on each row's first real token,
-        which nothing predicts), from the same forward pass: what an NLL over the whole
-        sequence (TRL ORPOTrainer's) needs. Not combined with ``return_entropy``.
-      dropout_key: a PRNG key for the model's LoRA dropout (training), or None.
+      **options: ``LogprobOptions`` by keyword (``temperature``, ``chunk_size``,
+        ``return_entropy``, ``remat``, ``return_prompt_logprobs``, ``dropout_key``).
 
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
     """
     seqs = Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
-    return _padded(params, config, seqs, scoring, remat, dropout_key, router=False)[0]
-
-
-class _Scoring(NamedTuple):
-    """What the log-prob functions compute from the hidden states (their keyword arguments)."""
-
-    temperature: float | Array
-    chunk_size: int | None
-    return_entropy: bool
-    return_prompt_logprobs: bool
+    return _routed(params, config, seqs, None, _options(options), router=False).logprobs
 
 
 def _padded(
-    params: Any,
-    config: ModelConfig,
-    seqs: Sequences,
-    scoring: _Scoring,
-    remat: str,
-    dropout_key: Array | None,
-    *,
-    router: bool,
+    params: Any, config: ModelConfig, seqs: Sequences, options: LogprobOptions, *, router: bool
 ) -> tuple[Any, Array | None, Array]:
     """``completion_logprobs``'s output, the router logits ``[L, B, P + T, E]`` of its forward
     (with ``router``; else None) and the real tokens ``[B, P + T]`` bool."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     tokens, mask = join_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     prompt_len = prompt_tokens.shape[1]
-    temperature, chunk_size = scoring.temperature, scoring.chunk_size
+    temperature, chunk_size = options.temperature, options.chunk_size
     out = forward(
         params,
         config,
         tokens,
         attention_mask=mask,
-        remat=remat,
-        dropout_key=dropout_key,
+        remat=options.remat,
+        dropout_key=options.dropout_key,
         return_router_logits=router,
     )
     hidden, router_logits = out[0], (out[2] if router else None)
     length = completion_tokens.shape[1]
     # Gathered (and cast) once here, outside the loop over chunks.
     unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
-    if scoring.return_prompt_logprobs:
-        if scoring.return_entropy:
-            raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+    if options.return_prompt_logprobs:
         # Column j predicts token j + 1: prompt tokens 1..P-1 (when both they and the token
         # before them are real) and then the completion tokens, in one chunked pass.
         prompt_mask = prompt_mask.astype(bool)
@@ -276,23 +286,13 @@ def _padded(
         mask=completion_mask,
         temperature=temperature,
         chunk_size=chunk_size,
-        return_entropy=scoring.return_entropy,
+        return_entropy=options.return_entropy,
     )
     return out, router_logits, mask
 
 
 def packed_completion_logprobs(
-    params: Any,
-    config: ModelConfig,
-    seqs: Sequences,
-    plan: PackingPlan,
-    *,
-    temperature: float | Array = 1.0,
-    chunk_size: int | None = None,
-    return_entropy: bool = False,
-    remat: str = "none",
-    return_prompt_logprobs: bool = False,
-    dropout_key: Array | None = None,
+    params: Any, config: ModelConfig, seqs: Sequences, plan: PackingPlan, **options: Any
 ) -> Array | tuple[Array, Array]:
     """``completion_logprobs`` of ``seqs`` computed on packed rows: the same ``[B, T]`` values.
 
@@ -318,14 +318,17 @@ def packed_completion_logprobs(
       seqs: the padded ``Sequences`` (``[B, P]`` left-padded prompts, ``[B, T]`` right-padded
         completions).
       plan: a ``PackingPlan`` for ``[B, P + T]``.
-      temperature, chunk_size, return_entropy, remat, return_prompt_logprobs, dropout_key: as
-        for ``completion_logprobs`` (``chunk_size`` counts packed slots).
+      **options: ``LogprobOptions`` by keyword, as for ``completion_logprobs``
+        (``chunk_size`` counts packed slots).
 
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs [B, P])``.
     """
-    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
-    return _packed(params, config, seqs, plan, scoring, remat, dropout_key, router=False)[0]
+    if plan is None:
+        raise ValueError(
+            "packed_completion_logprobs needs a PackingPlan, got None (padded: completion_logprobs)"
+        )
+    return _routed(params, config, seqs, plan, _options(options), router=False).logprobs
 
 
 def _packed(
@@ -333,9 +336,7 @@ def _packed(
     config: ModelConfig,
     seqs: Sequences,
     plan: PackingPlan,
-    scoring: _Scoring,
-    remat: str,
-    dropout_key: Array | None,
+    options: LogprobOptions,
     *,
     router: bool,
 ) -> tuple[Any, Array | None, Array]:
@@ -344,9 +345,7 @@ def _packed(
     bool (``segment_ids > 0``)."""
     prompt_tokens, prompt_mask, completion_tokens, completion_mask = seqs
     tokens, _ = join_sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
-    return_entropy, return_prompt_logprobs = scoring.return_entropy, scoring.return_prompt_logprobs
-    if return_prompt_logprobs and return_entropy:
-        raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+    return_entropy, return_prompt_logprobs = options.return_entropy, options.return_prompt_logprobs
     shape = tokens.shape
     prompt_len = prompt_tokens.shape[1]
     scored_prompt = prompt_mask.astype(bool) & return_prompt_logprobs
@@ -359,8 +358,8 @@ def _packed(
         packed_tokens,
         positions=positions,
         segment_ids=segments,
-        remat=remat,
-        dropout_key=dropout_key,
+        remat=options.remat,
+        dropout_key=options.dropout_key,
         return_router_logits=router,
     )
     hidden, router_logits = out[0], (out[2] if router else None)
@@ -374,8 +373,8 @@ def _packed(
         unembed_fn,
         packed_tokens[:, 1:],
         mask=predicted,
-        temperature=scoring.temperature,
-        chunk_size=scoring.chunk_size,
+        temperature=options.temperature,
+        chunk_size=options.chunk_size,
         return_entropy=return_entropy,
     )
 
@@ -415,27 +414,32 @@ def routed_completion_logprobs(
     config: ModelConfig,
     seqs: Sequences,
     plan: PackingPlan | None = None,
-    *,
-    temperature: float | Array = 1.0,
-    chunk_size: int | None = None,
-    return_entropy: bool = False,
-    remat: str = "none",
-    return_prompt_logprobs: bool = False,
-    dropout_key: Array | None = None,
+    **options: Any,
 ) -> RoutedLogprobs:
     """``completion_logprobs`` (``plan`` None) or ``packed_completion_logprobs`` of ``seqs``
     and, from the same forward, every layer's router logits with the real-token mask.
 
     One forward: the router logits are those the log-probs' hidden states were computed with
     (what ``models.moe.load_balancing_loss`` / ``router_z_loss`` take, with ``token_mask``).
-    The keyword arguments are those of ``completion_logprobs``.
+    ``options``: ``LogprobOptions`` by keyword, as for ``completion_logprobs``.
 
     Returns:
       A ``RoutedLogprobs``; ``router_logits`` is None for a dense model.
     """
-    scoring = _Scoring(temperature, chunk_size, return_entropy, return_prompt_logprobs)
+    return _routed(params, config, seqs, plan, _options(options), router=True)
+
+
+def _routed(
+    params: Any,
+    config: ModelConfig,
+    seqs: Sequences,
+    plan: PackingPlan | None,
+    options: LogprobOptions,
+    *,
+    router: bool,
+) -> RoutedLogprobs:
+    """The one forward behind the three public functions: padded rows (``plan`` None) or
+    packed ones, the router logits only with ``router``."""
     if plan is None:
-        out = _padded(params, config, seqs, scoring, remat, dropout_key, router=True)
-    else:
-        out = _packed(params, config, seqs, plan, scoring, remat, dropout_key, router=True)
-    return RoutedLogprobs(*out)
+        return RoutedLogprobs(*_padded(params, config, seqs, options, router=router))
+    return RoutedLogprobs(*_packed(params, config, seqs, plan, options, router=router))

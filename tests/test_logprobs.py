@@ -296,5 +296,7 @@ def test_errors(model, batch):
         completion_logprobs(params, config, *batch, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         completion_logprobs(params, config, *batch, chunk_size=0)
+    with pytest.raises(TypeError, match=r"unknown log-prob option\(s\) \['temprature'\]"):
+        completion_logprobs(params, config, *batch, temprature=0.5)
     with pytest.raises(ValueError, match=r"\[B, T, D\]"):
         token_logprobs_from_hidden(jnp.zeros((2, 3, 4)), lambda h: h, jnp.zeros((2, 4), int))

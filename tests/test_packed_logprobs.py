@@ -215,6 +215,8 @@ def test_errors():
     other = plan_sequences(seqs.prompt_mask[:, 1:], seqs.completion_mask)
     with pytest.raises(ValueError, match="width"):
         packed_completion_logprobs(params, config, seqs, other)
+    with pytest.raises(ValueError, match="needs a PackingPlan"):
+        packed_completion_logprobs(params, config, seqs, None)
 
 
 @pytest.mark.needs_devices(8)

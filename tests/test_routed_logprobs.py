@@ -17,21 +17,7 @@ from jaxrl_llm.logprobs import (
 from jaxrl_llm.packing import plan_sequences
 from jaxrl_llm.types import Sequences
 from tests.train import step_problem
-
-MOE = models.ModelConfig(
-    architecture="MixtralForCausalLM",
-    vocab_size=step_problem.CONFIG.vocab_size,
-    hidden_size=32,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-)
+from tests.train.moe_problem import MOE
 
 
 def _seqs() -> Sequences:

@@ -18,8 +18,10 @@ The PyTorch column runs the formulations of ``benchmarks/torch_losses.py`` (verl
 without it (or without that file) the column says n/a.
 
 ``timing`` times one step (JAX and PyTorch), ``report`` formats the table with the machine
-next to it, ``cli`` runs every preset at every shape for ``jaxrl-llm bench``; every public
-name is exported here.
+next to it, ``cli`` runs every preset at every shape for ``jaxrl-llm bench``;
+``policy_update`` is the whole GRPO update (batch and jitted step) that
+``benchmarks/bench_train_step.py`` and ``benchmarks/bench_packing.py`` time. Every public name
+is exported here.
 """
 
 from jaxrl_llm.bench.cli import (
@@ -29,6 +31,7 @@ from jaxrl_llm.bench.cli import (
     parse_shapes,
     run_losses,
 )
+from jaxrl_llm.bench.policy_update import PolicyUpdate, grpo_rollout_batch, grpo_update
 from jaxrl_llm.bench.report import (
     BenchRow,
     environment,
@@ -58,12 +61,15 @@ __all__ = [
     "BenchRow",
     "LossFn",
     "LossTiming",
+    "PolicyUpdate",
     "write_results",
     "bench_main",
     "copy_bandwidth",
     "environment",
     "format_report",
     "format_table",
+    "grpo_rollout_batch",
+    "grpo_update",
     "load_torch_impl",
     "num_cores",
     "objective_batch",

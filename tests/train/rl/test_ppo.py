@@ -32,19 +32,7 @@ from jaxrl_llm.train.state import create_train_state
 from jaxrl_llm.train.step import jit_step
 from jaxrl_llm.types import RolloutBatch, sequences_of
 from tests.train.rl import rl_helpers
-
-CONFIG = models.ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=24,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+from tests.train.rl.critic_problem import CONFIG
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,34 +11,19 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxrl_llm import models
 from jaxrl_llm.models import heads
 from jaxrl_llm.train.packing import plan_micro_batches
 from jaxrl_llm.train.rl.ppo import make_value_fn
 from jaxrl_llm.types import Sequences
-
-CONFIG = models.ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=24,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
+from tests.train.rl.critic_problem import CONFIG, ragged_rows
 
 
-def _seqs(rng, rows=8, prompt=6, length=10):
-    prompt_mask = np.arange(prompt)[None] >= (prompt - rng.integers(1, prompt + 1, rows))[:, None]
-    lengths = np.minimum(rng.geometric(0.3, rows), length)
-    completion_mask = np.arange(length)[None] < lengths[:, None]
-    return Sequences(
-        np.where(prompt_mask, rng.integers(1, CONFIG.vocab_size, (rows, prompt)), 0),
-        prompt_mask.astype(np.int32),
-        np.where(completion_mask, rng.integers(1, CONFIG.vocab_size, (rows, length)), 0),
-        completion_mask.astype(np.int32),
+def _seqs(rng) -> Sequences:
+    """Ragged rows with 0 / 1 int32 masks."""
+    seqs = ragged_rows(rng)
+    return seqs._replace(
+        prompt_mask=seqs.prompt_mask.astype(np.int32),
+        completion_mask=seqs.completion_mask.astype(np.int32),
     )
 
 

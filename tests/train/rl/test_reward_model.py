@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import data, models, parallel
+from jaxrl_llm import data, parallel
 from jaxrl_llm.models import heads
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.config_io import load_config
@@ -24,7 +24,7 @@ from jaxrl_llm.train.rl import rollout as rollout_lib
 from jaxrl_llm.train.rl.context import RunContext, reward_model_plan, reward_model_program
 from jaxrl_llm.train.rl.trainer import RLTrainer
 from jaxrl_llm.train.setup import build_policy
-from tests.train.rl import rl_helpers
+from tests.train.rl import critic_problem, rl_helpers
 
 # 32 training pairs in one batch (every step sees them all), one device, no SFT warm-up.
 TINY = (
@@ -234,19 +234,15 @@ def test_the_learned_reward_drives_the_rl_loop(rule_reward_model, tmp_path, rule
     assert np.mean([SEVEN in text for text in texts]) > 0.5
 
 
-def _rollout_samples(rng, rows=8, prompt=6, length=10, vocab=24):
-    """Host ``Samples`` of left-padded prompts and right-padded completions of long-tailed
-    lengths (one empty completion), as the sampler returns them."""
-    prompt_lengths = rng.integers(1, prompt + 1, rows)
-    lengths = np.minimum(rng.geometric(0.3, rows), length)
-    lengths[2] = 0
-    prompt_mask = np.arange(prompt)[None] >= (prompt - prompt_lengths)[:, None]
-    completion_mask = np.arange(length)[None] < lengths[:, None]
+def _rollout_samples(rng, rows=8):
+    """Host ``Samples`` of ``critic_problem.ragged_rows`` (row 2 empty), as the sampler
+    returns them."""
+    seqs = critic_problem.ragged_rows(rng, rows, empty_row=2)
     return rollout_lib.Samples(
-        prompt_tokens=np.where(prompt_mask, rng.integers(1, vocab, (rows, prompt)), 0),
-        prompt_mask=prompt_mask,
-        completion_tokens=np.where(completion_mask, rng.integers(1, vocab, (rows, length)), 0),
-        completion_mask=completion_mask,
+        prompt_tokens=seqs.prompt_tokens,
+        prompt_mask=seqs.prompt_mask,
+        completion_tokens=seqs.completion_tokens,
+        completion_mask=seqs.completion_mask,
         completions=[""] * rows,
         prompts=[""] * rows,
         rewards=np.zeros(rows, np.float32),
@@ -260,17 +256,7 @@ def test_packed_reward_model_scoring_gives_the_padded_rewards():
     """``trainer.packing=on``: the learned reward model scores the rollout over packed rows
     (``reward_model_plan``), and ``add_learned_reward`` adds what the padded scoring adds
     (f32, 1e-5), on every batch shard of the mesh."""
-    config = models.ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=24,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
+    config = critic_problem.CONFIG
     std = 1.0 / np.sqrt(config.hidden_size)  # O(1) scores: a mis-pooled state shows
     params = heads.init_scalar_params(config, jax.random.key(0), score_std=std)
     mesh = parallel.make_mesh(devices=jax.devices()[:8] if jax.device_count() >= 8 else None)

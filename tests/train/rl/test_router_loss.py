@@ -10,6 +10,7 @@ completion-token-weighted mean ``sum_k (n_k / N) · L_k`` (one micro-batch: the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +21,6 @@ import pytest
 
 from jaxrl_llm import models, objectives
 from jaxrl_llm.logprobs import completion_logprobs
-from jaxrl_llm.models import ModelConfig
 from jaxrl_llm.packing import plan_sequences
 from jaxrl_llm.train.packing import plan_micro_batches
 from jaxrl_llm.train.rl.policy import (
@@ -34,23 +34,9 @@ from jaxrl_llm.train.state import TrainState
 from jaxrl_llm.train.step import totals_of
 from jaxrl_llm.types import RolloutBatch
 from tests.reference.router_losses import router_losses
-from tests.train import step_problem
+from tests.train import moe_problem, step_problem
 
-MOE = ModelConfig(
-    architecture="MixtralForCausalLM",
-    vocab_size=step_problem.CONFIG.vocab_size,
-    hidden_size=32,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-    router_aux_loss_coef=0.001,
-)
+MOE = dataclasses.replace(moe_problem.MOE, router_aux_loss_coef=0.001)
 KEYS = ("moe/load_balancing_loss", "moe/router_z_loss")
 
 
