@@ -1,7 +1,8 @@
 """Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3, Gemma / Gemma 2 /
-Gemma 3, and the Qwen2-MoE / Qwen3-MoE / Mixtral mixtures of experts) and HF checkpoints."""
+Gemma 3, and the Qwen2-MoE / Qwen3-MoE / Mixtral / gpt-oss mixtures of experts) and HF
+checkpoints (gpt-oss's MXFP4 experts dequantised at load: ``mxfp4``)."""
 
-from jaxrl_llm.models import lora, moe
+from jaxrl_llm.models import lora, moe, mxfp4
 from jaxrl_llm.models.architectures import (
     ARCHITECTURE_DIR,
     architecture_config,
@@ -76,6 +77,7 @@ __all__ = [
     "load_tokenizer",
     "lora",
     "moe",
+    "mxfp4",
     "logical_axes",
     "logits",
     "param_count",

@@ -14,7 +14,7 @@ Names are the file stems (``available_architectures()``); they are the base chec
 ``Qwen/Qwen3-235B-A22B``, ``Qwen/Qwen1.5-MoE-A2.7B`` and ``mistralai/Mixtral-8x7B-v0.1``; and
 ``google/gemma-2-{9b,27b}``, ``google/gemma-3-1b-pt`` and the text model of
 ``google/gemma-3-{12b,27b}-pt`` (its ``text_config`` as a ``Gemma3ForCausalLM``: the vision
-tower is not loaded).
+tower is not loaded); and ``openai/gpt-oss-{20b,120b}``.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def param_count(config: ModelConfig) -> int:
               + 3 D F                    (SwiGLU gate, up, down; dense models)
               + D E + 3 E D F_e          (router and E experts; mixture-of-experts models)
               + [3 D F_s + D]            (shared expert and its gate, Qwen2-MoE)
+              + [N + E + 2 E F_e + E D]  (attention sinks, router and expert biases, gpt-oss)
         total = V D + L layer + D + [D V unless ``tie_word_embeddings``]
 
     This equals ``sum(x.size for x in jax.tree.leaves(param_shapes(config)))`` without building
@@ -83,6 +84,8 @@ def param_count(config: ModelConfig) -> int:
         e, shared = config.num_experts, config.shared_expert_intermediate_size
         layer += d * e + 3 * e * d * config.moe_intermediate_size
         layer += 3 * d * shared + (d if shared else 0)
+        if config.expert_biases:
+            layer += e + 2 * e * config.moe_intermediate_size + e * d
     else:
         layer += 3 * d * f
     if config.qkv_bias:
@@ -93,6 +96,8 @@ def param_count(config: ModelConfig) -> int:
         layer += 2 * h
     if config.sandwich_norms:
         layer += 2 * d
+    if config.attention_sinks:
+        layer += n
     unembed = 0 if config.tie_word_embeddings else d * v
     return v * d + config.num_hidden_layers * layer + d + unembed
 

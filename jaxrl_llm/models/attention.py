@@ -14,7 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models import attention_backends as backends
-from jaxrl_llm.models.attention_backends import attention_mask, softcap, window_limit
+from jaxrl_llm.models.attention_backends import (
+    attention_mask,
+    sink_softmax,
+    softcap,
+    window_limit,
+)
 from jaxrl_llm.models.config import ModelConfig, rope_inv_freq
 from jaxrl_llm.parallel.mesh import current_platform
 
@@ -24,13 +29,19 @@ Array = jax.Array
 def rope_angles(
     config: ModelConfig, positions: Array, *, local: bool = False
 ) -> tuple[Array, Array]:
-    """``cos, sin`` of ``positions * inv_freq``: ``[B, S]`` int -> two ``[B, S, H/2]`` f32.
+    """``m cos, m sin`` of ``positions * inv_freq``: ``[B, S]`` int -> two ``[B, S, H/2]`` f32.
 
-    ``local``: the sliding-window layers' frequencies (``rope_inv_freq(config, local=True)``).
+    ``m`` is ``config.rope_attention_scaling`` (YaRN's attention factor, which thus scales the
+    queries and keys, and the scores by ``m^2``, as transformers' rotary embeddings do; 1 for
+    the other RoPE types). ``local``: the sliding-window layers' frequencies
+    (``rope_inv_freq(config, local=True)``, unscaled: ``m = 1``).
     """
     inv_freq = jnp.asarray(rope_inv_freq(config, local=local))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    scale = 1.0 if local and config.rope_local_theta is not None else config.rope_attention_scaling
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
@@ -55,6 +66,7 @@ def cache_attention(
     scale: float,
     kv_major: bool = False,
     logit_softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """``o_i = sum_j softmax_j(scale * q_i . k_j) v_j`` over the cached slots ``j`` in ``mask``.
 
@@ -72,6 +84,8 @@ def cache_attention(
       kv_major: the layout of ``k, v``.
       logit_softcap: ``c``: the scaled scores ``s`` become ``c tanh(s / c)`` before the mask
         (Gemma 2), or None.
+      sinks: ``[N]`` each query head's sink logit ``σ_n``, joined to its softmax's denominator
+        (``sink_softmax``: ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(σ_n))``; gpt-oss), or None.
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
@@ -80,7 +94,14 @@ def cache_attention(
     kv_heads = k.shape[0 if kv_major else 1]
     if seq == 1 and current_platform()[0] == "cpu":
         return _decode_attention(
-            q, k, v, mask, scale=scale, kv_major=kv_major, logit_softcap=logit_softcap
+            q,
+            k,
+            v,
+            mask,
+            scale=scale,
+            kv_major=kv_major,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     # Products in the cache's dtype (XLA:CPU has no bf16 x bf16 -> f32 batched matmul), as
@@ -93,7 +114,11 @@ def cache_attention(
     mask = mask[:, 0][None, :, None] if kv_major else mask[:, :, None]
     scores = softcap(scores.astype(jnp.float32) * scale, logit_softcap)
     scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    sink = None
+    if sinks is not None:  # [N] -> [K, G], on the scores' (kv head, group) dims
+        grouped_sinks = sinks.reshape(kv_heads, heads // kv_heads)
+        sink = grouped_sinks[:, None, :, None, None] if kv_major else grouped_sinks[..., None, None]
+    probs = sink_softmax(scores, sink).astype(v.dtype)
     out = jnp.einsum(f"{rows}gqs,{rows}sh->bqkgh", probs, v)
     return out.reshape(batch, seq, heads, head_dim).astype(q.dtype)
 
@@ -107,6 +132,7 @@ def _decode_attention(
     scale: float,
     kv_major: bool = False,
     logit_softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """``cache_attention`` for one query per row, the query axis dropped (CPU decode).
 
@@ -126,7 +152,11 @@ def _decode_attention(
     mask = mask[:, 0, 0][None, :, None] if kv_major else mask[:, :, 0][:, :, None]
     scores = softcap(scores.astype(jnp.float32) * scale, logit_softcap)
     scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    sink = None
+    if sinks is not None:  # [N] -> [K, G], on the scores' (kv head, group) dims
+        grouped_sinks = sinks.reshape(kv_heads, heads // kv_heads)
+        sink = grouped_sinks[:, None, :, None] if kv_major else grouped_sinks[..., None]
+    probs = sink_softmax(scores, sink)
     out = jnp.einsum(f"{rows}gs,{rows}sh->{rows}gh", probs.astype(v.dtype), v)
     out = out.swapaxes(0, 1) if kv_major else out
     return out.reshape(batch, 1, heads, head_dim).astype(q.dtype)
@@ -151,10 +181,10 @@ def attention_implementations() -> tuple[str, ...]:
     * ``"einsum"``: blocks of queries as head-major batched matmuls in f32 with a hand-written
       backward pass, each block against only the keys up to its last query (faster than
       ``"xla"`` on CPU; keeps about half of the ``O(S^2)`` probabilities).
-    * ``"splash"``: the Pallas TPU splash-attention kernel (``O(S)`` memory); pass
-      ``interpret=True`` to emulate it off TPU (slow; for tests).
+    * ``"splash"``: the Pallas TPU splash-attention kernel (``O(S)`` memory; it takes
+      attention sinks); pass ``interpret=True`` to emulate it off TPU (slow; for tests).
     * ``"cudnn"``: cuDNN flash attention via ``jax.nn.dot_product_attention`` (NVIDIA GPU,
-      bf16/f16; ``O(S)`` memory).
+      bf16/f16; ``O(S)`` memory; no soft cap, sliding window or attention sinks).
     """
     return _IMPLEMENTATIONS
 
@@ -166,12 +196,14 @@ def resolve_attention_implementation(
     head_dim: int,
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
+    sinks: bool = False,
 ) -> str:
     """The implementation ``dot_product_attention`` runs for ``implementation``.
 
     ``"auto"`` means ``"splash"`` on TPU, ``"cudnn"`` on an NVIDIA GPU for bf16/f16 inputs with
-    ``head_dim <= 128`` and ``head_dim % 8 == 0`` and neither a logit soft cap nor a sliding
-    window (which the cuDNN path does not take; else ``"xla"``), ``"einsum"`` on CPU and
+    ``head_dim <= 128`` and ``head_dim % 8 == 0`` and no logit soft cap, sliding window or
+    attention sinks (``sinks``: whether there are any; the cuDNN path takes none of the three:
+    else ``"xla"``), ``"einsum"`` on CPU and
     ``"xla"`` elsewhere. The backend is that of the context mesh (``jax.set_mesh`` or an
     abstract mesh with a device description), else of ``jax.devices()``. Other names are
     returned as they are. cuDNN's flash attention also needs compute capability >= 8.0
@@ -193,7 +225,7 @@ def resolve_attention_implementation(
     if platform in ("gpu", "cuda"):
         nvidia = platform == "cuda" or "nvidia" in kind.lower()
         cudnn_ok = jnp.dtype(dtype) in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= 128
-        cudnn_ok = cudnn_ok and logit_softcap is None and sliding_window is None
+        cudnn_ok = cudnn_ok and logit_softcap is None and sliding_window is None and not sinks
         return "cudnn" if nvidia and cudnn_ok else "xla"
     return "einsum" if platform == "cpu" else "xla"
 
@@ -213,6 +245,7 @@ def dot_product_attention(
     sliding_window: int | None = None,
     window_active: Any = True,
     segment_ids: Array | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """Causal self-attention over the S tokens of this call, pad keys masked.
 
@@ -252,6 +285,13 @@ def dot_product_attention(
         segment (a window counts slots, which within a segment are its positions). Real
         tokens are those with ``key_valid`` and a nonzero id. ``"cudnn"`` has no segment ids
         (JAX's public cuDNN attention takes none): packed rows run the ``"einsum"`` path there.
+      sinks: ``[N]`` each query head's learned sink logit ``σ_n`` (gpt-oss), joined to the
+        softmax's denominator and dropped from its output: ``o_i = sum_j p_ij v_j`` with
+        ``p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(σ_n))`` (``sink_softmax``), or None. Taken
+        by ``"xla"`` (then the jnp form of ``cache_attention``, since
+        ``jax.nn.dot_product_attention`` has no sinks), ``"einsum"`` (with ``dσ`` in its
+        backward pass) and ``"splash"`` (the kernel's ``sinks``); ``"cudnn"`` refuses them
+        (``"auto"`` picks ``"xla"`` on GPU then).
 
     Returns:
       ``[B, S, N, H]`` in ``q.dtype``.
@@ -259,7 +299,8 @@ def dot_product_attention(
     Raises:
       ValueError: bad shapes or dtypes, an unknown ``implementation``, bad block sizes,
         ``"splash"`` off TPU without ``interpret=True``, ``"cudnn"`` with an unsupported
-        dtype or head dim or with a soft cap or sliding window, or a bad cap or window.
+        dtype or head dim or with a soft cap, sliding window or sinks, bad sinks, or a bad
+        cap or window.
     """
     _check_inputs(q, k, v, key_valid)
     scale = _check_scale(scale)
@@ -274,22 +315,32 @@ def dot_product_attention(
     if segment_ids is not None:
         segment_ids = _check_segments(segment_ids, key_valid.shape)
         key_valid = key_valid & (segment_ids > 0)
+    if sinks is not None:
+        _check_sinks(sinks, q.shape[2])
     name = resolve_attention_implementation(
         implementation,
         dtype=q.dtype,
         head_dim=q.shape[-1],
         logit_softcap=logit_softcap,
         sliding_window=sliding_window,
+        sinks=sinks is not None,
     )
     if name == "xla":
         seq = q.shape[1]
         window = window_limit(sliding_window, window_active, seq)
         segments = None if segment_ids is None else (segment_ids, segment_ids)
         mask = attention_mask(key_valid, jnp.arange(seq), window=window, segments=segments)
-        if logit_softcap is not None:  # jax.nn's attention has no soft cap: the same in jnp
+        if logit_softcap is not None or sinks is not None:  # not in jax.nn's: the same in jnp
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-            return cache_attention(q, k, v, mask, scale=scale, logit_softcap=logit_softcap)
+            return cache_attention(
+                q, k, v, mask, scale=scale, logit_softcap=logit_softcap, sinks=sinks
+            )
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=None)
+    if name == "cudnn" and sinks is not None:
+        raise ValueError(
+            "implementation='cudnn' takes no attention sinks (gpt-oss); use 'xla' (what 'auto' "
+            "picks for them on GPU)"
+        )
     if name == "cudnn" and segment_ids is not None:  # no segment ids in jax.nn's cuDNN path
         _check_cudnn(q)
         name = "einsum"
@@ -307,6 +358,7 @@ def dot_product_attention(
             sliding_window=sliding_window,
             window_active=window_active,
             segment_ids=segment_ids,
+            sinks=sinks,
         )
     if name == "cudnn":
         _check_cudnn(q)
@@ -338,7 +390,7 @@ def dot_product_attention(
     if segment_ids is not None:
         segments = jnp.where(key_valid, segment_ids, 0)
     if sliding_window is None or window_active is True:
-        return splash(q, k, v, segments, sliding_window=sliding_window)
+        return splash(q, k, v, segments, sinks, sliding_window=sliding_window)
     # A scanned layer's own flag: one kernel or the other (the masks are static).
     return jax.lax.cond(
         window_active,
@@ -348,7 +400,16 @@ def dot_product_attention(
         k,
         v,
         segments,
+        sinks,
     )
+
+
+def _check_sinks(sinks: Any, heads: int) -> None:
+    if jnp.shape(sinks) != (heads,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+        raise ValueError(
+            f"sinks must be a [N] = ({heads},) floating array (one sink logit per query head), "
+            f"got shape {jnp.shape(sinks)} dtype {jnp.result_type(sinks)}"
+        )
 
 
 def _check_segments(segment_ids: Any, shape: tuple[int, ...]) -> Array:

@@ -9,6 +9,11 @@ and per-row lengths; the ``q_offsets`` of the private ``jax._src.cudnn`` entry p
 public API), so ``"cudnn"`` runs packed batches on the ``"einsum"`` path (exact, but its
 memory is ``O(S^2 / blocks)`` rather than ``O(S)``).
 
+Attention sinks (gpt-oss: a learned logit per query head in each softmax's denominator,
+``sink_softmax``): the einsum path takes them (with their gradient in its backward pass), and
+so does splash (the kernel's ``sinks``); cuDNN does not (``attention.dot_product_attention``
+refuses them there), nor does the TPU paged-attention kernel (``kv_cache`` gathers instead).
+
 Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
 """
 
@@ -82,6 +87,27 @@ def softcap(scores: Array, cap: float | None) -> Array:
     return cap * jnp.tanh(scores / cap)
 
 
+def sink_softmax(scores: Array, sinks: Array | None) -> Array:
+    """Softmax over the last axis with an attention sink in the denominator.
+
+    ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(σ))``: the sink logit ``σ`` joins the softmax and
+    its probability is dropped, so a row's probabilities sum to ``1 - p_σ`` (gpt-oss's learned
+    per-head sinks; Xiao et al. 2023, "Efficient Streaming Language Models with Attention
+    Sinks"; transformers' ``GptOssAttention``). Plain ``softmax`` when ``sinks`` is None.
+
+    Args:
+      scores: ``[..., S_kv]`` f32 scores (``-inf`` on masked keys).
+      sinks: ``σ`` broadcastable to ``scores.shape[:-1] + (1,)``, or None.
+
+    Returns:
+      ``[..., S_kv]`` probabilities in ``scores.dtype``.
+    """
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sinks = jnp.broadcast_to(sinks.astype(scores.dtype), (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
+
+
 _EINSUM_BLOCK_BYTES = 3 * 2**20
 _EINSUM_MAX_BLOCKS = 16
 
@@ -105,6 +131,7 @@ def _einsum_attention(
     sliding_window: int | None = None,
     window_active: Any = True,
     segment_ids: Array | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """Attention over blocks of queries, each against only the keys up to its last query.
 
@@ -116,10 +143,14 @@ def _einsum_attention(
     that surely applies (``window_active`` True) also skips the keys before the block's first
     query's window; a traced ``window_active`` masks them instead. ``segment_ids`` ``[B, S]``
     (packed rows): a query sees only the keys of its own segment (``attention_mask``).
+    ``sinks`` ``[N]``: each query head's sink logit joins its softmax's denominator
+    (``sink_softmax``), with its gradient in the hand-written backward pass.
     """
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
+    if sinks is not None:  # query head n = k * G + g
+        sinks = sinks.astype(jnp.float32).reshape(kv_heads, group)
     block = _einsum_block(batch, heads, seq) if block is None else block
     qh = q.astype(jnp.float32) * scale  # [B, S, K, G, H] -> [B, K, S, G, H] -> [B, K, S*G, H]
     qh = qh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -144,7 +175,7 @@ def _einsum_attention(
         rows = slice(start * group, stop * group)
         keys = slice(first, stop)
         outs.append(
-            _einsum_core(qh[:, :, rows], kh[:, :, keys], vh[:, :, keys], mask, logit_softcap)
+            _einsum_core(qh[:, :, rows], kh[:, :, keys], vh[:, :, keys], mask, sinks, logit_softcap)
         )
     out = jnp.concatenate(outs, axis=2).reshape(batch, kv_heads, seq, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, heads, head_dim).astype(q.dtype)
@@ -157,26 +188,38 @@ def _einsum_scores(q: Array, k: Array, mask: Array) -> Array:
     return jnp.einsum("bkrh,bksh->bkrs", q, k).reshape(batch, kv_heads, queries, -1, keys)
 
 
-def _einsum_probs(q: Array, k: Array, mask: Array, cap: float | None) -> Array:
-    """``P = softmax(softcap(q k^T))`` over the keys in ``mask``: ``[B, K, b*G, t]`` f32.
+def _einsum_probs(
+    q: Array, k: Array, mask: Array, sinks: Array | None, cap: float | None
+) -> tuple[Array, Array | None]:
+    """``P = softmax(softcap(q k^T))`` over the keys in ``mask`` (a sink in the denominator
+    with ``sinks``): ``([B, K, b*G, t] f32, the sinks' probabilities [B, K, b*G, 1] or None)``.
 
-    ``q: [B, K, b*G, H]`` (row ``i * G + g``), ``k: [B, K, t, H]``, ``mask: [B, b, t]`` bool.
+    ``q: [B, K, b*G, H]`` (row ``i * G + g``), ``k: [B, K, t, H]``, ``mask: [B, b, t]`` bool,
+    ``sinks: [K, G]`` f32 or None.
     """
     batch, kv_heads, rows, _ = q.shape
     scores = softcap(_einsum_scores(q, k, mask), cap)
     scores = jnp.where(mask[:, None, :, None, :], scores, -jnp.inf)
-    return jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, rows, mask.shape[2])
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+        return probs.reshape(batch, kv_heads, rows, mask.shape[2]), None
+    sink = jnp.broadcast_to(sinks[None, :, None, :, None], (*scores.shape[:-1], 1))
+    joined = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)
+    probs = joined[..., :-1].reshape(batch, kv_heads, rows, mask.shape[2])
+    return probs, joined[..., -1:].reshape(batch, kv_heads, rows, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _einsum_core(q: Array, k: Array, v: Array, mask: Array, cap: float | None) -> Array:
-    return jnp.einsum("bkrs,bksh->bkrh", _einsum_probs(q, k, mask, cap), v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _einsum_core(
+    q: Array, k: Array, v: Array, mask: Array, sinks: Array | None, cap: float | None
+) -> Array:
+    return jnp.einsum("bkrs,bksh->bkrh", _einsum_probs(q, k, mask, sinks, cap)[0], v)
 
 
-def _einsum_core_fwd(q, k, v, mask, cap):
-    probs = _einsum_probs(q, k, mask, cap)
+def _einsum_core_fwd(q, k, v, mask, sinks, cap):
+    probs, sink_probs = _einsum_probs(q, k, mask, sinks, cap)
     out = jnp.einsum("bkrs,bksh->bkrh", probs, v)
-    return out, (q, k, v, mask, probs, out)
+    return out, (q, k, v, mask, sinks, probs, sink_probs, out)
 
 
 def _einsum_core_bwd(cap, residuals, d_out):
@@ -186,8 +229,10 @@ def _einsum_core_bwd(cap, residuals, d_out):
     ``dK = dS^T Q`` (``q`` is already scaled, so ``dQ`` is w.r.t. the scaled queries). With a
     soft cap ``c tanh(s / c)`` of the scores ``s``, ``dS`` is multiplied by its derivative
     ``1 - tanh(s / c)^2``, ``s`` recomputed from ``q`` and ``k`` (no stored ``O(S^2)`` array).
+    A sink ``σ`` leaves ``dS`` as it is (it only adds to the denominator) and gets
+    ``dσ = -sum_rows p_σ rowsum(dO * O)`` (``∂p_j / ∂σ = -p_j p_σ``).
     """
-    q, k, v, mask, probs, out = residuals
+    q, k, v, mask, sinks, probs, sink_probs, out = residuals
     d_v = jnp.einsum("bkrs,bkrh->bksh", probs, d_out)
     d_probs = jnp.einsum("bkrh,bksh->bkrs", d_out, v)
     delta = jnp.sum(d_out * out, axis=-1, keepdims=True)
@@ -197,7 +242,12 @@ def _einsum_core_bwd(cap, residuals, d_out):
         d_scores = d_scores * (1.0 - tanh * tanh)
     d_q = jnp.einsum("bkrs,bksh->bkrh", d_scores, k)
     d_k = jnp.einsum("bkrs,bkrh->bksh", d_scores, q)
-    return d_q, d_k, d_v, None
+    d_sinks = None
+    if sinks is not None:  # rows r = i * G + g: sum over rows and queries, per (k, g)
+        per_row = -(sink_probs * delta)[..., 0]  # [B, K, b*G]
+        batch, kv_heads, rows = per_row.shape
+        d_sinks = per_row.reshape(batch, kv_heads, -1, sinks.shape[1]).sum(axis=(0, 2))
+    return d_q, d_k, d_v, None, d_sinks
 
 
 _einsum_core.defvjp(_einsum_core_fwd, _einsum_core_bwd)
@@ -303,8 +353,10 @@ def _splash_local(
     interpret: bool,
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
+    sinks: Array | None = None,
 ) -> Array:
-    """Splash attention on one device's ``[B, S, N, H]`` block.
+    """Splash attention on one device's ``[B, S, N, H]`` block (``sinks [N]``: the heads'
+    sink logits, which the kernel adds to its softmax's denominator, or None).
 
     ``segments`` ``[B, S]`` int32: the segment id of each token, 0 on pads (the padding up to
     a multiple of 128 too): 1 on every real token of an unpacked row, ``k`` on the ``k``-th
@@ -333,9 +385,11 @@ def _splash_local(
     # The kernel has no scale argument: scale the queries (in f32, then back to their dtype).
     scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
     segments = jnp.pad(segments.astype(jnp.int32), ((0, 0), (0, padded - seq)))
-    out = jax.vmap(kernel)(
-        head_major(scaled), head_major(k), head_major(v), SegmentIds(q=segments, kv=segments)
-    )
+    args = (head_major(scaled), head_major(k), head_major(v), SegmentIds(q=segments, kv=segments))
+    if sinks is None:
+        out = jax.vmap(kernel)(*args)
+    else:  # one sink per head, shared by the rows
+        out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(*args, sinks.astype(jnp.float32))
     return jnp.swapaxes(out[:, :, :seq], 1, 2).astype(q.dtype)
 
 
@@ -352,32 +406,47 @@ def _mapped_axes(mesh: Any, rule: str, sizes: tuple[int, ...]) -> tuple[str, ...
     return tuple(axes)
 
 
-def _splash_attention(q: Array, k: Array, v: Array, segments: Array, **options: Any) -> Array:
-    """Splash attention (``_splash_local``, ``segments [B, S]`` int32 with 0 on pads), under
-    ``jax.shard_map`` when a multi-device mesh is set.
+def _splash_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    segments: Array,
+    sinks: Array | None = None,
+    **options: Any,
+) -> Array:
+    """Splash attention (``_splash_local``, ``segments [B, S]`` int32 with 0 on pads, ``sinks``
+    ``[N]`` or None), under ``jax.shard_map`` when a multi-device mesh is set.
 
     A Pallas kernel is one opaque custom call that XLA's partitioner cannot split, so on a
     mesh the batch is mapped over the activation rules' ``batch`` axes and the heads over the
-    ``heads`` axes (where they divide B, and N and K), and the kernel runs per device.
+    ``heads`` axes (where they divide B, and N and K), and the kernel runs per device (each
+    with its heads' sinks).
     """
-    local = functools.partial(_splash_local, **options)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return local(q, k, v, segments)
+        return _splash_local(q, k, v, segments, sinks=sinks, **options)
     batch_axes = _mapped_axes(mesh, "batch", (q.shape[0],))
     head_axes = _mapped_axes(mesh, "heads", (q.shape[2], k.shape[2]))
     heads_spec = PartitionSpec(spec_entry(batch_axes), None, spec_entry(head_axes), None)
     valid_spec = PartitionSpec(spec_entry(batch_axes), None)
     manual = set(getattr(mesh, "manual_axes", ()))
+    in_specs: tuple[Any, ...] = (heads_spec, heads_spec, heads_spec, valid_spec)
+    args: tuple[Any, ...] = (q, k, v, segments)
+    if sinks is not None:
+        in_specs, args = (*in_specs, PartitionSpec(spec_entry(head_axes))), (*args, sinks)
+
+    def local(q, k, v, segments, sinks=None):
+        return _splash_local(q, k, v, segments, sinks=sinks, **options)
+
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads_spec, heads_spec, heads_spec, valid_spec),
+        in_specs=in_specs,
         out_specs=heads_spec,
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
-    return mapped(q, k, v, segments)
+    return mapped(*args)
 
 
 # Slots of one row the paged kernel loads per compute block (pages_per_compute_block x P).

@@ -4,9 +4,17 @@ HF stores one ``[out, in]`` matrix per layer (``model.layers.{i}.self_attn.q_pro
 and, in a mixture-of-experts model, per layer and expert
 (``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``); we keep ``[L, in, heads, head_dim]``
 and ``[L, E, in, out]`` stacks. Each parameter's correspondence is a ``_Layout``:
-the HF tensor's dims split into ours, then permuted. The same layout drives loading, saving,
+the HF tensor's dims split into ours, then permuted, and possibly one index taken of a split
+dim (gpt-oss keeps every layer's experts in one ``[E, D, 2F]`` ``gate_up_proj`` with the gate
+and up columns interleaved, ``gate = [..., ::2]``, ``up = [..., 1::2]``: our ``expert_w_gate``
+and ``expert_w_up`` each take one of the pair). The same layout drives loading, saving,
 and reading only the block of a tensor that one device shard needs, so a sharded load never
 holds a full host copy of a parameter per device.
+
+gpt-oss checkpoints as released store their experts in MXFP4 (``<name>_blocks`` and
+``<name>_scales`` in place of ``<name>``): such a pair is read as the tensor it stands for,
+dequantised block by block (``models.mxfp4``), into the load dtype. Saving always writes plain
+(unquantised) tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl_llm.models import mxfp4
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import Params, logical_axes, param_shapes
 
@@ -68,6 +77,20 @@ _IN_LAYER_MIXTRAL = {
     "expert_w_up": "block_sparse_moe.experts.{}.w3.weight",
     "expert_w_down": "block_sparse_moe.experts.{}.w2.weight",
 }
+# gpt-oss: one tensor per layer for all experts ([E, in, out], gate and up interleaved in
+# gate_up_proj), a biased router, per-head attention sinks.
+_IN_LAYER_GPT_OSS = {
+    **_IN_LAYER,
+    "sinks": "self_attn.sinks",
+    "router": "mlp.router.weight",
+    "router_bias": "mlp.router.bias",
+    "expert_w_gate": "mlp.experts.gate_up_proj",
+    "expert_w_up": "mlp.experts.gate_up_proj",
+    "expert_b_gate": "mlp.experts.gate_up_proj_bias",
+    "expert_b_up": "mlp.experts.gate_up_proj_bias",
+    "expert_w_down": "mlp.experts.down_proj",
+    "expert_b_down": "mlp.experts.down_proj_bias",
+}
 # Gemma 2 / 3 norm both sides of each sub-block: post_attention_layernorm is the attention
 # output's norm there, and the MLP's input norm is pre_feedforward_layernorm.
 _IN_LAYER_SANDWICH = {
@@ -80,27 +103,51 @@ _IN_LAYER_SANDWICH = {
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """``ours = hf.reshape(concat(split)).transpose(perm)``.
+    """``ours = hf.reshape(concat(split))[pick].transpose(perm)``.
 
-    ``split[i]`` lists the sizes of our dims packed (row-major) into HF dim ``i``; our dim ``d``
-    is split dim ``perm[d]``. E.g. ``q_proj [N*H, D] -> wq [D, N, H]``: split ``((N, H), (D,))``,
-    perm ``(2, 0, 1)``.
+    ``split[i]`` lists the sizes of the dims packed (row-major) into HF dim ``i``; ``pick``
+    lists ``(split dim, index)`` pairs: split dims of which ours holds one index (and so does
+    not have); our dim ``d`` is the ``perm[d]``-th of the remaining split dims. E.g.
+    ``q_proj [N*H, D] -> wq [D, N, H]``: split ``((N, H), (D,))``, perm ``(2, 0, 1)``; gpt-oss's
+    interleaved ``gate_up_proj [E, D, 2F] -> expert_w_up [E, D, F]``: split
+    ``((E,), (D,), (F, 2))``, pick ``((3, 1),)``, perm ``(0, 1, 2)``.
     """
 
     split: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
+    pick: tuple[tuple[int, int], ...] = ()
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.split)
 
     @property
+    def _flat(self) -> list[int]:
+        return [n for sub in self.split for n in sub]
+
+    @property
+    def _kept(self) -> list[int]:
+        """The split dims ours has (all but the picked ones), in order."""
+        picked = {dim for dim, _ in self.pick}
+        return [d for d in range(len(self._flat)) if d not in picked]
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        flat = [n for sub in self.split for n in sub]
-        return tuple(flat[p] for p in self.perm)
+        flat, kept = self._flat, self._kept
+        return tuple(flat[kept[p]] for p in self.perm)
 
     def to_hf(self, ours: np.ndarray) -> np.ndarray:
+        if self.pick:
+            raise ValueError("a picking layout fills part of an HF tensor: use fill_hf")
         return np.ascontiguousarray(ours.transpose(np.argsort(self.perm)).reshape(self.hf_shape))
+
+    def fill_hf(self, ours: np.ndarray, out: np.ndarray) -> None:
+        """Writes ``ours`` into its part of ``out`` (the HF tensor, ``hf_shape``, contiguous)."""
+        view = out.reshape(self._flat)
+        index: list[Any] = [slice(None)] * len(self._flat)
+        for dim, value in self.pick:
+            index[dim] = value
+        view[tuple(index)] = ours.transpose(np.argsort(self.perm))
 
     def read(self, tensor: Any, index: Sequence[tuple[int, int]]) -> np.ndarray:
         """The block ``ours[index]`` reading only the HF rows/columns it covers.
@@ -109,9 +156,12 @@ class _Layout:
           tensor: a safetensors slice (``tensor[slices]`` reads that block from disk).
           index: ``(start, stop)`` per dim of ours.
         """
-        split_index: list[tuple[int, int]] = [(0, 0)] * len(self.perm)
+        kept = self._kept
+        split_index: list[tuple[int, int]] = [(0, 0)] * len(self._flat)
         for dim, p in enumerate(self.perm):
-            split_index[p] = index[dim]
+            split_index[kept[p]] = index[dim]
+        for dim, value in self.pick:
+            split_index[dim] = (value, value + 1)
         hf_index, block_shape, post, pos = [], [], [], 0
         for sub in self.split:
             (start, stop), rest = split_index[pos], split_index[pos + 1 : pos + len(sub)]
@@ -122,6 +172,9 @@ class _Layout:
             block_shape.extend([stop - start, *sub[1:]])
             post.extend([slice(None)] + [slice(a, b) for a, b in rest])
             pos += len(sub)
+        leading = {sum(len(sub) for sub in self.split[:i]) for i in range(len(self.split))}
+        for dim, value in self.pick:  # an int index drops the picked dim
+            post[dim] = 0 if dim in leading else value
         block = np.asarray(tensor[tuple(hf_index)]).reshape(block_shape)
         return block[tuple(post)].transpose(self.perm)
 
@@ -179,8 +232,30 @@ def _layout(config: ModelConfig, key: str) -> _Layout:
         "shared_w_down": (((d,), (fs,)), (1, 0)),
         "shared_expert_gate": (((1,), (d,)), (1, 0)),
     }
-    split, perm = table[key]
-    return _Layout(split, perm)
+    if config.model_type == "gpt_oss":
+        table.update(_gpt_oss_layouts(config))
+    split, perm, *pick = table[key]
+    return _Layout(split, perm, *pick)
+
+
+# gpt-oss's gate_up_proj interleaves the two: gate at even columns, up at odd ones.
+_GATE_UP_INDEX = {"gate": 0, "up": 1}
+
+
+def _gpt_oss_layouts(config: ModelConfig) -> dict[str, tuple]:
+    """gpt-oss's expert layouts (per layer, all experts: ``[E, in, out]`` as ours) and the
+    sinks' and router bias's."""
+    d, e, fe = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    out: dict[str, tuple] = {
+        "sinks": (((config.num_attention_heads,),), (0,)),
+        "router_bias": (((e,),), (0,)),
+        "expert_w_down": (((e,), (fe,), (d,)), (0, 1, 2)),
+        "expert_b_down": (((e,), (d,)), (0, 1)),
+    }
+    for name, column in _GATE_UP_INDEX.items():
+        out[f"expert_w_{name}"] = (((e,), (d,), (fe, 2)), (0, 1, 2), ((3, column),))
+        out[f"expert_b_{name}"] = (((e,), (fe, 2)), (0, 1), ((2, column),))
+    return out
 
 
 def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
@@ -189,11 +264,14 @@ def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
     in_layer = _IN_LAYER
     if config.model_type == "mixtral":
         in_layer = _IN_LAYER_MIXTRAL
+    elif config.model_type == "gpt_oss":
+        in_layer = _IN_LAYER_GPT_OSS
     elif config.sandwich_norms:
         in_layer = _IN_LAYER_SANDWICH
     layers = config.num_hidden_layers
     for path, shape in _flat(param_shapes(config)).items():
-        if path[0] == "layers" and path[1].startswith("expert_"):
+        # One HF tensor per layer and expert ("...experts.{}...") or per layer.
+        if path[0] == "layers" and "{}" in in_layer[path[1]]:
             template = _LAYER_PREFIX + in_layer[path[1]]
             stack = (layers, config.num_experts)
             names = tuple(template.format(i, j) for i in range(layers) for j in range(stack[1]))
@@ -251,12 +329,33 @@ class _Tensors(contextlib.ExitStack):
                 if key in self.files:
                     raise ValueError(f"tensor {key!r} appears in more than one file of {path!r}")
                 self.files[key] = handle
+        # MXFP4 pairs (gpt-oss's experts) stand for the tensor they dequantise to.
+        for key in [k for k in self.files if k.endswith(mxfp4.BLOCKS_SUFFIX)]:
+            base = key.removesuffix(mxfp4.BLOCKS_SUFFIX)
+            scales = base + mxfp4.SCALES_SUFFIX
+            if scales in self.files and base not in self.files:
+                handles = (self.files.pop(key), self.files.pop(scales))
+                self.files[base] = _Mxfp4Handle(*handles)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.files[name].get_slice(name).get_shape())
 
     def slice(self, name: str) -> Any:
         return self.files[name].get_slice(name)
+
+
+class _Mxfp4Handle:
+    """The file handles of an MXFP4 pair, opened as one tensor (``mxfp4.Mxfp4Tensor``)."""
+
+    def __init__(self, blocks: Any, scales: Any):
+        self.blocks, self.scales = blocks, scales
+
+    def get_slice(self, name: str) -> mxfp4.Mxfp4Tensor:
+        return mxfp4.Mxfp4Tensor(
+            self.blocks.get_slice(name + mxfp4.BLOCKS_SUFFIX),
+            self.scales.get_slice(name + mxfp4.SCALES_SUFFIX),
+            name,
+        )
 
 
 def _check_tensors(config: ModelConfig, plan: dict, tensors: _Tensors, path: str) -> None:
@@ -424,7 +523,11 @@ def save_pretrained(
         value = np.asarray(jax.device_get(flat[key]))
         blocks = value.reshape(-1, *entry.layout.shape)
         for name, block in zip(entry.names, blocks, strict=True):
-            tensors[name] = entry.layout.to_hf(block)
+            if entry.layout.pick:  # one of several params sharing the tensor (gpt-oss gate_up)
+                out = tensors.setdefault(name, np.zeros(entry.layout.hf_shape, block.dtype))
+                entry.layout.fill_hf(block, out)
+            else:
+                tensors[name] = entry.layout.to_hf(block)
 
     os.makedirs(path, exist_ok=True)
     stale = glob.glob(os.path.join(path, "model*.safetensors")) + [os.path.join(path, INDEX_FILE)]

@@ -2,7 +2,7 @@
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
 ``Qwen3ForCausalLM`` with grouped-query attention, ``head_dim`` overrides, RoPE (``default``,
-``linear`` and ``llama3`` scalings, written the transformers-4 way with ``rope_theta`` /
+``linear``, ``llama3`` and ``yarn`` scalings, written the transformers-4 way with ``rope_theta`` /
 ``rope_scaling`` or the transformers-5 way with ``rope_parameters``), attention biases, Qwen3
 q/k norms and tied embeddings; their mixture-of-experts siblings ``Qwen3MoeForCausalLM``,
 ``Qwen2MoeForCausalLM`` (with its shared expert) and ``MixtralForCausalLM`` when every layer is
@@ -10,10 +10,15 @@ sparse (``models.moe``); and the Gemma family: ``GemmaForCausalLM``, ``Gemma2For
 ``Gemma3ForCausalLM`` (``gemma3_text``), with their GeGLU MLP, ``(1 + w)`` RMSNorms, embeddings
 scaled by ``sqrt(D)``, sandwich norms (2, 3), ``query_pre_attn_scalar``, attention and final
 logit soft-capping, sliding-window layers beside global ones (``layer_types``) and, for
-Gemma 3, a RoPE base of their own on the sliding layers (``rope_local_base_freq``). Everything
-else that would change the computation (sliding windows outside Gemma, dense and sparse layers
-mixed, other RoPE types, other activations, bidirectional attention, quantised weights) is
-refused with a ``ValueError`` rather than silently run as something else.
+Gemma 3, a RoPE base of their own on the sliding layers (``rope_local_base_freq``); and
+``GptOssForCausalLM`` (gpt-oss): a mixture of experts with biased q/k/v/o projections, a learned
+attention sink per head, sliding-window layers beside global ones, a biased router whose
+softmax runs over the top-k logits, biased experts with a clamped SwiGLU, YaRN RoPE, and MXFP4
+expert weights that the loader dequantises (``models.mxfp4``). Everything else that would
+change the computation (sliding windows outside Gemma and gpt-oss, dense and sparse layers
+mixed, other RoPE types, other activations, bidirectional attention, quantised weights other
+than gpt-oss's MXFP4 experts) is refused with a ``ValueError`` rather than silently run as
+something else.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # MLP activations: SiLU (SwiGLU: Llama, Qwen, Mistral) and GELU with the tanh approximation
 # (GeGLU: Gemma; transformers' ``gelu_pytorch_tanh``).
@@ -52,7 +58,13 @@ _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 # Keys whose presence (with a truthy value) means a mixture-of-experts model.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 # Mixture-of-experts model type -> the dense family whose attention it shares.
-_DENSE_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
+# gpt-oss has no dense sibling: its own family.
+_DENSE_FAMILY = {
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen3",
+    "mixtral": "mistral",
+    "gpt_oss": "gpt_oss",
+}
 MOE_MODEL_TYPES = tuple(_DENSE_FAMILY)
 
 
@@ -132,11 +144,18 @@ class ModelConfig:
       max_position_embeddings: longest context the checkpoint was configured for.
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: RoPE base.
-      rope_type: ``"default" | "linear" | "llama3"``.
-      rope_factor: frequency divisor (``linear``, ``llama3``).
+      rope_type: ``"default" | "linear" | "llama3" | "yarn"``.
+      rope_factor: frequency divisor (``linear``, ``llama3``, ``yarn``).
       rope_low_freq_factor: ``llama3`` only.
       rope_high_freq_factor: ``llama3`` only.
-      rope_original_max_position_embeddings: ``llama3`` only (pre-training context length).
+      rope_original_max_position_embeddings: ``llama3`` and ``yarn`` (pre-training context
+        length).
+      rope_beta_fast: ``yarn``: rotations at which the extrapolated band ends (default 32).
+      rope_beta_slow: ``yarn``: rotations at which the interpolated band starts (default 1).
+      rope_truncate: ``yarn``: round the band's edges to whole dimensions (transformers'
+        ``truncate``, default True).
+      rope_attention_factor: ``yarn``: the factor ``cos`` and ``sin`` are multiplied by, or
+        None for YaRN's ``0.1 ln(factor) + 1`` (``rope_attention_scaling``).
       qkv_bias: q/k/v projections carry a bias (Qwen2; Llama/Qwen3 ``attention_bias``).
       o_bias: the output projection carries a bias (Llama/Qwen3 ``attention_bias``).
       qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
@@ -179,6 +198,10 @@ class ModelConfig:
       rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's
         ``rope_local_base_freq``; no scaling there), or None: every layer uses ``rope_theta``
         and the configured scaling (which Gemma 3 applies to its global layers only).
+      swiglu_limit: gpt-oss's expert clamp ``l`` (``swiglu_limit``), None elsewhere: the gate
+        is clamped to ``<= l`` and the up projection to ``[-l, l]``.
+      swiglu_alpha: gpt-oss's expert sigmoid gain ``a`` (``swiglu_alpha``, 1.702), None
+        elsewhere: ``(up + 1) · gate · sigmoid(a · gate)``.
     """
 
     architecture: str
@@ -197,6 +220,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
@@ -219,6 +246,8 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self):
         if self.lora is not None and not isinstance(self.lora, LoraSpec):
@@ -261,6 +290,7 @@ class ModelConfig:
             )
         self._check_experts()
         self._check_gemma()
+        self._check_gpt_oss()
         if self.rope_type == "llama3":
             if self.rope_original_max_position_embeddings is None:
                 raise ValueError("llama3 rope needs original_max_position_embeddings")
@@ -269,6 +299,56 @@ class ModelConfig:
                     "llama3 rope needs high_freq_factor > low_freq_factor > 0, got "
                     f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor}"
                 )
+        self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        yarn_fields = {
+            "rope_beta_fast": self.rope_beta_fast != 32.0,
+            "rope_beta_slow": self.rope_beta_slow != 1.0,
+            "rope_truncate": self.rope_truncate is not True,
+            "rope_attention_factor": self.rope_attention_factor is not None,
+        }
+        if self.rope_type != "yarn":
+            set_fields = [name for name, on in yarn_fields.items() if on]
+            if set_fields:
+                raise ValueError(
+                    f"{set_fields} are yarn RoPE fields, but rope_type is {self.rope_type!r}"
+                )
+            return
+        if self.rope_original_max_position_embeddings is None:
+            raise ValueError("yarn rope needs original_max_position_embeddings")
+        for name in ("rope_beta_fast", "rope_beta_slow"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.rope_truncate, bool):
+            raise ValueError(f"rope_truncate must be true or false, got {self.rope_truncate!r}")
+        factor = self.rope_attention_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0
+        ):
+            raise ValueError(f"rope_attention_factor must be None or a number > 0, got {factor!r}")
+
+    def _check_gpt_oss(self) -> None:
+        gpt_oss = self.model_type == "gpt_oss"
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            if (value is None) == gpt_oss:
+                raise ValueError(
+                    f"{name} must be set exactly for GptOssForCausalLM, got {value!r} for "
+                    f"{self.architecture}"
+                )
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            ):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if gpt_oss and self.qk_norm:
+            raise ValueError("GptOssForCausalLM has no q/k norms: qk_norm must be False")
+        if gpt_oss and self.qkv_bias != self.o_bias:
+            raise ValueError(
+                "GptOssForCausalLM biases all of q/k/v/o or none (attention_bias): qkv_bias and "
+                f"o_bias must agree, got {self.qkv_bias} and {self.o_bias}"
+            )
 
     def _check_experts(self) -> None:
         counts = (
@@ -296,12 +376,16 @@ class ModelConfig:
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
                 f"{self.num_experts_per_tok}"
             )
-        if self.model_type == "mixtral" and not self.norm_topk_prob:
-            raise ValueError("Mixtral always renormalises its top-k: norm_topk_prob must be True")
-        if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+        renormalised = ("mixtral", "gpt_oss")  # the softmax over the top-k logits
+        if self.model_type in renormalised and not self.norm_topk_prob:
             raise ValueError(
-                "Mixtral's experts are intermediate_size wide: moe_intermediate_size must equal "
-                f"it, got {self.moe_intermediate_size} and {self.intermediate_size}"
+                f"{self.architecture} always renormalises its top-k: norm_topk_prob must be True"
+            )
+        if self.model_type in renormalised and self.moe_intermediate_size != self.intermediate_size:
+            raise ValueError(
+                f"{self.architecture}'s experts are intermediate_size wide: "
+                "moe_intermediate_size must equal it, got "
+                f"{self.moe_intermediate_size} and {self.intermediate_size}"
             )
         if (self.model_type == "qwen2_moe") != (self.shared_expert_intermediate_size > 0):
             raise ValueError(
@@ -368,24 +452,55 @@ class ModelConfig:
                     f"got {self.rope_local_theta!r} for {self.architecture}"
                 )
             return
-        # The other families: SwiGLU, global attention, head_dim ** -0.5, no caps.
+        # The other families: SwiGLU, head_dim ** -0.5, no caps; global attention but for
+        # gpt-oss's sliding-window layers.
         gemma_only = {
             "hidden_act": self.hidden_act != "silu",
             "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
             "attn_logit_softcapping": self.attn_logit_softcapping is not None,
             "final_logit_softcapping": self.final_logit_softcapping is not None,
-            "sliding_attention layers": any(self.sliding_layers),
+            "sliding_attention layers": any(self.sliding_layers) and self.model_type != "gpt_oss",
             "rope_local_theta": self.rope_local_theta is not None,
         }
         set_fields = [name for name, on in gemma_only.items() if on]
         if set_fields:
-            raise ValueError(f"{set_fields} are only supported on Gemma, not {self.architecture}")
+            where = "Gemma and gpt-oss" if set_fields == ["sliding_attention layers"] else "Gemma"
+            raise ValueError(f"{set_fields} are only supported on {where}, not {self.architecture}")
 
     @property
     def model_type(self) -> str:
         """The HF ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``,
-        ``qwen3_moe``, ``mixtral``, ``gemma``, ``gemma2``, ``gemma3_text``)."""
+        ``qwen3_moe``, ``mixtral``, ``gemma``, ``gemma2``, ``gemma3_text``, ``gpt_oss``)."""
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Each attention head has a learned sink logit ``σ_n`` in its softmax's denominator
+        (gpt-oss): ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(σ_n))``."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def expert_biases(self) -> bool:
+        """The router and the experts' projections carry biases (gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def norm_in_f32(self) -> bool:
+        """RMSNorms multiply by their scale in f32 and round once at the end (Gemma's ``1 + w``
+        and gpt-oss), instead of rounding the normalised value before the scale (Llama)."""
+        return self.is_gemma or self.model_type == "gpt_oss"
+
+    @property
+    def rope_attention_scaling(self) -> float:
+        """The factor RoPE's ``cos`` and ``sin`` are multiplied by (so the scores by its
+        square): ``yarn``'s ``attention_factor``, by default ``0.1 ln(factor) + 1`` for a factor
+        above 1 (Peng et al. 2023, YaRN, eq. 22; transformers' ``yarn_get_mscale``); 1 for the
+        other RoPE types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.rope_attention_factor is not None:
+            return float(self.rope_attention_factor)
+        return yarn_mscale(self.rope_factor)
 
     @property
     def is_gemma(self) -> bool:
@@ -427,19 +542,27 @@ class ModelConfig:
 
         Raises:
           ValueError: unknown architecture, MoE keys on a dense architecture, dense and sparse
-            layers mixed, sliding windows outside Gemma, unknown RoPE type, an activation other
-            than SiLU (GELU-tanh on Gemma), quantised weights, or malformed sizes.
+            layers mixed, sliding windows outside Gemma and gpt-oss, unknown RoPE type, an
+            activation other than SiLU (GELU-tanh on Gemma), quantised weights (but gpt-oss's
+            MXFP4 experts), or malformed sizes.
         """
         architecture = _architecture(hf)
         model_type = ARCHITECTURES[architecture]
         _refuse_unsupported(hf, model_type)
         family = _DENSE_FAMILY.get(model_type, model_type)
         gemma = model_type in GEMMA_MODEL_TYPES
+        gpt_oss = model_type == "gpt_oss"
         hidden = _get_int(hf, "hidden_size")
         heads = _get_int(hf, "num_attention_heads")
         head_dim = hf.get("head_dim") or hidden // heads
-        bias = bool(hf.get("attention_bias", False))
-        rope = _gemma3_rope(hf) if model_type == "gemma3_text" else _rope(hf)
+        # gpt-oss biases its attention unless told otherwise (transformers' default there).
+        bias = bool(hf.get("attention_bias", gpt_oss))
+        if model_type == "gemma3_text":
+            rope = _gemma3_rope(hf)
+        elif gpt_oss:
+            rope = _gpt_oss_rope(hf)
+        else:
+            rope = _rope(hf)
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
         return cls(
@@ -452,9 +575,9 @@ class ModelConfig:
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             max_position_embeddings=int(
-                hf.get("max_position_embeddings", _GEMMA_CONTEXT.get(model_type, 2048))
+                hf.get("max_position_embeddings", _DEFAULT_CONTEXT.get(model_type, 2048))
             ),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6)),
             qkv_bias=_qkv_bias(hf, model_type) if family == "qwen2" else bias,
             o_bias=False if family in ("qwen2", "mistral") else bias,
             qk_norm=family in ("qwen3", "gemma3_text"),
@@ -466,6 +589,7 @@ class ModelConfig:
             **rope,
             **_experts(hf, model_type),
             **_gemma(hf, model_type),
+            **_gpt_oss(hf, model_type),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -486,6 +610,17 @@ class ModelConfig:
                 "high_freq_factor": self.rope_high_freq_factor,
                 "original_max_position_embeddings": self.rope_original_max_position_embeddings,
             }
+        elif self.rope_type == "yarn":
+            scaling = {
+                "rope_type": "yarn",
+                "factor": self.rope_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+                "beta_fast": self.rope_beta_fast,
+                "beta_slow": self.rope_beta_slow,
+                "truncate": self.rope_truncate,
+            }
+            if self.rope_attention_factor is not None:
+                scaling["attention_factor"] = self.rope_attention_factor
         rope_parameters = {"rope_type": "default"} if scaling is None else dict(scaling)
         rope_parameters["rope_theta"] = self.rope_theta
         eos: int | list[int] | None = list(self.eos_token_ids) or None
@@ -526,6 +661,15 @@ class ModelConfig:
             out.update(self._experts_hf_dict())
         if self.is_gemma:
             out.update(self._gemma_hf_dict(rope_parameters))
+        if self.model_type == "gpt_oss":
+            types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+            out.update(
+                attention_bias=self.qkv_bias,
+                layer_types=list(types),
+                sliding_window=self.sliding_window,
+                swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
+            )
         return out
 
     def _gemma_hf_dict(self, rope_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -568,6 +712,9 @@ class ModelConfig:
             out["num_local_experts"] = self.num_experts
             out["router_jitter_noise"] = 0.0
             return out
+        if self.model_type == "gpt_oss":
+            out["num_local_experts"] = self.num_experts
+            return out
         out.update(
             num_experts=self.num_experts,
             moe_intermediate_size=self.moe_intermediate_size,
@@ -595,7 +742,14 @@ def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> np.ndarray:
 
     ``inv_freq_i = theta^(-2i/H)``; ``linear`` divides by ``factor``; ``llama3`` divides the
     low-frequency band by ``factor`` and interpolates the middle band (Meta, Llama 3.1, 2024),
-    exactly as transformers' ``_compute_llama3_parameters``.
+    exactly as transformers' ``_compute_llama3_parameters``; ``yarn`` (Peng et al. 2023, YaRN,
+    "NTK-by-parts") blends ``inv_freq_i / factor`` and ``inv_freq_i`` with a linear ramp
+    ``r_i = clip((i - lo) / (hi - lo), 0, 1)`` over the dimension band whose wavelengths fit
+    ``beta_fast`` to ``beta_slow`` turns in the pre-training context
+    (``lo, hi = H ln(L_0 / (2 pi beta)) / (2 ln theta)``, floored / ceiled with ``truncate``):
+    ``inv_freq_i (1 - r_i) + inv_freq_i / factor · r_i``, as transformers'
+    ``_compute_yarn_parameters``. YaRN also scales ``cos`` and ``sin``
+    (``ModelConfig.rope_attention_scaling``, applied by ``attention.rope_angles``).
 
     ``local``: the sliding-window layers' frequencies when they have a base of their own
     (``config.rope_local_theta``, Gemma 3): unscaled, ``rope_local_theta^(-2i/H)``.
@@ -617,7 +771,27 @@ def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = np.where(is_medium, smoothed, scaled)
+    elif config.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(config, inv_freq)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """``rope_inv_freq``'s ``yarn`` blend of ``inv_freq [H/2]`` (float64)."""
+    dim, base = config.head_dim, config.rope_theta
+    context = config.rope_original_max_position_embeddings
+
+    def correction_dim(turns: float) -> float:  # the dimension that turns ``turns`` times
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / config.rope_factor * ramp + inv_freq * (1.0 - ramp)
 
 
 def _architecture(hf: Mapping[str, Any]) -> str:
@@ -640,9 +814,12 @@ def _architecture(hf: Mapping[str, Any]) -> str:
 def _num_experts(hf: Mapping[str, Any], model_type: str) -> int:
     # Mixtral names it num_local_experts; the Qwen MoE configs num_experts (which transformers 5
     # writes back as num_local_experts).
-    keys = (
-        ("num_local_experts",) if model_type == "mixtral" else ("num_experts", "num_local_experts")
-    )
+    if model_type == "mixtral":
+        keys: tuple[str, ...] = ("num_local_experts",)
+    elif model_type == "gpt_oss":  # transformers maps num_experts onto num_local_experts
+        keys = ("num_local_experts", "num_experts")
+    else:
+        keys = ("num_experts", "num_local_experts")
     for key in keys:
         if key in hf:
             return int(hf[key] or 0)
@@ -663,7 +840,7 @@ def _experts(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
     }
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         out.update(moe_intermediate_size=_get_int(hf, "intermediate_size"), norm_topk_prob=True)
         return out
     out.update(
@@ -675,8 +852,8 @@ def _experts(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     return out
 
 
-# transformers' default ``max_position_embeddings`` of the Gemma configs.
-_GEMMA_CONTEXT = {"gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
+# transformers' default ``max_position_embeddings`` of the Gemma and gpt-oss configs.
+_DEFAULT_CONTEXT = {"gemma": 8192, "gemma2": 8192, "gemma3_text": 131072, "gpt_oss": 131072}
 # Gemma 2 / 3 defaults of transformers' configs where config.json leaves a key out.
 _GEMMA_DEFAULTS = {
     "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "pattern": 2},
@@ -766,6 +943,9 @@ def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
     if model_type in GEMMA_MODEL_TYPES:
         _refuse_unsupported_gemma(hf)
         return
+    if model_type == "gpt_oss":
+        _refuse_unsupported_gpt_oss(hf)
+        return
     if model_type in MOE_MODEL_TYPES:
         _refuse_unsupported_experts(hf, model_type)
     else:
@@ -819,6 +999,76 @@ def _refuse_unsupported_gemma(hf: Mapping[str, Any]) -> None:
         raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
 
 
+def _refuse_unsupported_gpt_oss(hf: Mapping[str, Any]) -> None:
+    # The hidden_act key is not read by transformers' gpt-oss (its experts' activation is the
+    # clamped SwiGLU of swiglu_alpha / swiglu_limit), so it is not checked either.
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+        if method != "mxfp4":
+            raise ValueError(
+                f"quantised checkpoints are not supported (quantization_config is set, "
+                f"quant_method {method!r}); gpt-oss's 'mxfp4' experts are dequantised at load"
+            )
+    partial = hf.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    types = hf.get("layer_types") or ()
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
+    if not _num_experts(hf, "gpt_oss"):
+        raise ValueError("gpt_oss config without experts (num_local_experts is 0 or missing)")
+    if hf.get("router_jitter_noise"):
+        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported")
+
+
+# transformers' gpt-oss RoPE where config.json gives none (GptOssConfig's default): YaRN.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_GPT_OSS_THETA = 150_000.0
+
+
+def _gpt_oss_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's RoPE: the configured one, or transformers' default (YaRN with factor 32 over
+    a 4096-token pre-training context) when config.json has neither ``rope_scaling`` nor
+    ``rope_parameters``; the base defaults to 150000."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or _GPT_OSS_ROPE)
+    params.setdefault("rope_theta", hf.get("rope_theta", _GPT_OSS_THETA))
+    return _rope({**hf, "rope_scaling": None, "rope_parameters": params})
+
+
+def _gpt_oss(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The gpt-oss fields of ``ModelConfig`` (none for the other families): the expert
+    clamp and gain, and the sliding-window layers (transformers' default: every other layer
+    from layer 0, over 128 keys)."""
+    if model_type != "gpt_oss":
+        return {}
+    layers = _get_int(hf, "num_hidden_layers")
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+    ]
+    types = tuple(types)
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    sliding = "sliding_attention" in types
+    window = hf.get("sliding_window", 128)
+    if sliding and window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+    return {
+        "sliding_window": int(window) if sliding else None,
+        "layer_types": types if sliding else None,
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+    }
+
+
 def _refuse_unsupported_experts(hf: Mapping[str, Any], model_type: str) -> None:
     # The layers are stacked and scanned, so every layer must have the same (sparse) MLP.
     step = hf.get("decoder_sparse_step", 1)
@@ -856,6 +1106,8 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     if partial is not None and partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type == "yarn":
+        out.update(_yarn(hf, params))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ValueError(f"{rope_type} rope scaling needs a 'factor', got {params!r}")
@@ -872,6 +1124,45 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
             or hf.get("max_position_embeddings", 2048)
         )
     return out
+
+
+def _yarn(hf: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The YaRN fields of ``ModelConfig`` from a ``rope_type: yarn`` parameter dict, with
+    transformers' defaults (``_compute_yarn_parameters``): the factor defaults to the context
+    ratio, the betas to 32 and 1, ``truncate`` to True, and the attention factor to
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given (else
+    None: ``0.1 ln(factor) + 1``)."""
+    original = int(
+        params.get("original_max_position_embeddings")
+        or hf.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings", 2048)
+    )
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf.get("max_position_embeddings", 2048) / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"yarn rope truncate must be true or false, got {truncate!r}")
+    return {
+        "rope_factor": float(factor),
+        "rope_original_max_position_embeddings": original,
+        "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+        "rope_truncate": truncate,
+        "rope_attention_factor": None if attention_factor is None else float(attention_factor),
+    }
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 · mscale · ln(factor) + 1`` for ``factor > 1``, else 1
+    (Peng et al. 2023, YaRN, eq. 22; transformers' ``yarn_get_mscale``)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _number(value: Any) -> int | float:

@@ -183,8 +183,9 @@ def paged_attention_implementation(seq: int, dtype: Any, head_dim: int, block_si
     kernel) on TPU for one query per row over a bf16 pool with ``head_dim % 128 == 0`` and
     ``block_size % 16 == 0`` (its tiles; the kernel loads blocks as bf16, so an f32 pool keeps
     its precision through the gather), else ``"gather"`` (an XLA block-table gather, then
-    ``cache_attention``). A layer with a sliding window always gathers (the kernel reads every
-    slot before the query; the gather's mask holds the window)."""
+    ``cache_attention``). A layer with a sliding window or attention sinks always gathers (the
+    kernel reads every slot before the query and has no sinks; the gather's mask holds the
+    window and ``cache_attention`` takes the sinks: ``paged_cache_attention``)."""
     from jaxrl_llm.parallel.mesh import current_platform  # noqa: PLC0415
 
     tiles = head_dim % 128 == 0 and block_size % 16 == 0
@@ -206,13 +207,15 @@ def paged_cache_attention(
     key_valid: Array,
     logit_softcap: float | None = None,
     windowed: bool = False,
+    sinks: Array | None = None,
 ) -> tuple[tuple[Array, Array], Array]:
     """Writes this call's keys and values (``new``, each ``[B, S, K, H]``) into a paged cache's
     pools and attends ``q: [B, S, N, H]`` over each row's slots: ``(pools, [B, S, N, H])``.
 
     ``logit_softcap``: the scores' soft cap (Gemma 2; both paths apply it). ``windowed``: the
     layer may have a sliding window, which ``mask`` then holds; the gather path runs (the
-    kernel has no window).
+    kernel has no window). ``sinks``: ``[N]`` the heads' attention-sink logits (gpt-oss;
+    ``cache_attention``'s ``sinks``), or None; the gather path runs (the kernel has none).
 
     ``paged_attention_implementation`` picks the kernel (one query per row; rows packed from
     slot 0, so slots ``[0, cache_index + 1)``, none for a row whose newest slot ``key_valid``
@@ -233,7 +236,7 @@ def paged_cache_attention(
 
     seq = q.shape[1]
     implementation = "gather"
-    if not windowed:
+    if not windowed and sinks is None:
         implementation = paged_attention_implementation(
             seq, pools[0].dtype, q.shape[-1], pools[0].shape[-2]
         )
@@ -250,7 +253,7 @@ def paged_cache_attention(
         )[:, 0]
         lengths = jnp.where(newest & (lengths <= slots), lengths, 0)
 
-    def local(pools, new, q, mask, layer_index, cache_index, table, lengths):
+    def local(pools, new, q, mask, layer_index, cache_index, table, lengths, sinks=None):
         pools = tuple(
             write_pages(c, n, layer_index, cache_index, table) for c, n in zip(pools, new)
         )
@@ -261,13 +264,13 @@ def paged_cache_attention(
             return pools, out[:, None]
         k, v = (read_pages(c, table) for c in layer)
         return pools, cache_attention(
-            q, k, v, mask, scale=scale, kv_major=True, logit_softcap=logit_softcap
+            q, k, v, mask, scale=scale, kv_major=True, logit_softcap=logit_softcap, sinks=sinks
         )
 
     mesh = jax.sharding.get_abstract_mesh()
     batch = () if mesh.empty else _mapped_axes(mesh, "batch", (table.shape[0], pools[0].shape[-3]))
     if not batch and (mesh.empty or mesh.size == 1 or not kernel):
-        return local(pools, new, q, mask, layer_index, cache_index, table, lengths)
+        return local(pools, new, q, mask, layer_index, cache_index, table, lengths, sinks)
     spec = jax.sharding.PartitionSpec
     kv_heads, heads = new[0].shape[2], q.shape[2]
     rows = spec_entry(batch)
@@ -287,13 +290,22 @@ def paged_cache_attention(
             spec(rows) if jnp.ndim(cache_index) == 1 else spec(),
             spec(rows, None),
             spec(rows),
+            None if sinks is None else spec(head),
         ),
         out_specs=((pool, pool), spec(rows, None, head, None)),
         axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
         check_vma=False,
     )
     return mapped(
-        tuple(pools), tuple(new), q, mask, layer_index, jnp.asarray(cache_index), table, lengths
+        tuple(pools),
+        tuple(new),
+        q,
+        mask,
+        layer_index,
+        jnp.asarray(cache_index),
+        table,
+        lengths,
+        sinks,
     )
 
 

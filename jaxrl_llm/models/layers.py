@@ -1,5 +1,6 @@
 """The decoder block (pre-norm attention + SwiGLU / GeGLU MLP or mixture of experts, with
-Gemma's sandwich norms, soft caps and sliding windows), RMSNorm, and parameter creation.
+Gemma's sandwich norms, soft caps and sliding windows, and gpt-oss's attention sinks and biased
+experts), RMSNorm, and parameter creation.
 
 Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metadata) from
 {batch, embed, mlp, heads, kv_heads, head_dim, vocab, layers, cache_seq, expert}.
@@ -27,7 +28,7 @@ from jaxrl_llm.models.attention import (
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import layer_slice, paged_cache_attention, write_slots
 from jaxrl_llm.models.matmul import dense
-from jaxrl_llm.models.moe import SharedExpert, sparse_mlp
+from jaxrl_llm.models.moe import ClampedSwiGLU, ExpertBiases, SharedExpert, sparse_mlp
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
 
 Array = jax.Array
@@ -77,6 +78,8 @@ LAYER_AXES = {
     "bo": ("embed",),
     "q_norm": ("head_dim",),
     "k_norm": ("head_dim",),
+    # gpt-oss: each query head's attention-sink logit.
+    "sinks": ("heads",),
     "mlp_norm": ("embed",),
     # Gemma 2 / 3: norms of the attention's and the MLP's outputs, before the residual adds.
     "post_attn_norm": ("embed",),
@@ -89,6 +92,11 @@ LAYER_AXES = {
     "expert_w_gate": ("expert", "embed", "mlp"),
     "expert_w_up": ("expert", "embed", "mlp"),
     "expert_w_down": ("expert", "mlp", "embed"),
+    # gpt-oss: the router's and the experts' biases.
+    "router_bias": ("expert",),
+    "expert_b_gate": ("expert", "mlp"),
+    "expert_b_up": ("expert", "mlp"),
+    "expert_b_down": ("expert", "embed"),
     "shared_w_gate": ("embed", "mlp"),
     "shared_w_up": ("embed", "mlp"),
     "shared_w_down": ("mlp", "embed"),
@@ -96,6 +104,7 @@ LAYER_AXES = {
 }
 # The parameters of a sparse layer's MLP, by config: routed experts, and Qwen2-MoE's shared one.
 EXPERT_WEIGHTS = ("router", "expert_w_gate", "expert_w_up", "expert_w_down")
+EXPERT_BIASES = ("router_bias", "expert_b_gate", "expert_b_up", "expert_b_down")
 SHARED_EXPERT_WEIGHTS = ("shared_w_gate", "shared_w_up", "shared_w_down", "shared_expert_gate")
 
 # LoRA: target name -> (weight, input axes it contracts); ``A`` takes the weight's input axes
@@ -131,17 +140,22 @@ def lora_init(
     return a.astype(dtype), jnp.zeros((rank, *shape[contract:]), dtype)
 
 
-def rms_norm(x: Array, scale: Array, eps: float, *, plus_one: bool = False) -> Array:
+def rms_norm(
+    x: Array, scale: Array, eps: float, *, plus_one: bool = False, in_f32: bool = False
+) -> Array:
     """``y = x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019), statistics in f32.
 
     Like transformers, the normalised value is cast back to ``x.dtype`` before the scale.
     ``plus_one`` (Gemma): ``y = x / sqrt(mean(x^2) + eps) * (1 + scale)``, all of it in f32 and
-    only the product cast to ``x.dtype`` (transformers' ``GemmaRMSNorm``).
+    only the product cast to ``x.dtype`` (transformers' ``GemmaRMSNorm``). ``in_f32``
+    (gpt-oss): the product ``scale * normed`` in f32, cast once (``GptOssRMSNorm``).
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     if plus_one:
         return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    if in_f32:
+        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
     return scale * normed.astype(x.dtype)
 
 
@@ -174,6 +188,11 @@ class DecoderLayer(nnx.Module):
     (``x += RMSNorm(Attn(RMSNorm(x)))``, the same around the MLP), scale the scores by
     ``query_pre_attn_scalar ** -0.5``, soft-cap them (``attn_logit_softcapping``), and let
     ``sliding_attention`` layers see only a window of ``sliding_window`` keys.
+
+    gpt-oss (OpenAI 2025): q/k/v/o biases, a learned sink logit per query head in every
+    softmax's denominator (``sinks``), sliding-window layers beside global ones, and a mixture
+    of experts with a biased router and biased experts under a clamped SwiGLU
+    (``models.moe.ClampedSwiGLU``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs):
@@ -182,6 +201,7 @@ class DecoderLayer(nnx.Module):
         self.eps = config.rms_norm_eps
         self.scale = config.attention_scale
         self.plus_one = config.is_gemma
+        self.norm_in_f32 = config.norm_in_f32
         self.act = config.hidden_act
         self.logit_softcap = config.attn_logit_softcapping
         self.sliding_window = config.sliding_window if any(config.sliding_layers) else None
@@ -203,15 +223,25 @@ class DecoderLayer(nnx.Module):
         self.k_norm = (
             param(norm_init((h,), dtype, config), LAYER_AXES["k_norm"]) if qk_norm else None
         )
+        self.sinks = (
+            param(normal(rngs, (n,), dtype), LAYER_AXES["sinks"])
+            if config.attention_sinks
+            else None
+        )
         self.mlp_norm = param(norm_init((d,), dtype, config), LAYER_AXES["mlp_norm"])
         sandwich = config.sandwich_norms
         for name in ("post_attn_norm", "post_mlp_norm"):
             value = param(norm_init((d,), dtype, config), LAYER_AXES[name]) if sandwich else None
             setattr(self, name, value)
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        # Dense: the SwiGLU MLP; sparse: router and experts (and Qwen2-MoE's shared expert).
+        self.clamp = None
+        if config.swiglu_limit is not None:
+            self.clamp = ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        # Dense: the SwiGLU MLP; sparse: router and experts (and Qwen2-MoE's shared expert, or
+        # gpt-oss's biases).
         mlp_weights = ("w_gate", "w_up", "w_down", *EXPERT_WEIGHTS, *SHARED_EXPERT_WEIGHTS)
         shapes: dict[str, tuple[int, ...] | None] = dict.fromkeys(mlp_weights)
+        biases: dict[str, tuple[int, ...] | None] = dict.fromkeys(EXPERT_BIASES)
         if not config.is_moe:
             shapes.update(w_gate=(d, f), w_up=(d, f), w_down=(f, d))
         else:
@@ -222,8 +252,14 @@ class DecoderLayer(nnx.Module):
             if fs:
                 shapes.update(shared_w_gate=(d, fs), shared_w_up=(d, fs), shared_w_down=(fs, d))
                 shapes["shared_expert_gate"] = (d, 1)
+            if config.expert_biases:
+                biases.update(router_bias=(e,), expert_b_gate=(e, fe), expert_b_up=(e, fe))
+                biases["expert_b_down"] = (e, d)
         for name, shape in shapes.items():
             value = None if shape is None else param(normal(rngs, shape, dtype), LAYER_AXES[name])
+            setattr(self, name, value)
+        for name, shape in biases.items():  # zeros, as the attention's biases
+            value = None if shape is None else param(jnp.zeros(shape, dtype), LAYER_AXES[name])
             setattr(self, name, value)
         lora = config.lora
         self.lora_scale = None if lora is None else lora.scale
@@ -318,6 +354,7 @@ class DecoderLayer(nnx.Module):
             q, k = self._norm("q_norm", q), self._norm("k_norm", k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = self.sliding_window if local is not False else None
+        sinks = None if self.sinks is None else self._use("sinks")
         if kv is None:
             # Fused per backend: the splash kernel on TPU and cuDNN on GPU (memory linear in S),
             # blocked causal einsums on CPU (see attention.dot_product_attention).
@@ -331,6 +368,7 @@ class DecoderLayer(nnx.Module):
                 sliding_window=window,
                 window_active=local,
                 segment_ids=segment_ids,
+                sinks=sinks,
             )
         else:
             if segment_ids is not None:
@@ -347,7 +385,12 @@ class DecoderLayer(nnx.Module):
                 )
                 layer_kv = kv if layer_index is None else (layer_slice(c, layer_index) for c in kv)
                 attn = cache_attention(
-                    q, *layer_kv, mask, scale=self.scale, logit_softcap=self.logit_softcap
+                    q,
+                    *layer_kv,
+                    mask,
+                    scale=self.scale,
+                    logit_softcap=self.logit_softcap,
+                    sinks=sinks,
                 )
             else:  # paged: written through the block table (a kernel on TPU, else a gather)
                 kv, attn = paged_cache_attention(
@@ -362,6 +405,7 @@ class DecoderLayer(nnx.Module):
                     key_valid=key_valid,
                     logit_softcap=self.logit_softcap,
                     windowed=limit is not None,
+                    sinks=sinks,
                 )
         attn = constrain(attn, "batch", None, "heads", "head_dim")
         out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
@@ -384,18 +428,26 @@ class DecoderLayer(nnx.Module):
 
     def _norm(self, name: str, x: Array) -> Array:
         """RMSNorm of ``x`` with the scale ``name`` (``1 + w`` for Gemma)."""
-        return rms_norm(x, self._use(name), self.eps, plus_one=self.plus_one)
+        return rms_norm(
+            x, self._use(name), self.eps, plus_one=self.plus_one, in_f32=self.norm_in_f32
+        )
 
     def _experts(self, h: Array) -> tuple[Array, Array]:
         """The sparse MLP (``models.moe.sparse_mlp``) on ``h: [B, S, D]``:
         ``(out [B, S, D], router logits [B, S, E] f32)``."""
-        shared = None
+        shared = router_bias = biases = None
         if self.shared_w_gate is not None:
             shared = SharedExpert(*(self._use(name) for name in SHARED_EXPERT_WEIGHTS))
+        if self.router_bias is not None:
+            router_bias = self._use("router_bias")
+            biases = ExpertBiases(*(self._use(name) for name in EXPERT_BIASES[1:]))
         return sparse_mlp(
             h,
             *(self._use(name) for name in EXPERT_WEIGHTS),
             top_k=self.top_k,
             normalize=self.norm_topk_prob,
             shared=shared,
+            router_bias=router_bias,
+            biases=biases,
+            clamp=self.clamp,
         )

@@ -3,10 +3,15 @@
 A sparse layer replaces the SwiGLU MLP by ``E`` expert MLPs and a router ``W_r: [D, E]``
 (Shazeer et al. 2017; Switch, Fedus et al. 2021; Mixtral, Jiang et al. 2024; Qwen-MoE)::
 
-    p_t = softmax(h_t W_r)                      router probabilities, f32
+    p_t = softmax(h_t W_r [+ b_r])              router probabilities, f32 (bias: gpt-oss)
     (w_t, e_t) = top_k(p_t)                     k weights and expert ids per token
-    w_t <- w_t / sum(w_t)                       when renormalised (Mixtral, Qwen3-MoE)
+    w_t <- w_t / sum(w_t)                       when renormalised (Mixtral, Qwen3-MoE, gpt-oss)
     y_t = sum_j w_tj · SwiGLU_{e_tj}(h_t)       [+ sigmoid(h_t g) · SwiGLU_shared(h_t), Qwen2-MoE]
+
+gpt-oss's experts carry biases and a clamped SwiGLU (``ExpertBiases``, ``ClampedSwiGLU``)::
+
+    g = min(h W_gate + b_gate, l),  u = clip(h W_up + b_up, -l, l)
+    SwiGLU_e(h) = W_down^T ((u + 1) · g · sigmoid(a g)) + b_down
 
 Routing is dropless: every token reaches all of its k experts (no capacity factor, no token
 dropped or padded). The ``T·k`` (token, expert) assignments are sorted by expert and the expert
@@ -67,6 +72,42 @@ from jaxrl_llm.parallel.rules import (
 Array = jax.Array
 
 
+class ExpertBiases(NamedTuple):
+    """The routed experts' biases (gpt-oss): added to each expert's gate, up and down
+    projections."""
+
+    gate: Array  # [E, F]
+    up: Array  # [E, F]
+    down: Array  # [E, D]
+
+
+class ClampedSwiGLU(NamedTuple):
+    """gpt-oss's expert activation ``(clip(u, -l, l) + 1) · g' · sigmoid(a g')`` with
+    ``g' = min(g, l)`` (transformers' ``GptOssExperts._apply_gate``), in place of
+    ``silu(g) · u``. Static (hashable) parameters."""
+
+    alpha: float = 1.702  # a, the sigmoid's gain (swiglu_alpha)
+    limit: float = 7.0  # l, the clamp (swiglu_limit)
+
+
+def gated_activation(gate: Array, up: Array, clamp: ClampedSwiGLU | None = None) -> Array:
+    """The experts' gated activation: ``silu(g) · u`` (SwiGLU, Shazeer 2020), or with ``clamp``
+    (gpt-oss) ``(clip(u, -l, l) + 1) · g' · sigmoid(a g')``, ``g' = min(g, l)``.
+
+    Args:
+      gate, up: ``[..., F]`` the gate and up projections (biases included).
+      clamp: gpt-oss's ``ClampedSwiGLU``, or None.
+
+    Returns:
+      ``[..., F]`` in the inputs' dtype.
+    """
+    if clamp is None:
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, clamp.limit)
+    up = jnp.clip(up, -clamp.limit, clamp.limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * clamp.alpha))
+
+
 class SharedExpert(NamedTuple):
     """Qwen2-MoE's always-on expert: ``sigmoid(h g) · W_down(silu(h W_gate) * h W_up)``."""
 
@@ -76,23 +117,27 @@ class SharedExpert(NamedTuple):
     gate: Array  # [D, 1]
 
 
-def router_logits(hidden: Array, router: Array) -> Array:
-    """``z = h W_r`` in f32 whatever the dtypes of ``h`` and ``W_r``: ``[..., D] -> [..., E]``.
+def router_logits(hidden: Array, router: Array, bias: Array | None = None) -> Array:
+    """``z = h W_r [+ b_r]`` in f32 whatever the dtypes of ``h``, ``W_r`` and ``b_r``:
+    ``[..., D] -> [..., E]`` (the bias ``[E]``: gpt-oss's router).
 
-    Both operands are upcast before the product (not just accumulated in f32), so the logits of
+    The operands are upcast before the product (not just accumulated in f32), so the logits of
     a bf16-compute model are those of its bf16 activations under the f32 router weight.
     """
-    return jnp.matmul(
+    logits = jnp.matmul(
         hidden.astype(jnp.float32),
         router.astype(jnp.float32),
         precision=jax.lax.Precision.HIGHEST,
     )
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 def route(logits: Array, *, top_k: int, normalize: bool) -> tuple[Array, Array]:
     """Top-k routing: ``p = softmax(z)``, ``(w, e) = top_k(p)``, ``w /= sum(w)`` if normalised.
 
-    With ``normalize`` the weights are the softmax over the k chosen logits (Mixtral's form).
+    With ``normalize`` the weights are the softmax over the k chosen logits, computed that way:
+    ``(z_top, e) = top_k(z)``, ``w = softmax(z_top)`` (Mixtral's form, and gpt-oss's
+    ``GptOssTopKRouter`` order; the same as renormalising the chosen probabilities).
 
     Args:
       logits: ``[T, E]`` router logits (any float dtype; computed in f32).
@@ -106,22 +151,33 @@ def route(logits: Array, *, top_k: int, normalize: bool) -> tuple[Array, Array]:
         raise ValueError(f"route: logits must be [T, E], got shape {logits.shape}")
     if not 1 <= top_k <= logits.shape[-1]:
         raise ValueError(f"route: top_k={top_k} must be in [1, E={logits.shape[-1]}]")
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    logits = logits.astype(jnp.float32)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        chosen, experts = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(chosen, axis=-1), experts.astype(jnp.int32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return weights, experts.astype(jnp.int32)
 
 
 def grouped_experts(
-    x: Array, weights: Array, experts: Array, w_gate: Array, w_up: Array, w_down: Array
+    x: Array,
+    weights: Array,
+    experts: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    *,
+    biases: ExpertBiases | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> Array:
     """``y_t = sum_j w_tj · W_down[e_tj]^T (silu(x_t W_gate[e_tj]) * x_t W_up[e_tj])``, dropless.
 
     The ``T·k`` assignments are sorted by expert (stable, so each expert's rows stay in token
     order), the three products are ``jax.lax.ragged_dot`` over the sorted rows with group sizes
     the experts' counts, and the rows are gathered back to ``[T, k, D]`` before the weighted
-    sum (in f32).
+    sum (in f32). gpt-oss: ``biases`` add ``b_gate[e], b_up[e]`` to the rows' projections and
+    ``sum_j w_tj b_down[e_tj]`` to the output; ``clamp`` replaces SwiGLU by its clamped form
+    (``gated_activation``).
 
     Args:
       x: ``[T, D]`` normalised hidden states.
@@ -129,6 +185,8 @@ def grouped_experts(
       experts: ``[T, k]`` int32 expert ids.
       w_gate, w_up: ``[E, D, F]`` expert weights.
       w_down: ``[E, F, D]``.
+      biases: the experts' biases (gpt-oss), or None.
+      clamp: gpt-oss's ``ClampedSwiGLU``, or None (SwiGLU).
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
@@ -143,16 +201,50 @@ def grouped_experts(
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignment index, sorted by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    out = _swiglu_experts(x[order // top_k], w_gate, w_up, w_down, group_sizes)
+    out = _swiglu_experts(
+        x[order // top_k], w_gate, w_up, w_down, group_sizes, flat[order], biases, clamp
+    )
     # Row r of ``out`` is assignment order[r]: gather by the permutation's inverse.
-    return _combine(out[_inverse(order)].reshape(tokens, top_k, -1), weights).astype(x.dtype)
+    mixed = _combine(out[_inverse(order)].reshape(tokens, top_k, -1), weights)
+    return _add_down_bias(mixed, weights, experts, biases).astype(x.dtype)
 
 
-def _swiglu_experts(rows: Array, w_gate: Array, w_up: Array, w_down: Array, group_sizes: Array):
-    """``W_down[e]^T (silu(x W_gate[e]) * x W_up[e])`` for rows sorted into groups by expert."""
+def _swiglu_experts(
+    rows: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    group_sizes: Array,
+    row_experts: Array | None = None,
+    biases: ExpertBiases | None = None,
+    clamp: ClampedSwiGLU | None = None,
+) -> Array:
+    """``W_down[e]^T act(x W_gate[e] [+ b_gate[e]], x W_up[e] [+ b_up[e]])`` for rows sorted
+    into groups by expert (``row_experts [R]``: each row's expert, for the biases; an id past
+    the experts, an empty slot, gets zero biases). The down bias is not added here (see
+    ``_add_down_bias``)."""
     gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
     up = jax.lax.ragged_dot(rows, w_up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    if biases is not None:
+        gate = gate + _row_bias(biases.gate, row_experts, gate.dtype)
+        up = up + _row_bias(biases.up, row_experts, up.dtype)
+    return jax.lax.ragged_dot(gated_activation(gate, up, clamp), w_down, group_sizes)
+
+
+def _row_bias(bias: Array, row_experts: Array, dtype: Any) -> Array:
+    """``bias[row_experts]``: ``[E, F], [R] -> [R, F]``, zeros for ids outside ``[0, E)``."""
+    return jnp.take(bias, row_experts, axis=0, mode="fill", fill_value=0).astype(dtype)
+
+
+def _add_down_bias(
+    mixed: Array, weights: Array, experts: Array, biases: ExpertBiases | None
+) -> Array:
+    """``mixed + sum_j w_tj b_down[e_tj]`` (f32): the down projections' biases, weighted like
+    their experts' outputs (added once per token, after any partial sums over the width)."""
+    if biases is None:
+        return mixed
+    down = jnp.take(biases.down, experts, axis=0).astype(jnp.float32)  # [T, k, D]
+    return mixed + _combine(down, weights)
 
 
 def _inverse(perm: Array) -> Array:
@@ -196,6 +288,8 @@ def expert_parallel_mlp(
     top_k: int,
     normalize: bool,
     mesh: Any = None,
+    biases: ExpertBiases | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> Array:
     """Routing and ``grouped_experts`` with the experts split over the ``expert`` mesh axis.
 
@@ -214,6 +308,9 @@ def expert_parallel_mlp(
       top_k, normalize: as ``route``.
       mesh: the mesh (default: the context mesh, ``jax.set_mesh``); it must have an ``expert``
         axis.
+      biases: the experts' biases (gpt-oss; the gate / up ones split like their weights, the
+        down ones whole on every device and added after the ``psum``), or None.
+      clamp: gpt-oss's ``ClampedSwiGLU``, or None.
 
     Returns:
       ``[T, D]`` in ``x.dtype``, sharded like ``x``.
@@ -254,17 +351,23 @@ def expert_parallel_mlp(
     # The axes splitting F (tensor): each device's down projection is a partial sum over them.
     width_axes = mesh_axes_of(out_spec[1])
 
-    def local(x, logits, w_gate, w_up, w_down):
+    def local(x, logits, w_gate, w_up, w_down, biases=None):
         weights, experts = route(logits, top_k=top_k, normalize=normalize)
-        out = _exchange_and_compute(x, experts, w_gate, w_up, w_down, num_experts, parts)
+        out = _exchange_and_compute(
+            x, experts, (w_gate, w_up, w_down), num_experts, parts, biases, clamp
+        )
         mixed = _combine(out, weights)
         if width_axes:
             mixed = jax.lax.psum(mixed, width_axes)
-        return mixed.astype(x.dtype)
+        return _add_down_bias(mixed, weights, experts, biases).astype(x.dtype)
 
     manual = set(getattr(mesh, "manual_axes", ()))
-    specs = (rows_spec, rows_spec, in_spec, in_spec, out_spec)
-    args = (x, logits, w_gate, w_up, w_down)
+    specs: tuple[Any, ...] = (rows_spec, rows_spec, in_spec, in_spec, out_spec)
+    args: tuple[Any, ...] = (x, logits, w_gate, w_up, w_down)
+    if biases is not None:
+        bias_spec = _mesh_spec(mesh, "expert", "mlp")
+        specs = (*specs, ExpertBiases(bias_spec, bias_spec, PartitionSpec(None, None)))
+        args = (*args, biases)
     if AxisType.Explicit in tuple(mesh.axis_types):  # sharding in types: move them first
         args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
     return jax.shard_map(
@@ -279,19 +382,21 @@ def expert_parallel_mlp(
 def _exchange_and_compute(
     x: Array,
     experts: Array,
-    w_gate: Array,
-    w_up: Array,
-    w_down: Array,
+    expert_weights: tuple[Array, Array, Array],
     num_experts: int,
     parts: int,
+    biases: ExpertBiases | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> Array:
     """One device's share of ``expert_parallel_mlp``, inside the ``shard_map``.
 
-    ``x [T_l, D]`` and ``experts [T_l, k]`` are this device's tokens; ``w_* [E/P, ...]`` its
-    experts (those of expert-axis shard ``j`` are ``j·E/P ... (j+1)·E/P - 1``). Returns each
-    assignment's expert output ``[T_l, k, D]`` (this device's rows, computed where their
-    experts live).
+    ``x [T_l, D]`` and ``experts [T_l, k]`` are this device's tokens; ``expert_weights``
+    ``(w_gate, w_up, w_down)``, each ``[E/P, ...]``, its experts (those of expert-axis shard
+    ``j`` are ``j·E/P ... (j+1)·E/P - 1``), and ``biases`` their gate / up biases (the down
+    ones are added by the caller). Returns each assignment's expert output ``[T_l, k, D]``
+    (this device's rows, computed where their experts live), down biases not included.
     """
+    w_gate, w_up, w_down = expert_weights
     tokens, top_k = experts.shape
     local = w_gate.shape[0]  # E / P
     capacity = tokens * top_k  # rows one destination can get from this device: all of them
@@ -313,7 +418,14 @@ def _exchange_and_compute(
     by_expert = jnp.argsort(received_ids, stable=True)  # empty slots last
     group_sizes = jnp.bincount(received_ids, length=local).astype(jnp.int32)
     computed = _swiglu_experts(
-        received.reshape(parts * capacity, -1)[by_expert], w_gate, w_up, w_down, group_sizes
+        received.reshape(parts * capacity, -1)[by_expert],
+        w_gate,
+        w_up,
+        w_down,
+        group_sizes,
+        received_ids[by_expert],
+        biases,
+        clamp,
     )
     computed = computed[_inverse(by_expert)].reshape(parts, capacity, -1)
     back = jax.lax.all_to_all(computed, EXPERT_AXIS, 0, 0)  # [j]: this device's rows from j
@@ -333,12 +445,15 @@ def sparse_mlp(
     top_k: int,
     normalize: bool,
     shared: SharedExpert | None = None,
+    router_bias: Array | None = None,
+    biases: ExpertBiases | None = None,
+    clamp: ClampedSwiGLU | None = None,
 ) -> tuple[Array, Array]:
     """A sparse layer's MLP (see the module docstring) on ``h: [B, S, D]``.
 
     ``y = sum_j w_j · SwiGLU_{e_j}(h) [+ sigmoid(h g) · SwiGLU_s(h)]`` with ``(w, e)`` the
-    top-k routing of ``z = h W_r`` (f32), dropless over the ``B·S`` tokens. On a context mesh
-    with an ``expert`` axis of size > 1 the routed experts run expert-parallel
+    top-k routing of ``z = h W_r [+ b_r]`` (f32), dropless over the ``B·S`` tokens. On a
+    context mesh with an ``expert`` axis of size > 1 the routed experts run expert-parallel
     (``expert_parallel_mlp``); the shared expert is a dense MLP either way.
 
     Args:
@@ -347,6 +462,9 @@ def sparse_mlp(
       w_gate, w_up: ``[E, D, F]``; w_down: ``[E, F, D]``.
       top_k: k; normalize: renormalise the k weights (``norm_topk_prob``).
       shared: the shared expert (Qwen2-MoE), or None.
+      router_bias: ``b_r [E]`` (gpt-oss; used in f32), or None.
+      biases: the experts' biases (gpt-oss), or None.
+      clamp: gpt-oss's ``ClampedSwiGLU`` instead of SwiGLU, or None.
 
     Returns:
       ``(y [B, S, D] in h.dtype, router logits z [B, S, E] f32)``.
@@ -355,14 +473,26 @@ def sparse_mlp(
     mesh = expert_parallel_mesh()
     if mesh is not None:  # the small router whole on every device (its E is expert-split)
         router = _constrain(router, None, None)
-    logits = router_logits(h, router)
+        router_bias = None if router_bias is None else _constrain(router_bias, None)
+    logits = router_logits(h, router, router_bias)
     flat_logits, tokens = logits.reshape(batch * seq, -1), h.reshape(batch * seq, d)
     if mesh is None:
         weights, experts = route(flat_logits, top_k=top_k, normalize=normalize)
-        out = grouped_experts(tokens, weights, experts, w_gate, w_up, w_down)
+        out = grouped_experts(
+            tokens, weights, experts, w_gate, w_up, w_down, biases=biases, clamp=clamp
+        )
     else:  # routing, experts and combine on each device's own tokens
         out = expert_parallel_mlp(
-            tokens, flat_logits, w_gate, w_up, w_down, top_k=top_k, normalize=normalize, mesh=mesh
+            tokens,
+            flat_logits,
+            w_gate,
+            w_up,
+            w_down,
+            top_k=top_k,
+            normalize=normalize,
+            mesh=mesh,
+            biases=biases,
+            clamp=clamp,
         )
     out = out.reshape(h.shape)
     if shared is not None:
@@ -442,9 +572,12 @@ def router_z_loss(router_logits: Array, mask: Array | None = None) -> Array:
 
 
 __all__ = [
+    "ClampedSwiGLU",
+    "ExpertBiases",
     "SharedExpert",
     "expert_parallel_mlp",
     "expert_parallel_mesh",
+    "gated_activation",
     "grouped_experts",
     "load_balancing_loss",
     "route",

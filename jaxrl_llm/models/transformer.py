@@ -1,5 +1,5 @@
 """Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, Gemma / Gemma 2 / Gemma 3 and the
-Qwen-MoE / Mixtral mixtures of experts) in Flax NNX.
+Qwen-MoE / Mixtral / gpt-oss mixtures of experts) in Flax NNX.
 
 The NNX ``Transformer`` holds its decoder layers stacked along a leading ``layers`` axis
 (built with ``nnx.vmap``) and runs them with one ``jax.lax.scan``, so compile time does not
@@ -19,7 +19,8 @@ Every parameter carries logical axis names (``nnx.Param`` ``out_sharding`` metad
 Gemma's differences are data in ``ModelConfig`` read by the same modules: embeddings times
 ``sqrt(D)``, ``1 + w`` norms, GeGLU, sandwich norms, soft caps (``unembed`` caps the logits), and
 sliding-window layers among global ones: each layer's kind (a Python bool when unrolled, a
-traced one inside the scan) picks its window and, for Gemma 3, its RoPE base.
+traced one inside the scan) picks its window and, for Gemma 3, its RoPE base. gpt-oss's are
+too: attention sinks (``sinks``), sliding-window layers, and biased, clamped experts.
 
 The pieces live in their own modules, re-exported here: ``layers`` (the decoder block,
 RMSNorm), ``attention`` (RoPE, masks, attention over a cache), ``kv_cache`` (``KVCache``) and
@@ -200,7 +201,13 @@ class Transformer(nnx.Module):
                 per_layer_logits.append(layer_logits)
             kv = None if kv is None else tuple(zip(*written))
             router_logits = jnp.stack(per_layer_logits) if config.is_moe else None
-        final = rms_norm(x, self.final_norm[...], config.rms_norm_eps, plus_one=config.is_gemma)
+        final = rms_norm(
+            x,
+            self.final_norm[...],
+            config.rms_norm_eps,
+            plus_one=config.is_gemma,
+            in_f32=config.norm_in_f32,
+        )
         hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
         if return_router_logits:
@@ -333,8 +340,10 @@ def forward(
     attends to slots ``j <= cache_index + s`` whose mask is True. Prefill = the left-padded
     prompt at ``cache_index=0``; decode = ``S=1`` calls with explicit positions. A ``[B]``
     ``cache_index`` gives each row its own slots (rows at different lengths, as in continuous
-    batching). A sliding-window layer (``config.layer_types``, Gemma 2 / 3) also drops the keys
-    ``config.sliding_window`` or more slots before its query, with or without a cache.
+    batching). A sliding-window layer (``config.layer_types``, Gemma 2 / 3, gpt-oss) also drops
+    the keys ``config.sliding_window`` or more slots before its query, with or without a cache.
+    gpt-oss's attention sinks join every softmax on every path (prefill, packed rows, decode,
+    paged decode).
 
     Args:
       params: plain nested dict from ``init_params`` / ``load_pretrained``, or with its layers
@@ -407,15 +416,18 @@ def cast_params(params: Params, config: ModelConfig) -> Params:
 
     Under jit the cast of f32 master weights to bf16 runs on each shard before any gather, so
     FSDP all-gathers move compute-dtype bytes; its gradient is the cast back to f32. A
-    mixture-of-experts router (``layers/router``, ``[L, D, E]``, small) keeps its own dtype: the
-    router logits are computed in f32 from its stored values.
+    mixture-of-experts router (``layers/router``, ``[L, D, E]``, and gpt-oss's
+    ``layers/router_bias``, small) keeps its own dtype: the router logits are computed in f32
+    from its stored values. So do gpt-oss's attention sinks (``layers/sinks``, ``[L, N]``),
+    which join the f32 softmax.
     """
     if config.compute_dtype is None:
         return params
     dtype = jnp.dtype(config.compute_dtype)
+    keep = {jax.tree_util.DictKey(name) for name in ("router", "router_bias", "sinks")}
 
     def cast(path, x):
-        if path[-1] == jax.tree_util.DictKey("router"):
+        if path[-1] in keep:
             return x
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 

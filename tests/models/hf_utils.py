@@ -127,6 +127,58 @@ GEMMA_VARIANTS = {
 }
 
 
+# gpt-oss (kept apart from VARIANTS too): four layers (sliding, full, sliding, full) with a
+# window of 6 slots, 8 experts top-2, YaRN RoPE over a 64-token "pre-training" context. Widths
+# are multiples of 32 so the experts can be stored in MXFP4 blocks.
+GPT_OSS_WINDOW = 6
+GPT_OSS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    sliding_window=GPT_OSS_WINDOW,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1000.0,
+    },
+)
+
+
+def build_gpt_oss(*, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A float32 eager-attention ``GptOssForCausalLM`` of ``GPT_OSS`` (plus ``overrides``) with
+    randomised weights (``randomise_weights``), then: the experts' gate/up projections 10x
+    larger, so their pre-activations cross the ±7 clamp; attention sinks ``N(0, 1)``, near the
+    scores, so a sink holds a fair share of each softmax."""
+    config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config)
+    randomise_weights(model.to(torch.float32).eval(), seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                param.mul_(10.0)
+            elif name.endswith("self_attn.sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen))
+    return model
+
+
 # The ``architectures`` a released checkpoint's config.json names where it is not the config
 # class's ``*ForCausalLM`` (Gemma 3 text checkpoints: the text-only ``Gemma3TextConfig``).
 CAUSAL_LM = {"gemma3": "Gemma3ForCausalLM"}

@@ -7,8 +7,9 @@ device (no memory). Counts are read from ``param_shapes`` (the leaves' sizes), n
 closed form ``param_count``, so a wrong config value and a wrong formula both show.
 
 Active parameters (the mixture-of-experts figures): every parameter except the routed
-experts' weights, plus ``k / E`` of those (the ``k`` experts a token is sent to, of ``E``, in
-every layer). The router and Qwen2-MoE's shared expert are always active.
+experts' weights (and gpt-oss's expert biases), plus ``k / E`` of those (the ``k`` experts a
+token is sent to, of ``E``, in every layer). The router and Qwen2-MoE's shared expert are always
+active.
 """
 
 import json
@@ -33,7 +34,8 @@ from jaxrl_llm.models import (
 # test_architectures.py).
 MOE = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen1.5-moe-a2.7b")
 GEMMA = ("gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-12b", "gemma-3-27b")
-NEW = MOE + GEMMA
+GPT_OSS = ("gpt-oss-20b", "gpt-oss-120b")
+NEW = MOE + GEMMA + GPT_OSS
 
 # (total, active) as published. Qwen3 model cards ("Number of Parameters: 30.5B in total and
 # 3.3B activated"; "235B in total and 22B activated"), Mistral AI's Mixtral announcement
@@ -45,6 +47,11 @@ PUBLISHED_MOE = {
     "mixtral-8x7b": (46.7e9, 12.9e9),
     "qwen1.5-moe-a2.7b": (14.3e9, 2.7e9),
 }
+
+# gpt-oss (total, active) as published: OpenAI's gpt-oss model card (arXiv 2508.10925), Table 1,
+# "Total Params" 20.91B / 116.83B and "Active Params" 3.61B / 5.13B. The card's active count
+# leaves out the input embedding table (a lookup, not a matmul) but keeps the unembedding.
+PUBLISHED_GPT_OSS = {"gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9, 5.13e9)}
 
 # Non-embedding parameters (everything but the vocab x hidden embedding, tied for Gemma).
 # Gemma 2 technical report (arXiv 2408.00118), Table 2, exact: 9B 8,324,201,984; 27B
@@ -76,9 +83,9 @@ def _raw(name: str) -> dict:
 
 
 def _is_routed_expert(axes: tuple) -> bool:
-    # The routed experts' gate / up / down weights: [layers, expert, ...] with an MLP axis. The
-    # router ([layers, embed, expert]) has none and is always active.
-    return "expert" in axes and "mlp" in axes
+    # The routed experts' gate / up / down weights and biases: [layers, expert, ...]. The
+    # router ([layers, embed, expert]) and its bias ([layers, expert]) are always active.
+    return len(axes) > 2 and axes[1] == "expert"
 
 
 def _counts(config: ModelConfig) -> tuple[int, int]:
@@ -150,6 +157,33 @@ def test_moe_total_and_active_match_published(name):
         assert 3.3e9 <= active < 3.4e9, active
     else:
         assert abs(active - published_active) <= 0.01 * published_active, (name, active)
+
+
+@pytest.mark.parametrize("name", GPT_OSS)
+def test_gpt_oss_total_and_active_match_published(name):
+    config = architecture_config(name)
+    total, active = _counts(config)
+    published_total, published_active = PUBLISHED_GPT_OSS[name]
+    assert abs(total - published_total) <= 0.01 * published_total, (name, total)
+    active -= config.vocab_size * config.hidden_size  # the card's count: no embedding table
+    assert abs(active - published_active) <= 0.01 * published_active, (name, active)
+
+
+def test_gpt_oss_entries_are_as_released():
+    # config.json of openai/gpt-oss-20b and -120b: 24 / 36 layers alternating sliding (128
+    # keys, from layer 0) and full attention, 32 / 128 experts top-4 of width 2880, YaRN x32
+    # over 4096 tokens at base 150000, the clamp at 7, MXFP4 experts (dequantised at load).
+    for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+        config = architecture_config(name)
+        assert config.num_hidden_layers == layers and config.num_experts == experts, name
+        assert config.num_experts_per_tok == 4 and config.moe_intermediate_size == 2880
+        assert config.sliding_window == 128
+        assert config.sliding_layers == (True, False) * (layers // 2)
+        assert (config.rope_type, config.rope_factor, config.rope_theta) == ("yarn", 32.0, 1.5e5)
+        assert config.rope_original_max_position_embeddings == 4096 and not config.rope_truncate
+        assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
+        assert config.attention_sinks and config.qkv_bias and config.o_bias
+        assert _raw(name)["quantization_config"]["quant_method"] == "mxfp4"
 
 
 @pytest.mark.parametrize("name", sorted(NON_EMBEDDING))

@@ -94,7 +94,7 @@ def test_llama3_rope_scales_low_frequencies_only():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"architectures": [], "model_type": "gpt2"}, "unsupported model_type"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "unknown rope type"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "unknown rope type"),
         ({"rope_parameters": {"rope_type": "fancy"}}, "unknown rope type"),
         ({"rope_parameters": {"rope_type": "linear"}}, "needs a 'factor'"),
         ({"num_experts": 8}, "mixture-of-experts"),
