@@ -152,6 +152,9 @@ RUNS: dict[str, Run] = {
     "jaxrl-llm train rollout.engine=continuous": Run(("run_dir=runs/continuous",)),
     LORA: Run(("run_dir=runs/lora",)),
     "jaxrl-llm train model.compute_dtype=bfloat16": Run(("run_dir=runs/bf16",)),
+    "jaxrl-llm train model.tiny.experts=8 model.tiny.experts_per_token=2": Run(
+        ("run_dir=runs/moe",)
+    ),
     # Both pages' DAPO commands write runs/dapo: a second run there would need resume=true.
     "jaxrl-llm train configs/dapo.yaml trainer.max_steps=50 seed=1": Run(("run_dir=runs/dapo1",)),
     "jaxrl-llm train configs/dapo.yaml trainer.max_steps=50 run_dir=runs/dapo seed=1": Run(),
