@@ -939,6 +939,21 @@ def _gemma3_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _refuse_partial_rotary(keys: Mapping[str, Any]) -> None:
+    """RoPE on every head dimension only (``partial_rotary_factor`` 1.0 or absent)."""
+    partial = keys.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+
+
+def _refuse_unknown_layer_types(hf: Mapping[str, Any]) -> None:
+    """``layer_types`` names from :data:`LAYER_TYPES` only (Gemma 2/3, gpt-oss)."""
+    types = hf.get("layer_types") or ()
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
+
+
 def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
     if model_type in GEMMA_MODEL_TYPES:
         _refuse_unsupported_gemma(hf)
@@ -962,9 +977,7 @@ def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
         raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    partial = hf.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    _refuse_partial_rotary(hf)
     if hf.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
     layer_types = hf.get("layer_types") or ()
@@ -990,13 +1003,8 @@ def _refuse_unsupported_gemma(hf: Mapping[str, Any]) -> None:
         raise ValueError("use_bidirectional_attention=True is not supported (causal models only)")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    partial = hf.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
-    types = hf.get("layer_types") or ()
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
+    _refuse_partial_rotary(hf)
+    _refuse_unknown_layer_types(hf)
 
 
 def _refuse_unsupported_gpt_oss(hf: Mapping[str, Any]) -> None:
@@ -1010,13 +1018,8 @@ def _refuse_unsupported_gpt_oss(hf: Mapping[str, Any]) -> None:
                 f"quantised checkpoints are not supported (quantization_config is set, "
                 f"quant_method {method!r}); gpt-oss's 'mxfp4' experts are dequantised at load"
             )
-    partial = hf.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
-    types = hf.get("layer_types") or ()
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
+    _refuse_partial_rotary(hf)
+    _refuse_unknown_layer_types(hf)
     if not _num_experts(hf, "gpt_oss"):
         raise ValueError("gpt_oss config without experts (num_local_experts is 0 or missing)")
     if hf.get("router_jitter_noise"):
@@ -1102,9 +1105,7 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    partial = params.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    _refuse_partial_rotary(params)
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "yarn":
         out.update(_yarn(hf, params))

@@ -28,7 +28,6 @@ from jaxrl_llm.models import (
     LoraSpec,
     ModelConfig,
     forward,
-    init_cache,
     load_pretrained,
     logits,
     lora,
@@ -37,8 +36,7 @@ from jaxrl_llm.models import (
     save_pretrained,
     unembed,
 )
-from jaxrl_llm.sampling import layout
-from tests.models import hf_utils
+from tests.models import decode_utils, hf_utils
 from tests.sampling.hf_reference import assert_engine_matches_hf, assert_greedy_matches_hf
 
 WINDOW = hf_utils.GPT_OSS_WINDOW
@@ -250,38 +248,6 @@ def test_packed_forward_equals_each_sequence_padded(model, rng):
     np.testing.assert_allclose(got[0, 9:22], want[1], atol=2e-5, rtol=1e-5)
 
 
-def _decode_all(params, config, tokens, mask, prompt_width, *, unstacked):
-    """Prefill ``tokens[:, :prompt_width]`` into a cache, then feed the rest one token at a time:
-    the hidden states ``[B, S - prompt_width, D]`` of the decoded tokens."""
-    batch, seq = tokens.shape
-    cache = init_cache(config, batch, seq + 2, dtype=jnp.float32)
-    _, cache = jit_forward(
-        params,
-        config,
-        tokens[:, :prompt_width],
-        attention_mask=mask[:, :prompt_width],
-        cache=cache,
-        cache_index=0,
-    )
-    if unstacked:
-        params = layout.unstack_layers(params)
-        cache = layout.unstack_cache(cache)
-    positions = mask[:, :prompt_width].sum(axis=1, keepdims=True)
-    out = []
-    for step in range(seq - prompt_width):
-        column = prompt_width + step
-        hidden, cache = jit_forward(
-            params,
-            config,
-            tokens[:, column : column + 1],
-            positions=positions + step,
-            cache=cache,
-            cache_index=jnp.int32(column),
-        )
-        out.append(np.asarray(hidden)[:, 0])
-    return np.stack(out, axis=1)
-
-
 @pytest.mark.parametrize("unstacked", [False, True])
 def test_cached_decode_past_the_window_equals_the_full_forward(model, unstacked, rng):
     """Token by token through the KV cache (layers scanned, or unrolled as the CPU sampler runs
@@ -294,7 +260,7 @@ def test_cached_decode_past_the_window_equals_the_full_forward(model, unstacked,
     tokens = np.concatenate([prompt, new], axis=1)
     mask = np.concatenate([prompt_mask, np.ones_like(new)], axis=1)
     want, _ = jit_forward(params, config, tokens, attention_mask=mask)
-    got = _decode_all(params, config, tokens, mask, prompt_width, unstacked=unstacked)
+    got = decode_utils.decode_all(params, config, tokens, mask, prompt_width, unstacked=unstacked)
     np.testing.assert_allclose(got, np.asarray(want)[:, prompt_width:], atol=2e-5, rtol=1e-5)
     hf = hf_utils.hf_logits(torch_model, tokens, mask)[:, prompt_width:]
     ours = np.asarray(jax.jit(unembed, static_argnums=1)(params, config, got))
