@@ -317,6 +317,7 @@ class DecoderLayer(nnx.Module):
         dropout_key: Array | None = None,
         local: Any = False,
         segment_ids: Array | None = None,
+        routing: Array | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None, Array | None]:
         """One block on ``x: [B, S, D]``.
 
@@ -336,6 +337,8 @@ class DecoderLayer(nnx.Module):
             bool, or a traced bool inside the layer scan.
           segment_ids: ``[B, S]`` int32 of packed rows (0 on padding; a query sees only its own
             segment), or None. Not with ``kv``.
+          routing: ``[B, S, k]`` int expert ids to replay in a mixture-of-experts layer
+            (``models.moe.replay_route``), or None: its own top-k.
 
         Returns:
           ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
@@ -416,7 +419,7 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + out, "batch", None, "embed")
         h = self._norm("mlp_norm", x)
         if self.router is not None:
-            out, logits = self._experts(h)
+            out, logits = self._experts(h, routing)
             return constrain(x + out, "batch", None, "embed"), kv, logits
         gate = self._project("w_gate", h, key=dropout_key)
         gate = activation(constrain(gate, "batch", None, "mlp"), self.act)
@@ -432,9 +435,9 @@ class DecoderLayer(nnx.Module):
             x, self._use(name), self.eps, plus_one=self.plus_one, in_f32=self.norm_in_f32
         )
 
-    def _experts(self, h: Array) -> tuple[Array, Array]:
-        """The sparse MLP (``models.moe.sparse_mlp``) on ``h: [B, S, D]``:
-        ``(out [B, S, D], router logits [B, S, E] f32)``."""
+    def _experts(self, h: Array, routing: Array | None = None) -> tuple[Array, Array]:
+        """The sparse MLP (``models.moe.sparse_mlp``) on ``h: [B, S, D]``, replaying
+        ``routing [B, S, k]`` when given: ``(out [B, S, D], router logits [B, S, E] f32)``."""
         shared = router_bias = biases = None
         if self.shared_w_gate is not None:
             shared = SharedExpert(*(self._use(name) for name in SHARED_EXPERT_WEIGHTS))
@@ -450,4 +453,5 @@ class DecoderLayer(nnx.Module):
             router_bias=router_bias,
             biases=biases,
             clamp=self.clamp,
+            routing=routing,
         )

@@ -159,6 +159,41 @@ def route(logits: Array, *, top_k: int, normalize: bool) -> tuple[Array, Array]:
     return weights, experts.astype(jnp.int32)
 
 
+def replay_route(logits: Array, experts: Array, *, normalize: bool) -> tuple[Array, Array]:
+    """Routing replay (R3, Ma et al. 2025): the gate weights of given experts from own logits.
+
+    ``w = softmax(z[e])`` with ``normalize`` (the softmax over the k given logits, ``route``'s
+    form), else ``w = softmax(z)[e]``: the weights ``route`` gives when ``e`` is its own top-k
+    (bit for bit), and a gradient that reaches the router through ``z``. A token whose ids
+    hold a negative one (``-1``: a padding position of a recorded routing) routes freely
+    (``route``'s own top-k and weights).
+
+    Args:
+      logits: ``[T, E]`` router logits (computed in f32).
+      experts: ``[T, k]`` int expert ids in ``[0, E)`` (or negative: route freely).
+      normalize: as ``route``.
+
+    Returns:
+      ``(weights [T, k] f32, experts [T, k] int32)``: the experts used (the given ones, or
+      the free top-k on tokens with a negative id).
+    """
+    if logits.ndim != 2 or experts.ndim != 2 or experts.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"replay_route: logits must be [T, E] and experts [T, k], got {logits.shape} and "
+            f"{experts.shape}"
+        )
+    top_k = experts.shape[1]
+    _, own = route(logits, top_k=top_k, normalize=normalize)
+    experts = experts.astype(jnp.int32)
+    experts = jnp.where(jnp.all(experts >= 0, axis=-1, keepdims=True), experts, own)
+    logits = logits.astype(jnp.float32)
+    if normalize:
+        chosen = jnp.take_along_axis(logits, experts, axis=-1)
+        return jax.nn.softmax(chosen, axis=-1), experts
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.take_along_axis(probs, experts, axis=-1), experts
+
+
 def grouped_experts(
     x: Array,
     weights: Array,
@@ -290,6 +325,7 @@ def expert_parallel_mlp(
     mesh: Any = None,
     biases: ExpertBiases | None = None,
     clamp: ClampedSwiGLU | None = None,
+    experts: Array | None = None,
 ) -> Array:
     """Routing and ``grouped_experts`` with the experts split over the ``expert`` mesh axis.
 
@@ -311,6 +347,8 @@ def expert_parallel_mlp(
       biases: the experts' biases (gpt-oss; the gate / up ones split like their weights, the
         down ones whole on every device and added after the ``psum``), or None.
       clamp: gpt-oss's ``ClampedSwiGLU``, or None.
+      experts: ``[T, k]`` int32 expert ids to replay instead of the top-k (``replay_route``:
+        the weights still from ``logits``; split over the batch's axes like ``x``), or None.
 
     Returns:
       ``[T, D]`` in ``x.dtype``, sharded like ``x``.
@@ -351,8 +389,15 @@ def expert_parallel_mlp(
     # The axes splitting F (tensor): each device's down projection is a partial sum over them.
     width_axes = mesh_axes_of(out_spec[1])
 
-    def local(x, logits, w_gate, w_up, w_down, biases=None):
-        weights, experts = route(logits, top_k=top_k, normalize=normalize)
+    replay = experts is not None
+
+    def local(x, logits, w_gate, w_up, w_down, *extra):
+        given = extra[0] if replay else None
+        biases = extra[-1] if len(extra) > replay else None
+        if given is None:
+            weights, experts = route(logits, top_k=top_k, normalize=normalize)
+        else:
+            weights, experts = replay_route(logits, given, normalize=normalize)
         out = _exchange_and_compute(
             x, experts, (w_gate, w_up, w_down), num_experts, parts, biases, clamp
         )
@@ -364,6 +409,13 @@ def expert_parallel_mlp(
     manual = set(getattr(mesh, "manual_axes", ()))
     specs: tuple[Any, ...] = (rows_spec, rows_spec, in_spec, in_spec, out_spec)
     args: tuple[Any, ...] = (x, logits, w_gate, w_up, w_down)
+    if experts is not None:
+        if experts.shape != (tokens, top_k):
+            raise ValueError(
+                f"expert_parallel_mlp: experts must be [T, k] = {(tokens, top_k)}, got "
+                f"{experts.shape}"
+            )
+        specs, args = (*specs, rows_spec), (*args, experts.astype(jnp.int32))
     if biases is not None:
         bias_spec = _mesh_spec(mesh, "expert", "mlp")
         specs = (*specs, ExpertBiases(bias_spec, bias_spec, PartitionSpec(None, None)))
@@ -448,6 +500,7 @@ def sparse_mlp(
     router_bias: Array | None = None,
     biases: ExpertBiases | None = None,
     clamp: ClampedSwiGLU | None = None,
+    routing: Array | None = None,
 ) -> tuple[Array, Array]:
     """A sparse layer's MLP (see the module docstring) on ``h: [B, S, D]``.
 
@@ -465,11 +518,19 @@ def sparse_mlp(
       router_bias: ``b_r [E]`` (gpt-oss; used in f32), or None.
       biases: the experts' biases (gpt-oss), or None.
       clamp: gpt-oss's ``ClampedSwiGLU`` instead of SwiGLU, or None.
+      routing: ``[B, S, k]`` int expert ids to replay (``replay_route``: these experts, their
+        weights from this layer's own logits; a token with a negative id routes freely), or
+        None: the top-k.
 
     Returns:
       ``(y [B, S, D] in h.dtype, router logits z [B, S, E] f32)``.
     """
     batch, seq, d = h.shape
+    if routing is not None and routing.shape != (batch, seq, top_k):
+        raise ValueError(
+            f"sparse_mlp: routing must be [B, S, k] = {(batch, seq, top_k)}, got {routing.shape}"
+        )
+    given = None if routing is None else routing.reshape(batch * seq, top_k)
     mesh = expert_parallel_mesh()
     if mesh is not None:  # the small router whole on every device (its E is expert-split)
         router = _constrain(router, None, None)
@@ -477,7 +538,10 @@ def sparse_mlp(
     logits = router_logits(h, router, router_bias)
     flat_logits, tokens = logits.reshape(batch * seq, -1), h.reshape(batch * seq, d)
     if mesh is None:
-        weights, experts = route(flat_logits, top_k=top_k, normalize=normalize)
+        if given is None:
+            weights, experts = route(flat_logits, top_k=top_k, normalize=normalize)
+        else:
+            weights, experts = replay_route(flat_logits, given, normalize=normalize)
         out = grouped_experts(
             tokens, weights, experts, w_gate, w_up, w_down, biases=biases, clamp=clamp
         )
@@ -493,6 +557,7 @@ def sparse_mlp(
             mesh=mesh,
             biases=biases,
             clamp=clamp,
+            experts=given,
         )
     out = out.reshape(h.shape)
     if shared is not None:
@@ -580,6 +645,7 @@ __all__ = [
     "gated_activation",
     "grouped_experts",
     "load_balancing_loss",
+    "replay_route",
     "route",
     "router_logits",
     "router_z_loss",

@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl_llm._checks import check_choice, check_rank
@@ -53,6 +54,7 @@ from jaxrl_llm.models.layers import (
     rms_norm,
 )
 from jaxrl_llm.models.matmul import dense
+from jaxrl_llm.models.moe import replay_route, route
 from jaxrl_llm.parallel.mesh import current_platform
 
 Array = jax.Array
@@ -97,12 +99,15 @@ class Transformer(nnx.Module):
         dropout_key: Array | None = None,
         return_router_logits: bool = False,
         segment_ids: Array | None = None,
-    ) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
+        routing: Array | None = None,
+        return_routing: bool = False,
+    ) -> tuple[Any, ...]:
         """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
         check_choice("remat", remat, REMAT_POLICIES)
         check_rank("tokens", tokens, 2)
         batch, seq = tokens.shape
+        routing = check_routing(config, routing, tokens.shape)
         attention_mask = _check_optional("attention_mask", attention_mask, tokens.shape)
         positions = _check_optional("positions", positions, tokens.shape)
         if segment_ids is not None:
@@ -153,7 +158,7 @@ class Transformer(nnx.Module):
 
         def body(carry, xs):
             x, kv = carry
-            state, layer_index, layer_id = xs
+            state, layer_index, layer_id, layer_routing = xs
             layer = nnx.merge(layer_def, state)
             local = _is_local(config, layer_id)
             cos, sin = rope
@@ -176,8 +181,12 @@ class Transformer(nnx.Module):
                 else jax.random.fold_in(dropout_key, layer_id),
                 local=local,
                 segment_ids=segment_ids,
+                routing=layer_routing,
             )
-            return (x, kv), router_logits
+            chosen = None
+            if return_routing and router_logits is not None:
+                chosen = _chosen_experts(config, router_logits, layer_routing)
+            return (x, kv), (router_logits, chosen)
 
         if remat == "layer":
             body = jax.checkpoint(body, prevent_cse=False)
@@ -186,21 +195,26 @@ class Transformer(nnx.Module):
             # XLA:CPU runs a layer loop with per-iteration slice copies of the weights and
             # residuals (about a tenth of a 60M model's training step): unrolled there.
             unroll = config.num_hidden_layers if current_platform()[0] == "cpu" else 1
-            (x, kv), router_logits = jax.lax.scan(
-                lambda carry, xs: body(carry, (*xs, xs[1])),
+            (x, kv), (router_logits, chosen) = jax.lax.scan(
+                lambda carry, xs: body(carry, (xs[0], xs[1], xs[1], xs[2])),
                 (x, kv),
-                (layer_state, layer_ids),
+                (layer_state, layer_ids, routing),
                 unroll=unroll,
             )
         else:  # per-layer weights and cache arrays: unrolled, each layer reads its own
-            written, per_layer_logits = [], []
+            written, per_layer = [], []
             for i, state in enumerate(unstacked_layers):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                (x, layer_kv), layer_logits = body((x, layer_kv), (state, None, i))
+                layer_routing = None if routing is None else routing[i]
+                (x, layer_kv), outs = body((x, layer_kv), (state, None, i, layer_routing))
                 written.append(layer_kv)
-                per_layer_logits.append(layer_logits)
+                per_layer.append(outs)
             kv = None if kv is None else tuple(zip(*written))
-            router_logits = jnp.stack(per_layer_logits) if config.is_moe else None
+            router_logits = chosen = None
+            if config.is_moe:
+                router_logits = jnp.stack([logits for logits, _ in per_layer])
+                if return_routing:
+                    chosen = jnp.stack([ids for _, ids in per_layer])
         final = rms_norm(
             x,
             self.final_norm[...],
@@ -210,9 +224,57 @@ class Transformer(nnx.Module):
         )
         hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
+        out: tuple[Any, ...] = (hidden, new_cache)
         if return_router_logits:
-            return hidden, new_cache, router_logits
-        return hidden, new_cache
+            out = (*out, router_logits)
+        if return_routing:
+            out = (*out, chosen)
+        return out
+
+
+def _chosen_experts(config: ModelConfig, logits: Array, given: Array | None) -> Array:
+    """``[B, S, k]`` int32: the experts a layer used, its own top-k (``route``) or the
+    replayed ids (``replay_route``: negative ones fall back to the top-k)."""
+    batch, seq, num_experts = logits.shape
+    flat = logits.reshape(batch * seq, num_experts)
+    k, normalize = config.num_experts_per_tok, config.norm_topk_prob
+    if given is None:
+        _, experts = route(flat, top_k=k, normalize=normalize)
+    else:
+        _, experts = replay_route(flat, given.reshape(batch * seq, k), normalize=normalize)
+    return experts.reshape(batch, seq, k)
+
+
+def check_routing(config: ModelConfig, routing: Any, shape: tuple[int, ...]) -> Array | None:
+    """``routing`` as int32 ``[L, B, S, k]`` after its checks (None passes through).
+
+    Raises:
+      ValueError: a dense model, another shape, a non-integer dtype, or (when the ids are
+        concrete) an id ``>= E``.
+    """
+    if routing is None:
+        return None
+    if not config.is_moe:
+        raise ValueError(
+            f"routing replay needs a mixture-of-experts model, not {config.architecture}"
+        )
+    want = (config.num_hidden_layers, *shape, config.num_experts_per_tok)
+    if tuple(jnp.shape(routing)) != want:
+        raise ValueError(f"routing must be [L, B, S, k] = {want}, got {jnp.shape(routing)}")
+    if not jnp.issubdtype(jnp.result_type(routing), jnp.integer):
+        raise ValueError(f"routing must hold integer expert ids, got {jnp.result_type(routing)}")
+    concrete = isinstance(routing, np.ndarray) or (
+        isinstance(routing, jax.Array)
+        and not isinstance(routing, jax.core.Tracer)
+        and routing.is_fully_addressable
+    )
+    if concrete and np.size(routing):  # checked on the host: a jnp op here would be traced
+        top = int(np.max(np.asarray(routing)))
+        if top >= config.num_experts:
+            raise ValueError(
+                f"routing holds expert id {top}, past the {config.num_experts} experts"
+            )
+    return jnp.asarray(routing, jnp.int32)
 
 
 def _is_local(config: ModelConfig, layer_id: Any) -> Any:
@@ -327,7 +389,9 @@ def forward(
     dropout_key: Array | None = None,
     return_router_logits: bool = False,
     segment_ids: Array | None = None,
-) -> tuple[Array, KVCache | None] | tuple[Array, KVCache | None, Array | None]:
+    routing: Array | None = None,
+    return_routing: bool = False,
+) -> tuple[Any, ...]:
     """Hidden states after the final norm, optionally reading and writing a KV cache.
 
     ``h = RMSNorm(Block_L(... Block_1(E[tokens])))`` with RoPE at ``positions``
@@ -368,11 +432,23 @@ def forward(
         slots, which within a segment are its positions); ``positions`` then default to each
         token's offset in its segment (restarting at 0). Replaces ``attention_mask`` (real
         tokens = nonzero ids); training and scoring only: an error with a cache.
+      routing: ``[L, B, S, k]`` int expert ids to replay (routing replay, "R3", Ma et al.
+        2025), L the layers in stack order: layer ``l`` sends token ``(b, s)`` to experts
+        ``routing[l, b, s]`` instead of its own top-k, with gate weights still computed from
+        its own router logits at those ids (``models.moe.replay_route``: the softmax over the
+        k chosen logits when ``config.norm_topk_prob``, else the full softmax's entries), so
+        the router gets its gradient. A token whose ids hold a negative one (``-1``: padding
+        of a recorded routing) routes freely. Mixture-of-experts models only; every path
+        (padded, packed, cached, expert-parallel).
+      return_routing: also return the expert ids every layer used, ``[L, B, S, k]`` int32
+        (the top-k of its f32 router logits as ``models.moe.route`` takes it, or the replayed
+        ids): replaying them gives this forward's output bit for bit. None for a dense model.
 
     Returns:
       ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
-      None)``; with ``return_router_logits`` a third element, the router logits
-      ``[L, B, S, E]`` f32 of a mixture-of-experts model (None for a dense one).
+      None)``; with ``return_router_logits`` one more element, the router logits
+      ``[L, B, S, E]`` f32 of a mixture-of-experts model (None for a dense one); with
+      ``return_routing`` one more after it, the expert ids ``[L, B, S, k]`` int32 (or None).
     """
     params = cast_params(params, config)
     unstacked = None
@@ -397,6 +473,8 @@ def forward(
         dropout_key=dropout_key,
         return_router_logits=return_router_logits,
         segment_ids=segment_ids,
+        routing=routing,
+        return_routing=return_routing,
     )
 
 
@@ -480,6 +558,7 @@ __all__ = [
     "apply_rope",
     "cache_attention",
     "cast_params",
+    "check_routing",
     "forward",
     "init_cache",
     "init_params",

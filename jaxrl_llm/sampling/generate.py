@@ -44,8 +44,29 @@ from jaxrl_llm.types import Completion
 Array = jax.Array
 
 
+NO_EXPERT = -1  # the recorded routing of a padding slot (``forward`` routes it freely)
+
+
+def routing_dtype(num_experts: int) -> Any:
+    """The smallest signed int holding the expert ids ``[0, E)`` and ``NO_EXPERT``: the
+    sampler's routing buffer (``[B, P + T, L, k]``, carried through the decode loop) in int8
+    for ``E <= 127`` is a quarter of its int32 size. Returned to the host as int32."""
+    for dtype in (jnp.int8, jnp.int16):
+        if num_experts - 1 <= jnp.iinfo(dtype).max:
+            return jnp.dtype(dtype)
+    return jnp.dtype(jnp.int32)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("config", "max_new_tokens", "num_samples", "cache_dtype", "mesh")
+    jax.jit,
+    static_argnames=(
+        "config",
+        "max_new_tokens",
+        "num_samples",
+        "cache_dtype",
+        "mesh",
+        "record_routing",
+    ),
 )
 def prefill_program(
     params: Any,
@@ -58,19 +79,28 @@ def prefill_program(
     num_samples: int,
     cache_dtype: Any,
     mesh: Any,
+    record_routing: bool = False,
 ) -> SamplingState:
     num_prompts, prompt_len = prompt_tokens.shape
     params = cast_params(params, config)  # once, not per layer call
     # A P-slot cache keeps the prompt's attention P x P; the T decode slots are appended after.
     cache = init_cache(config, num_prompts, prompt_len, dtype=cache_dtype)
-    hidden, cache = forward(
+    hidden, cache, *chosen = forward(
         params,
         config,
         prompt_tokens,
         attention_mask=prompt_mask,
         cache=cache,
         cache_index=jnp.int32(0),
+        return_routing=record_routing,
     )
+    routing = None
+    if record_routing:  # [L, N, P, k] -> [N * G, P + T, L, k], -1 on padding and after P
+        ids = jnp.where(prompt_mask[:, :, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
+        ids = jnp.repeat(ids, num_samples, axis=0)
+        widths = ((0, 0), (0, max_new_tokens), (0, 0), (0, 0))
+        routing = jnp.pad(ids, widths, constant_values=NO_EXPERT)
+        routing = routing.astype(routing_dtype(config.num_experts))
     # Left padding puts every row's last real token in the last column.
     logits = unembed(params, config, hidden[:, -1])
     rows = num_prompts * num_samples
@@ -83,6 +113,7 @@ def prefill_program(
         positions=jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples),
         logits=jnp.repeat(logits, num_samples, axis=0),
         cache=grow_cache(cache, num_samples, max_new_tokens),
+        routing=routing,
     )
     return constrain_state(state, mesh)
 
@@ -111,7 +142,7 @@ def _decode_step(
     token = jnp.where(live, sampled, sampling.pad_id)
     # The last iteration's forward is wasted (one per call); skipping it would need a cond
     # around the cache update, which risks copying the cache every step.
-    hidden, cache = forward(
+    hidden, cache, *chosen = forward(
         params,
         config,
         token[:, None],
@@ -119,7 +150,14 @@ def _decode_step(
         attention_mask=live[:, None],
         cache=state.cache,
         cache_index=prompt_len + state.step,
+        return_routing=state.routing is not None,
     )
+    routing = state.routing
+    if routing is not None:  # this token's experts, [L, B, 1, k] -> slot P + step of [B, S, L, k]
+        ids = jnp.where(live[:, None, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
+        routing = jax.lax.dynamic_update_slice_in_dim(
+            routing, ids.astype(routing.dtype), prompt_len + state.step, axis=1
+        )
     column = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=state.step, axis=1)
     state = SamplingState(
         step=state.step + 1,
@@ -130,6 +168,7 @@ def _decode_step(
         positions=state.positions + 1,
         logits=unembed(params, config, hidden[:, 0]),
         cache=cache,
+        routing=routing,
     )
     return constrain_state(state, mesh)
 
@@ -260,6 +299,7 @@ def prefill(
     num_samples: int = 1,
     cache_dtype: Any = None,
     mesh: Any = None,
+    record_routing: bool = False,
 ) -> SamplingState:
     """Runs the prompts through the model once and returns the initial decode state.
 
@@ -275,10 +315,18 @@ def prefill(
       num_samples: G completions per prompt (static).
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional ``jax.sharding.Mesh``; the state then follows ``SAMPLING_RULES``.
+      record_routing: keep the experts every mixture-of-experts layer chooses for each prompt
+        and completion token in ``state.routing`` (``[B, P + T, L, k]`` in ``routing_dtype``,
+        -1 on padding and unfed slots; ``decode`` fills the completion's). Errors on a dense
+        model.
 
     Returns:
       A ``SamplingState`` with ``B = N * G`` rows and ``step = 0``.
     """
+    if record_routing and not config.is_moe:
+        raise ValueError(
+            f"record_routing needs a mixture-of-experts model, not {config.architecture}"
+        )
     _check_positive_int("max_new_tokens", max_new_tokens)
     _check_positive_int("num_samples", num_samples)
     check_prompts(prompt_tokens, prompt_mask)
@@ -292,6 +340,7 @@ def prefill(
         num_samples=num_samples,
         cache_dtype=jnp.dtype(cache_dtype or default_cache_dtype(params, config)),
         mesh=mesh,
+        record_routing=record_routing,
     )
 
 
@@ -358,7 +407,8 @@ def generate(
     cache_dtype: Any = None,
     mesh: Any = None,
     decode_layers: str = "auto",
-) -> Completion:
+    record_routing: bool = False,
+) -> Completion | tuple[Completion, Array]:
     """Samples ``num_samples`` completions per prompt with a KV cache.
 
     ``y_t ~ softmax(truncate(z_t / T))`` for ``t < max_new_tokens`` (greedy ``argmax z_t`` when
@@ -384,9 +434,17 @@ def generate(
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional mesh; the sampling state is then sharded by ``SAMPLING_RULES``.
       decode_layers: the decode loop's weights and cache stacked or per layer (``decode``).
+      record_routing: also return the routing of every prompt and completion token, for
+        routing replay (mixture-of-experts models only; see Returns).
 
     Returns:
-      ``Completion(tokens [N*G, T] int32, logprobs [N*G, T] f32, mask [N*G, T] bool)``.
+      ``Completion(tokens [N*G, T] int32, logprobs [N*G, T] f32, mask [N*G, T] bool)``; with
+      ``record_routing``, ``(completion, routing)``: ``routing [N*G, P + T, L, k]`` int32 (a
+      device array sharded over rows like the completion's; fetch it the same way), for each
+      token of ``[prompt ; completion]`` (``P`` the given prompts' width) the
+      ``k`` experts each of the ``L`` mixture-of-experts layers chose, -1 on prompt padding and
+      completion padding (after EOS). ``jnp.moveaxis(routing, 2, 0)`` is the ``[L, B, S, k]``
+      that ``models.forward(..., routing=)`` replays.
     """
     traced = sampling.traced()
     pad_id = sampling.pad_id
@@ -402,6 +460,7 @@ def generate(
             num_samples=num_samples,
             cache_dtype=cache_dtype,
             mesh=mesh,
+            record_routing=record_routing,
         )
         key, traced = replicate((key, traced), mesh)
         state = decode(
@@ -414,11 +473,18 @@ def generate(
             mesh=mesh,
             decode_layers=decode_layers,
         )
-    return Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
+    completion = Completion(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask)
+    if not record_routing:
+        return completion
+    # The bucket's extra left columns dropped: the routing of the caller's P prompt columns.
+    extra = tokens.shape[1] - jnp.shape(prompt_tokens)[1]
+    return completion, state.routing[:, extra:].astype(jnp.int32)
 
 
 __all__ = [
+    "NO_EXPERT",
     "decode_program",
+    "routing_dtype",
     "prefill_program",
     "MIN_BUCKET",
     "SamplingOptions",

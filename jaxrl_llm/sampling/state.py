@@ -38,6 +38,10 @@ class SamplingState(NamedTuple):
       logits: ``[B, V]`` f32, next-token logits for column ``step``.
       cache: ``KVCache`` with k, v ``[L, B, K, S, H]`` and mask ``[B, S]``; slots ``[0, P)`` hold
         the prompt, slot ``P + t`` the token of column ``t`` once it has been fed.
+      routing: ``[B, S, L, k]`` (int8 / int16 / int32: ``generate.routing_dtype``), the
+        experts each mixture-of-experts layer chose for the token in slot ``s`` (routing
+        replay, ``models.forward(..., routing=)``; ``L`` the MoE layers in stack order), -1 on
+        padding and on slots not fed yet; None when not recorded.
     """
 
     step: Array
@@ -48,6 +52,7 @@ class SamplingState(NamedTuple):
     positions: Array
     logits: Array
     cache: KVCache
+    routing: Array | None = None
 
 
 class SamplingParams(NamedTuple):
@@ -118,6 +123,7 @@ def state_logical_axes(state: SamplingState) -> SamplingState:
         positions=("batch",),
         logits=("batch", "vocab"),
         cache=cache_axes,
+        routing=None if state.routing is None else ("batch", None, None, None),
     )
 
 
