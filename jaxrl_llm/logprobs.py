@@ -15,7 +15,10 @@ router logits of the same forward (and the mask of the real tokens they cover), 
 policy update adds the router losses (``jaxrl_llm.models.moe``) without a second forward.
 
 The three take the same keyword options, ``LogprobOptions`` (temperature, chunk size, entropy,
-remat, prompt log-probs, dropout key), and run the same forward (padded or packed).
+remat, prompt log-probs, dropout key, and for distillation a teacher's top-k tokens or the ids
+to gather a student's log-probs at), and run the same forward (padded or packed). With the
+distillation options they return a ``LogprobOutputs`` (the ``[B, T, k]`` arrays beside the
+``[B, T]`` log-probs), each chunk of logits reduced to ``k`` values a position before the next.
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def per_device_sizes(batch: int, vocab: int) -> tuple[int, int]:
     return -(-batch // shards("batch")), -(-vocab // shards("vocab"))
 
 
+class LogprobOutputs(NamedTuple):
+    """Everything one chunked log-prob pass can return (``[B, T]`` positions; None: not asked).
+
+    Attributes:
+      logprobs: ``[B, T]`` f32 ``log softmax(z_t / tau)[y_t]`` of each target token.
+      entropy: ``[B, T]`` f32 entropy of ``softmax(z_t / tau)`` (``return_entropy``).
+      top_logprobs: ``[B, T, k]`` f32, the ``k`` largest ``log softmax(z_t / tau)`` values of
+        each position in decreasing order (``top_k``: a teacher's most likely tokens).
+      top_ids: ``[B, T, k]`` int32, their token ids.
+      gathered: ``[B, T, k]`` f32 ``log softmax(z_t / tau)`` at the ``gather_ids`` (a student's
+        log-probs of a teacher's top-k tokens; differentiable).
+
+    Masked positions hold exactly 0 in every field (ids included).
+    """
+
+    logprobs: Array
+    entropy: Array | None = None
+    top_logprobs: Array | None = None
+    top_ids: Array | None = None
+    gathered: Array | None = None
+
+
 def token_logprobs_from_hidden(
     hidden: Array,
     unembed_fn: Callable[[Array], Array],
@@ -77,14 +102,18 @@ def token_logprobs_from_hidden(
     temperature: float | Array = 1.0,
     chunk_size: int | None = None,
     return_entropy: bool = False,
-) -> Array | tuple[Array, Array]:
+    top_k: int | None = None,
+    gather_ids: Array | None = None,
+) -> Array | tuple[Array, Array] | LogprobOutputs:
     """Log-prob of each target token (and the entropy) from the hidden state predicting it.
 
     ``z_t = unembed(h_t) / tau``; ``logp_t = z_t[y_t] - logsumexp(z_t)``;
     ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v``. Masked positions give exactly 0
     (value and gradient). Computed over chunks of ``chunk_size`` positions (padding T up to a
     multiple), with the chunk body rematerialised when there is more than one chunk, so
-    ``[B, T, V]`` never exists.
+    ``[B, T, V]`` never exists: with ``top_k`` each chunk's ``log softmax(z_t)`` is reduced to
+    its ``k`` largest values and their ids (``lax.top_k``), with ``gather_ids`` to its values
+    at ``k`` given ids, before the next chunk.
 
     Args:
       hidden: ``[B, T, D]`` states; ``hidden[:, t]`` predicts ``targets[:, t]``.
@@ -96,10 +125,44 @@ def token_logprobs_from_hidden(
       temperature: ``tau > 0`` (Python float or traced scalar).
       chunk_size: positions per chunk; None picks ``default_chunk_size``.
       return_entropy: also return the per-token entropy of ``softmax(z_t)``.
+      top_k: also return the ``k`` (a static int in ``[1, V]``) most likely tokens' log-probs
+        and ids at each position (``LogprobOutputs.top_logprobs`` / ``top_ids``).
+      gather_ids: ``[B, T, k]`` int token ids in ``[0, V)``: also return the log-probs of these
+        tokens at each position (``LogprobOutputs.gathered``).
 
     Returns:
-      ``logprobs [B, T]`` f32, or ``(logprobs, entropy)`` both ``[B, T]`` f32.
+      ``logprobs [B, T]`` f32, or ``(logprobs, entropy)`` both ``[B, T]`` f32; with ``top_k``
+      or ``gather_ids``, a ``LogprobOutputs``.
     """
+    out = _token_outputs(
+        hidden,
+        unembed_fn,
+        targets,
+        mask=mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+        top_k=top_k,
+        gather_ids=gather_ids,
+    )
+    if top_k is not None or gather_ids is not None:
+        return out
+    return (out.logprobs, out.entropy) if return_entropy else out.logprobs
+
+
+def _token_outputs(
+    hidden: Array,
+    unembed_fn: Callable[[Array], Array],
+    targets: Array,
+    *,
+    mask: Array | None,
+    temperature: float | Array,
+    chunk_size: int | None,
+    return_entropy: bool,
+    top_k: int | None = None,
+    gather_ids: Array | None = None,
+) -> LogprobOutputs:
+    """``token_logprobs_from_hidden``'s values, every one asked for, as a ``LogprobOutputs``."""
     check_rank("hidden", hidden, 3)
     check_rank("targets", targets, 2)
     batch, length = targets.shape
@@ -112,8 +175,23 @@ def token_logprobs_from_hidden(
     check_same_shape(targets=targets, mask=mask)
     if not isinstance(temperature, jax.Array):
         check_positive("temperature", temperature)
-    if chunk_size is None:
+    vocab = None
+    if chunk_size is None or top_k is not None:
         vocab = jax.eval_shape(unembed_fn, hidden[:, :1]).shape[-1]
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab
+    ):
+        raise ValueError(f"top_k must be an int in [1, {vocab}] (the vocabulary), got {top_k!r}")
+    if gather_ids is not None:
+        check_rank("gather_ids", gather_ids, 3)
+        if gather_ids.shape[:2] != targets.shape:
+            raise ValueError(
+                f"gather_ids {tuple(gather_ids.shape)} must be [B, T, k] with [B, T]="
+                f"{targets.shape} of targets"
+            )
+        if not jnp.issubdtype(gather_ids.dtype, jnp.integer):
+            raise ValueError(f"gather_ids must hold integer token ids, got {gather_ids.dtype}")
+    if chunk_size is None:
         rows, local_vocab = per_device_sizes(batch, vocab)
         chunk_size = default_chunk_size(rows, length, local_vocab)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -122,44 +200,60 @@ def token_logprobs_from_hidden(
     chunks = -(-length // chunk_size)
     pad = chunks * chunk_size - length
 
-    def to_chunks(x: Array) -> Array:
+    def to_chunks(x: Array | None) -> Array | None:
+        if x is None:
+            return None
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return jnp.swapaxes(x.reshape(batch, chunks, chunk_size, *x.shape[2:]), 0, 1)
 
     inv_temperature = 1.0 / jnp.asarray(temperature, jnp.float32)
-    body = functools.partial(_chunk, unembed_fn, inv_temperature, return_entropy)
+    body = functools.partial(_chunk, unembed_fn, inv_temperature, return_entropy, top_k)
     if chunks > 1:  # one chunk holds its logits either way: recomputing them would only cost
         body = jax.checkpoint(body, prevent_cse=False)
-    xs = (to_chunks(hidden), to_chunks(targets), to_chunks(mask.astype(bool)))
+    ids = None if gather_ids is None else gather_ids.astype(jnp.int32)
+    xs = (to_chunks(hidden), to_chunks(targets), to_chunks(mask.astype(bool)), to_chunks(ids))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
 
-    def from_chunks(x: Array) -> Array:
-        return jnp.swapaxes(x, 0, 1).reshape(batch, chunks * chunk_size)[:, :length]
+    def from_chunks(x: Array | None) -> Array | None:
+        if x is None:
+            return None
+        x = jnp.swapaxes(x, 0, 1)
+        return x.reshape(batch, chunks * chunk_size, *x.shape[3:])[:, :length]
 
-    logprobs, entropy = from_chunks(out[0]), from_chunks(out[1])
-    return (logprobs, entropy) if return_entropy else logprobs
+    return LogprobOutputs(*(from_chunks(x) for x in out))
 
 
 def _chunk(
     unembed_fn: Callable[[Array], Array],
     inv_temperature: Array,
     return_entropy: bool,
+    top_k: int | None,
     hidden: Array,
     targets: Array,
     mask: Array,
-) -> tuple[Array, Array]:
-    """``[B, C, D]`` states -> (log-prob, entropy) ``[B, C]``, 0 where ``mask`` is False."""
+    gather_ids: Array | None,
+) -> LogprobOutputs:
+    """``[B, C, D]`` states -> the ``LogprobOutputs`` of ``C`` positions, 0 where ``mask`` is
+    False."""
     hidden = constrain(hidden, "batch", None, "embed")
     z = constrain(unembed_fn(hidden).astype(jnp.float32), "batch", None, "vocab")
     z = z * inv_temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     target_logit = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     logprobs = jnp.where(mask, target_logit - lse, 0.0)
-    if not return_entropy:
-        return logprobs, jnp.zeros_like(logprobs)
-    probs = jnp.exp(z - lse[..., None])
-    entropy = jnp.where(mask, lse - jnp.sum(probs * z, axis=-1), 0.0)
-    return logprobs, entropy
+    entropy = top_logprobs = top_ids = gathered = None
+    if return_entropy:
+        probs = jnp.exp(z - lse[..., None])
+        entropy = jnp.where(mask, lse - jnp.sum(probs * z, axis=-1), 0.0)
+    positions = mask[..., None]
+    if top_k is not None:
+        values, ids = jax.lax.top_k(z, top_k)
+        top_logprobs = jnp.where(positions, values - lse[..., None], 0.0)
+        top_ids = jnp.where(positions, ids, 0).astype(jnp.int32)
+    if gather_ids is not None:
+        picked = jnp.take_along_axis(z, gather_ids, axis=-1)
+        gathered = jnp.where(positions, picked - lse[..., None], 0.0)
+    return LogprobOutputs(logprobs, entropy, top_logprobs, top_ids, gathered)
 
 
 class LogprobOptions(NamedTuple):
@@ -178,6 +272,13 @@ class LogprobOptions(NamedTuple):
         which nothing predicts), from the same forward pass: what an NLL over the whole
         sequence (TRL ORPOTrainer's) needs. Not combined with ``return_entropy``.
       dropout_key: a PRNG key for the model's LoRA dropout (training), or None.
+      top_k: also return, at each completion position, the ``k`` most likely tokens'
+        log-probs and ids ``[B, T, k]`` (a distillation teacher's; a static int in
+        ``[1, V]``).
+      gather_ids: ``[B, T, k]`` int token ids: also return the log-probs of these tokens at
+        each completion position (a student's of its teacher's top-k; differentiable).
+        With ``top_k`` or ``gather_ids`` the result is a ``LogprobOutputs`` (entropy included
+        with ``return_entropy``); neither combines with ``return_prompt_logprobs``.
     """
 
     temperature: float | Array = 1.0
@@ -186,6 +287,14 @@ class LogprobOptions(NamedTuple):
     remat: str = "none"
     return_prompt_logprobs: bool = False
     dropout_key: Array | None = None
+    top_k: int | None = None
+    gather_ids: Array | None = None
+
+    @property
+    def distills(self) -> bool:
+        """Whether a distillation option (``top_k`` / ``gather_ids``) is set: the result is a
+        ``LogprobOutputs``."""
+        return self.top_k is not None or self.gather_ids is not None
 
 
 def _options(options: dict[str, Any]) -> LogprobOptions:
@@ -198,7 +307,17 @@ def _options(options: dict[str, Any]) -> LogprobOptions:
     out = LogprobOptions(**options)
     if out.return_prompt_logprobs and out.return_entropy:
         raise ValueError("return_prompt_logprobs and return_entropy cannot be combined")
+    if out.return_prompt_logprobs and out.distills:
+        raise ValueError("return_prompt_logprobs cannot be combined with top_k or gather_ids")
     return out
+
+
+def _result(out: LogprobOutputs, options: LogprobOptions) -> Any:
+    """The public form of a completion pass: the ``LogprobOutputs`` itself with a distillation
+    option, else ``logprobs`` or ``(logprobs, entropy)``."""
+    if options.distills:
+        return out
+    return (out.logprobs, out.entropy) if options.return_entropy else out.logprobs
 
 
 def completion_logprobs(
@@ -230,10 +349,12 @@ def completion_logprobs(
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on tokens to score.
       **options: ``LogprobOptions`` by keyword (``temperature``, ``chunk_size``,
-        ``return_entropy``, ``remat``, ``return_prompt_logprobs``, ``dropout_key``).
+        ``return_entropy``, ``remat``, ``return_prompt_logprobs``, ``dropout_key``, ``top_k``,
+        ``gather_ids``).
 
     Returns:
-      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``.
+      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``;
+      with ``top_k`` or ``gather_ids``, a ``LogprobOutputs``.
     """
     seqs = Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     return _routed(params, config, seqs, None, _options(options), router=False).logprobs
@@ -279,7 +400,7 @@ def _padded(
         prompt_logprobs = jnp.pad(logprobs[:, : prompt_len - 1], [(0, 0), (1, 0)])
         return (logprobs[:, prompt_len - 1 :], prompt_logprobs), router_logits, mask
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]
-    out = token_logprobs_from_hidden(
+    out = _token_outputs(
         hidden,
         unembed_fn,
         completion_tokens,
@@ -287,8 +408,10 @@ def _padded(
         temperature=temperature,
         chunk_size=chunk_size,
         return_entropy=options.return_entropy,
+        top_k=options.top_k,
+        gather_ids=options.gather_ids,
     )
-    return out, router_logits, mask
+    return _result(out, options), router_logits, mask
 
 
 def packed_completion_logprobs(
@@ -322,7 +445,10 @@ def packed_completion_logprobs(
         (``chunk_size`` counts packed slots).
 
     Returns:
-      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs [B, P])``.
+      ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs [B, P])``;
+      with ``top_k`` or ``gather_ids``, a ``LogprobOutputs`` (its ``[B, T, k]`` fields
+      scattered back like the log-probs; ``gather_ids`` are given, and packed, in the padded
+      layout).
     """
     if plan is None:
         raise ValueError(
@@ -368,7 +494,18 @@ def _packed(
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
     predicted = same & pack(scored, plan)[:, 1:]
     unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
-    out = token_logprobs_from_hidden(
+    packed_ids = None
+    if options.gather_ids is not None:  # slot i gathers at the ids of the token it predicts
+        ids = options.gather_ids.astype(jnp.int32)
+        check_rank("gather_ids", ids, 3)
+        if ids.shape[:2] != completion_tokens.shape:
+            raise ValueError(
+                f"gather_ids {tuple(ids.shape)} must be [B, T, k] with [B, T]="
+                f"{completion_tokens.shape} of the completions"
+            )
+        prompt_ids = jnp.zeros((shape[0], prompt_len, ids.shape[2]), jnp.int32)
+        packed_ids = pack(jnp.concatenate([prompt_ids, ids], axis=1), plan)[:, 1:]
+    out = _token_outputs(
         hidden[:, :-1],
         unembed_fn,
         packed_tokens[:, 1:],
@@ -376,22 +513,21 @@ def _packed(
         temperature=options.temperature,
         chunk_size=options.chunk_size,
         return_entropy=return_entropy,
+        top_k=options.top_k,
+        gather_ids=packed_ids,
     )
 
-    def padded(x: Array) -> Array:  # the value of slot i's target, at the target's slot
-        return unpack(jnp.pad(x, [(0, 0), (1, 0)]), plan, shape)
+    def padded(x: Array | None) -> Array | None:  # slot i's value at its target's slot
+        if x is None:
+            return None
+        return unpack(jnp.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2)), plan, shape)
 
-    if return_entropy:
-        logprobs, entropy = out
-        return (
-            (padded(logprobs)[:, prompt_len:], padded(entropy)[:, prompt_len:]),
-            router_logits,
-            real,
-        )
-    logprobs = padded(out)
+    scattered = LogprobOutputs(*(padded(x) for x in out))
     if return_prompt_logprobs:
+        logprobs = scattered.logprobs
         return (logprobs[:, prompt_len:], logprobs[:, :prompt_len]), router_logits, real
-    return logprobs[:, prompt_len:], router_logits, real
+    completion = LogprobOutputs(*(None if x is None else x[:, prompt_len:] for x in scattered))
+    return _result(completion, options), router_logits, real
 
 
 class RoutedLogprobs(NamedTuple):

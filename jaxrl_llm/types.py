@@ -63,6 +63,11 @@ class RolloutBatch(NamedTuple):
         batch before the update.
       packing: a ``jaxrl_llm.packing.PackingPlan`` of the rows (the forward runs packed), or
         None (padded). A step's batch carries one plan a micro-batch (leading axis ``K``).
+      teacher_top_logprobs: ``[B, T, k]`` f32, a distillation teacher's log-probs of its ``k``
+        most likely tokens at each completion position (GKD's JSD loss:
+        ``Objective.distill_loss``); 0 on padding.
+      teacher_top_ids: ``[B, T, k]`` int32, those tokens' ids (where the update gathers the
+        student's log-probs); 0 on padding.
     """
 
     completion_mask: Array
@@ -81,6 +86,8 @@ class RolloutBatch(NamedTuple):
     attention_mask: Array | None = None
     is_weights: Array | None = None
     packing: Any = None
+    teacher_top_logprobs: Array | None = None
+    teacher_top_ids: Array | None = None
 
 
 class MaskedSequences(NamedTuple):

@@ -1,4 +1,6 @@
-"""Chunked per-token log-probs: against float64 references, full logits, and in memory."""
+"""Chunked per-token log-probs: against float64 references, full logits, and in memory; and
+distillation's options (a teacher's top-k log-probs and ids, a student's log-probs gathered at
+given ids), padded and packed."""
 
 import functools
 
@@ -10,12 +12,16 @@ import pytest
 
 from jaxrl_llm import parallel
 from jaxrl_llm.logprobs import (
+    LogprobOutputs,
     completion_logprobs,
     default_chunk_size,
+    packed_completion_logprobs,
     per_device_sizes,
     token_logprobs_from_hidden,
 )
 from jaxrl_llm.models import load_pretrained, logits
+from jaxrl_llm.packing import plan_sequences
+from jaxrl_llm.types import Sequences
 from tests.models import hf_utils
 from tests.reference import logprobs as ref
 
@@ -300,3 +306,149 @@ def test_errors(model, batch):
         completion_logprobs(params, config, *batch, temprature=0.5)
     with pytest.raises(ValueError, match=r"\[B, T, D\]"):
         token_logprobs_from_hidden(jnp.zeros((2, 3, 4)), lambda h: h, jnp.zeros((2, 4), int))
+
+
+# --- Distillation's options: a teacher's top-k, a student's log-probs of given ids ---------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_top_k_and_gathered_against_reference(rng, chunk_size, temperature):
+    hidden = rng.normal(size=(2, 6, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 11)).astype(np.float32)
+    targets = rng.integers(0, 11, size=(2, 6))
+    mask = rng.random((2, 6)) < 0.7
+    ids = rng.integers(0, 11, size=(2, 6, 3))
+    out = token_logprobs_from_hidden(
+        hidden,
+        lambda h: h @ w,
+        targets,
+        mask=mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=True,
+        top_k=4,
+        gather_ids=ids,
+    )
+    assert isinstance(out, LogprobOutputs)
+    chex.assert_shape([out.top_logprobs, out.top_ids], (2, 6, 4))
+    chex.assert_shape(out.gathered, (2, 6, 3))
+    logp = ref.log_softmax(hidden.astype(np.float64) @ w / temperature)
+    want_ids = np.argsort(-logp, axis=-1, kind="stable")[..., :4]
+    want_lp, want_ent = ref.token_logprobs(
+        hidden.astype(np.float64) @ w, targets, mask, temperature=temperature
+    )
+    np.testing.assert_allclose(out.logprobs, want_lp, atol=1e-5)
+    np.testing.assert_allclose(out.entropy, want_ent, atol=1e-5)
+    assert out.top_ids.dtype == jnp.int32 and out.top_logprobs.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[mask], want_ids[mask])
+    np.testing.assert_allclose(
+        np.asarray(out.top_logprobs)[mask],
+        np.take_along_axis(logp, want_ids, -1)[mask],
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.asarray(out.gathered)[mask], np.take_along_axis(logp, ids, -1)[mask], atol=1e-5
+    )
+    for field in (out.top_logprobs, out.top_ids, out.gathered):  # exactly 0 off the mask
+        np.testing.assert_array_equal(np.asarray(field)[~mask], 0)
+
+
+def test_gathered_gradients_equal_the_full_logits(rng):
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 9)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 9, size=(2, 5)))
+    ids = jnp.asarray(rng.integers(0, 9, size=(2, 5, 3)))
+    weights = jnp.asarray(rng.normal(size=(2, 5, 3)), jnp.float32)
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 0, 1, 1, 1]], bool)
+
+    def loss(hidden, w, chunk_size):
+        out = token_logprobs_from_hidden(
+            hidden, lambda h: h @ w, targets, mask=mask, chunk_size=chunk_size, gather_ids=ids
+        )
+        return jnp.sum(out.gathered * weights) + jnp.sum(out.logprobs)
+
+    def full(hidden, w):
+        logp = jax.nn.log_softmax(hidden @ w)
+        picked = jnp.take_along_axis(logp, ids, axis=-1) * weights
+        lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(mask, lp + picked.sum(-1), 0.0))
+
+    grads = jax.grad(loss, argnums=(0, 1))(hidden, w, 2)
+    chex.assert_trees_all_close(grads, jax.grad(full, argnums=(0, 1))(hidden, w), atol=1e-5)
+    assert np.all(np.asarray(grads[0])[~np.asarray(mask)] == 0)
+
+
+def test_completion_top_k_and_gathered_packed_equal_padded(model, batch, rng):
+    """The model's top-k against its full logits, and packed rows (two sequences a row) equal
+    to padded ones in the top-k, the gathered log-probs and their parameter gradients."""
+    _, config, params = model
+    prompt, prompt_mask, completion, completion_mask = batch
+    seqs = Sequences(*batch)
+    plan = plan_sequences(prompt_mask, completion_mask)
+    assert plan.flat("segment_ids").max() >= 2
+    options = dict(temperature=0.7, chunk_size=3)
+    padded = completion_logprobs(params, config, *batch, top_k=5, **options)
+    tokens = jnp.concatenate([prompt, completion], axis=1)
+    attention = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+    z = logits(params, config, tokens, attention_mask=attention)[:, P - 1 : P - 1 + T] / 0.7
+    want_top, want_ids = jax.lax.top_k(jax.nn.log_softmax(z), 5)
+    valid = completion_mask > 0
+    np.testing.assert_array_equal(np.asarray(padded.top_ids)[valid], np.asarray(want_ids)[valid])
+    np.testing.assert_allclose(
+        np.asarray(padded.top_logprobs)[valid], np.asarray(want_top)[valid], atol=1e-5
+    )
+    packed = packed_completion_logprobs(params, config, seqs, plan, top_k=5, **options)
+    np.testing.assert_array_equal(np.asarray(packed.top_ids), np.asarray(padded.top_ids))
+    for got, want in zip(packed[:3], padded[:3]):  # logprobs, entropy (None), top log-probs
+        if want is not None:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    weights = rng.normal(size=(B, T, 5)).astype(np.float32)
+
+    def loss(params, packed):
+        kwargs = dict(gather_ids=padded.top_ids, **options)
+        if packed:
+            out = packed_completion_logprobs(params, config, seqs, plan, **kwargs)
+        else:
+            out = completion_logprobs(params, config, *batch, **kwargs)
+        return jnp.sum(out.gathered * weights), out.gathered
+
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)
+    want_grads, want = grad(params, False)
+    got_grads, got = grad(params, True)
+    np.testing.assert_allclose(np.asarray(want), np.asarray(padded.top_logprobs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    chex.assert_trees_all_close(got_grads, want_grads, atol=1e-5, rtol=1e-4)
+
+
+def test_top_k_and_gathering_never_materialise_full_logits(rng):
+    batch, length, dim, vocab, chunk = 2, 64, 4, 1000, 8
+    hidden = jnp.zeros((batch, length, dim))
+    w = jnp.zeros((dim, vocab))
+    targets = jnp.zeros((batch, length), jnp.int32)
+    ids = jnp.zeros((batch, length, 16), jnp.int32)
+
+    def loss(hidden, w, chunk_size):
+        out = token_logprobs_from_hidden(
+            hidden, lambda h: h @ w, targets, chunk_size=chunk_size, top_k=16, gather_ids=ids
+        )
+        return jnp.sum(out.gathered) + jnp.sum(out.top_logprobs)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    chunked = _max_intermediate_size(jax.make_jaxpr(grad, static_argnums=2)(hidden, w, chunk).jaxpr)
+    assert chunked <= batch * chunk * vocab
+
+
+def test_distillation_options_are_checked(model, batch):
+    _, config, params = model
+    ids = jnp.zeros((B, T, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, 128\]"):
+        completion_logprobs(params, config, *batch, top_k=0)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, 128\]"):
+        completion_logprobs(params, config, *batch, top_k=129)
+    with pytest.raises(ValueError, match=r"gather_ids \(3, 4, 2\) must be \[B, T, k\]"):
+        completion_logprobs(params, config, *batch, gather_ids=ids[:, :4])
+    with pytest.raises(ValueError, match="gather_ids must hold integer token ids"):
+        completion_logprobs(params, config, *batch, gather_ids=ids.astype(jnp.float32))
+    with pytest.raises(ValueError, match="cannot be combined with top_k or gather_ids"):
+        completion_logprobs(params, config, *batch, top_k=2, return_prompt_logprobs=True)

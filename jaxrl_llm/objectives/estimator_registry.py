@@ -333,4 +333,12 @@ def _grpo_distill(objective: Objective, inputs: AdvantageInputs):
     return outcome[:, None] * inputs.mask + teacher, None
 
 
+@register_estimator("none")
+def _none(objective: Objective, inputs: AdvantageInputs):
+    """No advantage: 0 for every row. A run trained by the loss terms beside the surrogate
+    alone (GKD's distillation loss, ``Objective.distill_loss``); the reward only reports."""
+    del objective
+    return jnp.zeros(inputs.mask.shape[:1], jnp.float32), None
+
+
 _ESTIMATORS.mark_builtins()

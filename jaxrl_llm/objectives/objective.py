@@ -18,6 +18,8 @@ from jaxrl_llm.objectives import estimator_registry, surrogate_registry
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
 KL_PLACEMENTS = ("loss", "reward")
+# Divergences to a teacher's next-token distribution an objective may add to its loss.
+DISTILL_LOSSES = ("jsd",)
 
 
 def _freeze(value: Any, where: str) -> Any:
@@ -123,6 +125,18 @@ class Objective:
       entropy_coef_delta: the adaptive coefficient's step (TRL's ``entropy_coef_delta``).
       entropy_coef_bounds: ``(min, max)`` of the adaptive coefficient (TRL's
         ``entropy_coef_min`` / ``entropy_coef_max``).
+      distill_loss: ``"jsd"``: GKD's generalised JSD to a teacher's next-token distribution
+        (Agarwal et al. 2024, arXiv:2306.13649; TRL's ``GKDTrainer``) is added to the loss,
+        ``loss += distill_loss_coef · agg(JSD_β)`` over the trained tokens, aggregated like
+        the policy loss (``distillation.top_k_generalized_jsd`` of the student's and the
+        teacher's log-probs of the teacher's top-``k`` tokens, renormalised there); needs a
+        teacher (``teacher.path``). ``None``: no such term.
+      jsd_beta: ``β`` of that JSD in ``[0, 1]`` (0: forward ``KL(teacher ‖ student)``, 1:
+        reverse ``KL(student ‖ teacher)``; TRL's ``beta``, default 0.5).
+      distill_top_k: ``k``, the teacher's most likely tokens the JSD is restricted to (both
+        distributions renormalised over them); ``None``: the whole vocabulary (``k = V``,
+        for small vocabularies: the teacher's ``[B, T, V]`` log-probs ride in the batch).
+      distill_loss_coef: the weight of the JSD term (config ``teacher.coef``).
     """
 
     name: str = "custom"
@@ -166,6 +180,10 @@ class Objective:
     entropy_target: float | None = None
     entropy_coef_delta: float = 0.005
     entropy_coef_bounds: tuple[float, float] = (0.0, 1.0)
+    distill_loss: str | None = None
+    jsd_beta: float = 0.5
+    distill_top_k: int | None = None
+    distill_loss_coef: float = 1.0
 
     def __post_init__(self):
         # Frozen: the normalisations go through object.__setattr__.
@@ -235,6 +253,7 @@ class Objective:
         if self.m2_threshold is not None and not self.m2_threshold > 0:
             raise ValueError(f"m2_threshold must be > 0, got {self.m2_threshold!r}")
         self._check_entropy_control()
+        self._check_distill_loss()
         if self.reward_weights is not None and not self.reward_weights:
             raise ValueError("reward_weights must hold one weight per reward column")
         estimator = estimator_registry.ESTIMATORS.get(self.advantage)
@@ -259,6 +278,25 @@ class Objective:
                 f"entropy_coef={self.entropy_coef!r} (the adaptive coefficient's start) must lie "
                 f"in entropy_coef_bounds={bounds!r}"
             )
+
+    def _check_distill_loss(self) -> None:
+        _checks.check_choice("distill_loss", self.distill_loss, (None, *DISTILL_LOSSES))
+        beta = self.jsd_beta
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta <= 1:
+            raise ValueError(f"jsd_beta must be in [0, 1], got {beta!r}")
+        k = self.distill_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(
+                f"distill_top_k must be an int >= 1 (the teacher's most likely tokens) or None "
+                f"(the whole vocabulary), got {k!r}"
+            )
+        _checks.check_non_negative("distill_loss_coef", self.distill_loss_coef)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether a distillation teacher must score the rollout batch: an estimator that
+        takes its log-probs (``distill``, ``grpo_distill``) or a ``distill_loss``."""
+        return "teacher_logprobs" in self.estimator_requires or self.distill_loss is not None
 
     @property
     def adaptive_entropy(self) -> bool:
@@ -389,6 +427,15 @@ PRESETS: dict[str, Objective] = {
         # On-policy distillation: the student's own samples, the teacher's per-token reverse
         # KL as the advantage (needs a teacher: ``teacher.path``).
         Objective(name="distill", advantage="distill", aggregation="token-mean"),
+        # GKD (Agarwal et al. 2024) on the student's own samples: no advantage, the loss is
+        # the generalised JSD (β = 0.5, TRL's default) to the teacher at every completion token.
+        Objective(
+            name="distill_gkd",
+            advantage="none",
+            aggregation="token-mean",
+            distill_loss="jsd",
+            jsd_beta=0.5,
+        ),
     )
 }
 

@@ -7,7 +7,15 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, aggregation, correction, kl, masked_stats, token_selection
+from jaxrl_llm import (
+    _checks,
+    aggregation,
+    correction,
+    distillation,
+    kl,
+    masked_stats,
+    token_selection,
+)
 from jaxrl_llm.objectives import _metrics, surrogate_registry
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
@@ -28,6 +36,8 @@ RESERVED_METRICS = frozenset(
         "entropy_loss",
         "entropy_coef",
         "entropy_top",
+        "distill/jsd",
+        "distill/jsd_loss",
         "loss",
     }
 )
@@ -142,11 +152,14 @@ def policy_loss(
     *,
     entropy: Array | None = None,
     entropy_coef: Array | float | None = None,
+    student_top_logprobs: Array | None = None,
 ) -> LossOutput:
     """The policy loss of an objective on one (micro-)batch.
 
-    ``loss = agg(surr(ratio(lp, old), A)) + kl_coef·agg(kl(lp, ref)) − entropy_coef·agg(H)``
-    where the KL term is present only for ``kl_placement="loss"``, and ``agg`` is
+    ``loss = agg(surr(ratio(lp, old), A)) + kl_coef·agg(kl(lp, ref))
+    + distill_loss_coef·agg(JSD_β) − entropy_coef·agg(H)``
+    where the KL term is present only for ``kl_placement="loss"``, the JSD term only with
+    ``objective.distill_loss="jsd"``, and ``agg`` is
     ``objective.aggregation`` with ``batch.num_tokens`` / ``batch.num_seqs`` as global
     normalisers (so K micro-batches sum to the full-batch loss and gradient). ``ratio`` and
     ``surr`` are the registered functions named by ``objective.ratio`` / ``.surrogate``; a
@@ -172,6 +185,14 @@ def policy_loss(
     metric, and the ``entropy`` (and, with a top-entropy mask, ``entropy_top``) metrics feed
     the controller's next update.
 
+    Distillation loss (``objective.distill_loss="jsd"``, GKD, arXiv:2306.13649):
+    ``JSD_β = distillation.top_k_generalized_jsd(student_top_logprobs,
+    batch.teacher_top_logprobs, β=objective.jsd_beta)`` per token, the student's and the
+    teacher's distributions restricted to the teacher's top-``k`` tokens and renormalised
+    there (``k = V``: the full vocabulary); aggregated over the trained tokens (after
+    rollout-correction rejection, before token selection, as the KL term) like the policy
+    loss, reported as ``distill/jsd_loss`` (aggregated) and ``distill/jsd`` (the token mean).
+
     Args:
       objective: which pieces to use.
       logprobs: ``[B, T]`` current policy log-probs (carry the gradient).
@@ -181,15 +202,19 @@ def policy_loss(
         ``entropy_coef > 0``, an ``entropy_target`` or ``top_entropy_quantile < 1``).
       entropy_coef: scalar (may be traced) coefficient of the entropy bonus this step; given
         exactly when the objective's coefficient is adaptive (``entropy_target`` set).
+      student_top_logprobs: ``[B, T, k]`` the current policy's log-probs (carry the gradient)
+        of the teacher's top-``k`` tokens ``batch.teacher_top_ids`` at each completion
+        position (``logprobs.completion_logprobs(gather_ids=...)``); read with
+        ``objective.distill_loss``, which needs it and ``batch.teacher_top_logprobs``.
 
     Returns:
       ``LossOutput(loss, metrics)``; metrics as listed in shared/SPEC_LOSSES.md, the
       surrogate's first.
 
     Raises:
-      ValueError: on mismatched shapes, a missing reference or entropy, an ``entropy_coef``
-        missing for an adaptive coefficient (or given for a fixed one), or a surrogate whose
-        output is malformed.
+      ValueError: on mismatched shapes, a missing reference, entropy or teacher top-k, an
+        ``entropy_coef`` missing for an adaptive coefficient (or given for a fixed one), or a
+        surrogate whose output is malformed.
     """
     mask = _checks.as_mask(batch.completion_mask)
     _checks.check_batch_time("logprobs", logprobs, mask)
@@ -214,6 +239,14 @@ def policy_loss(
             "exactly when objective.entropy_target is set "
             f"(entropy_target={objective.entropy_target!r}, entropy_coef={entropy_coef!r}); "
             "see jaxrl_llm.objectives.entropy_control"
+        )
+    if objective.distill_loss is not None and (
+        student_top_logprobs is None or batch.teacher_top_logprobs is None
+    ):
+        raise ValueError(
+            f"objective {objective.name!r} adds the {objective.distill_loss} distillation loss: "
+            "it needs batch.teacher_top_logprobs (the teacher's top-k log-probs) and "
+            "student_top_logprobs (the policy's log-probs of those tokens)"
         )
 
     all_tokens = aggregation.normalisers(mask)[0] if batch.num_tokens is None else batch.num_tokens
@@ -275,6 +308,15 @@ def policy_loss(
             kl_loss = inputs.aggregate(per_token_kl)
             metrics["kl_loss"] = kl_loss
             loss = loss + objective.kl_coef * kl_loss
+
+    if objective.distill_loss is not None:
+        jsd = distillation.top_k_generalized_jsd(
+            student_top_logprobs, batch.teacher_top_logprobs, mask, beta=objective.jsd_beta
+        )
+        jsd_loss = inputs.aggregate(jsd)
+        metrics["distill/jsd"] = inputs.token_mean(jax.lax.stop_gradient(jsd))
+        metrics["distill/jsd_loss"] = jsd_loss
+        loss = loss + objective.distill_loss_coef * jsd_loss
 
     if entropy is not None:
         metrics["entropy"] = inputs.token_mean(jax.lax.stop_gradient(entropy))

@@ -58,14 +58,18 @@ def make_logprob_fn(
     chunk_size: int | None = None,
     param_shardings: PyTree | None = None,
     micro_batches: int | TokenBudget = 1,
+    top_k: int | None = None,
 ):
-    """A jitted ``(params, seqs) -> [B, T]`` for old-policy or reference log-probs.
+    """A jitted ``(params, seqs) -> [B, T]`` for old-policy, reference or teacher log-probs.
 
     No gradient flows into ``params``; ``temperature`` is the sampling temperature, so the
     log-probs are those of the distribution the tokens were drawn from. ``micro_batches``
     (as in ``train.step.make_step``) runs the rows in K strided groups, one after another.
     ``packing``: the batch's stacked plan (``train.packing.plan_micro_batches`` for these K
-    micro-batches), or None (padded).
+    micro-batches), or None (padded). ``top_k`` (a distillation teacher's): the function
+    returns a ``logprobs.LogprobOutputs`` instead, the ``[B, T]`` log-probs with the ``k``
+    most likely tokens' log-probs and ids ``[B, T, k]`` (f32 / int32) at each completion
+    position, from the same chunked forward.
     """
 
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
@@ -86,6 +90,7 @@ def make_logprob_fn(
                 packing=plan,
                 temperature=temperature,
                 chunk_size=chunk_size,
+                top_k=top_k,
             )
 
         k = packed_micro_batch_count(

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxrl_llm import objectives
 from jaxrl_llm.types import RolloutBatch
+from tests.reference import losses as losses_ref
 from tests.reference import objectives as ref
 
 B, T, G = 6, 7, 3
@@ -107,15 +108,74 @@ def rollout_batch(data, *, per_token=False, global_norm=False) -> RolloutBatch:
     )
 
 
+# Tokens of the teacher's top-k a distilling objective's JSD loss sees in these tests.
+DISTILL_K = 4
+# Fixed random log-probs of k tokens (under a larger vocabulary: they sum below 1) for every
+# position of a batch of up to 16 x 16: padded variants of a batch see the same values.
+_DISTILL_RNG = np.random.default_rng(47)
+_DISTILL_TABLES = tuple(
+    np.log(_DISTILL_RNG.dirichlet(np.ones(DISTILL_K + 2), (16, 16))[..., :DISTILL_K])
+    for _ in range(2)
+)
+
+
+def distill_tables(shape) -> tuple[np.ndarray, np.ndarray]:
+    """``(teacher, student)`` top-k log-probs ``[*shape, DISTILL_K]`` float64 (see above)."""
+    rows, width = shape
+    return tuple(table[:rows, :width] for table in _DISTILL_TABLES)
+
+
+def distill_inputs(objective, batch: RolloutBatch, shape) -> tuple[RolloutBatch, dict]:
+    """The batch and ``policy_loss`` keywords of an objective with a distillation loss
+    (``Objective.distill_loss``): a teacher's top-k log-probs in the batch and the student's
+    log-probs of the same tokens (``distill_tables``; NaN on the masked positions: they must
+    not leak); unchanged for any other objective."""
+    if objective.distill_loss is None or batch.teacher_top_logprobs is not None:
+        return batch, {}
+    mask = (jnp.asarray(batch.completion_mask) > 0)[..., None]  # may be traced (jit tests)
+    teacher, student = (
+        jnp.where(mask, jnp.asarray(x, jnp.float32), jnp.nan) for x in distill_tables(shape)
+    )
+    return batch._replace(teacher_top_logprobs=teacher), {"student_top_logprobs": student}
+
+
+def reference_top_k_jsd(student, teacher, mask, beta: float) -> np.ndarray:
+    """GKD's ``JSD_β`` (Eq. 1 of arXiv:2306.13649; TRL's KLs at β = 0 and 1) per position in
+    float64, both ``[..., k]`` log-probs renormalised over their k tokens; 0 where masked."""
+
+    def renormalised(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return np.exp(x) / np.exp(x).sum(axis=-1, keepdims=True)
+
+    valid = np.asarray(mask) > 0
+    p = renormalised(np.where(valid[..., None], teacher, 0.0))
+    q = renormalised(np.where(valid[..., None], student, 0.0))
+
+    def kl(a, b):
+        return np.where(a > 0, a * (np.log(a) - np.log(b)), 0.0).sum(-1)
+
+    if beta == 0.0:
+        out = kl(p, q)
+    elif beta == 1.0:
+        out = kl(q, p)
+    else:
+        m = beta * p + (1 - beta) * q
+        out = beta * kl(p, m) + (1 - beta) * kl(q, m)
+    return np.where(valid, out, 0.0)
+
+
 def loss_and_grad(objective, logprobs, batch, entropy):
-    """``(loss, metrics, d loss / d logprobs)`` of ``policy_loss``.
+    """``(loss, metrics, d loss / d logprobs)`` of ``policy_loss`` (a distilling objective
+    gets ``distill_inputs``).
 
     Most tests call it eagerly: each primitive then compiles once per shape and is cached,
     far cheaper than one XLA compile per objective; jit has its dedicated tests.
     """
+    batch, extra = distill_inputs(objective, batch, logprobs.shape)
 
     def loss_fn(lp):
-        out = objectives.policy_loss(objective, lp, batch, entropy=entropy)
+        out = objectives.policy_loss(objective, lp, batch, entropy=entropy, **extra)
         return out.loss, out.metrics
 
     (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logprobs)
@@ -138,11 +198,28 @@ def reference_loss(cfg, data, *, per_token=False, global_norm=False):
 
 
 def assert_matches_reference(objective, cfg, data, **kwargs):
+    """``policy_loss`` of ``objective`` against ``ref.policy_loss`` of ``cfg`` (plus, for a
+    distilling objective, its JSD term on ``distill_tables`` in float64: the reference knows
+    no teacher)."""
     batch = rollout_batch(data, **kwargs)
     loss, metrics, grad = loss_and_grad(
         objective, jnp.asarray(data["logprobs"]), batch, jnp.asarray(data["entropy"])
     )
     want_loss, want_metrics, want_grad = reference_loss(cfg, data, **kwargs)
+    if objective.distill_loss is not None:
+        mask = data["mask"]
+        jsd = reference_top_k_jsd(*distill_tables(mask.shape)[::-1], mask, objective.jsd_beta)
+        num_tokens, num_seqs = ref.normalisers(mask) if kwargs.get("global_norm") else (None, None)
+        jsd_loss = losses_ref.aggregate(
+            jsd, mask, objective.aggregation, num_tokens, num_seqs, objective.norm_constant
+        )
+        want_loss = want_loss + objective.distill_loss_coef * jsd_loss
+        want_metrics = {
+            **want_metrics,
+            "loss": want_loss,
+            "distill/jsd_loss": jsd_loss,
+            "distill/jsd": losses_ref.aggregate(jsd, mask, "token-mean", num_tokens),
+        }
     chex.assert_shape(loss, ())
     chex.assert_type(loss, jnp.float32)
     np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL, atol=ATOL)

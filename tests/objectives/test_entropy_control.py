@@ -12,10 +12,12 @@ import yaml
 
 from jaxrl_llm import objectives
 from jaxrl_llm.objectives import EntropyControl, entropy_control, make
+from tests.jit_traces import count_traces
 from tests.objectives.helpers import (
     GRAD_ATOL,
     GRAD_RTOL,
     RTOL,
+    distill_inputs,
     loss_and_grad,
     policy_data,
     rollout_batch,
@@ -126,8 +128,10 @@ def test_policy_loss_applies_the_given_coefficient(rng):
         out = objectives.policy_loss(objective, lp, batch, entropy=h, entropy_coef=coef)
         return out.loss, out.metrics
 
+    with count_traces("run") as traced:
+        first = run(lp, h, jnp.float32(0.0))
     for coef in (0.0, 0.03):  # one compile: the coefficient is traced
-        loss, metrics = run(lp, h, jnp.float32(coef))
+        loss, metrics = first if coef == 0.0 else run(lp, h, jnp.float32(coef))
         cfg = ref.config("dapo", entropy_coef=coef)
         want_loss, want_metrics, _ = ref.policy_loss(
             cfg,
@@ -144,7 +148,9 @@ def test_policy_loss_applies_the_given_coefficient(rng):
             np.sum(ref.aggregation_weights(data["mask"], "token-mean") * data["entropy"]),
             rtol=RTOL,
         )
-    assert run._cache_size() == 1
+    with count_traces("run") as retraced:
+        run(lp, h, jnp.float32(0.5))
+    assert traced == ["run"] and retraced == []
     d_entropy = jax.grad(
         lambda x: (
             objectives.policy_loss(
@@ -219,14 +225,19 @@ def test_every_preset_takes_the_adaptive_coefficient(rng):
     lp, h = jnp.asarray(data["logprobs"]), jnp.asarray(data["entropy"])
     for name in objectives.available():
         objective = make(name, entropy_target=0.5)
+        inputs, extra = distill_inputs(objective, batch, lp.shape)
 
-        def loss_fn(x, objective=objective):
-            return objectives.policy_loss(objective, x, batch, entropy=h, entropy_coef=0.05).loss
+        def loss_fn(x, objective=objective, inputs=inputs, extra=extra):
+            return objectives.policy_loss(
+                objective, x, inputs, entropy=h, entropy_coef=0.05, **extra
+            ).loss
 
         loss, grad = jax.value_and_grad(loss_fn)(lp)
         assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad))), name
         assert not np.any(np.asarray(grad)[data["mask"] == 0]), name
-        off = objectives.policy_loss(objective, lp, batch, entropy=h, entropy_coef=0.0).loss
+        off = objectives.policy_loss(
+            objective, lp, inputs, entropy=h, entropy_coef=0.0, **extra
+        ).loss
         assert float(off) == float(loss_and_grad(make(name), lp, batch, h)[0]), name
 
 

@@ -59,7 +59,7 @@ def _every_preset_under_jit():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ref.PRESET_NAMES)
+@pytest.mark.parametrize("name", objectives.available())
 def test_every_preset_has_finite_loss_and_gradient_under_jit(name):
     data, results = _every_preset_under_jit()
     loss, metrics, grad = results[name]
@@ -67,7 +67,8 @@ def test_every_preset_has_finite_loss_and_gradient_under_jit(name):
     chex.assert_shape(grad, (B, T))
     # Masked positions (padding and the all-masked row) get exactly zero gradient.
     assert np.all(np.asarray(grad)[data["mask"] == 0] == 0.0)
-    assert np.any(np.asarray(grad) != 0.0)
+    # GKD's preset has no advantage: its gradient reaches the student's top-k log-probs only.
+    assert np.any(np.asarray(grad) != 0.0) or make(name).advantage == "none"
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["adv[B]", "adv[B,T]"])
@@ -442,7 +443,6 @@ def test_second_call_with_same_shapes_does_not_recompile(rng):
     step(jnp.asarray(first["logprobs"]), rollout_batch(first))
     step(jnp.asarray(second["logprobs"]), rollout_batch(second))
     assert len(traces) == 1
-    assert step._cache_size() == 1
 
 
 def test_bf16_logprobs_give_an_f32_loss(rng):

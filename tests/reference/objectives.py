@@ -84,6 +84,7 @@ SPEC_PRESETS: dict[str, dict] = {
     },
     "prime": {"advantage": "prime"},
     "distill": {"advantage": "distill"},
+    "distill_gkd": {"advantage": "none"},
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(SPEC_PRESETS)

@@ -288,10 +288,28 @@ class TeacherSection:
         the batch copied to them (packed for their batch shards), and its log-probs are
         copied back: a teacher too large to sit beside the policy's state, or one whose
         forward should not queue behind the trainer's programs.
+      loss: ``jsd``: GKD's generalised JSD to the teacher's next-token distribution is added
+        to the loss at every trained token (``Objective.distill_loss``; the
+        ``distill_gkd`` objective trains by it alone); ``none``: no such loss; null: the
+        objective's.
+      jsd_beta: its ``β`` in ``[0, 1]`` (0: forward KL, 1: reverse KL; null: the objective's,
+        0.5 unless set).
+      top_k: the teacher's ``k`` most likely tokens the JSD is restricted to (both
+        distributions renormalised over them): the teacher's forward returns their log-probs
+        and ids ``[B, T, k]``, the update gathers the policy's log-probs of them in its own
+        forward; null: the objective's (the whole vocabulary unless set, refused past
+        ``FULL_VOCAB_BYTES`` of stored teacher log-probs).
+      coef: the weight of the teacher's term: the JSD loss's with ``loss: jsd``, else the
+        sampled-token advantage's (``distill`` / ``grpo_distill``: the objective's
+        ``distill_coef``); null: the objective's (1.0).
     """
 
     path: str | None = None
     devices: int = 0
+    loss: str | None = None
+    jsd_beta: float | None = None
+    top_k: int | None = None
+    coef: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +440,127 @@ def make_objective(section: ObjectiveSection) -> objectives.Objective:
         raise ValueError(f"objective: {err}") from None
 
 
+TEACHER_LOSSES = ("none", "jsd")
+
+
+def with_teacher(
+    objective: objectives.Objective, teacher: TeacherSection, overrides: Any = ()
+) -> objectives.Objective:
+    """The objective with the ``teacher`` section's loss keys applied (``teacher.loss`` →
+    ``distill_loss``, ``jsd_beta``, ``top_k`` → ``distill_top_k``, ``coef`` →
+    ``distill_loss_coef`` with a JSD loss, else ``distill_coef``); unset keys (null) leave the
+    objective's. ``overrides``: the ``objective.overrides`` names, which the teacher's keys
+    may not set a second time.
+
+    Raises:
+      ValueError: naming the key of a bad value, a key set in both places, or JSD settings
+        without a JSD loss.
+    """
+    fields: dict[str, Any] = {}
+    if teacher.loss is not None:
+        _choice("teacher.loss", teacher.loss, TEACHER_LOSSES)
+        fields["distill_loss"] = None if teacher.loss == "none" else teacher.loss
+    jsd = fields.get("distill_loss", objective.distill_loss) is not None
+    beta, top_k, coef = teacher.jsd_beta, teacher.top_k, teacher.coef
+    if beta is not None:
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta <= 1:
+            raise ValueError(f"teacher.jsd_beta must be in [0, 1], got {beta!r}")
+        fields["jsd_beta"] = float(beta)
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(
+                f"teacher.top_k must be an integer >= 1 (the teacher's most likely tokens) or "
+                f"null, got {top_k!r}"
+            )
+        fields["distill_top_k"] = top_k
+    if (beta is not None or top_k is not None) and not jsd:
+        raise ValueError(
+            "teacher.jsd_beta and teacher.top_k shape the JSD distillation loss: set "
+            "teacher.loss=jsd (or objective.name=distill_gkd)"
+        )
+    if coef is not None:
+        if isinstance(coef, bool) or not isinstance(coef, int | float) or not coef >= 0:
+            raise ValueError(f"teacher.coef must be a number >= 0, got {coef!r}")
+        fields["distill_loss_coef" if jsd else "distill_coef"] = float(coef)
+    twice = sorted(set(fields) & set(dict(overrides)))
+    if twice:
+        raise ValueError(
+            f"objective.overrides sets {twice}, which the teacher section sets too "
+            "(teacher.loss / jsd_beta / top_k / coef): set them in one place"
+        )
+    if not fields:
+        return objective
+    return dataclasses.replace(objective, **fields)
+
+
+#: The most bytes of stored teacher log-probs and ids ``[B, T, V]`` (f32 + int32) a step may
+#: carry for a JSD over the whole vocabulary (``teacher.top_k: null``); past it, set a k.
+FULL_VOCAB_BYTES = 2**30
+
+
+def teacher_top_k(objective: objectives.Objective, vocab: int, rows: int, length: int) -> int:
+    """``k`` of the teacher's top-k for a JSD-distilling ``objective``: ``distill_top_k``, or
+    the vocabulary ``V`` (the full distribution) when it is None.
+
+    Raises:
+      ValueError: a k larger than the vocabulary, or a full vocabulary whose ``[B, T, V]``
+        log-probs and ids (``rows x length x vocab x 8`` bytes) exceed ``FULL_VOCAB_BYTES``.
+    """
+    k = objective.distill_top_k
+    if k is not None:
+        if k > vocab:
+            raise ValueError(f"teacher.top_k={k} is larger than the vocabulary ({vocab} tokens)")
+        return k
+    size = rows * length * vocab * 8
+    if size > FULL_VOCAB_BYTES:
+        raise ValueError(
+            f"teacher.top_k=null (the JSD over the whole vocabulary) stores the teacher's "
+            f"[B, T, V] = [{rows}, {length}, {vocab}] log-probs and ids, {size / 2**30:.1f} GiB "
+            f"a step (over {FULL_VOCAB_BYTES / 2**30:.0f} GiB): set teacher.top_k, e.g. 64"
+        )
+    return vocab
+
+
+def check_teacher(cfg: TrainConfig, objective: objectives.Objective) -> None:
+    """A teacher exactly when the objective distils (its advantages or a JSD loss), and a JSD
+    loss only where the policy trainer's update computes it.
+
+    Raises:
+      ValueError: naming the key of the missing, unused or unsupported setting.
+    """
+    teacher = cfg.teacher
+    by_advantage = "teacher_logprobs" in objective.estimator_requires
+    if objective.needs_teacher and teacher.path is None:
+        why = (
+            f"{objective.advantage} advantages"
+            if by_advantage
+            else f"its {objective.distill_loss} distillation loss"
+        )
+        raise ValueError(
+            f"objective {objective.name!r} ({why}) needs a teacher: set teacher.path to a "
+            "Hugging Face checkpoint sharing the policy's tokenizer"
+        )
+    if teacher.path is not None and not objective.needs_teacher:
+        raise ValueError(
+            f"teacher.path is read by the distillation objectives (distill or grpo_distill "
+            f"advantages, e.g. objective.name=distill, or a JSD loss: teacher.loss=jsd), not "
+            f"by {objective.name!r}"
+        )
+    if teacher.coef is not None and not objective.needs_teacher:
+        raise ValueError(
+            "teacher.coef weighs a teacher's term: set teacher.path and a distillation "
+            "objective (objective.name=distill) or teacher.loss=jsd"
+        )
+    if objective.distill_loss is not None and (
+        objective.needs_critic or objective.needs_process_rewards
+    ):
+        raise ValueError(
+            f"teacher.loss={objective.distill_loss} is computed by the policy trainer's update; "
+            f"objective {objective.name!r} ({objective.advantage} advantages) trains a critic "
+            "or a process reward model beside it, which it does not support yet"
+        )
+
+
 def check_config(cfg: TrainConfig) -> objectives.Objective:
     """Every check an RL run makes before it builds anything; returns the objective.
 
@@ -514,6 +653,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     if ref.mode == "ema" and not 0.0 <= ref.ema_decay < 1.0:
         raise ValueError(f"reference.ema_decay must be in [0, 1), got {ref.ema_decay}")
     _choice("reward_model.normalize", cfg.reward_model.normalize, RM_NORMALIZE)
+    objective = with_teacher(objective, cfg.teacher, cfg.objective.overrides)
     if r.group_size < objective.min_group_size:
         raise ValueError(
             f"objective {objective.name!r} ({objective.advantage} advantages) needs "
@@ -528,17 +668,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
         _at_least("critic.warmup_steps", critic.warmup_steps, 0)
     if objective.needs_process_rewards:
         _choice("prime.update", cfg.prime.update, PRM_UPDATES)
-    distills = "teacher_logprobs" in objective.estimator_requires
-    if distills and cfg.teacher.path is None:
-        raise ValueError(
-            f"objective {objective.name!r} ({objective.advantage} advantages) needs a teacher: "
-            "set teacher.path to a Hugging Face checkpoint sharing the policy's tokenizer"
-        )
-    if cfg.teacher.path is not None and not distills:
-        raise ValueError(
-            f"teacher.path is read by the distillation objectives (distill or grpo_distill "
-            f"advantages, e.g. objective.name=distill), not by {objective.name!r}"
-        )
+    check_teacher(cfg, objective)
     _at_least("teacher.devices", cfg.teacher.devices, 0)
     if cfg.teacher.devices and cfg.teacher.path is None:
         raise ValueError("teacher.devices places a teacher: set teacher.path too")

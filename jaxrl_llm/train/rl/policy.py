@@ -6,7 +6,9 @@ set; the whole batch's token and row counts reach every micro-batch (``train.ste
 accumulated gradient equals the full-batch gradient for every aggregation mode.
 
 A mixture-of-experts policy adds its router losses (``RouterLoss``) to the objective's loss,
-from the router logits of the forward that gives the log-probs.
+from the router logits of the forward that gives the log-probs. An objective with a
+distillation loss (``Objective.distill_loss``, GKD's JSD) has the same forward gather the
+policy's log-probs of the teacher's top-k tokens (``batch.teacher_top_ids``), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -162,6 +164,8 @@ def make_policy_loss_fn(
     if router is None and model_config.is_moe:  # the checkpoint's aux weight, no z-loss
         router = RouterLoss(float(model_config.router_aux_loss_coef))
 
+    distills = objective.distill_loss is not None
+
     def loss_fn(params, batch: RolloutBatch, totals: Totals | None, key=None):
         kwargs = dict(
             packing=batch.packing,  # this micro-batch's plan, or None (padded)
@@ -171,13 +175,25 @@ def make_policy_loss_fn(
             return_entropy=need_entropy,
             dropout_key=key,
         )
+        if distills:  # the policy's log-probs of the teacher's top-k, from the same forward
+            if batch.teacher_top_ids is None:
+                raise ValueError(
+                    f"objective {objective.name!r} adds the {objective.distill_loss} "
+                    "distillation loss: the batch carries no teacher_top_ids / "
+                    "teacher_top_logprobs (the teacher's top-k, train.rl.programs.teacher_program)"
+                )
+            kwargs["gather_ids"] = batch.teacher_top_ids
         routed = None
         if router is None:
             out = sequence_logprobs(params, model_config, sequences_of(batch), **kwargs)
         else:  # one forward: the log-probs and the router logits they were computed with
             routed = routed_sequence_logprobs(params, model_config, sequences_of(batch), **kwargs)
             out = routed.logprobs
-        token_logprobs, entropy = out if need_entropy else (out, None)
+        student_top = None
+        if distills:  # a LogprobOutputs
+            token_logprobs, entropy, student_top = out.logprobs, out.entropy, out.gathered
+        else:
+            token_logprobs, entropy = out if need_entropy else (out, None)
         if batch.old_logprobs is None:  # on-policy: this forward's own log-probs, held fixed
             batch = batch._replace(old_logprobs=jax.lax.stop_gradient(token_logprobs))
         result = objectives.policy_loss(
@@ -186,6 +202,7 @@ def make_policy_loss_fn(
             with_totals(batch, totals),
             entropy=entropy,
             entropy_coef=None if totals is None else totals.entropy_coef,
+            student_top_logprobs=student_top,
         )
         loss, metrics = result.loss, result.metrics
         if routed is not None:
@@ -254,11 +271,13 @@ def make_policy_step(
     Returns:
       ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
       completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
-      them, ``ref_logprobs``. ``old_logprobs=None`` means on-policy: the behaviour log-probs
-      are this step's own, ``stop_gradient(logprobs)`` (ratio exactly 1, as in TRL's
-      ``GRPOTrainer`` with one update per generation batch), which saves the separate
-      forward pass; valid only while the parameters have not moved since the rollout (one
-      epoch, one minibatch; ``train.rl.trainer.on_policy_update``).
+      them, ``ref_logprobs`` and (``objective.distill_loss``) the teacher's
+      ``teacher_top_logprobs`` / ``teacher_top_ids`` ``[B, T, k]``. ``old_logprobs=None``
+      means on-policy: the behaviour log-probs are this step's own,
+      ``stop_gradient(logprobs)`` (ratio exactly 1, as in TRL's ``GRPOTrainer`` with one
+      update per generation batch), which saves the separate forward pass; valid only while
+      the parameters have not moved since the rollout (one epoch, one minibatch;
+      ``train.rl.trainer.on_policy_update``).
     """
     loss_fn = make_policy_loss_fn(
         model_config,

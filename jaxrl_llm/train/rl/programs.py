@@ -25,7 +25,7 @@ import jax
 from jaxrl_llm import parallel
 from jaxrl_llm.models import lora
 from jaxrl_llm.train.forward import make_logprob_fn
-from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching
+from jaxrl_llm.train.rl.config import forward_micro_batching, micro_batching, teacher_top_k
 from jaxrl_llm.train.rl.policy import make_policy_step, router_loss
 from jaxrl_llm.train.rl.spec import RunSpec
 from jaxrl_llm.train.rl.updates import on_policy_update, update_objective
@@ -158,10 +158,26 @@ def policy_programs(
     return programs
 
 
+def distill_top_k(run: RunSpec, teacher_config: Any) -> int | None:
+    """``k`` of the teacher's top-k log-probs the update's JSD loss reads
+    (``Objective.distill_loss``; ``config.teacher_top_k``: the vocabulary for the full
+    distribution), or None when the objective has no JSD loss."""
+    if run.objective.distill_loss is None:
+        return None
+    shape = run.shape
+    return teacher_top_k(run.objective, teacher_config.vocab_size, shape.rows, shape.completion_len)
+
+
 def teacher_program(run: RunSpec, teacher_config: Any, teacher_shardings: Any) -> ProgramSpec:
     """``teacher_logprobs``: a distillation teacher's log-probs of the rollout batch, once a
     step, by the forward the policy's log-probs use (same temperature, chunking and
-    micro-batches); ``teacher_shardings`` place its frozen weights."""
+    micro-batches); ``teacher_shardings`` place its frozen weights.
+
+    With a JSD loss (``Objective.distill_loss``) the same chunked forward also returns the
+    teacher's ``k`` most likely tokens at each completion position (``distill_top_k``): the
+    function then returns a ``logprobs.LogprobOutputs`` (``logprobs [B, T]``,
+    ``top_logprobs [B, T, k]`` f32, ``top_ids [B, T, k]`` int32), never a ``[B, T, V]``
+    array (unless ``k = V``, the full vocabulary)."""
     cfg = run.config
     mesh = jax.tree.leaves(teacher_shardings)[0].mesh
     fn = make_logprob_fn(
@@ -170,6 +186,7 @@ def teacher_program(run: RunSpec, teacher_config: Any, teacher_shardings: Any) -
         chunk_size=cfg.model.chunk_size,
         micro_batches=forward_micro_batching(cfg.trainer, parallel.current_platform(mesh)[0]),
         param_shardings=teacher_shardings,
+        top_k=distill_top_k(run, teacher_config),
     )
     return ProgramSpec("teacher_logprobs", fn, 1, builder_name(make_logprob_fn), teacher_config)
 
@@ -177,6 +194,7 @@ def teacher_program(run: RunSpec, teacher_config: Any, teacher_shardings: Any) -
 __all__ = [
     "ProgramSpec",
     "builder_name",
+    "distill_top_k",
     "policy_programs",
     "takes_own_logprobs",
     "teacher_program",

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import data, objectives, parallel
+from jaxrl_llm.logprobs import LogprobOutputs
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, core, export, setup
 from jaxrl_llm.train import packing as packing_lib
@@ -34,7 +35,12 @@ from jaxrl_llm.train.rl.config import (
 )
 from jaxrl_llm.train.rl.context import load_reward_model, load_teacher, make_run_context
 from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR, Pipeline
-from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs, teacher_program
+from jaxrl_llm.train.rl.programs import (
+    distill_top_k,
+    policy_programs,
+    takes_own_logprobs,
+    teacher_program,
+)
 from jaxrl_llm.train.rl.sampler_role import SamplerRole
 from jaxrl_llm.train.rl.spec import TRAINER_SUPPLIES, resolve
 from jaxrl_llm.train.rl.updates import (  # noqa: F401 (on_policy_update re-exported)
@@ -96,12 +102,16 @@ class StepForwards(NamedTuple):
     behaviour (``old``: recomputed, the sampler's, or None on-policy), reference and
     distillation teacher log-probs, and the packing plan they ran with (``packing_plan`` for
     the frozen forwards' micro-batching; None: padded), which other forwards of the same rows
-    and micro-batching reuse."""
+    and micro-batching reuse. ``teacher_top``: with a JSD distillation loss
+    (``Objective.distill_loss``), the teacher's ``(top_logprobs, top_ids)`` ``[B, T, k]``
+    from the same forward as ``teacher``, which the step puts in the update's batch
+    (``RolloutBatch.teacher_top_logprobs`` / ``teacher_top_ids``) after ``score``."""
 
     old: Any = None
     ref: Any = None
     teacher: Any = None
     plan: Any = None
+    teacher_top: Any = None
 
 
 class RLTrainer(Trainer):
@@ -132,7 +142,11 @@ class RLTrainer(Trainer):
         if remote.is_remote(cfg):
             remote.check_remote(cfg)
         self.check_objective(objective)
-        if not watch.group_size_gives_signal(objective, cfg.rollout.group_size):
+        # A distillation loss trains whatever the advantages (GKD's: none at all).
+        self.loss_gives_signal = objective.distill_loss is not None
+        if not self.loss_gives_signal and not watch.group_size_gives_signal(
+            objective, cfg.rollout.group_size
+        ):
             log.warning(
                 "rollout.group_size=%d: the %s estimator gives every completion advantage 0 "
                 "(it compares completions within a group), so the policy cannot learn: set "
@@ -165,6 +179,8 @@ class RLTrainer(Trainer):
         self.teacher = load_teacher(
             cfg, self.spec.precision, model_config, tokenizer, self.teacher_mesh or mesh
         )
+        if self.teacher is not None:  # a bad teacher.top_k is refused before any warm-up
+            distill_top_k(self.spec, self.teacher[0])
         train_examples, eval_examples = self.run.train_examples, self.run.eval_examples
         rows = self.spec.shape.rows
         sizes = {
@@ -198,7 +214,7 @@ class RLTrainer(Trainer):
                 f"{objective.surrogate}), {rows} completions per step",
                 "sft warm-up": self._warmup_line(),
                 **adapters.start_line(model_config),
-                **({"teacher": cfg.teacher.path} if self.teacher else {}),
+                **({"teacher": self._teacher_line()} if self.teacher else {}),
                 "old log-probs": "the sampler's own (rollout.logprobs=sampler)"
                 if self.sampler_logprobs
                 else "the update's own forward (one epoch, one minibatch: on-policy)"
@@ -239,6 +255,20 @@ class RLTrainer(Trainer):
         if self.base is None:
             return self.policy_trained
         return lora.combine(self.base, self.policy_trained)
+
+    def _teacher_line(self) -> str:
+        """The start line's ``teacher``: its path and, with a JSD loss, the loss's settings."""
+        objective = self.spec.objective
+        if objective.distill_loss is None:
+            return str(self.cfg.teacher.path)
+        k = distill_top_k(self.spec, self.teacher[0])
+        tokens = (
+            "the whole vocabulary" if objective.distill_top_k is None else f"its top {k} tokens"
+        )
+        return (
+            f"{self.cfg.teacher.path} (loss += {objective.distill_loss_coef:g} x "
+            f"JSD(beta={objective.jsd_beta:g}) over {tokens})"
+        )
 
     def _warmup_line(self) -> str:
         """The start line's ``sft warm-up``: what runs, or that a resumed run's is done."""
@@ -442,6 +472,9 @@ class RLTrainer(Trainer):
         info = {**rollout_lib.zero_variance_info(samples, cfg.rollout.group_size), **info}
         with timer.phase("logprobs"):
             jax.block_until_ready((old, ref, teacher))
+        teacher_top = None
+        if isinstance(teacher, LogprobOutputs):  # a JSD loss: the teacher's top-k too
+            teacher, teacher_top = teacher.logprobs, (teacher.top_logprobs, teacher.top_ids)
         recomputed = old is not None and not self.sampler_logprobs
         forwards = recomputed + (ref is not None) + (teacher is not None)
         timer.count("logprobs", tokens * forwards)
@@ -450,9 +483,13 @@ class RLTrainer(Trainer):
             attention = None if samples.loss_mask is None else seqs.completion_mask
             if attention is not None:  # the loss and advantages see the sampled tokens only
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
-            forwards = StepForwards(old, ref, teacher, plan)
+            forwards = StepForwards(old, ref, teacher, plan, teacher_top)
             batch, score_metrics = self.score(step, samples, seqs, forwards, device_rewards)
             batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
+            if teacher_top is not None:
+                batch = batch._replace(
+                    teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1]
+                )
             batch, corrected = correct_batch(run.objective, batch)
             adv = parallel.fetch(batch.advantages)
         with timer.phase("update"):
@@ -488,14 +525,19 @@ class RLTrainer(Trainer):
             **update_metrics,
             "tokens_per_s": tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
         }
-        self.watch.observe(step + 1, metrics)
+        watched = metrics
+        if self.loss_gives_signal:  # all-zero advantages are no missing signal then
+            watched = {k: v for k, v in metrics.items() if not k.startswith("advantage_")}
+        self.watch.observe(step + 1, watched)
         return metrics
 
     def teacher_logprobs(self, host_seqs: Sequences, seqs: Sequences, plan):
         """The distillation teacher's ``[B, T]`` log-probs of the batch (dispatched, not
-        waited for), on the trainer's mesh. ``seqs`` / ``plan``: the batch and the frozen
-        forwards' packing plan on the trainer's mesh; a teacher on devices of its own
-        (``teacher_mesh``) gets ``host_seqs`` placed there and a plan for its batch shards."""
+        waited for), on the trainer's mesh; with a JSD loss, the ``LogprobOutputs`` of
+        ``teacher_program`` (its ``[B, T, k]`` top-k beside them). ``seqs`` / ``plan``: the
+        batch and the frozen forwards' packing plan on the trainer's mesh; a teacher on
+        devices of its own (``teacher_mesh``) gets ``host_seqs`` placed there and a plan for
+        its batch shards."""
         fn = self.programs["teacher_logprobs"].fn
         if self.teacher_mesh is None:
             return fn(self.teacher[1], seqs, plan)

@@ -47,7 +47,7 @@ def test_every_built_in_recipe_config_is_covered():
 
 def _recipe_config(name: str, run_dir):
     extra = () if name == "dapo" else (rl_helpers.SHAPED_REWARDS,)
-    if name == "distill":  # a teacher on disk, with the built-in tokenizer
+    if name in ("distill", "distill_gkd"):  # a teacher on disk, with the built-in tokenizer
         teacher = pathlib.Path(run_dir).parent / "teacher"
         rl_helpers.distillation_teacher(teacher)
         extra = (f"teacher.path={teacher}",)
@@ -81,9 +81,12 @@ def test_recipe_runs_and_leaves_a_complete_run_dir(tmp_path, name):
         assert abs(first["kl"]) < 1e-5
     # The shaped rewards differ within some group (the teacher's log-probs differ from the
     # student's), so the objective has a gradient.
-    if objective.advantage != "distill":
-        assert first["reward_std"] > 0.0
-    assert first["advantage_std"] > 0.0
+    if objective.advantage == "none":  # GKD: the JSD term is the whole signal
+        assert first["distill/jsd"] > 0.0
+    else:
+        if objective.advantage != "distill":
+            assert first["reward_std"] > 0.0
+        assert first["advantage_std"] > 0.0
     assert first["grad_norm"] > 0.0
     if objective.advantage in ("grpo", "rloo", "gpg", "reinforce_pp"):
         # Group baselines sum to zero within each group; REINFORCE++ whitens over the batch.
