@@ -16,6 +16,7 @@ import pytest
 
 from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import ModelConfig, logits
+from tests.jit_traces import count_traces
 from tests.reference import sampling as ref
 from tests.sampling import random_params
 
@@ -193,13 +194,14 @@ def test_logprobs_match_completion_logprobs(model, prompts, full_logits, score):
 
 def test_same_key_same_output_and_scalars_do_not_recompile(model, prompts):
     a = _run(model, prompts, temperature=1.0, key=jax.random.key(11))
-    sizes = (gen.prefill_program._cache_size(), gen.decode_program._cache_size())
-    b = _run(model, prompts, temperature=1.0, key=jax.random.key(11))
-    c = _run(model, prompts, temperature=1.0, key=jax.random.key(12))
-    d = _run(model, prompts, temperature=0.3, top_p=0.5, min_p=0.1, eos_ids=(1, 2, 3), pad_id=1)
-    # A narrower batch lands in the same 16-column bucket.
-    narrower = _run(model, (prompts[0][:, -9:], prompts[1][:, -9:]), temperature=0.5)
-    assert (gen.prefill_program._cache_size(), gen.decode_program._cache_size()) == sizes
+    programs = (gen.prefill_program.__wrapped__.__name__, gen.decode_program.__wrapped__.__name__)
+    with count_traces(*programs) as traced:
+        b = _run(model, prompts, temperature=1.0, key=jax.random.key(11))
+        c = _run(model, prompts, temperature=1.0, key=jax.random.key(12))
+        d = _run(model, prompts, temperature=0.3, top_p=0.5, min_p=0.1, eos_ids=(1, 2, 3), pad_id=1)
+        # A narrower batch lands in the same 16-column bucket.
+        narrower = _run(model, (prompts[0][:, -9:], prompts[1][:, -9:]), temperature=0.5)
+    assert traced == []
     assert narrower.tokens.shape == a.tokens.shape
     for field in ("tokens", "logprobs", "mask"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
