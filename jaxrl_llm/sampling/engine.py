@@ -44,6 +44,14 @@ preempted (and later recomputed, with the same tokens) when the pool runs out. O
 pool's decode attention runs JAX's Pallas paged-attention kernel (``models.kv_cache``), else an
 XLA block-table gather.
 
+**Routing replay** (``record_routing=True``, mixture-of-experts models): the programs also keep
+the experts every layer chose for each prompt and completion token, in a ``[S, P + T, L, k]``
+buffer of ``generate.routing_dtype`` (int8 up to 128 experts); an admission rewrites its slot's
+row (the prefill's ids, or a live holder's prompt ids with its keys and values), so refilled
+and preempted-then-recomputed slots carry no earlier request's ids, and the drain carries the
+buffer with the slots. Each ``Result.routing`` is its ``[p + n, L, k]``; ``batch_routing``
+lays a run's out as ``generate(..., record_routing=True)`` does.
+
 Programs compiled per run: one burst, and one admission per (distinct prompts, admitted
 requests, prompt bucket) size class, each a power of two.
 """
@@ -72,6 +80,7 @@ from jaxrl_llm.sampling.requests import (
     Request,
     Result,
     WeightUpdates,
+    batch_routing,
     check_requests,
     harvest,
 )
@@ -133,6 +142,11 @@ class Engine:
       stop_sequences: token-id sequences that end a completion (kept in it, like an EOS), as
         matched on device after every token.
       mesh: the mesh the weights live on (slots split over its batch shards), or None.
+      record_routing: each ``Result`` also carries the experts every mixture-of-experts layer
+        chose for its prompt and completion tokens (``Result.routing``, ``[p + n, L, k]``
+        int32; ``batch_routing`` makes ``generate``'s ``[B, P + T, L, k]`` of them), for
+        routing replay. Kept on device in a ``[S, P + T, L, k]`` buffer of
+        ``generate.routing_dtype`` (int8 up to 128 experts). Errors on a dense model.
     """
 
     def __init__(
@@ -147,7 +161,12 @@ class Engine:
         cache_dtype: Any = None,
         stop_sequences: Sequence[Sequence[int]] = (),
         mesh: Any = None,
+        record_routing: bool = False,
     ):
+        if record_routing and not config.is_moe:
+            raise ValueError(
+                f"record_routing needs a mixture-of-experts model, not {config.architecture}"
+            )
         slots, burst, engine = settings.slots, settings.burst, settings.engine
         for name, value in (
             ("slots", slots),
@@ -220,6 +239,7 @@ class Engine:
             unstacked=unstacked,
             paged=self.paged,
             hidden_dtype=hidden,
+            record_routing=bool(record_routing),
         )
 
     def _mesh_context(self, params: Any) -> Any:
@@ -308,6 +328,7 @@ class Engine:
         counts.update(updates=0, preemptions=0)
         pager = None if self.paged is None else self._allocator(*self.paged)
         params = self.params
+        prompt_lengths = [len(r.prompt) for r in requests]
         while queue or any(r is not None for r in occupant):
             newer = None if updates is None else updates.newer(version)
             if newer is not None:  # decode on with them; the counts are this moment's
@@ -388,7 +409,7 @@ class Engine:
             counts["slot_steps"] += int(steps_run) * len(occupant)
             counts["bursts"] += 1
             finished, host_count = harvest(
-                state, occupant, results, marks, self.eos, self.stop_sequences
+                state, occupant, results, marks, self.eos, self.stop_sequences, prompt_lengths
             )
             if pager is not None:  # the finished slots' blocks (a no-op on empty slots)
                 for s in (s for s, r in enumerate(occupant) if r is None):
@@ -477,6 +498,7 @@ __all__ = [
     "Request",
     "Result",
     "WeightUpdates",
+    "batch_routing",
     "generate_requests",
     "init_state",
 ]

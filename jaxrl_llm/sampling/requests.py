@@ -47,12 +47,17 @@ class Result(NamedTuple):
         ``max_new_tokens``).
       versions: ``[n]`` int32, the version of the weights that sampled each token (``run``'s
         ``version``, then those of the weight updates taken in flight).
+      routing: ``[p + n, L, k]`` int32 (``p`` the prompt's length) the experts each of the
+        ``L`` mixture-of-experts layers chose for every token of ``[prompt ; tokens]`` (an
+        engine with ``record_routing``), or None. ``batch_routing`` lays a run's out as
+        ``generate``'s ``[B, P + T, L, k]``.
     """
 
     tokens: np.ndarray
     logprobs: np.ndarray
     finish_reason: str
     versions: np.ndarray | None = None
+    routing: np.ndarray | None = None
 
 
 class WeightUpdates:
@@ -130,10 +135,15 @@ def harvest(
     marks: list[list[tuple[int, int]]],
     eos: set,
     stop_sequences: Sequence[tuple],
+    prompt_lengths: Sequence[int] | None = None,
 ) -> tuple[int, np.ndarray]:
     """Moves an engine's finished slots' completions (``state``: its ``EngineState``) to
     ``results`` (each token's weight version from the slot's ``marks``) and empties their
-    ``occupant`` entries; returns how many, and the host copy of every slot's count."""
+    ``occupant`` entries; returns how many, and the host copy of every slot's count.
+
+    With ``state.routing`` (``[S, P + T, L, k]``, the prompt ending at column ``P - 1``), a
+    result's ``routing`` is its slot's columns ``[P - p, P + n)`` as int32, ``p =
+    prompt_lengths[request]``."""
     done, all_counts = (np.array(parallel.fetch(x)) for x in (state.done, state.count))
     ready = [s for s, r in enumerate(occupant) if r is not None and done[s]]
     if not ready:
@@ -141,6 +151,12 @@ def harvest(
     index = np.asarray(ready, np.int32)
     count = all_counts[ready]
     tokens, logprobs = (parallel.fetch(x) for x in _rows(state.tokens, state.logprobs, index))
+    routing = None
+    if getattr(state, "routing", None) is not None:
+        if prompt_lengths is None:
+            raise ValueError("harvesting a routing buffer needs prompt_lengths")
+        routing = np.asarray(parallel.fetch(_routing_rows(state.routing, index)))
+        prompt_width = routing.shape[1] - state.tokens.shape[1]
     for i, s in enumerate(ready):
         n = int(count[i])
         row = tokens[i, :n]
@@ -148,7 +164,11 @@ def harvest(
         for start, version in marks[s]:
             versions[start:] = version
         reason = finish_reason(row, eos, stop_sequences)
-        results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions)
+        ids = None
+        if routing is not None:
+            start = prompt_width - int(prompt_lengths[occupant[s]])
+            ids = routing[i, start : prompt_width + n].astype(np.int32)
+        results[occupant[s]] = Result(row, logprobs[i, :n], reason, versions, ids)
         occupant[s] = None
     return len(ready), all_counts
 
@@ -156,6 +176,41 @@ def harvest(
 @jax.jit
 def _rows(tokens: jax.Array, logprobs: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tokens[index], logprobs[index]
+
+
+@jax.jit
+def _routing_rows(routing: jax.Array, index: jax.Array) -> jax.Array:
+    return routing[index]
+
+
+def batch_routing(results: Sequence[Result], prompt_width: int, max_new_tokens: int) -> np.ndarray:
+    """The results' routing as one ``[B, P + T, L, k]`` int32 array aligned with
+    ``types.join_sequences`` of their prompts left-padded to ``P = prompt_width`` and their
+    tokens right-padded to ``T = max_new_tokens`` (``generate(..., record_routing=True)``'s
+    layout): row ``b``'s prompt ids at columns ``[P - p_b, P)``, its completion's at ``[P, P +
+    n_b)``, -1 (``NO_EXPERT``) elsewhere. ``jnp.moveaxis(out, 2, 0)`` is what
+    ``models.forward(..., routing=)`` replays.
+
+    Raises:
+      ValueError: a result without routing (an engine run without ``record_routing``), or a
+        prompt or completion longer than ``prompt_width`` or ``max_new_tokens``.
+    """
+    if not results:
+        raise ValueError("batch_routing needs at least one result")
+    if any(r.routing is None for r in results):
+        raise ValueError("a result has no routing: run the engine with record_routing=True")
+    layers_k = results[0].routing.shape[1:]
+    out = np.full((len(results), prompt_width + max_new_tokens, *layers_k), -1, np.int32)
+    for b, result in enumerate(results):
+        n = len(result.tokens)
+        p = result.routing.shape[0] - n
+        if p > prompt_width or n > max_new_tokens:
+            raise ValueError(
+                f"result {b}: a prompt of {p} and {n} tokens do not fit prompt_width="
+                f"{prompt_width} and max_new_tokens={max_new_tokens}"
+            )
+        out[b, prompt_width - p : prompt_width + n] = result.routing
+    return out
 
 
 def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Request]:
@@ -191,6 +246,7 @@ def check_requests(requests: Sequence[Request], max_new_tokens: int) -> list[Req
 
 __all__ = [
     "FINISH_REASONS",
+    "batch_routing",
     "EngineStats",
     "Request",
     "Result",

@@ -4,6 +4,13 @@
 slots; ``burst`` decodes up to ``K`` tokens in every live slot; ``take_slots`` keeps some slots
 (a smaller program for the drain). The host loop that drives them is
 ``jaxrl_llm.sampling.engine.Engine``.
+
+With a routing buffer (``init_state(..., record_routing=True)``, mixture-of-experts models) the
+programs also keep the experts every layer chose for each fed token, in the contiguous cache's
+layout whatever the cache: a slot's prompt right-aligned to end at column ``P - 1``, its
+completion token ``n`` at column ``P + n``. ``admit`` rewrites a slot's whole row (the prefill's
+ids, or the prompt columns of the live slot whose prompt it reuses), so a preempted request
+recomputed in any slot carries only its new prefill's ids.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from jaxrl_llm.models import (
 from jaxrl_llm.models.kv_cache import page_slots
 from jaxrl_llm.sampling import layout, strategies
 from jaxrl_llm.sampling.admission import Admission
+from jaxrl_llm.sampling.generate import NO_EXPERT, routing_dtype
 from jaxrl_llm.sampling.paging import blocks_for
 from jaxrl_llm.sampling.state import SamplingParams
 
@@ -54,6 +62,9 @@ class EngineState(NamedTuple):
       prompt_hidden: ``[S, D]`` the final hidden state at the slot's last prompt token (the
         compute dtype): a later sample of the prompt, admitted while this slot holds it,
         takes its first-token logits from it instead of prefilling the prompt again.
+      routing: ``[S, P + T, L, k]`` (``generate.routing_dtype``) the experts each of the ``L``
+        mixture-of-experts layers chose for every fed token (prompt ending at column ``P - 1``,
+        completion token ``n`` at ``P + n``; ``NO_EXPERT`` elsewhere), or None (not recorded).
     """
 
     cache: KVCache | PagedKVCache
@@ -67,6 +78,7 @@ class EngineState(NamedTuple):
     tokens: Array
     logprobs: Array
     prompt_hidden: Array
+    routing: Array | None = None
 
 
 def init_state(
@@ -80,12 +92,18 @@ def init_state(
     unstacked: bool,
     paged: tuple[int, int] | None = None,
     hidden_dtype: Any = None,
+    record_routing: bool = False,
 ) -> EngineState:
     """``slots`` empty (done) slots with a ``prompt_width + max_new_tokens``-slot cache each
     (``paged=(blocks, block_size)``: in a pool of blocks, every table entry unmapped);
     ``hidden_dtype``: the dtype of the model's hidden states (``generate.hidden_dtype``; default
-    ``cache_dtype``)."""
+    ``cache_dtype``); ``record_routing``: with a ``[S, P + T, L, k]`` routing buffer of
+    ``NO_EXPERT`` (a mixture-of-experts ``config``)."""
     width = prompt_width + max_new_tokens
+    routing = None
+    if record_routing:
+        shape = (slots, width, config.num_hidden_layers, config.num_experts_per_tok)
+        routing = jnp.full(shape, NO_EXPERT, routing_dtype(config.num_experts))
     if paged is None:
         cache = init_cache(config, slots, width, dtype=cache_dtype)
     else:
@@ -114,6 +132,7 @@ def init_state(
         prompt_hidden=jnp.zeros(
             (slots, config.hidden_size), cache_dtype if hidden_dtype is None else hidden_dtype
         ),
+        routing=routing,
     )
 
 
@@ -138,6 +157,7 @@ def state_axes(state: EngineState) -> EngineState:
         tokens=("batch", None),
         logprobs=("batch", None),
         prompt_hidden=("batch", None),
+        routing=None if state.routing is None else ("batch", None, None, None),
     )
 
 
@@ -178,7 +198,11 @@ def admit(
     copies the source row's prompt slots, a paged one shares the full blocks (``table``) and
     copies the partial last block, ``copies = (from, to)`` global block ids (``N``: none).
     ``length[j]``: request ``j``'s prompt length (needed with ``source``). With every request
-    from a live slot, ``prompt_tokens`` and ``prompt_mask`` are None: nothing is prefilled."""
+    from a live slot, ``prompt_tokens`` and ``prompt_mask`` are None: nothing is prefilled.
+
+    With ``state.routing``, slot ``slot[j]``'s routing row is rewritten: its prefill row's
+    experts right-aligned to column ``P - 1`` (``NO_EXPERT`` on padding), or those of the live
+    slot it reuses the prompt of (its columns ``[0, P)``); ``NO_EXPERT`` from column ``P``."""
     (
         prompt_tokens,
         prompt_mask,
@@ -212,14 +236,34 @@ def admit(
         return fn(*caches)
 
     rows_mask = jnp.zeros((slot.shape[0], slot_count), bool)
+    record = state.routing is not None
+    routing_rows = None
+    if record:  # [N, P + T, L, k]: the reused prompts' columns [0, P), NO_EXPERT elsewhere
+        route_prompt = state.routing.shape[1] - state.tokens.shape[1]
+        empty = jnp.full((slot.shape[0], *state.routing.shape[1:]), NO_EXPERT, state.routing.dtype)
+        prompt_cols = (jnp.arange(state.routing.shape[1]) < route_prompt)[None, :, None, None]
+        held = reused[:, None, None, None] & prompt_cols
+        routing_rows = jnp.where(held, state.routing[from_slot], empty)
     if prompt_tokens is not None:
         num_prompts, width = prompt_tokens.shape
         cache = init_cache(config, num_prompts, width, dtype=jax.tree.leaves(k)[0].dtype)
         if unstacked:
             cache = layout.unstack_cache(cache)
-        out, cache = forward(
-            params, config, prompt_tokens, attention_mask=prompt_mask, cache=cache, cache_index=0
+        out, cache, *chosen = forward(
+            params,
+            config,
+            prompt_tokens,
+            attention_mask=prompt_mask,
+            cache=cache,
+            cache_index=0,
+            return_routing=record,
         )
+        if record:  # [L, U, p, k] -> request j's prompt at columns [P - p, P) of its row
+            ids = jnp.where(prompt_mask[:, :, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
+            fresh = empty.at[:, route_prompt - width : route_prompt].set(
+                ids[owner].astype(empty.dtype)
+            )
+            routing_rows = jnp.where(reused[:, None, None, None], routing_rows, fresh)
         # Left padding: the last column is every prompt's last real token.
         hidden = jnp.where(reused[:, None], hidden, out[owner, -1].astype(hidden.dtype))
         lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
@@ -292,6 +336,7 @@ def admit(
             tokens=set_rows(state.tokens, pad_id),
             logprobs=set_rows(state.logprobs, 0.0),
             prompt_hidden=set_rows(state.prompt_hidden, hidden),
+            routing=None if not record else set_rows(state.routing, routing_rows),
         ),
         mesh,
     )
@@ -325,6 +370,8 @@ def burst(
         state = state._replace(cache=state.cache._replace(table=table))
     slots, max_new = state.tokens.shape
     rows = jnp.arange(slots)
+    record = state.routing is not None
+    route_prompt = 0 if not record else state.routing.shape[1] - max_new
 
     def draw(logits: Array, request: Array, count: Array) -> Array:
         row_key = jax.random.fold_in(jax.random.fold_in(key, request), count)
@@ -347,7 +394,7 @@ def burst(
         logprob = strategies.token_logprobs(st.logits, sampled, temperature=sampling.temperature)
         live = ~st.done
         token = jnp.where(live, sampled, sampling.pad_id)
-        hidden, cache = forward(
+        hidden, cache, *chosen = forward(
             params,
             config,
             token[:, None],
@@ -355,8 +402,13 @@ def burst(
             attention_mask=live[:, None],
             cache=st.cache,
             cache_index=st.next_slot,
+            return_routing=record,
         )
         column = jnp.where(live, st.count, max_new)  # out of range for dead slots: dropped
+        routing = st.routing
+        if record:  # the fed token's experts [L, S, 1, k] -> column P + count of [S, P + T, L, k]
+            ids = jnp.moveaxis(chosen[0], 0, 2)[:, 0].astype(routing.dtype)
+            routing = routing.at[rows, route_prompt + column].set(ids, mode="drop")
         count = st.count + live
         tokens = st.tokens.at[rows, column].set(token, mode="drop")
         finished = live & (
@@ -373,6 +425,7 @@ def burst(
             done=st.done | finished,
             tokens=tokens,
             logprobs=st.logprobs.at[rows, column].set(logprob, mode="drop"),
+            routing=routing,
         )
         return step + 1, _constrain(st, mesh)
 
@@ -409,7 +462,11 @@ def take_slots(state: EngineState, index: Array, *, mesh: Any = None) -> EngineS
         cache = KVCache(k=k, v=v, mask=take(cache.mask, 0))
     else:
         cache = KVCache(k=take(cache.k, 1), v=take(cache.v, 1), mask=take(cache.mask, 0))
-    rest = {name: take(getattr(state, name), 0) for name in EngineState._fields if name != "cache"}
+    rest = {
+        name: None if getattr(state, name) is None else take(getattr(state, name), 0)
+        for name in EngineState._fields
+        if name != "cache"
+    }
     return _constrain(EngineState(cache=cache, **rest), mesh)
 
 
