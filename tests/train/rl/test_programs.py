@@ -139,7 +139,7 @@ def _arguments(fn, args, kwargs) -> dict:
     keyword alike), as shapes and dtypes; static and absent (None) ones left out."""
     bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
     static = {"config", "mesh", "top_k", "max_new_tokens", "num_samples", "cache_dtype"}
-    static |= {"unroll", "windows"}
+    static |= {"unroll", "windows", "record_routing"}
     return {k: _signature(v) for k, v in bound.items() if k not in static and v is not None}
 
 
