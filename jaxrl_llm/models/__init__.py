@@ -33,6 +33,7 @@ from jaxrl_llm.models.kv_cache import PAGED_CACHE_AXES, PagedKVCache, init_paged
 from jaxrl_llm.models.tokenizer import load_tokenizer
 from jaxrl_llm.models.transformer import (
     CACHE_AXES,
+    LAYER_INPUT,
     REMAT_POLICIES,
     KVCache,
     Transformer,
@@ -43,6 +44,7 @@ from jaxrl_llm.models.transformer import (
     logical_axes,
     logits,
     param_shapes,
+    remat_policy,
     unembed,
     unembedding,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "ARCHITECTURES",
     "ARCHITECTURE_DIR",
     "CACHE_AXES",
+    "LAYER_INPUT",
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "KVCache",
@@ -74,6 +77,7 @@ __all__ = [
     "load_pretrained",
     "load_scalar_model",
     "read_scalar_config",
+    "remat_policy",
     "load_tokenizer",
     "lora",
     "moe",

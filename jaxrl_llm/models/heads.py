@@ -216,7 +216,8 @@ def token_values(
       prompt_mask: ``[B, P]``, 1 on real prompt tokens.
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on real completion tokens.
-      remat: the backbone's remat policy (``"none"`` or ``"layer"``).
+      remat: the backbone's remat policy (``models.REMAT_POLICIES``: ``"none"``, ``"layer"``,
+        ``"offload"``).
       dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
       packing: a ``jaxrl_llm.packing.PackingPlan`` of the ``[B, P+T]`` rows: the backbone runs
         packed (the same values to rounding), or None.
@@ -260,7 +261,8 @@ def sequence_scores(
       prompt_mask: ``[B, P]``, 1 on real prompt tokens.
       completion_tokens: ``[B, T]`` int32, right-padded.
       completion_mask: ``[B, T]``, 1 on real completion tokens.
-      remat: the backbone's remat policy (``"none"`` or ``"layer"``).
+      remat: the backbone's remat policy (``models.REMAT_POLICIES``: ``"none"``, ``"layer"``,
+        ``"offload"``).
       dropout_key: a PRNG key for LoRA dropout (training a LoRA scalar model), or None.
       packing: a ``jaxrl_llm.packing.PackingPlan`` of the ``[B, P+T]`` rows: the backbone runs
         over the packed rows and the states come back to the padded layout (``unpack``)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm._checks import check_choice, check_rank
 from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles, softcap
@@ -60,7 +61,32 @@ from jaxrl_llm.parallel.mesh import current_platform
 Array = jax.Array
 Params = dict[str, Any]
 
-REMAT_POLICIES = ("none", "layer")
+REMAT_POLICIES = ("none", "layer", "offload")
+LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of each layer's input (the residual stream)
+
+
+def remat_policy(remat: str) -> Any:
+    """The ``jax.checkpoint`` policy of ``remat`` (``REMAT_POLICIES``), None for ``"none"``.
+
+    ``"layer"``: save nothing inside a layer (``nothing_saveable``): the backward pass keeps
+    each layer's input ``x_l [B, S, D]`` (``L B S D`` values in all) and recomputes the layer.
+    ``"offload"``: the same recompute, with each layer's input (named ``LAYER_INPUT``) moved
+    to host memory (``pinned_host``) after the forward and back before its layer's backward,
+    so device memory no longer holds the ``L`` residuals. On TPU and GPU XLA turns these into
+    asynchronous device-host copies; on CPU JAX lowers the transfers as no-ops (device and
+    host are one memory there), so it runs as ``"layer"``.
+    """
+    check_choice("remat", remat, REMAT_POLICIES)
+    if remat == "none":
+        return None
+    if remat == "layer":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 class Transformer(nnx.Module):
@@ -158,6 +184,7 @@ class Transformer(nnx.Module):
 
         def body(carry, xs):
             x, kv = carry
+            x = checkpoint_name(x, LAYER_INPUT)  # what remat="offload" moves to the host
             state, layer_index, layer_id, layer_routing = xs
             layer = nnx.merge(layer_def, state)
             local = _is_local(config, layer_id)
@@ -188,8 +215,8 @@ class Transformer(nnx.Module):
                 chosen = _chosen_experts(config, router_logits, layer_routing)
             return (x, kv), (router_logits, chosen)
 
-        if remat == "layer":
-            body = jax.checkpoint(body, prevent_cse=False)
+        if remat != "none":  # each layer (scanned or unrolled) recomputed in the backward
+            body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
         if unstacked_layers is None:
             layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
             # XLA:CPU runs a layer loop with per-iteration slice copies of the weights and
@@ -420,7 +447,9 @@ def forward(
       cache: ``KVCache`` with ``k, v: [L, B, K, S_max, H]`` (tuples of ``L`` per-layer arrays
         with split params), ``mask: [B, S_max]``, or None.
       cache_index: scalar or ``[B]`` int32 (may be traced); required with a cache.
-      remat: ``"none"`` or ``"layer"`` (``jax.checkpoint`` each scanned layer).
+      remat: ``"none"``, ``"layer"`` (``jax.checkpoint`` each layer, scanned or unrolled: the
+        backward keeps only each layer's input and recomputes the layer) or ``"offload"``
+        (as ``"layer"``, with those inputs kept in host memory on TPU / GPU; ``remat_policy``).
       dropout_key: a PRNG key for LoRA dropout (``config.lora.dropout``, training only), or
         None: no dropout.
       return_router_logits: also return every layer's router logits, from which
@@ -550,6 +579,7 @@ def logits(
 
 __all__ = [
     "CACHE_AXES",
+    "LAYER_INPUT",
     "REMAT_POLICIES",
     "DecoderLayer",
     "KVCache",
@@ -566,6 +596,7 @@ __all__ = [
     "logits",
     "merge",
     "param_shapes",
+    "remat_policy",
     "rms_norm",
     "rope_angles",
     "unembed",

@@ -525,7 +525,9 @@ def test_a_mesh_larger_than_the_devices_is_refused(tmp_path):
             id="compute_dtype",
         ),
         pytest.param(
-            ["model.remat=full"], r"model.remat must be one of \('none', 'layer'\)", id="remat"
+            ["model.remat=full"],
+            r"model.remat must be one of \('none', 'layer', 'offload'\)",
+            id="remat",
         ),
         pytest.param(["reference.mode=moving"], r"reference.mode must be one of", id="reference"),
         pytest.param(
