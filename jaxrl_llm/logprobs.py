@@ -266,7 +266,7 @@ class LogprobOptions(NamedTuple):
       chunk_size: sequence positions per unembedding chunk (packed: packed slots); None:
         ``default_chunk_size``.
       return_entropy: also return the per-token entropy of the scaled distribution.
-      remat: the model's remat policy (``"none"`` or ``"layer"``).
+      remat: the model's remat policy (``models.REMAT_POLICIES``).
       return_prompt_logprobs: also return ``[B, P]`` log-probs of the prompt tokens the model
         predicts (``log pi(x_j | x_<j)``; 0 on padding and on each row's first real token,
         which nothing predicts), from the same forward pass: what an NLL over the whole
@@ -279,6 +279,11 @@ class LogprobOptions(NamedTuple):
         each completion position (a student's of its teacher's top-k; differentiable).
         With ``top_k`` or ``gather_ids`` the result is a ``LogprobOutputs`` (entropy included
         with ``return_entropy``); neither combines with ``return_prompt_logprobs``.
+      routing: ``[B, P + T, L, k]`` int expert ids to replay (routing replay, R3), aligned
+        with ``join_sequences(prompt, completion)`` as the sampler records them (-1: route
+        freely); the forward runs with ``routing[:, s, l]`` as layer ``l``'s experts of
+        token ``s`` (``models.forward(routing=...)``; packed: packed like the tokens).
+        Mixture-of-experts models only; None: every layer routes by its own top-k.
     """
 
     temperature: float | Array = 1.0
@@ -289,6 +294,7 @@ class LogprobOptions(NamedTuple):
     dropout_key: Array | None = None
     top_k: int | None = None
     gather_ids: Array | None = None
+    routing: Array | None = None
 
     @property
     def distills(self) -> bool:
@@ -350,7 +356,7 @@ def completion_logprobs(
       completion_mask: ``[B, T]``, 1 on tokens to score.
       **options: ``LogprobOptions`` by keyword (``temperature``, ``chunk_size``,
         ``return_entropy``, ``remat``, ``return_prompt_logprobs``, ``dropout_key``, ``top_k``,
-        ``gather_ids``).
+        ``gather_ids``, ``routing``).
 
     Returns:
       ``logprobs [B, T]`` f32, ``(logprobs, entropy)``, or ``(logprobs, prompt_logprobs)``;
@@ -358,6 +364,31 @@ def completion_logprobs(
     """
     seqs = Sequences(prompt_tokens, prompt_mask, completion_tokens, completion_mask)
     return _routed(params, config, seqs, None, _options(options), router=False).logprobs
+
+
+def replayed_routing(
+    routing: Array | None, shape: tuple[int, ...], plan: PackingPlan | None = None
+) -> Array | None:
+    """A recorded ``[B, S, L, k]`` routing in ``models.forward``'s ``[L, N, S', k]`` layout:
+    ``moveaxis(routing, 2, 0)`` over the padded ``[B, S]`` rows, or with ``plan`` over its
+    packed ``[R, W]`` rows (``pack(routing + 1, plan) - 1``: padding slots get -1, free
+    routing). None passes through.
+
+    Raises:
+      ValueError: ``routing`` not ``[B, S, L, k]`` with ``[B, S]`` = ``shape``.
+    """
+    if routing is None:
+        return None
+    check_rank("routing", routing, 4)
+    if tuple(routing.shape[:2]) != tuple(shape):
+        raise ValueError(
+            f"routing {tuple(routing.shape)} must be [B, P + T, L, k] with [B, P + T]="
+            f"{tuple(shape)} of the joined prompt and completion"
+        )
+    routing = jnp.asarray(routing, jnp.int32)
+    if plan is not None:
+        routing = pack(routing + 1, plan) - 1
+    return jnp.moveaxis(routing, 2, 0)
 
 
 def _padded(
@@ -377,6 +408,7 @@ def _padded(
         remat=options.remat,
         dropout_key=options.dropout_key,
         return_router_logits=router,
+        routing=replayed_routing(options.routing, tokens.shape),
     )
     hidden, router_logits = out[0], (out[2] if router else None)
     length = completion_tokens.shape[1]
@@ -487,6 +519,7 @@ def _packed(
         remat=options.remat,
         dropout_key=options.dropout_key,
         return_router_logits=router,
+        routing=replayed_routing(options.routing, shape, plan),
     )
     hidden, router_logits = out[0], (out[2] if router else None)
     real = segments > 0

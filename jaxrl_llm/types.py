@@ -68,6 +68,9 @@ class RolloutBatch(NamedTuple):
         ``Objective.distill_loss``); 0 on padding.
       teacher_top_ids: ``[B, T, k]`` int32, those tokens' ids (where the update gathers the
         student's log-probs); 0 on padding.
+      routing: ``[B, P + T, L, k]`` int32, the expert ids the sampler routed each token of
+        ``[prompt ; completion]`` to in each MoE layer (-1 on padding), when recorded
+        (``model.routing_replay``); the update replays them or measures its mismatch.
     """
 
     completion_mask: Array
@@ -88,6 +91,7 @@ class RolloutBatch(NamedTuple):
     packing: Any = None
     teacher_top_logprobs: Array | None = None
     teacher_top_ids: Array | None = None
+    routing: Array | None = None
 
 
 class MaskedSequences(NamedTuple):

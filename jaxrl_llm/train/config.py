@@ -58,6 +58,9 @@ class LoraSection:
     sampler: str = "auto"
 
 
+ROUTING_REPLAY = ("off", "measure", "rollout")  # model.routing_replay
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Which policy to train.
@@ -77,8 +80,9 @@ class ModelSection:
         reward models) and to the sampler, whose KV cache is in it too.
       tiny: size of the built-in model.
       chunk_size: sequence chunk of the log-prob computation (null: automatic).
-      remat: ``none`` or ``layer``: recompute each transformer layer in the backward pass
-        instead of storing its activations (less memory, about one more forward of compute).
+      remat: ``none``, ``layer`` (recompute each transformer layer in the backward pass instead
+        of storing its activations: less memory, about one more forward of compute) or
+        ``offload`` (``layer``, and the layer inputs it keeps in host memory; TPU/GPU).
       lora: train low-rank adapters on a frozen base instead of every weight (``LoraSection``);
         null = full fine-tuning. The base is kept in ``compute_dtype``, the adapters' master
         weights and moments in ``param_dtype``; the reference policy is the base itself.
@@ -90,6 +94,12 @@ class ModelSection:
         Must stay null or 0 for a dense model.
       router_z_loss_coef: weight of the router z-loss (ST-MoE: the mean of
         ``logsumexp(router logits)^2``) in the RL update; 0 = off. Must be 0 for a dense model.
+      routing_replay: routing replay for a mixture-of-experts RL policy (R3, Ma et al. 2025):
+        ``off``; ``measure`` (the sampler records each token's experts and the update reports
+        ``moe/routing_mismatch``, the share of completion tokens whose top-k set under the
+        trainer's own router differs); ``rollout`` (also every training-side forward of the
+        step, behaviour, reference and update, routes each token to the sampler's experts).
+        Refused for a dense model and for a sampler on processes of its own.
     """
 
     path: str | None = None
@@ -102,8 +112,10 @@ class ModelSection:
     lora: LoraSection | None = None
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
+    routing_replay: bool | str = False
 
     def __post_init__(self):
+        self.replay_mode  # noqa: B018  (checks model.routing_replay)
         coefs = (
             ("router_aux_loss_coef", self.router_aux_loss_coef),
             ("router_z_loss_coef", self.router_z_loss_coef),
@@ -114,6 +126,20 @@ class ModelSection:
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (number and math.isfinite(value) and value >= 0):
                 raise ValueError(f"model.{key} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def replay_mode(self) -> str:
+        """``model.routing_replay`` as one of ``ROUTING_REPLAY`` (YAML reads ``off`` as false).
+
+        Raises:
+          ValueError: anything else, naming the key.
+        """
+        value = self.routing_replay
+        if value is False:
+            return "off"
+        if value not in ROUTING_REPLAY or value is True:
+            raise ValueError(f"model.routing_replay must be one of {ROUTING_REPLAY}, got {value!r}")
+        return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,20 +69,23 @@ def make_logprob_fn(
     micro-batches), or None (padded). ``top_k`` (a distillation teacher's): the function
     returns a ``logprobs.LogprobOutputs`` instead, the ``[B, T]`` log-probs with the ``k``
     most likely tokens' log-probs and ids ``[B, T, k]`` (f32 / int32) at each completion
-    position, from the same chunked forward.
+    position, from the same chunked forward. ``routing``: a mixture-of-experts batch's
+    recorded expert ids ``[B, P + T, L, k]`` (routing replay, ``LogprobOptions.routing``),
+    split into the micro-batches with the rows; None: free routing.
     """
 
     mesh = None if param_shardings is None else jax.tree.leaves(param_shardings)[0].mesh
     devices = 1 if mesh is None else parallel.batch_shards(mesh)
 
-    def fn(params, seqs: Sequences, packing=None):
+    def fn(params, seqs: Sequences, packing=None, routing=None):
         with parallel.mesh_context(mesh):
-            return _logprobs(params, seqs, packing)
+            return _logprobs(params, seqs, packing, routing)
 
-    def _logprobs(params, seqs: Sequences, packing):
+    def _logprobs(params, seqs: Sequences, packing, routing):
         params = jax.lax.stop_gradient(params)
 
-        def one(part: Sequences, plan=None):
+        def one(rows, plan=None):
+            part, part_routing = rows
             return sequence_logprobs(
                 params,
                 model_config,
@@ -91,30 +94,44 @@ def make_logprob_fn(
                 temperature=temperature,
                 chunk_size=chunk_size,
                 top_k=top_k,
+                routing=part_routing,
             )
 
         k = packed_micro_batch_count(
             packing, micro_batches, micro_batch_count(micro_batches, seqs, devices)
         )
         if k == 1:
-            return one(seqs, None if packing is None else micro_plan(packing, 0))
-        parts = split_micro_batches(seqs, k)
+            return one((seqs, routing), None if packing is None else micro_plan(packing, 0))
+        parts = split_micro_batches((seqs, routing), k)
         return merge_micro_batches(jax.lax.map(lambda xs: one(*xs), (parts, packing)))
 
     if param_shardings is None:
-        return LogprobProgram(jax.jit(fn))
-    return LogprobProgram(jax.jit(fn, in_shardings=(param_shardings, None, None)))
+        return LogprobProgram(jax.jit(fn), takes_routing=True)
+    jitted = jax.jit(fn, in_shardings=(param_shardings, None, None, None))
+    return LogprobProgram(jitted, takes_routing=True)
 
 
 class LogprobProgram:
-    """A jitted ``(params, seqs, packing)`` called (and lowered) as ``(params, seqs)`` when
-    the batch is padded: ``jax.jit`` with ``in_shardings`` takes positional arguments only."""
+    """A jitted ``(params, seqs, packing)`` (with ``takes_routing``: ``(params, seqs,
+    packing, routing)``) called (and lowered) as ``(params, seqs)`` when the batch is padded
+    and routes freely: ``jax.jit`` with ``in_shardings`` takes positional arguments only.
 
-    def __init__(self, jitted):
-        self.jitted = jitted
+    Raises (when called):
+      ValueError: a ``routing`` to replay given to a program that takes none.
+    """
 
-    def __call__(self, params, seqs: Sequences, packing=None):
-        return self.jitted(params, seqs, packing)
+    def __init__(self, jitted, *, takes_routing: bool = False):
+        self.jitted, self.takes_routing = jitted, takes_routing
 
-    def lower(self, params, seqs: Sequences, packing=None):
-        return self.jitted.lower(params, seqs, packing)
+    def _args(self, params, seqs, packing, routing) -> tuple:
+        if self.takes_routing:
+            return params, seqs, packing, routing
+        if routing is not None:
+            raise ValueError("this log-prob program does not replay a routing (routing=None)")
+        return params, seqs, packing
+
+    def __call__(self, params, seqs: Sequences, packing=None, routing=None):
+        return self.jitted(*self._args(params, seqs, packing, routing))
+
+    def lower(self, params, seqs: Sequences, packing=None, routing=None):
+        return self.jitted.lower(*self._args(params, seqs, packing, routing))

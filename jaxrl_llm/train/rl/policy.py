@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl_llm import masked_stats, objectives
+from jaxrl_llm import packing as packing_lib
 from jaxrl_llm.models import moe
 from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.forward import routed_sequence_logprobs, sequence_logprobs
@@ -140,6 +141,43 @@ def router_loss_terms(
     return weight * total, metrics
 
 
+def routing_mismatch(router_logits: jax.Array, recorded: jax.Array, scored: jax.Array) -> jax.Array:
+    """How many scored tokens the trainer's own router sends to another top-k set than the
+    sampler recorded, in any mixture-of-experts layer (f32 scalar count).
+
+    Token ``(n, s)`` counts when ``scored[n, s]`` and, for some layer ``l`` whose recorded
+    ids are all ``>= 0``, ``sort(top_k(router_logits[l, n, s])) != sort(recorded[l, n, s])``.
+
+    Args:
+      router_logits: ``[L, N, S, E]`` the forward's router logits.
+      recorded: ``[L, N, S, k]`` int, the sampler's ids in the same row layout (-1: none).
+      scored: ``[N, S]`` bool, the tokens to count (real completion tokens).
+    """
+    k = recorded.shape[-1]
+    _, free = jax.lax.top_k(router_logits, k)
+    valid = jnp.all(recorded >= 0, axis=-1)
+    differs = jnp.any(jnp.sort(free, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)
+    token = jnp.any(differs & valid, axis=0) & scored.astype(bool)
+    return jnp.sum(token.astype(jnp.float32))
+
+
+def batch_routing_mismatch(
+    router_logits: jax.Array, batch: RolloutBatch, *, num_tokens: jax.Array | float
+) -> jax.Array:
+    """``moe/routing_mismatch``: the share of the batch's real completion tokens whose
+    ``routing_mismatch`` count is 1, for one micro-batch (``num_tokens``: the whole batch's
+    completion tokens, so the micro-batches' values add up). ``router_logits`` are over the
+    batch's padded ``[B, P + T]`` rows or its packed ones (``batch.packing``)."""
+    routing = batch.routing.astype(jnp.int32)
+    prompt = jnp.zeros(batch.prompt_mask.shape, bool)
+    scored = jnp.concatenate([prompt, batch.completion_mask.astype(bool)], axis=1)
+    if batch.packing is not None:
+        routing = packing_lib.pack(routing + 1, batch.packing) - 1
+        scored = packing_lib.pack(scored, batch.packing)
+    count = routing_mismatch(router_logits, jnp.moveaxis(routing, 2, 0), scored)
+    return count / jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
+
+
 def make_policy_loss_fn(
     model_config,
     objective: objectives.Objective,
@@ -149,9 +187,12 @@ def make_policy_loss_fn(
     remat: str = "none",
     compute_entropy: bool = True,
     router: RouterLoss | None = None,
+    replay_routing: bool = False,
 ) -> LossFn:
     """``(params, batch, totals) -> (loss, metrics)``: log-probs → ``objectives.policy_loss``
-    (plus the router losses of a mixture-of-experts model, ``router_loss_terms``).
+    (plus the router losses of a mixture-of-experts model, ``router_loss_terms``; with a
+    recorded ``batch.routing``, ``moe/routing_mismatch``, and the forward replays it when
+    ``replay_routing``).
 
     See :func:`make_policy_step` for the arguments.
     """
@@ -175,6 +216,13 @@ def make_policy_loss_fn(
             return_entropy=need_entropy,
             dropout_key=key,
         )
+        if replay_routing:
+            if batch.routing is None:
+                raise ValueError(
+                    "model.routing_replay=rollout: the update's batch carries no routing "
+                    "(RolloutBatch.routing, the sampler's recorded expert ids)"
+                )
+            kwargs["routing"] = batch.routing
         if distills:  # the policy's log-probs of the teacher's top-k, from the same forward
             if batch.teacher_top_ids is None:
                 raise ValueError(
@@ -218,6 +266,12 @@ def make_policy_loss_fn(
                 weight=share,
             )
             metrics = {**metrics, **router_metrics}
+            if batch.routing is not None:
+                tokens = jnp.sum(batch.completion_mask.astype(jnp.float32))
+                tokens = tokens if totals is None else totals.num_tokens
+                metrics["moe/routing_mismatch"] = jax.lax.stop_gradient(
+                    batch_routing_mismatch(routed.router_logits, batch, num_tokens=tokens)
+                )
             if router.aux_coef or router.z_coef:  # coefficients 0: the loss left as it was
                 loss = loss + extra
                 metrics["loss"] = loss  # what the step minimises, router losses included
@@ -248,6 +302,7 @@ def make_policy_step(
     compute_entropy: bool = True,
     param_shardings: PyTree | None = None,
     router: RouterLoss | None = None,
+    replay_routing: bool = False,
 ) -> Step:
     """A pure policy-update step: log-probs → ``objectives.policy_loss`` → gradient → optax.
 
@@ -259,7 +314,8 @@ def make_policy_step(
       temperature: sampling temperature, applied to the recomputed log-probs (so the ratio
         starts at 1 when the policy has not moved).
       chunk_size: sequence chunk of the log-prob computation (memory ``O(B·chunk·V)``).
-      remat: ``"none"`` or ``"layer"`` (recompute each layer in the backward pass).
+      remat: ``"none"``, ``"layer"`` (recompute each layer in the backward pass) or
+        ``"offload"`` (``models.REMAT_POLICIES``).
       compute_entropy: also compute the per-token entropy (metric; needed for a bonus).
       param_shardings: the parameters' shardings (``train.step.make_step``).
       router: a mixture-of-experts policy's router-loss coefficients (``router_loss``, from
@@ -267,6 +323,11 @@ def make_policy_step(
         checkpoint's ``router_aux_loss_coef`` and no z-loss. Must be None for a dense model.
         The update then adds ``moe/load_balancing_loss`` and ``moe/router_z_loss`` to its
         metrics, and its ``loss`` metric includes the weighted router losses.
+      replay_routing: routing replay (``model.routing_replay=rollout``): the forward routes
+        each token to the experts the sampler recorded (``batch.routing`` ``[B, P + T, L,
+        k]``, required). A batch with ``routing`` also reports ``moe/routing_mismatch``
+        (``batch_routing_mismatch``: the share of completion tokens whose top-k under the
+        trainer's own router differs from the recorded set), replayed or not.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
@@ -287,6 +348,7 @@ def make_policy_step(
         remat=remat,
         compute_entropy=compute_entropy,
         router=router,
+        replay_routing=replay_routing,
     )
     return make_step(
         loss_fn,

@@ -60,6 +60,19 @@ def takes_own_logprobs(run: RunSpec) -> bool:
     return on_policy_update(run) and run.sampler.logprobs != "sampler"
 
 
+def check_replay_model(mode: str, model_config: Any) -> None:
+    """Refuses ``model.routing_replay`` (``measure`` / ``rollout``) for a dense model.
+
+    Raises:
+      ValueError: the mode is not ``off`` and ``model_config`` has no experts.
+    """
+    if mode != "off" and not model_config.is_moe:
+        raise ValueError(
+            f"model.routing_replay={mode} applies to mixture-of-experts models; "
+            f"{model_config.architecture} here is dense: set model.routing_replay=off"
+        )
+
+
 def builder_name(builder: Callable) -> str:
     """``module.qualname`` of a program's builder (``ProgramSpec.builder``)."""
     return f"{builder.__module__}.{builder.__qualname__}"
@@ -88,6 +101,7 @@ def policy_programs(
       ``{name: ProgramSpec}``; ``ref_logprobs`` only when the objective keeps a reference.
     """
     cfg = run.config
+    check_replay_model(cfg.model.replay_mode, model_config)
     mesh = jax.tree.leaves(shardings)[0].mesh
     platform = parallel.current_platform(mesh)[0]
     temperature, chunk = cfg.rollout.temperature, cfg.model.chunk_size
@@ -104,6 +118,7 @@ def policy_programs(
             router=router_loss(
                 model_config, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef
             ),
+            replay_routing=cfg.model.replay_mode == "rollout",
         ),
         shardings,
         frozen=frozen,
@@ -194,6 +209,7 @@ def teacher_program(run: RunSpec, teacher_config: Any, teacher_shardings: Any) -
 __all__ = [
     "ProgramSpec",
     "builder_name",
+    "check_replay_model",
     "distill_top_k",
     "policy_programs",
     "takes_own_logprobs",

@@ -25,7 +25,7 @@ from jaxrl_llm import sampling
 from jaxrl_llm.data.encoding import decode_completions, encode_prompts, pad_id
 from jaxrl_llm.parallel import fetch
 from jaxrl_llm.rewards import RewardInput, compute_rewards, is_correct
-from jaxrl_llm.sampling.engine import Engine, Request
+from jaxrl_llm.sampling.engine import Engine, Request, batch_routing
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -57,6 +57,15 @@ class Samples(NamedTuple):
     # The continuous engine's run (``sampling.engine.EngineStats``): slot utilisation, a paged
     # cache's preemptions and peak blocks; None from the static sampler.
     engine: Any = None
+    # Routing replay (``model.routing_replay``): [N*G, P + T, L, k] int32, the experts each
+    # mixture-of-experts layer of the sampler chose for each token of ``[prompt ;
+    # completion]`` (-1 on padding); None when not recorded.
+    routing: np.ndarray | None = None
+
+
+def records_routing(context: Any) -> bool:
+    """Whether a run's draws record the sampler's routing (``model.routing_replay`` set)."""
+    return context.cfg.model.replay_mode != "off"
 
 
 def finish_scoring(samples: Samples) -> Samples:
@@ -124,8 +133,9 @@ class TokenDrawer(Drawer):
 
     @abc.abstractmethod
     def tokens(self, params, prompt_tokens, prompt_mask, key, request: DrawRequest) -> tuple:
-        """``(tokens, mask, logprobs, versions or None, engine stats or None)``, each
-        ``[N*G, T]`` right-padded on the host."""
+        """``(tokens, mask, logprobs, versions or None, engine stats or None, routing or
+        None)``, each ``[N*G, T]`` right-padded on the host; ``routing`` ``[N*G, P + T, L,
+        k]`` int32 (``records_routing``) aligned with the given prompts' width ``P``."""
 
     def draw(self, params, examples, key, request: DrawRequest) -> Samples:
         context = self.context
@@ -137,7 +147,7 @@ class TokenDrawer(Drawer):
                 max_prompt_tokens=context.cfg.data.max_prompt_tokens,
                 add_special_tokens=not context.cfg.data.chat_template,
             )
-            tokens, mask, logprobs, versions, stats = self.tokens(
+            tokens, mask, logprobs, versions, stats, routing = self.tokens(
                 params, prompt_tokens, prompt_mask, key, request
             )
         with request.phase("scoring"):
@@ -175,6 +185,7 @@ class TokenDrawer(Drawer):
             scoring=pending,
             versions=versions,
             engine=stats,
+            routing=routing,
         )
 
 
@@ -184,7 +195,8 @@ class StaticDrawer(TokenDrawer):
 
     def tokens(self, params, prompt_tokens, prompt_mask, key, request: DrawRequest) -> tuple:
         context, settings = self.context, self.context.settings
-        completion = sampling.generate(
+        record = records_routing(context)
+        out = sampling.generate(
             params,
             context.sampling_config,
             prompt_tokens,
@@ -199,9 +211,13 @@ class StaticDrawer(TokenDrawer):
             num_samples=request.group_size,
             mesh=request.mesh,
             decode_layers=settings.decode_layers,
+            record_routing=record,
         )
+        completion, routing = out if record else (out, None)
         tokens, mask = fetch(completion.tokens), fetch(completion.mask)
-        return tokens, mask, fetch(completion.logprobs), None, None
+        if routing is not None:
+            routing = np.asarray(fetch(routing), np.int32)
+        return tokens, mask, fetch(completion.logprobs), None, None, routing
 
 
 class ContinuousDrawer(TokenDrawer):
@@ -238,6 +254,7 @@ class ContinuousDrawer(TokenDrawer):
                 **settings.sampling(request.temperature),
             ),
             mesh=request.mesh,
+            record_routing=records_routing(context),
         )
         results, stats = engine.run(
             requests, key=key, updates=request.updates, version=request.version
@@ -253,7 +270,10 @@ class ContinuousDrawer(TokenDrawer):
             logprobs[row, :n] = result.logprobs
             versions[row, :n] = result.versions
         versions = versions if request.updates is not None else None
-        return tokens, completion_mask, logprobs, versions, stats
+        routing = None
+        if records_routing(context):
+            routing = batch_routing(results, mask.shape[1], t_len)
+        return tokens, completion_mask, logprobs, versions, stats, routing
 
 
 def concat_samples(parts: Sequence[Samples]) -> Samples:
@@ -262,6 +282,19 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
 
     def left_pad(x: np.ndarray, fill) -> np.ndarray:
         return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=fill)
+
+    routing = None
+    if all(p.routing is not None for p in parts):  # [prompt ; completion], prompts re-padded
+        routing = np.concatenate(
+            [
+                np.pad(
+                    p.routing,
+                    ((0, 0), (width - p.prompt_tokens.shape[1], 0), (0, 0), (0, 0)),
+                    constant_values=-1,
+                )
+                for p in parts
+            ]
+        )
 
     def rows(field: str):
         values = [getattr(p, field) for p in parts]
@@ -289,6 +322,7 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
         loss_mask=rows("loss_mask"),
         info=info,
         versions=rows("versions"),
+        routing=routing,
     )
 
 
@@ -311,6 +345,7 @@ def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samp
         loss_mask=take(samples.loss_mask),
         info=None if samples.info is None else {k: take(v) for k, v in samples.info.items()},
         versions=take(samples.versions),
+        routing=take(samples.routing),
     )
 
 

@@ -191,6 +191,31 @@ def check_staleness(cfg: Any, objective: Any, *, warn: bool = True) -> None:
         )
 
 
+def check_routing_replay(cfg: TrainConfig, kind: str) -> None:
+    """Refuses a ``model.routing_replay`` the run cannot record or replay (a dense model is
+    refused where the model is known, ``programs.check_replay_model``).
+
+    Raises:
+      ValueError: a multi-turn environment (``env.name``: its episodes do not record the
+        routing) or a trainer other than the policy trainer (PPO, PRIME). A sampler on
+        processes of its own (``train.rl.remote``) is refused by ``RLTrainer``.
+    """
+    mode = cfg.model.replay_mode
+    if mode == "off":
+        return
+    key = f"model.routing_replay={mode}"
+    if cfg.env.name:
+        raise ValueError(
+            f"{key}: multi-turn episodes (env.name={cfg.env.name!r}) do not record the "
+            "routing yet; set model.routing_replay=off"
+        )
+    if kind != "policy":
+        raise ValueError(
+            f"{key}: the {kind} trainer's update does not replay the routing yet; set "
+            "model.routing_replay=off"
+        )
+
+
 def resolve(cfg: TrainConfig, *, backend: str | None = None, training: bool = True) -> RunSpec:
     """Every check of an RL job, and its resolved values.
 
@@ -206,6 +231,7 @@ def resolve(cfg: TrainConfig, *, backend: str | None = None, training: bool = Tr
     objective = check_config(cfg)
     kind = trainer_kind(objective)
     check_staleness(cfg, objective, warn=training)
+    check_routing_replay(cfg, kind)
     adapters.check_lora_job(cfg, "rl", objective)
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if m.remat not in models.REMAT_POLICIES:
@@ -263,6 +289,7 @@ __all__ = [
     "Precision",
     "RunSpec",
     "SamplerSettings",
+    "check_routing_replay",
     "check_staleness",
     "resolve",
     "sampler_settings",

@@ -140,6 +140,12 @@ class RLTrainer(Trainer):
         self.spec = resolve(cfg)
         objective = self.spec.objective
         if remote.is_remote(cfg):
+            if cfg.model.replay_mode != "off":
+                raise ValueError(
+                    f"model.routing_replay={cfg.model.replay_mode}: a sampler on processes "
+                    "of its own (train.rl.remote) does not send the routing yet; set "
+                    "model.routing_replay=off"
+                )
             remote.check_remote(cfg)
         self.check_objective(objective)
         # A distillation loss trains whatever the advantages (GKD's: none at all).
@@ -455,16 +461,23 @@ class RLTrainer(Trainer):
             )
             seqs = setup.to_device(host_seqs, run.mesh)
             sampled = setup.to_device(samples.logprobs, run.mesh)
+            routing = self.batch_routing(samples, host_seqs)
             plan = self.packing_plan(
                 host_seqs.prompt_mask, mask, forward_micro_batching(cfg.trainer, self.platform)
             )
+            # Routing replay: the frozen forwards route as the sampler did.
+            replay = {} if routing is None or not self.replays_routing else {"routing": routing}
             if self.sampler_logprobs:
                 old = sampled
             else:
-                old = None if self.on_policy else self.logprob_fn(self.policy_params, seqs, plan)
+                old = (
+                    None
+                    if self.on_policy
+                    else self.logprob_fn(self.policy_params, seqs, plan, **replay)
+                )
             ref = None
             if self.reference is not None:
-                ref = self.ref_logprob_fn(self.reference, seqs, plan)
+                ref = self.ref_logprob_fn(self.reference, seqs, plan, **replay)
             teacher = None
             if self.teacher is not None:
                 teacher = self.teacher_logprobs(host_seqs, seqs, plan)
@@ -485,7 +498,9 @@ class RLTrainer(Trainer):
                 seqs = seqs._replace(completion_mask=setup.to_device(trained, run.mesh))
             forwards = StepForwards(old, ref, teacher, plan, teacher_top)
             batch, score_metrics = self.score(step, samples, seqs, forwards, device_rewards)
-            batch = batch._replace(rollout_logprobs=sampled, attention_mask=attention)
+            batch = batch._replace(
+                rollout_logprobs=sampled, attention_mask=attention, routing=routing
+            )
             if teacher_top is not None:
                 batch = batch._replace(
                     teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1]
@@ -530,6 +545,40 @@ class RLTrainer(Trainer):
             watched = {k: v for k, v in metrics.items() if not k.startswith("advantage_")}
         self.watch.observe(step + 1, watched)
         return metrics
+
+    @property
+    def replays_routing(self) -> bool:
+        """``model.routing_replay=rollout``: every training-side forward of the policy (and
+        its reference) routes each token to the experts the sampler recorded."""
+        return self.cfg.model.replay_mode == "rollout"
+
+    def batch_routing(self, samples, host_seqs: Sequences):
+        """The sampler's recorded routing ``[B, P + T, L, k]`` int32 on the trainer's mesh
+        (sharded on B), its prompt columns left-padded with -1 to ``host_seqs``' bucketed
+        prompt width; None when not recorded (``model.routing_replay=off``).
+
+        Raises:
+          ValueError: replay or measurement is on and the samples carry no routing.
+        """
+        if self.cfg.model.replay_mode == "off":
+            return None
+        routing = getattr(samples, "routing", None)
+        if routing is None:
+            raise ValueError(
+                f"model.routing_replay={self.cfg.model.replay_mode}: the rollout carries "
+                "no routing (Samples.routing; the drawer did not record it)"
+            )
+        routing = np.asarray(routing, np.int32)
+        extra = host_seqs.prompt_tokens.shape[1] - samples.prompt_tokens.shape[1]
+        want = host_seqs.prompt_tokens.shape[1] + host_seqs.completion_tokens.shape[1]
+        if extra:
+            routing = np.pad(routing, ((0, 0), (extra, 0), (0, 0), (0, 0)), constant_values=-1)
+        if routing.shape[:2] != (len(routing), want) or len(routing) != len(samples.prompts):
+            raise ValueError(
+                f"Samples.routing {routing.shape} must be [B, P + T, L, k] with B="
+                f"{len(samples.prompts)}, P + T={want}"
+            )
+        return setup.to_device(routing, self.run.mesh)
 
     def teacher_logprobs(self, host_seqs: Sequences, seqs: Sequences, plan):
         """The distillation teacher's ``[B, T]`` log-probs of the batch (dispatched, not
