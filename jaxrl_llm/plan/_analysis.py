@@ -47,6 +47,8 @@ from jaxrl_llm.plan._lora import (
     policy,
     serving_trees,
 )
+from jaxrl_llm.plan._moe import WEIGHT_PROGRAMS as MOE_WEIGHT_PROGRAMS
+from jaxrl_llm.plan._moe import is_expert_exchange, is_moe, program_moe
 from jaxrl_llm.plan._packing import job_packing
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan._split import (
@@ -204,6 +206,8 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         split,
         teacher,
         packing,
+        train_state=state,
+        reference_params=reference,
     )
 
 
@@ -407,6 +411,11 @@ def decode_hbm_bytes_per_chip(
       back (``W / t``): ``W / t (2 + 1 / f)``; ``W / t`` when ``f = 1`` (read in place). An
       untied embedding table is gathered too (``E / t (1 + 1 / f)``; the lookup then reads
       ``rows x D x c / s``);
+    * a mixture of experts: the matmuls read the experts the step's tokens reach, not only
+      ``k`` (``flops.decode_weight_params``: ``E (1 - (1 - k / E)^n)`` a layer for the ``n``
+      tokens routed to a chip's experts, ``rows / s`` times the expert axis ``P``), and the
+      gather moves all of a chip's ``E / P`` experts: ``W_all / t (1 + 1 / f) + W_read / t``
+      with the experts ``/ P`` in both;
     * cache: ``estimate.decode_hbm_bytes`` without weights (every slot's keys and values read,
       this step's written) over ``s x t`` chips (rows over the batch axes, kv-heads over
       tensor);
@@ -414,12 +423,21 @@ def decode_hbm_bytes_per_chip(
     """
     c = jnp.dtype(config.compute_dtype).itemsize
     sizes = dict(mesh.shape)
-    fsdp, tensor = sizes["fsdp"], sizes["tensor"]
+    fsdp, tensor, expert = sizes["fsdp"], sizes["tensor"], sizes.get("expert", 1)
     shards = parallel.batch_shards(mesh)
-    weights = (flops_lib.matmul_params(config) + flops_lib.adapter_params(config)) * c / tensor
+    adapters = flops_lib.adapter_params(config)
+    read = flops_lib.decode_weight_params(config, rows * expert / shards) + adapters
+    gathered = float(flops_lib.matmul_params(config) + adapters)
+    if config.num_experts:  # a chip's E / P experts, all gathered; the touched ones read
+        per_layer = 3 * config.hidden_size * config.moe_intermediate_size
+        active = config.num_hidden_layers * config.num_experts_per_tok * per_layer
+        dense = gathered - active
+        gathered = dense + (config.num_hidden_layers * config.num_experts * per_layer) / expert
+        read = dense + (read - dense) / expert
+    weights = read * c / tensor
     table = config.vocab_size * config.hidden_size * c / tensor
     if fsdp > 1:
-        weights *= 2 + 1 / fsdp
+        weights += gathered * c / tensor * (1 + 1 / fsdp)
         table = 0.0 if config.tie_word_embeddings else table * (1 + 1 / fsdp)
     else:
         table = 0.0
@@ -430,10 +448,20 @@ def decode_hbm_bytes_per_chip(
     return weights + table + lookup + cache + logits
 
 
-def _hlo_estimate(compiled: Any, spec: TopologySpec, program: Program) -> dict[str, Any]:
+def _hlo_estimate(
+    compiled: Any,
+    spec: TopologySpec,
+    program: Program,
+    model_config: models.ModelConfig | None = None,
+    mesh_sizes: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """HBM bytes, de-duplicated trip-weighted collectives and roofline times of a compiled
     program (``estimate.estimate_program`` with ``unique_collectives`` applied; one trip of
-    the decode loop for ``per_step_loop`` programs; ``program.hbm_bytes`` when modelled)."""
+    the decode loop for ``per_step_loop`` programs; ``program.hbm_bytes`` when modelled).
+
+    For a mixture-of-experts ``model_config`` on the trainer's mesh (``mesh_sizes``) also
+    ``moe``: the program's expert all-to-all and whole-expert gathers (``plan._moe``); each
+    collective says whether it is the experts' exchange (``expert_exchange``)."""
     module = hlo_lib.parse_hlo_module(compiled.as_text())
     one_trip = False
     if program.per_step_loop:
@@ -479,8 +507,21 @@ def _hlo_estimate(compiled: Any, spec: TopologySpec, program: Program) -> dict[s
                 "group_size": op.group_size,
                 "multiplier": op.multiplier,
                 "ici_s": op.multiplier * est.ici_time_s(op.kind, op.bytes, op.group_size, link),
+                "expert_exchange": is_expert_exchange(op),
             }
             for op in ops
         ],
         "times": times,
+        "moe": (
+            program_moe(
+                module,
+                ops,
+                model_config,
+                mesh_sizes or {},
+                link,
+                check_gathers=program.name not in MOE_WEIGHT_PROGRAMS,
+            )
+            if model_config is not None and is_moe(model_config)
+            else None
+        ),
     }

@@ -164,7 +164,8 @@ def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
     ``mesh.expert > 1`` adds the ``expert`` axis).
 
     Raises:
-      PlanError: sizes that do not fit the slice.
+      PlanError: sizes that do not fit the slice, or that its torus cannot lay out (each axis
+        a product of whole torus axes).
     """
     sizes = (section.data, section.fsdp, section.tensor)
     expert = getattr(section, "expert", 1)
@@ -178,6 +179,22 @@ def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
         return parallel.make_mesh(*sizes, expert=expert, devices=devices)
     except ValueError as err:
         raise PlanError(f"mesh: {err}") from None
+    except NotImplementedError as err:  # jax.make_mesh on a torus: axes of whole torus axes
+        raise PlanError(
+            f"mesh: data x fsdp x expert x tensor = {sizes[0]} x {sizes[1]} x {expert} x "
+            f"{sizes[2]} does not map onto the slice's torus ({str(err).split('. ')[0]}); "
+            "choose sizes that are products of its axes"
+        ) from None
+
+
+def mesh_maps(devices: Sequence[Any], data: int, fsdp: int, tensor: int, expert: int = 1) -> bool:
+    """Whether ``parallel.make_mesh`` lays these sizes out on ``devices`` (on a TPU torus each
+    axis must be a product of whole torus axes: v5p-128's 4x4x4 takes 4, 16 or 64, not 2)."""
+    try:
+        parallel.make_mesh(data, fsdp, tensor, expert=expert, devices=list(devices))
+    except (ValueError, NotImplementedError):
+        return False
+    return True
 
 
 # -- abstract arrays and their per-chip bytes -------------------------------------------------
@@ -424,6 +441,8 @@ class Job(OfRun):
     split: Any = None  # plan._split.Split: the sampler's own chips (mesh.rollout_devices)
     teacher: Any = None  # plan._frozen_model.FrozenModel of teacher.path
     packing: Any = None  # plan._packing.Packing: trainer.packing as planned
+    train_state: Any = None  # the abstract TrainState (shardings on ``mesh``)
+    reference_params: Any = None  # the abstract reference parameters, or None
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

@@ -25,9 +25,11 @@ from jaxrl_llm.plan._job import (
     ASSUMPTIONS,
     Job,
     Program,
+    mesh_maps,
 )
 from jaxrl_llm.plan._lora import ASSUMPTIONS as LORA_ASSUMPTIONS
 from jaxrl_llm.plan._lora import lora_report
+from jaxrl_llm.plan._moe import moe_hints, moe_report, moe_suggestions, replication
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan._split import ASSUMPTIONS as SPLIT_ASSUMPTIONS
 from jaxrl_llm.plan._split import split_report
@@ -41,6 +43,7 @@ from jaxrl_llm.plan.topology import CompileOutcome, GiB, TopologySpec, try_compi
 
 # The jitted sampler programs ``sampling.generate`` calls (its module name is shadowed by the
 # function ``sampling.generate``, hence the direct import).
+from jaxrl_llm.sampling import serving
 from jaxrl_llm.train.rl.config import TrainConfig
 
 PyTree = Any
@@ -109,8 +112,20 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
         "packing": None if program.packing is None else program.packing.report(),
     }
     if compiled is not None:
-        out.update(_hlo_estimate(compiled, spec, program))
+        out.update(_hlo_estimate(compiled, spec, program, job.model_config, dict(job.mesh.shape)))
         times = out.pop("times")
+        if out["moe"] is not None:  # a mixture of experts: the expert matmuls as compiled
+            rep = out["moe"]["replication"] = replication(job, program.name, out["moe"])
+            if rep is not None and rep["extra_flops"]:  # chips doing other chips' tokens
+                times = est.roofline(
+                    spec,
+                    flops=program.flops + rep["extra_flops"],
+                    hbm_bytes=out["hbm_bytes"],
+                    ici_s=times["ici_s"],
+                    model_flops=program.model_flops,
+                    tokens=program.tokens,
+                    chips=program.chips,
+                )
     else:
         # No HLO: the compute time only, a lower bound (HBM and ICI unknown).
         compute = est.roofline(spec, flops=program.flops, hbm_bytes=0.0, chips=program.chips)[
@@ -137,6 +152,7 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
             trip_counts_known=None,
             xla_optimal_seconds=None,
             collectives=[],
+            moe=None,
         )
     # Expected: the compute time at the chip generation's measured matmul efficiency.
     efficiency = matmul_efficiency(spec.generation).value
@@ -316,6 +332,9 @@ def summarise(
             "name": job.cfg.model.architecture or job.cfg.model.path,
             "architecture": config.architecture,
             "params": models.param_count(config),
+            # What one token uses (a mixture of experts: its k routed experts of E); FLOPs,
+            # MFU and goodput count these.
+            "active_params": flops_lib.active_param_count(config),
             "matmul_params": flops_lib.matmul_params(config),
             "param_dtype": job.cfg.model.param_dtype,
             "compute_dtype": config.compute_dtype,
@@ -323,6 +342,7 @@ def summarise(
             "lora": lora_report(config),
         },
         "objective": job.objective.name,
+        "moe": moe_report(job, programs),
         "critic": critic_report(job),
         "reward_model": frozen_model_report(job, job.reward_model),
         "teacher": frozen_model_report(job, job.teacher),
@@ -338,7 +358,11 @@ def summarise(
         ],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
-    report["hints"] = decode_hints(job, programs, spec.usable_hbm_bytes_per_chip) if fits else []
+    report["hints"] = (
+        [*moe_hints(job, programs), *decode_hints(job, programs, spec.usable_hbm_bytes_per_chip)]
+        if fits
+        else []
+    )
     return report
 
 
@@ -470,12 +494,30 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
                 f"micro-batch already, and the batch axes need a multiple of {shards}; "
                 "more trainer.minibatches instead"
             )
+    if not skipped_compile:  # a mixture of experts: where mesh.expert shrinks what is over
+        out += moe_suggestions(job, programs)
     if not skipped_compile and over & {"update", "logprobs", "ref_logprobs", "teacher_logprobs"}:
-        tensor = dict(job.mesh.shape)["tensor"]
-        out.append(
-            f"a tensor axis (mesh.tensor={2 * tensor} with mesh.fsdp=-1): splits heads, MLP "
-            "width and vocabulary, their weights gathered per layer and their activations"
+        sizes = dict(job.mesh.shape)
+        tensor, devices = sizes["tensor"], list(job.mesh.devices.flat)
+        expert = sizes.get("expert", 1)
+        others = sizes["data"] * expert
+        # The next size the model's heads, widths and vocabulary divide and the slice's torus
+        # lays out (v5p-128's 4x4x4 takes 4 and 16, not 2 or 8); none: no such suggestion.
+        bigger = next(
+            (
+                t
+                for t in serving.tensor_sizes(job.model_config, chips)
+                if t > tensor
+                and chips % (t * others) == 0
+                and mesh_maps(devices, sizes["data"], chips // (t * others), t, expert)
+            ),
+            None,
         )
+        if bigger is not None:
+            out.append(
+                f"a tensor axis (mesh.tensor={bigger} with mesh.fsdp=-1): splits heads, MLP "
+                "width and vocabulary, their weights gathered per layer and their activations"
+            )
     if not skipped_compile and over & {"logprobs", "ref_logprobs"}:
         out.append(
             "the log-prob forwards run over the whole rollout batch at once: fewer rollout "

@@ -241,6 +241,15 @@ def _lora_line(model: Mapping[str, Any], layout: Mapping[str, Any]) -> list[str]
     ]
 
 
+def _moe_lines(moe: Mapping[str, Any] | None) -> list[str]:
+    """A mixture-of-experts job's lines (``plan._moe.moe_lines``); none for a dense model."""
+    if not moe:
+        return []
+    from jaxrl_llm.plan._moe import moe_lines  # noqa: PLC0415
+
+    return moe_lines(moe)
+
+
 def _aux_lines(report: Mapping[str, Any]) -> list[str]:
     lines = []
     critic = report.get("critic")
@@ -357,6 +366,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{job['remat']}; weights {model['param_dtype']}, compute {model['compute_dtype']}, "
         f"AdamW moments {model['optimizer_state_dtype']}",
         *_lora_line(model, report["sampler_layout"]),
+        *_moe_lines(report.get("moe")),
         *_aux_lines(report),
         "",
         f"HBM per chip (GiB; the compiler lets a program use {report['hbm_usable_gib']:.2f}, "

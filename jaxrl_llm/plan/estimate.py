@@ -379,13 +379,14 @@ def decode_hbm_bytes(
     weights and the cache are sharded, not replicated).
 
     ``matmul_params x param_bytes`` (every weight a token passes through, read once a step; the
-    embedding lookup reads B rows) ``+ 2 L B K kv_len H x cache_bytes`` (the K and V caches
-    read) ``+ 2 L B K H x cache_bytes`` (this token's keys and values written).
+    embedding lookup reads B rows; a mixture of experts reads every expert its ``B`` tokens
+    reach, ``flops.decode_weight_params``) ``+ 2 L B K kv_len H x cache_bytes`` (the K and V
+    caches read) ``+ 2 L B K H x cache_bytes`` (this token's keys and values written).
     """
     if batch < 1 or kv_len < 1:
         raise ValueError(f"batch and kv_len must be >= 1, got {batch}, {kv_len}")
     layers, kv, h = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    weights = flops_lib.matmul_params(config) * param_bytes
+    weights = round(flops_lib.decode_weight_params(config, batch) * param_bytes)
     cache_read = 2 * layers * batch * kv * kv_len * h * cache_bytes
     cache_write = 2 * layers * batch * kv * h * cache_bytes
     embed_rows = batch * config.hidden_size * param_bytes

@@ -8,7 +8,11 @@ token and layer, with D hidden, N query heads, K key/value heads, H head dim, F 
   pair; a causal pass over its own S tokens has ``S (S + 1) / 2`` pairs a sequence (about half
   the square), a non-causal one ``S^2``, and S queries over a cache of ``kv_len`` slots
   ``S x kv_len`` (what the cache attention computes: every slot, masked);
-* SwiGLU MLP: gate, up and down, ``2 D F`` each;
+* SwiGLU MLP: gate, up and down, ``2 D F`` each; a mixture of experts (``E`` experts of
+  width ``F_e``, ``k`` a token) counts its **active** weights only: the router ``2 D E`` and
+  the ``k`` experts a token is sent to, ``k x 3 x 2 D F_e`` (and a shared expert), so MFU,
+  roofline and goodput are over the active parameters (``active_param_count``), as MoE
+  papers report them; the weights a batch of tokens *reads* are more (``decode_weight_params``);
 * unembedding: ``2 D V`` per scored position (once per sequence when decoding, ``S`` or
   ``S - 1`` for log-probs);
 * LoRA adapters (``config.lora``: ``x W + (alpha / r) (x A) B`` on each targeted projection
@@ -43,6 +47,56 @@ def mlp_params_per_layer(config: ModelConfig) -> int:
     experts = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size
     shared = config.shared_expert_intermediate_size
     return d * config.num_experts + experts + (3 * d * shared + d if shared else 0)
+
+
+def expert_params_per_expert(config: ModelConfig) -> int:
+    """Parameters of one routed expert in one layer: ``3 D F_e`` (gate, up, down), plus
+    gpt-oss's expert biases ``2 F_e + D``; 0 for a dense model."""
+    if not config.num_experts:
+        return 0
+    d, f = config.hidden_size, config.moe_intermediate_size
+    return 3 * d * f + (2 * f + d if config.expert_biases else 0)
+
+
+def routed_expert_params(config: ModelConfig) -> int:
+    """``L E 3 D F_e`` (+ biases): every routed expert's parameters (``expert_w_*``,
+    ``expert_b_*``; the router and a shared expert are not routed); 0 for a dense model."""
+    return config.num_hidden_layers * config.num_experts * expert_params_per_expert(config)
+
+
+def active_param_count(config: ModelConfig) -> int:
+    """Parameters one token uses: ``param_count`` less the ``E - k`` routed experts of each
+    layer it is not sent to, ``param_count - L (E - k) 3 D F_e`` (the router, a shared expert,
+    attention and the embeddings are always active); ``param_count`` for a dense model."""
+    unused = config.num_experts - config.num_experts_per_tok if config.num_experts else 0
+    return param_count(config) - (
+        config.num_hidden_layers * unused * expert_params_per_expert(config)
+    )
+
+
+def experts_touched(config: ModelConfig, tokens: float) -> float:
+    """``E (1 - (1 - k / E)^n)``: the expected number of distinct experts of one layer that
+    ``n`` tokens are routed to, if each token's ``k`` experts were uniform and independent
+    (``k`` for one token, nearly ``E`` once ``n k >> E``); 0 for a dense model. Real routers
+    are less uniform, so fewer are touched: this is an upper estimate of the weights read."""
+    e, k = config.num_experts, config.num_experts_per_tok
+    if not e:
+        return 0.0
+    if not tokens > 0:
+        raise ValueError(f"tokens must be > 0, got {tokens!r}")
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def decode_weight_params(config: ModelConfig, tokens: float) -> float:
+    """Matmul weights a forward over ``tokens`` tokens at once reads (a decode step's):
+    ``matmul_params`` for a dense model; for a mixture of experts the ``k`` active experts of
+    ``matmul_params`` become the ``experts_touched(tokens)`` experts the tokens reach:
+    ``matmul_params + L (touched - k) 3 D F_e``."""
+    if not config.num_experts:
+        return float(matmul_params(config))
+    extra = experts_touched(config, tokens) - config.num_experts_per_tok
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    return matmul_params(config) + config.num_hidden_layers * extra * per_expert
 
 
 def matmul_params_per_layer(config: ModelConfig) -> int:
@@ -215,7 +269,7 @@ def train_flops(
     adapters = parts.get("adapters", 0)
     if adapters and "down" in config.lora.targets:
         down += tokens_layers * 2 * config.lora.rank * config.hidden_size
-    recompute = forward - parts["unembed"] - down if remat == "layer" else 0
+    recompute = forward - parts["unembed"] - down if remat != "none" else 0
     if config.lora is None:
         return 3 * forward + recompute
     base = forward - adapters
@@ -249,9 +303,13 @@ def model_flops_per_token(
 
 __all__ = [
     "REMAT_POLICIES",
+    "active_param_count",
     "adapter_params",
     "attention_pairs",
     "decode_flops",
+    "decode_weight_params",
+    "expert_params_per_expert",
+    "experts_touched",
     "forward_flops",
     "forward_flops_breakdown",
     "matmul_params",
@@ -259,5 +317,6 @@ __all__ = [
     "mlp_params_per_layer",
     "model_flops_per_token",
     "param_count",
+    "routed_expert_params",
     "train_flops",
 ]

@@ -105,7 +105,9 @@ class CollectiveOp:
     of an async pair, the fusion of an XLA:TPU all-reduce-scatter), ``kind``, result ``bytes`` of
     one execution (reduce-scatter: the shard, all-gather: the gathered buffer), devices per
     replica group (permute: devices taking part), ``multiplier`` (trip counts of the loops around
-    it), ``is_async``, ``trip_count_known`` (every enclosing trip count read, else counted once).
+    it), ``is_async``, ``trip_count_known`` (every enclosing trip count read, else counted once),
+    ``op_name``: the JAX operation it came from (``metadata={op_name=...}``, e.g.
+    ``jit(step)/while/body/shard_map/all_to_all``; "" when the HLO carries none).
     """
 
     computation: str
@@ -116,6 +118,7 @@ class CollectiveOp:
     multiplier: int
     is_async: bool
     trip_count_known: bool
+    op_name: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -145,23 +148,30 @@ def parse_hlo_module(text: str) -> HloModule:
     attrs = header.group(2) if header else ""
     counts = [re.search(rf"{key}=(\d+)", attrs) for key in ("num_partitions", "replica_count")]
     computations: dict[str, Computation] = {}
-    entry, current = None, None
-    for raw in text.splitlines():
-        line = _COMMENT.sub("", raw).rstrip()
+    entry, current, pending = None, None, ""
+    for raw in [*_COMMENT.sub("", text).splitlines(), "  "]:
+        line = raw.rstrip()
         if current is None:
             match = _HEADER.match(line)
             if match and not line.startswith("HloModule"):
-                current = (match.group(2), bool(match.group(1)), [])
-        elif line.startswith("}"):
+                current, pending = (match.group(2), bool(match.group(1)), []), ""
+            continue
+        if pending.count("{") > pending.count("}") and line and not line[0].isspace():
+            # An attribute spanning lines, its next lines unindented (a Pallas kernel's
+            # ``frontend_attributes={kernel_metadata={\n"xprof_metadata":...\n}}, ...``).
+            pending += line
+            continue
+        if pending and (ins := _parse_instruction(pending)) is not None:
+            current[2].append(ins)
+        pending = line
+        if line.startswith("}"):  # the computation's closing brace
             name, is_entry, body = current
             if body:
                 computations[name] = Computation(
                     name, is_entry, tuple(body), {i.name: i for i in body}
                 )
                 entry = name if is_entry else entry
-            current = None
-        elif (ins := _parse_instruction(line)) is not None:
-            current[2].append(ins)
+            current, pending = None, ""
     if not computations:
         raise ValueError("no HLO computations found in the text (expected compiled.as_text())")
     if entry is None:
@@ -236,6 +246,15 @@ def array_bytes(type_text: str, *, memory_space: int | None = None) -> int:
     return total
 
 
+def array_shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(element type, dims)`` of each array of an HLO type, tuples flattened in order, e.g.
+    ``(bf16[16,2048]{1,0}, s32[])`` -> ``[("bf16", (16, 2048)), ("s32", ())]``."""
+    return [
+        (dtype, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip()))
+        for dtype, dims, _ in _ARRAY.findall(type_text)
+    ]
+
+
 def replica_group_size(ins: Instruction, num_devices: int) -> int:
     """Devices per replica group of a collective, from any of XLA's replica-group formats.
 
@@ -264,6 +283,13 @@ def replica_group_size(ins: Instruction, num_devices: int) -> int:
     if explicit := re.search(r"replica_groups=\{\{([^}]*)\}", attrs):
         return len(re.findall(r"\d+", explicit.group(1)))
     return num_devices
+
+
+def op_name(ins: Instruction) -> str:
+    """The JAX operation an instruction came from: its ``metadata={op_name="..."}`` ("" when
+    it has none), e.g. ``jit(fn)/while/body/closed_call/shard_map/all_to_all``."""
+    match = re.search(r'(?:^|[\s,{])op_name="([^"]*)"', ins.attributes)
+    return "" if match is None else match.group(1)
 
 
 def _module(hlo: str | HloModule) -> HloModule:
@@ -331,7 +357,15 @@ def collective_ops(hlo: str | HloModule) -> list[CollectiveOp]:
         is_async = is_start or site.in_async
         ops.append(
             CollectiveOp(
-                site.comp.name, ins.name, kind, nbytes, group, site.mult, is_async, site.known
+                site.comp.name,
+                ins.name,
+                kind,
+                nbytes,
+                group,
+                site.mult,
+                is_async,
+                site.known,
+                op_name(ins) or op_name(group_from),
             )
         )
     return ops

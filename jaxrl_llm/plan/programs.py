@@ -34,6 +34,12 @@ argument and an argument of the log-prob forwards, ``ref_logprobs`` runs the bas
 on a serving layout ``reshard`` moves the adapters each step and ``reshard_base`` the base
 once a run (its copy kept).
 
+A mixture-of-experts policy (``plan._moe``) is lowered as ``train`` runs it (``mesh.expert``:
+expert parallelism); the report adds the experts' share of each chip's memory, each program's
+expert all-to-all (trip weighted), the check that no program gathers every expert on a chip,
+the expert matmuls a chip runs for other chips' tokens (added to its compute), and
+``mesh.expert`` advice.
+
 PPO's critic and PRIME's implicit PRM are planned as their trainers build them
 (``plan._aux``): a separate critic adds ``values`` and ``critic_update``; with
 ``critic.optimizer=joint`` one state holds policy and critic and the ``update`` is the joint
