@@ -27,6 +27,7 @@ is exported here.
 from jaxrl_llm.bench.cli import (
     DEFAULT_SHAPES,
     bench_main,
+    loss_presets,
     parse_presets,
     parse_shapes,
     run_losses,
@@ -73,6 +74,7 @@ __all__ = [
     "load_torch_impl",
     "num_cores",
     "objective_batch",
+    "loss_presets",
     "parse_presets",
     "parse_shapes",
     "random_batch",

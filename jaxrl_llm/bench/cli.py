@@ -43,15 +43,30 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def loss_presets() -> list[str]:
+    """The presets whose loss is a function of the ``[B, T]`` log-probs alone, which the loss
+    benchmark times: every preset but those adding a distillation loss over the teacher's
+    top-k distribution (``distill_gkd``: it takes the student's log-probs of those tokens)."""
+    return [name for name in objectives.available() if objectives.make(name).distill_loss is None]
+
+
 def parse_presets(text: str) -> list[str]:
-    """``"grpo,dapo"`` -> ``["grpo", "dapo"]`` (``"all"``: every preset)."""
+    """``"grpo,dapo"`` -> ``["grpo", "dapo"]`` (``"all"``: every preset of :func:`loss_presets`).
+
+    Raises:
+      ValueError: an unknown preset, or one the loss benchmark cannot time (named).
+    """
     names = [part.strip() for part in text.split(",") if part.strip()]
     if names == ["all"]:
-        return list(objectives.available())
+        return loss_presets()
     unknown = [name for name in names if name not in objectives.PRESETS]
     if unknown or not names:
+        raise ValueError(f"unknown preset(s) {unknown or text!r}; available: {loss_presets()}")
+    other = [name for name in names if name not in loss_presets()]
+    if other:
         raise ValueError(
-            f"unknown preset(s) {unknown or text!r}; available: {objectives.available()}"
+            f"preset(s) {other} add a distillation loss over the teacher's top-k tokens, not a "
+            f"loss of the [B, T] log-probs alone; the loss benchmark times {loss_presets()}"
         )
     return names
 
