@@ -1,6 +1,7 @@
 """Flax NNX decoder-only transformers (Llama / Mistral / Qwen2 / Qwen3, Gemma / Gemma 2 /
 Gemma 3, and the Qwen2-MoE / Qwen3-MoE / Mixtral / gpt-oss mixtures of experts) and HF
-checkpoints (gpt-oss's MXFP4 experts dequantised at load: ``mxfp4``)."""
+checkpoints (gpt-oss's MXFP4 experts dequantised at load: ``mxfp4``; the multimodal Gemma 3
+checkpoints loaded as, and saved back around, their language model)."""
 
 from jaxrl_llm.models import lora, moe, mxfp4
 from jaxrl_llm.models.architectures import (

@@ -13,8 +13,9 @@ Names are the file stems (``available_architectures()``); they are the base chec
 ``mistralai/Mistral-7B-v0.3``; the mixtures of experts ``Qwen/Qwen3-30B-A3B``,
 ``Qwen/Qwen3-235B-A22B``, ``Qwen/Qwen1.5-MoE-A2.7B`` and ``mistralai/Mixtral-8x7B-v0.1``; and
 ``google/gemma-2-{9b,27b}``, ``google/gemma-3-1b-pt`` and the text model of
-``google/gemma-3-{12b,27b}-pt`` (its ``text_config`` as a ``Gemma3ForCausalLM``: the vision
-tower is not loaded); and ``openai/gpt-oss-{20b,120b}``.
+``google/gemma-3-{4b,12b,27b}-pt`` (its ``text_config`` as a ``Gemma3ForCausalLM``: the vision
+tower is not counted; the multimodal checkpoint itself loads as this text model, see
+``models.checkpoint``); and ``openai/gpt-oss-{20b,120b}``.
 """
 
 from __future__ import annotations

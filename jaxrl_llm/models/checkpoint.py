@@ -15,6 +15,14 @@ gpt-oss checkpoints as released store their experts in MXFP4 (``<name>_blocks`` 
 ``<name>_scales`` in place of ``<name>``): such a pair is read as the tensor it stands for,
 dequantised block by block (``models.mxfp4``), into the load dtype. Saving always writes plain
 (unquantised) tensors.
+
+A multimodal ``Gemma3ForConditionalGeneration`` checkpoint loads as its language model (the
+config's ``text_config``, ``config.language_model_dict``): the same tensors under the prefix
+``language_model.model.`` (what transformers writes and the released checkpoints hold) or
+``model.language_model.`` (transformers 5's in-memory names), the vision tower's and the
+projector's tensors left on disk. ``save_pretrained(..., source=that checkpoint)`` writes the
+wrapper back: the language model's tensors updated under the source's prefix, every vision
+tower and projector tensor copied through unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl_llm.models import mxfp4
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import ModelConfig, is_multimodal
 from jaxrl_llm.models.transformer import Params, logical_axes, param_shapes
 
 CONFIG_FILE = "config.json"
@@ -99,6 +107,22 @@ _IN_LAYER_SANDWICH = {
     "mlp_norm": "pre_feedforward_layernorm.weight",
     "post_mlp_norm": "post_feedforward_layernorm.weight",
 }
+
+
+# Multimodal wrappers: where the language model's ``model.*`` tensors and its (tied, so
+# usually absent) ``lm_head`` live, in the layout transformers writes and the released
+# checkpoints use, then in transformers 5's in-memory layout; and the prefixes of the other
+# towers' tensors, copied through on save.
+_WRAPPER_LAYOUTS = (
+    ("language_model.model.", "language_model.lm_head.weight"),
+    ("model.language_model.", "lm_head.weight"),
+)
+_PASSTHROUGH_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +312,34 @@ def _plan(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
     return plan
 
 
+def _wrapper_layout(names: Sequence[str], path: str) -> tuple[str, str]:
+    """``(prefix, lm_head name)`` of the wrapper layout whose embedding ``names`` holds."""
+    for prefix, lm_head in _WRAPPER_LAYOUTS:
+        if prefix + "embed_tokens.weight" in names:
+            return prefix, lm_head
+    tried = [prefix + "embed_tokens.weight" for prefix, _ in _WRAPPER_LAYOUTS]
+    raise ValueError(
+        f"multimodal checkpoint {path!r} holds none of {tried}: no language model to load"
+    )
+
+
+def _in_wrapper(
+    plan: dict[tuple[str, ...], _Entry], prefix: str, lm_head: str
+) -> dict[tuple[str, ...], _Entry]:
+    """``plan`` with its HF names moved into a wrapper: ``model.x -> prefix + x``,
+    ``lm_head.weight -> lm_head``."""
+
+    def rename(name: str) -> str:
+        if name == "lm_head.weight":
+            return lm_head
+        return prefix + name.removeprefix("model.")
+
+    return {
+        key: dataclasses.replace(entry, names=tuple(rename(n) for n in entry.names))
+        for key, entry in plan.items()
+    }
+
+
 def _flat(tree: Params) -> dict[tuple[str, ...], Any]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(k.key for k in path): leaf for path, leaf in leaves}
@@ -337,6 +389,10 @@ class _Tensors(contextlib.ExitStack):
                 handles = (self.files.pop(key), self.files.pop(scales))
                 self.files[base] = _Mxfp4Handle(*handles)
 
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole tensor ``name`` as stored."""
+        return np.asarray(self.files[name].get_tensor(name))
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.files[name].get_slice(name).get_shape())
 
@@ -358,13 +414,21 @@ class _Mxfp4Handle:
         )
 
 
-def _check_tensors(config: ModelConfig, plan: dict, tensors: _Tensors, path: str) -> None:
+def _check_tensors(
+    config: ModelConfig,
+    plan: dict,
+    tensors: _Tensors,
+    path: str,
+    wrapper: tuple[str, str] | None = None,
+) -> None:
     expected = {name: entry.layout.hf_shape for entry in plan.values() for name in entry.names}
     present = set(tensors.files)
     # Old checkpoints carry RoPE buffers; tied models sometimes also store the lm_head copy.
     ignored = {n for n in present if n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
-        ignored.add("lm_head.weight")
+        ignored.add("lm_head.weight" if wrapper is None else wrapper[1])
+    if wrapper is not None:  # the vision tower and the projector stay on disk
+        ignored.update(n for n in present if n.startswith(_PASSTHROUGH_PREFIXES))
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(
@@ -430,13 +494,17 @@ def _resolve_shardings(
     return logical_to_sharding(logical_axes(config), mesh, rules, shapes=shapes)
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    """``ModelConfig`` from ``path/config.json``."""
+def _read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     file = os.path.join(os.fspath(path), CONFIG_FILE)
     if not os.path.exists(file):
         raise ValueError(f"no {CONFIG_FILE} in {os.fspath(path)!r}")
     with open(file) as f:
-        return ModelConfig.from_hf_dict(json.load(f))
+        return json.load(f)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """``ModelConfig`` from ``path/config.json`` (a multimodal wrapper's: its language model)."""
+    return ModelConfig.from_hf_dict(_read_hf_config(path))
 
 
 def load_pretrained(
@@ -450,7 +518,9 @@ def load_pretrained(
     """Reads a HF checkpoint directory into ``(config, params)``.
 
     Reads ``*.safetensors`` (one file, or several listed by ``model.safetensors.index.json``),
-    maps HF names to ours (transposing and stacking layers) and converts to ``dtype``. Every
+    maps HF names to ours (transposing and stacking layers) and converts to ``dtype``. A
+    ``Gemma3ForConditionalGeneration`` checkpoint loads as its language model (its vision tower
+    and projector are not read). Every
     parameter is built with ``jax.make_array_from_callback``: each addressable device's shard
     is read straight from the memory-mapped file block it covers, so a sharded load never holds
     a full host copy of a parameter per device (and on a pod each host reads only its shards).
@@ -471,7 +541,8 @@ def load_pretrained(
       ValueError: unsupported config, or missing, unexpected or mis-shaped tensors (named).
     """
     path = os.fspath(path)
-    config = load_config(path)
+    hf_config = _read_hf_config(path)
+    config = ModelConfig.from_hf_dict(hf_config)
     shapes = param_shapes(config, dtype)
     plan = _plan(config)
     target = _resolve_shardings(config, shapes, mesh, rules, shardings)
@@ -479,7 +550,10 @@ def load_pretrained(
     flat_shardings = _flat(target)
     params = {}
     with _Tensors(path) as tensors:
-        _check_tensors(config, plan, tensors, path)
+        wrapper = _wrapper_layout(list(tensors.files), path) if is_multimodal(hf_config) else None
+        if wrapper is not None:
+            plan = _in_wrapper(plan, *wrapper)
+        _check_tensors(config, plan, tensors, path, wrapper)
         for key, entry in plan.items():
             read = _read_param(entry, tensors, np_dtype, entry.shape)
             params[key] = jax.make_array_from_callback(entry.shape, flat_shardings[key], read)
@@ -492,11 +566,17 @@ def save_pretrained(
     params: Params,
     *,
     max_shard_size: int | None = None,
+    source: str | os.PathLike | None = None,
 ) -> None:
     """Writes ``config.json`` + safetensors that ``transformers.AutoModelForCausalLM`` loads.
 
     Tensors keep the params' dtype. Existing ``model*.safetensors`` files and the index in
-    ``path`` are replaced.
+    ``path`` are replaced. With ``source`` a ``Gemma3ForConditionalGeneration`` checkpoint
+    (``config`` its language model), writes that wrapper instead, which
+    ``transformers.Gemma3ForConditionalGeneration`` loads: the source's ``config.json`` with
+    ``text_config`` rewritten from ``config``, the language model's tensors from ``params`` under
+    the source's names, and every vision tower and projector tensor copied through unchanged
+    (its stored dtype kept).
 
     Args:
       path: output directory (created if needed).
@@ -504,8 +584,15 @@ def save_pretrained(
       params: parameters matching ``config`` (any dtype; sharded arrays are gathered).
       max_shard_size: if given (bytes), split into ``model-0000i-of-0000n.safetensors`` files
         with a ``model.safetensors.index.json``.
+      source: the checkpoint directory ``params`` were loaded from; only a multimodal wrapper
+        changes what is written (a text-only source is not read). May be ``path`` itself.
+
+    Raises:
+      ValueError: params that do not match ``config``, or a multimodal ``source`` whose
+        language model is not ``config``.
     """
     path = os.fspath(path)
+    wrapper = None if source is None else _wrapper_source(os.fspath(source), config)
     shapes = _flat(param_shapes(config))
     flat = _flat(params)
     if set(flat) != set(shapes):
@@ -519,7 +606,11 @@ def save_pretrained(
                 f"param {'/'.join(key)} has shape {np.shape(flat[key])}, expected {want.shape}"
             )
     tensors: dict[str, np.ndarray] = {}
-    for key, entry in _plan(config).items():
+    plan = _plan(config)
+    if wrapper is not None:
+        plan = _in_wrapper(plan, *wrapper.layout)
+        tensors.update(wrapper.passthrough)
+    for key, entry in plan.items():
         value = np.asarray(jax.device_get(flat[key]))
         blocks = value.reshape(-1, *entry.layout.shape)
         for name, block in zip(entry.names, blocks, strict=True):
@@ -548,9 +639,47 @@ def save_pretrained(
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     hf_config = config.to_hf_dict()
+    if wrapper is not None:
+        del hf_config["architectures"]
+        hf_config = {**wrapper.hf_config, "text_config": hf_config}
+        hf_config.pop("dtype", None)  # transformers 5's name for torch_dtype
     hf_config["torch_dtype"] = np.dtype(flat[("embed",)].dtype).name
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(hf_config, f, indent=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WrapperSource:
+    """What ``save_pretrained`` keeps of a multimodal source checkpoint."""
+
+    hf_config: dict[str, Any]
+    layout: tuple[str, str]  # (prefix, lm_head name): ``_WRAPPER_LAYOUTS``
+    passthrough: dict[str, np.ndarray]  # the vision tower's and projector's tensors
+
+
+def _wrapper_source(source: str, config: ModelConfig) -> _WrapperSource | None:
+    """The wrapper config, layout and other towers' tensors of a multimodal ``source`` (read
+    into memory, so ``source`` may be the output directory), or None for a text-only one."""
+    hf_config = _read_hf_config(source)
+    if not is_multimodal(hf_config):
+        return None
+    theirs = ModelConfig.from_hf_dict(hf_config)
+    ours = dataclasses.replace(config, compute_dtype=None, lora=None)
+    if theirs != ours:
+        diff = [
+            f.name
+            for f in dataclasses.fields(ours)
+            if getattr(ours, f.name) != getattr(theirs, f.name)
+        ]
+        raise ValueError(f"source {source!r}'s language model differs from config in {diff}")
+    with _Tensors(source) as tensors:
+        layout = _wrapper_layout(list(tensors.files), source)
+        passthrough = {
+            name: tensors.tensor(name)
+            for name in tensors.files
+            if name.startswith(_PASSTHROUGH_PREFIXES)
+        }
+    return _WrapperSource(hf_config, layout, passthrough)
 
 
 def _split_shards(

@@ -14,18 +14,20 @@ Gemma 3, a RoPE base of their own on the sliding layers (``rope_local_base_freq`
 ``GptOssForCausalLM`` (gpt-oss): a mixture of experts with biased q/k/v/o projections, a learned
 attention sink per head, sliding-window layers beside global ones, a biased router whose
 softmax runs over the top-k logits, biased experts with a clamped SwiGLU, YaRN RoPE, and MXFP4
-expert weights that the loader dequantises (``models.mxfp4``). Everything else that would
+expert weights that the loader dequantises (``models.mxfp4``). The multimodal
+``Gemma3ForConditionalGeneration`` (Gemma 3 4B / 12B / 27B) parses as its language model
+(``language_model_dict``), for text-only training and sampling. Everything else that would
 change the computation (sliding windows outside Gemma and gpt-oss, dense and sparse layers
 mixed, other RoPE types, other activations, bidirectional attention, quantised weights other
 than gpt-oss's MXFP4 experts) is refused with a ``ValueError`` rather than silently run as
-something else.
+something else: the keys and values each model type refuses are one table, ``ALLOWANCES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,6 +57,24 @@ GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 _SANDWICH_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
+# Vision-language wrappers whose language model loads (and trains) alone: architecture -> the
+# text model's architecture (``language_model_dict``; the checkpoint side: ``models.checkpoint``).
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_MULTIMODAL_MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration"}
+# transformers' ``Gemma3TextConfig`` defaults for the keys a released Gemma 3 ``text_config``
+# leaves out (the others have their defaults where they are read).
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
 # Keys whose presence (with a truthy value) means a mixture-of-experts model.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 # Mixture-of-experts model type -> the dense family whose attention it shares.
@@ -540,15 +560,20 @@ class ModelConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Parses a transformers ``config.json`` dict (transformers 4 or 5 layout).
 
+        A ``Gemma3ForConditionalGeneration`` config (a vision tower beside a ``text_config``)
+        parses as its language model, a ``Gemma3ForCausalLM`` (``language_model_dict``).
+
         Raises:
           ValueError: unknown architecture, MoE keys on a dense architecture, dense and sparse
             layers mixed, sliding windows outside Gemma and gpt-oss, unknown RoPE type, an
             activation other than SiLU (GELU-tanh on Gemma), quantised weights (but gpt-oss's
-            MXFP4 experts), or malformed sizes.
+            MXFP4 experts), or malformed sizes; a multimodal wrapper
+            (``MULTIMODAL_ARCHITECTURES``) whose language model cannot be loaded alone.
         """
+        hf = language_model_dict(hf)
         architecture = _architecture(hf)
         model_type = ARCHITECTURES[architecture]
-        _refuse_unsupported(hf, model_type)
+        refuse_unsupported(hf, model_type)
         family = _DENSE_FAMILY.get(model_type, model_type)
         gemma = model_type in GEMMA_MODEL_TYPES
         gpt_oss = model_type == "gpt_oss"
@@ -794,6 +819,66 @@ def _yarn_inv_freq(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
     return inv_freq / config.rope_factor * ramp + inv_freq * (1.0 - ramp)
 
 
+def is_multimodal(hf: Mapping[str, Any]) -> bool:
+    """Whether ``hf`` is the config of a vision-language wrapper (``MULTIMODAL_ARCHITECTURES``,
+    or its ``model_type`` where ``architectures`` is absent)."""
+    archs = hf.get("architectures") or []
+    if archs:
+        return len(archs) == 1 and archs[0] in MULTIMODAL_ARCHITECTURES
+    return hf.get("model_type") in _MULTIMODAL_MODEL_TYPES
+
+
+def language_model_dict(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text-only ``config.json`` dict of a multimodal wrapper's language model; any other
+    config is returned as is.
+
+    ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``): its ``text_config`` (model_type
+    ``gemma3_text``) over transformers' ``Gemma3TextConfig`` defaults for the sizes a released
+    ``text_config`` leaves out, as a ``Gemma3ForCausalLM``; the wrapper's own token ids (its
+    ``eos_token_id`` lists the end-of-turn id too) and ``quantization_config`` take precedence.
+    On text-only input the wrapper computes exactly this language model (its image-token
+    embedding swap and bidirectional image masks need images), except that it never applies
+    ``final_logit_softcapping``, so a ``text_config`` setting it is refused, as are untied
+    embeddings (the wrapper's ``lm_head`` is the tied embedding).
+
+    Raises:
+      ValueError: no ``text_config`` mapping, a ``text_config`` of another model type, untied
+        embeddings, or a final logit soft cap (each named).
+    """
+    if not is_multimodal(hf):
+        return hf
+    wrapper = (hf.get("architectures") or [_MULTIMODAL_MODEL_TYPES[hf.get("model_type")]])[0]
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"{wrapper} config needs a text_config mapping, got {text!r}")
+    text_type = text.get("model_type", "gemma3_text")
+    if text_type != "gemma3_text":
+        raise ValueError(
+            f"{wrapper} text_config has model_type {text_type!r}; only 'gemma3_text' is supported"
+        )
+    out = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    out.update(architectures=[MULTIMODAL_ARCHITECTURES[wrapper]], model_type="gemma3_text")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config"):
+        if hf.get(key) is not None:
+            out[key] = hf[key]
+    for where, tied in (
+        ("tie_word_embeddings", hf.get("tie_word_embeddings", True)),
+        ("text_config.tie_word_embeddings", text.get("tie_word_embeddings", True)),
+    ):
+        if not tied:
+            raise ValueError(
+                f"{where}={tied!r} is not supported on {wrapper} (its lm_head is the tied "
+                "embedding)"
+            )
+    cap = out.get("final_logit_softcapping")
+    if cap is not None:
+        raise ValueError(
+            f"text_config.final_logit_softcapping={cap} is not supported on {wrapper} "
+            "(transformers does not apply it there)"
+        )
+    return out
+
+
 def _architecture(hf: Mapping[str, Any]) -> str:
     archs = hf.get("architectures") or []
     if archs:
@@ -939,91 +1024,210 @@ def _gemma3_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _refuse_partial_rotary(keys: Mapping[str, Any]) -> None:
-    """RoPE on every head dimension only (``partial_rotary_factor`` 1.0 or absent)."""
-    partial = keys.get("partial_rotary_factor")
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+@dataclasses.dataclass(frozen=True)
+class Allowance:
+    """One ``config.json`` key's supported values, as a row of :data:`ALLOWANCES`.
+
+    ``refused(value, hf, model_type)`` is true for a value that would change the computation
+    into something not implemented; ``value`` is ``hf.get(key, default)``. The error is
+    ``message`` formatted with ``key``, ``value``, ``shown`` (``show(value)``, or ``value``),
+    ``model_type`` and any other name as ``hf.get(name)``: one line naming the key and value.
+    """
+
+    key: str
+    refused: Callable[[Any, Mapping[str, Any], str], bool]
+    message: str
+    default: Any = None
+    show: Callable[[Any], Any] | None = None
 
 
-def _refuse_unknown_layer_types(hf: Mapping[str, Any]) -> None:
-    """``layer_types`` names from :data:`LAYER_TYPES` only (Gemma 2/3, gpt-oss)."""
-    types = hf.get("layer_types") or ()
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; expected names from {LAYER_TYPES}")
+class _MessageFields(dict):
+    """``str.format_map`` fields: the given ones, then the config's keys (None if absent)."""
+
+    def __init__(self, hf: Mapping[str, Any], **fields: Any):
+        super().__init__(fields)
+        self._hf = hf
+
+    def __missing__(self, name: str) -> Any:
+        return self._hf.get(name)
 
 
-def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
-    if model_type in GEMMA_MODEL_TYPES:
-        _refuse_unsupported_gemma(hf)
-        return
-    if model_type == "gpt_oss":
-        _refuse_unsupported_gpt_oss(hf)
-        return
-    if model_type in MOE_MODEL_TYPES:
-        _refuse_unsupported_experts(hf, model_type)
-    else:
-        for key in _MOE_KEYS:
-            if hf.get(key):
-                raise ValueError(
-                    f"mixture-of-experts keys on dense model type {model_type!r} ({key}="
-                    f"{hf[key]!r}); MoE is supported as {MOE_MODEL_TYPES}"
-                )
-    if hf.get("quantization_config"):
-        raise ValueError("quantised checkpoints are not supported (quantization_config is set)")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    _refuse_partial_rotary(hf)
-    if hf.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
-    layer_types = hf.get("layer_types") or ()
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise ValueError(f"only full-attention layers are supported, got layer_types {other}")
-    window = hf.get("sliding_window")
-    if model_type in ("mistral", "mixtral") and window is not None:
-        if window < hf.get("max_position_embeddings", 2048):
-            raise ValueError(
-                f"sliding-window attention is not supported (sliding_window={window} < "
-                f"max_position_embeddings={hf.get('max_position_embeddings')})"
+def _is_set(value: Any, *_: Any) -> bool:
+    return bool(value)
+
+
+def _quant_method(value: Any) -> Any:
+    return value.get("quant_method") if isinstance(value, Mapping) else None
+
+
+def _unknown_layer_types(value: Any) -> list[str]:
+    return sorted({t for t in value or () if t not in LAYER_TYPES})
+
+
+def _non_full_layer_types(value: Any) -> list[str]:
+    return sorted({t for t in value or () if t != "full_attention"})
+
+
+def _window_in_use(window: Any, hf: Mapping[str, Any], _: str) -> bool:
+    return window is not None and window < hf.get("max_position_embeddings", 2048)
+
+
+_QUANTISED = Allowance(
+    "quantization_config",
+    _is_set,
+    "quantised checkpoints are not supported (quantization_config is set)",
+)
+_MLP_BIAS = Allowance("mlp_bias", _is_set, "mlp_bias=True is not supported")
+_PARTIAL_ROTARY = Allowance(
+    "partial_rotary_factor",
+    lambda value, *_: value is not None and value != 1.0,
+    "partial_rotary_factor={value} is not supported (only 1.0)",
+)
+_KNOWN_LAYER_TYPES = Allowance(
+    "layer_types",
+    lambda value, *_: bool(_unknown_layer_types(value)),
+    "unsupported layer_types {shown}; expected names from " + str(LAYER_TYPES),
+    show=_unknown_layer_types,
+)
+_NO_JITTER = Allowance(
+    "router_jitter_noise",
+    _is_set,
+    "router_jitter_noise={value} is not supported (only 0)",
+    default=0.0,
+)
+
+
+def _has_experts(key: str) -> Allowance:
+    return Allowance(
+        key,
+        lambda _, hf, model_type: not _num_experts(hf, model_type),
+        "{model_type} config without experts (" + key + " is 0 or missing)",
+    )
+
+
+def _no_experts_keys(message: str) -> tuple[Allowance, ...]:
+    return tuple(Allowance(key, _is_set, message) for key in _MOE_KEYS)
+
+
+# The layers are stacked and scanned, so every layer of a mixture of experts must have the same
+# (sparse) MLP.
+_EXPERTS = (
+    Allowance(
+        "decoder_sparse_step",
+        lambda value, *_: value != 1,
+        "decoder_sparse_step={value} mixes dense and sparse layers, which is not supported "
+        "(only every layer sparse: decoder_sparse_step=1)",
+        default=1,
+    ),
+    Allowance(
+        "mlp_only_layers",
+        _is_set,
+        "mlp_only_layers={shown} mixes dense and sparse layers, which is not supported "
+        "(only every layer sparse: mlp_only_layers=[])",
+        show=list,
+    ),
+    _has_experts("num_experts"),
+    _NO_JITTER,
+)
+# Llama, Mistral, Qwen2, Qwen3 and their mixtures of experts (after ``_EXPERTS``).
+_SWIGLU_GLOBAL = (
+    _QUANTISED,
+    Allowance(
+        "hidden_act",
+        lambda value, *_: value != "silu",
+        "unsupported hidden_act {value!r}; only 'silu' is implemented",
+        default="silu",
+    ),
+    _MLP_BIAS,
+    _PARTIAL_ROTARY,
+    Allowance(
+        "use_sliding_window",
+        _is_set,
+        "sliding-window attention is not supported (use_sliding_window=True)",
+    ),
+    Allowance(
+        "layer_types",
+        lambda value, *_: bool(_non_full_layer_types(value)),
+        "only full-attention layers are supported, got layer_types {shown}",
+        show=_non_full_layer_types,
+    ),
+)
+_DENSE = (
+    *_no_experts_keys(
+        "mixture-of-experts keys on dense model type {model_type!r} ({key}={value!r}); MoE is "
+        "supported as " + str(MOE_MODEL_TYPES)
+    ),
+    *_SWIGLU_GLOBAL,
+)
+# Mistral and Mixtral: a window shorter than the context would slide.
+_NO_WINDOW = Allowance(
+    "sliding_window",
+    _window_in_use,
+    "sliding-window attention is not supported (sliding_window={value} < "
+    "max_position_embeddings={max_position_embeddings})",
+)
+_GEMMA = (
+    *_no_experts_keys("mixture-of-experts keys on a Gemma model ({key}={value!r})"),
+    _QUANTISED,
+    Allowance(
+        "use_bidirectional_attention",
+        _is_set,
+        "use_bidirectional_attention=True is not supported (causal models only)",
+    ),
+    _MLP_BIAS,
+    _PARTIAL_ROTARY,
+    _KNOWN_LAYER_TYPES,
+)
+# gpt-oss: the hidden_act key is not read by transformers (its experts' activation is the
+# clamped SwiGLU of swiglu_alpha / swiglu_limit), so it is not checked either; its MXFP4
+# experts are dequantised at load.
+_GPT_OSS = (
+    Allowance(
+        "quantization_config",
+        lambda value, *_: bool(value) and _quant_method(value) != "mxfp4",
+        "quantised checkpoints are not supported (quantization_config is set, quant_method "
+        "{shown!r}); gpt-oss's 'mxfp4' experts are dequantised at load",
+        show=_quant_method,
+    ),
+    _PARTIAL_ROTARY,
+    _KNOWN_LAYER_TYPES,
+    _has_experts("num_local_experts"),
+    Allowance("router_jitter_noise", _is_set, "router_jitter_noise={value} is not supported"),
+)
+# model_type -> the config keys whose values it refuses, checked in order (the first refusal
+# is the error).
+ALLOWANCES: dict[str, tuple[Allowance, ...]] = {
+    "llama": _DENSE,
+    "qwen2": _DENSE,
+    "qwen3": _DENSE,
+    "mistral": (*_DENSE, _NO_WINDOW),
+    "qwen2_moe": (*_EXPERTS, *_SWIGLU_GLOBAL),
+    "qwen3_moe": (*_EXPERTS, *_SWIGLU_GLOBAL),
+    "mixtral": (*_EXPERTS, *_SWIGLU_GLOBAL, _NO_WINDOW),
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "gpt_oss": _GPT_OSS,
+}
+
+
+def refuse_unsupported(
+    hf: Mapping[str, Any], model_type: str, allowances: tuple[Allowance, ...] | None = None
+) -> None:
+    """Raises the first refusal of ``allowances`` (default ``ALLOWANCES[model_type]``) on the
+    config dict ``hf``.
+
+    Raises:
+      ValueError: one line naming the refused key and its value.
+    """
+    for rule in ALLOWANCES[model_type] if allowances is None else allowances:
+        value = hf.get(rule.key, rule.default)
+        if rule.refused(value, hf, model_type):
+            shown = value if rule.show is None else rule.show(value)
+            fields = _MessageFields(
+                hf, key=rule.key, value=value, shown=shown, model_type=model_type
             )
-
-
-def _refuse_unsupported_gemma(hf: Mapping[str, Any]) -> None:
-    for key in _MOE_KEYS:
-        if hf.get(key):
-            raise ValueError(f"mixture-of-experts keys on a Gemma model ({key}={hf[key]!r})")
-    if hf.get("quantization_config"):
-        raise ValueError("quantised checkpoints are not supported (quantization_config is set)")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal models only)")
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    _refuse_partial_rotary(hf)
-    _refuse_unknown_layer_types(hf)
-
-
-def _refuse_unsupported_gpt_oss(hf: Mapping[str, Any]) -> None:
-    # The hidden_act key is not read by transformers' gpt-oss (its experts' activation is the
-    # clamped SwiGLU of swiglu_alpha / swiglu_limit), so it is not checked either.
-    quantization = hf.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-        if method != "mxfp4":
-            raise ValueError(
-                f"quantised checkpoints are not supported (quantization_config is set, "
-                f"quant_method {method!r}); gpt-oss's 'mxfp4' experts are dequantised at load"
-            )
-    _refuse_partial_rotary(hf)
-    _refuse_unknown_layer_types(hf)
-    if not _num_experts(hf, "gpt_oss"):
-        raise ValueError("gpt_oss config without experts (num_local_experts is 0 or missing)")
-    if hf.get("router_jitter_noise"):
-        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} is not supported")
+            raise ValueError(rule.message.format_map(fields))
 
 
 # transformers' gpt-oss RoPE where config.json gives none (GptOssConfig's default): YaRN.
@@ -1072,27 +1276,6 @@ def _gpt_oss(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
-def _refuse_unsupported_experts(hf: Mapping[str, Any], model_type: str) -> None:
-    # The layers are stacked and scanned, so every layer must have the same (sparse) MLP.
-    step = hf.get("decoder_sparse_step", 1)
-    if step != 1:
-        raise ValueError(
-            f"decoder_sparse_step={step} mixes dense and sparse layers, which is not supported "
-            "(only every layer sparse: decoder_sparse_step=1)"
-        )
-    dense_layers = hf.get("mlp_only_layers") or []
-    if dense_layers:
-        raise ValueError(
-            f"mlp_only_layers={list(dense_layers)} mixes dense and sparse layers, which is not "
-            "supported (only every layer sparse: mlp_only_layers=[])"
-        )
-    if not _num_experts(hf, model_type):
-        raise ValueError(f"{model_type} config without experts (num_experts is 0 or missing)")
-    jitter = hf.get("router_jitter_noise") or 0.0
-    if jitter:
-        raise ValueError(f"router_jitter_noise={jitter} is not supported (only 0)")
-
-
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     # transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters. When both are
     # present transformers 5 lets rope_scaling win, so do the same.
@@ -1105,7 +1288,7 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    _refuse_partial_rotary(params)
+    refuse_unsupported(params, "", (_PARTIAL_ROTARY,))
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "yarn":
         out.update(_yarn(hf, params))

@@ -351,3 +351,44 @@ def padded_batch(
         tokens[row, cols] = seq
         mask[row, cols] = 1
     return tokens, mask
+
+
+# A tiny vision tower for Gemma 3's multimodal wrapper (transformers' SigLIP): one layer, 28x28
+# images in 14x14 patches (4 patches; ``mm_tokens_per_image`` 4). The image token ids lie past the
+# vocabulary, so text-only batches never hold one.
+GEMMA3_VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
+
+def gemma3_multimodal_config(**text_overrides) -> transformers.Gemma3Config:
+    """A ``Gemma3Config`` (``Gemma3ForConditionalGeneration``) whose ``text_config`` is the
+    ``gemma3`` variant (plus ``text_overrides``) and whose vision tower is ``GEMMA3_VISION``."""
+    text = hf_config("gemma3", **text_overrides).to_dict()
+    return transformers.Gemma3Config(
+        text_config=text,
+        vision_config=transformers.SiglipVisionConfig(**GEMMA3_VISION).to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=1000,
+        eoi_token_index=1001,
+        image_token_index=1002,
+    )
+
+
+def build_gemma3_multimodal(path: str, *, seed: int = 0, **text_overrides) -> torch.nn.Module:
+    """A float32 eager-attention ``Gemma3ForConditionalGeneration`` of
+    ``gemma3_multimodal_config`` with randomised weights (``randomise_weights``), saved at
+    ``path`` by transformers; returns the torch model."""
+    config = gemma3_multimodal_config(**text_overrides)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    model.config._attn_implementation = "eager"
+    model.config.text_config._attn_implementation = "eager"
+    randomise_weights(model.to(torch.float32).eval(), seed + 1)
+    model.save_pretrained(path)
+    return model

@@ -33,7 +33,7 @@ from jaxrl_llm.models import (
 # The entries this file pins (the dense Qwen / Llama / Mistral ones are pinned in
 # test_architectures.py).
 MOE = ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen1.5-moe-a2.7b")
-GEMMA = ("gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-12b", "gemma-3-27b")
+GEMMA = ("gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b")
 GPT_OSS = ("gpt-oss-20b", "gpt-oss-120b")
 NEW = MOE + GEMMA + GPT_OSS
 
@@ -56,14 +56,15 @@ PUBLISHED_GPT_OSS = {"gpt-oss-20b": (20.91e9, 3.61e9), "gpt-oss-120b": (116.83e9
 # Non-embedding parameters (everything but the vocab x hidden embedding, tied for Gemma).
 # Gemma 2 technical report (arXiv 2408.00118), Table 2, exact: 9B 8,324,201,984; 27B
 # 26,047,480,320. Gemma 3 technical report (arXiv 2503.19786), Table 1, in millions: 1B 698M,
-# 12B 10,759M, 27B 25,600M (the language model; 12B and 27B ship beside a 417M vision encoder
-# that the text-only catalog entries leave out). Qwen3 cards: "Number of Parameters
+# 4B 3,209M, 12B 10,759M, 27B 25,600M (the language model; 4B, 12B and 27B ship beside a 417M
+# vision encoder that the text-only catalog entries leave out). Qwen3 cards: "Number of Parameters
 # (Non-Embedding): 29.9B" (30B-A3B), "234B" (235B-A22B); Qwen counts both the embedding and the
 # untied head as embedding parameters.
 NON_EMBEDDING = {
     "gemma-2-9b": (8_324_201_984, 0),
     "gemma-2-27b": (26_047_480_320, 0),
     "gemma-3-1b": (698e6, 0.5e6),
+    "gemma-3-4b": (3_209e6, 0.5e6),
     "gemma-3-12b": (10_759e6, 0.5e6),
     "gemma-3-27b": (25_600e6, 0.5e6),
     "qwen3-30b-a3b": (29.9e9, 0.05e9),
@@ -73,8 +74,14 @@ NON_EMBEDDING = {
 # Total parameters, the Gemma models' published sizes: Gemma 2 Table 2's embedding plus
 # non-embedding counts with the 256,128-entry vocabulary (9,242,164,736 and 27,227,718,144;
 # the Hugging Face checkpoints keep 256,000 rows of it: 9.24B and 27.2B), Gemma 3
-# Table 1's 1B: 302M + 698M = 1.0B.
-PUBLISHED_TOTAL = {"gemma-2-9b": 9.24e9, "gemma-2-27b": 27.2e9, "gemma-3-1b": 1.0e9}
+# Table 1's 1B: 302M + 698M = 1.0B, and 4B's language model: 675M + 3,209M = 3.88B (its
+# 262,208-row embedding holds 671M; the 417M vision encoder is not counted).
+PUBLISHED_TOTAL = {
+    "gemma-2-9b": 9.24e9,
+    "gemma-2-27b": 27.2e9,
+    "gemma-3-1b": 1.0e9,
+    "gemma-3-4b": 3.88e9,
+}
 
 
 def _raw(name: str) -> dict:
@@ -230,6 +237,7 @@ def test_gemma_entries_attend_as_published():
         ("gemma-2-9b", 4096, 2),
         ("gemma-2-27b", 4096, 2),
         ("gemma-3-1b", 512, 6),
+        ("gemma-3-4b", 1024, 6),
         ("gemma-3-12b", 1024, 6),
         ("gemma-3-27b", 1024, 6),
     ):
@@ -247,6 +255,7 @@ def test_gemma_entries_attend_as_published():
     assert architecture_config("gemma-3-27b").attention_scale == 168**-0.5
     for name, rope in (
         ("gemma-3-1b", "default"),
+        ("gemma-3-4b", "linear"),
         ("gemma-3-12b", "linear"),
         ("gemma-3-27b", "linear"),
     ):
@@ -256,14 +265,43 @@ def test_gemma_entries_attend_as_published():
         assert config.attn_logit_softcapping is None and config.final_logit_softcapping is None
 
 
-def test_multimodal_gemma3_wrapper_is_refused_naming_it():
+# google/gemma-3-4b-pt's config.json as released (transformers 4.50; its vision_config left
+# out): a sparse text_config, the other sizes are Gemma3TextConfig's defaults.
+GEMMA3_4B_RELEASED = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_multimodal_gemma3_configs_parse_as_their_text_model():
     """Gemma 3 4B / 12B / 27B ship as ``Gemma3ForConditionalGeneration`` (a vision tower beside
-    a ``text_config``); the loader takes text models only, so the catalog's gemma-3-12b and
-    gemma-3-27b hold the text part as a ``Gemma3ForCausalLM`` config."""
-    wrapper = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
-        "text_config": {k: v for k, v in _raw("gemma-3-12b").items() if k != "architectures"},
-    }
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
-        ModelConfig.from_hf_dict(wrapper)
+    a ``text_config``); the loader takes their language model, which the catalog's gemma-3-4b,
+    -12b and -27b entries hold as a ``Gemma3ForCausalLM`` config."""
+    assert ModelConfig.from_hf_dict(GEMMA3_4B_RELEASED) == architecture_config("gemma-3-4b")
+    # transformers fills the sparse text_config with the same defaults (its eos is the
+    # wrapper's).
+    text = CONFIG_MAPPING["gemma3"].from_dict(GEMMA3_4B_RELEASED).text_config.to_dict()
+    text.update(architectures=["Gemma3ForCausalLM"], eos_token_id=[1, 106])
+    assert ModelConfig.from_hf_dict(text) == architecture_config("gemma-3-4b")
+    for name in ("gemma-3-12b", "gemma-3-27b"):
+        wrapper = {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {k: v for k, v in _raw(name).items() if k != "architectures"},
+        }
+        assert ModelConfig.from_hf_dict(wrapper) == architecture_config(name)

@@ -5,10 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from jaxrl_llm.models import ModelConfig
-from jaxrl_llm.models.config import rope_inv_freq
+from jaxrl_llm.models.config import ALLOWANCES, ARCHITECTURES, rope_inv_freq
 from tests.models import hf_utils
 
 
@@ -138,3 +139,63 @@ def test_direct_construction_is_validated():
         dataclasses.replace(base, head_dim=0)
     with pytest.raises(ValueError, match="unsupported architecture"):
         dataclasses.replace(base, architecture="Phi3ForCausalLM")
+
+
+# Values each refusal of the allowance table is tried with (one of them trips every row).
+_REFUSED_VALUES = {
+    "num_experts": (8, 0),
+    "num_local_experts": (8, 0),
+    "n_routed_experts": (8,),
+    "moe_intermediate_size": (48,),
+    "quantization_config": ({"quant_method": "fp8"},),
+    "hidden_act": ("gelu",),
+    "mlp_bias": (True,),
+    "partial_rotary_factor": (0.5,),
+    "use_sliding_window": (True,),
+    "layer_types": (["sliding_attention", "chunked_attention"],),
+    "sliding_window": (16,),
+    "decoder_sparse_step": (2,),
+    "mlp_only_layers": ([1],),
+    "router_jitter_noise": (0.1,),
+    "use_bidirectional_attention": (True,),
+}
+
+
+def _base_configs():
+    bases = {}
+    for name in [*hf_utils.VARIANTS, *hf_utils.GEMMA_VARIANTS]:
+        hf = hf_utils.hf_dict(name)
+        bases[hf["model_type"]] = hf
+    gpt_oss = transformers.GptOssConfig(**hf_utils.GPT_OSS).to_dict()
+    bases["gpt_oss"] = {**gpt_oss, "architectures": ["GptOssForCausalLM"]}
+    return bases
+
+
+def test_allowance_table_covers_every_model_type():
+    assert set(ALLOWANCES) == set(ARCHITECTURES.values())
+    assert set(_base_configs()) == set(ALLOWANCES)
+
+
+def test_every_refusal_names_its_key_and_value():
+    """Each row of the allowance table, tripped alone on a supported config of its model type,
+    refuses it with one line naming the key (and the value where it is one)."""
+    tripped = set()
+    for model_type, base in _base_configs().items():
+        ModelConfig.from_hf_dict(base)
+        for row in ALLOWANCES[model_type]:
+            for value in _REFUSED_VALUES[row.key]:
+                hf = {**base, row.key: value}
+                if not row.refused(value, hf, model_type):
+                    continue
+                with pytest.raises(ValueError) as err:
+                    ModelConfig.from_hf_dict(hf)
+                message = str(err.value)
+                assert row.key in message and "\n" not in message, (model_type, message)
+                if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                    assert str(value) in message, (model_type, message)
+                tripped.add((model_type, row))
+    # Mixtral's experts are counted from num_local_experts (its num_experts row reads there).
+    untripped = {
+        (t, r.key) for t, rows in ALLOWANCES.items() for r in rows if (t, r) not in tripped
+    }
+    assert untripped == {("mixtral", "num_experts")}
