@@ -156,7 +156,7 @@ def policy_loss(objective: Any, log_prob: torch.Tensor, batch: Any) -> torch.Ten
     Returns:
       The scalar loss ``agg(pg_losses) + kl_coef·agg(kl)`` (KL only when placed in the loss).
     """
-    if objective.entropy_coef > 0:
+    if objective.entropy.coef > 0:
         raise ValueError("the PyTorch baseline has no entropy term (entropy_coef must be 0)")
     mask = batch.completion_mask
     old_log_prob = batch.old_logprobs
@@ -165,44 +165,56 @@ def policy_loss(objective: Any, log_prob: torch.Tensor, batch: Any) -> torch.Ten
         advantages = advantages.unsqueeze(-1)
 
     def agg(loss_mat):
-        return agg_loss(loss_mat, mask, objective.aggregation, objective.norm_constant)
+        return agg_loss(
+            loss_mat, mask, objective.aggregation.mode, objective.aggregation.norm_constant
+        )
 
-    if objective.ratio == "gspo_token":
-        log_ratio = log_ratio_gspo(log_prob, old_log_prob, mask, objective.max_log_ratio)
+    if objective.ratio.kind == "gspo_token":
+        log_ratio = log_ratio_gspo(log_prob, old_log_prob, mask, objective.ratio.max_log_ratio)
     else:
-        log_ratio = log_ratio_token(log_prob, old_log_prob, objective.ratio_clamp)
+        log_ratio = log_ratio_token(log_prob, old_log_prob, objective.ratio.clamp)
 
-    if objective.surrogate == "ppo_clip":
+    if objective.surrogate.name == "ppo_clip":
         pg_losses = pg_losses_vanilla(
-            log_ratio, advantages, objective.clip_low, objective.clip_high, objective.dual_clip
+            log_ratio,
+            advantages,
+            objective.surrogate.clip_low,
+            objective.surrogate.clip_high,
+            objective.surrogate.dual_clip,
         )
-    elif objective.surrogate == "cispo":
+    elif objective.surrogate.name == "cispo":
         pg_losses = pg_losses_cispo(
-            log_ratio, log_prob, advantages, objective.clip_low, objective.clip_high
+            log_ratio,
+            log_prob,
+            advantages,
+            objective.surrogate.clip_low,
+            objective.surrogate.clip_high,
         )
-    elif objective.surrogate == "sapo":
-        pg_losses = pg_losses_sapo(log_ratio, advantages, objective.tau_pos, objective.tau_neg)
-    elif objective.surrogate == "gmpo":
+    elif objective.surrogate.name == "sapo":
+        pg_losses = pg_losses_sapo(
+            log_ratio, advantages, objective.surrogate.tau_pos, objective.surrogate.tau_neg
+        )
+    elif objective.surrogate.name == "gmpo":
         pg_losses = pg_losses_geo_mean(
-            log_ratio, advantages, mask, objective.clip_low, objective.clip_high
+            log_ratio, advantages, mask, objective.surrogate.clip_low, objective.surrogate.clip_high
         )
-    elif objective.surrogate == "reinforce":
+    elif objective.surrogate.name == "reinforce":
         pg_losses = pg_losses_gpg(log_prob, advantages)
     else:
-        raise ValueError(f"unknown surrogate {objective.surrogate!r}")
-    if objective.surrogate == "gmpo":
+        raise ValueError(f"unknown surrogate {objective.surrogate.name!r}")
+    if objective.surrogate.name == "gmpo":
         # verl's torch.mean(pg_losses), over non-empty rows: the loss is already per sequence.
         non_empty = (mask.sum(dim=-1) > 0).to(pg_losses.dtype)
         loss = torch.sum(pg_losses * non_empty) / torch.clamp(non_empty.sum(), min=1.0)
     else:
         loss = agg(pg_losses)
 
-    kl_in_loss = objective.kl_kind is not None and objective.kl_placement == "loss"
+    kl_in_loss = objective.kl.kind is not None and objective.kl.placement == "loss"
     if kl_in_loss and batch.ref_logprobs is not None:
         kld = kl_penalty(
-            log_prob, batch.ref_logprobs, objective.kl_kind, objective.kl_straight_through
+            log_prob, batch.ref_logprobs, objective.kl.kind, objective.kl.straight_through
         )
-        loss = loss + objective.kl_coef * agg(kld)
+        loss = loss + objective.kl.coef * agg(kld)
     return loss
 
 

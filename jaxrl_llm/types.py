@@ -59,7 +59,7 @@ class RolloutBatch(NamedTuple):
         the trained ones (multi-turn: environment tokens are context with loss mask 0, in
         ``completion_mask``); None = ``completion_mask``.
       is_weights: ``[B, T]`` rollout-correction importance weights multiplying the per-token
-        surrogate loss (``jaxrl_llm.correction``; no gradient), when computed for the whole
+        surrogate loss (``jaxrl_llm.losses.correction``; no gradient), when computed for the whole
         batch before the update.
       packing: a ``jaxrl_llm.packing.PackingPlan`` of the rows (the forward runs packed), or
         None (padded). A step's batch carries one plan a micro-batch (leading axis ``K``).

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import aggregation, bench, objectives
+from jaxrl_llm import bench, objectives
 from jaxrl_llm.bench import timing
+from jaxrl_llm.losses import aggregation
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["losses", "--presets", "grpo", "--shapes", "4x16", "--repeats", "2", "--quiet"]

@@ -26,7 +26,9 @@ def test_readme_has_python_blocks():
 def test_readme_block_runs(index, capsys):
     registered = set(objectives.surrogates_available())
     try:
-        exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
+        # Run as a script is: as ``__main__`` (``dataclasses`` looks its module up).
+        code = compile(BLOCKS[index], f"README.md block {index}", "exec")
+        exec(code, {"__name__": "__main__"})
     finally:
         for name in set(objectives.surrogates_available()) - registered:
             objectives.unregister_surrogate(name)

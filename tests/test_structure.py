@@ -20,7 +20,7 @@ is a submodule not imported yet. So the edges are:
 1. ``X -> m`` for every module ``m`` on ``t``'s dotted path (its packages and ``t``), plus
    ``X -> t.sub`` for ``from t import sub`` with ``sub`` a submodule:
    ``from jaxrl_llm.q.r import f`` gives ``X -> jaxrl_llm.q`` and ``X -> jaxrl_llm.q.r``;
-   ``from jaxrl_llm import advantages`` gives ``X -> jaxrl_llm.advantages``;
+   ``from jaxrl_llm import models`` gives ``X -> jaxrl_llm.models``;
 2. except the packages containing ``X``: Python has initialised (or is initialising) them before
    ``X``'s first line runs, so entering them again executes nothing. That is why a package's
    ``__init__`` importing its own submodules, and a submodule importing a sibling
@@ -55,7 +55,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "jaxrl_llm.types",
         "jaxrl_llm._checks",
-        "jaxrl_llm.masked_stats",
         "jaxrl_llm.console",
         "jaxrl_llm.user_code",
         "jaxrl_llm.packing",
@@ -64,18 +63,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl_llm.models",),
     # The loss layer: pure functions over arrays (log-probs over a model's hidden states).
     (
-        "jaxrl_llm.advantages",
-        "jaxrl_llm.ratios",
-        "jaxrl_llm.kl",
-        "jaxrl_llm.distillation",
-        "jaxrl_llm.aggregation",
-        "jaxrl_llm.surrogates",
-        "jaxrl_llm.value",
-        "jaxrl_llm.correction",
-        "jaxrl_llm.token_selection",
+        "jaxrl_llm.losses",
         "jaxrl_llm.logprobs",
         "jaxrl_llm.preference",
-        "jaxrl_llm.implicit_prm",
         "jaxrl_llm.objectives",
     ),
     ("jaxrl_llm.data", "jaxrl_llm.rewards"),
@@ -117,10 +107,11 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_statements(node: ast.AST, scope: str = "module level"):
-    """``(node, scope)`` for every import statement that can run, skipping ``TYPE_CHECKING``."""
+def _import_statements(node: ast.AST, scope: str = "module level", *, type_checking: bool = False):
+    """``(node, scope)`` for every import statement that can run, skipping ``TYPE_CHECKING``
+    blocks unless ``type_checking`` (the imports a type checker follows)."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if isinstance(child, ast.If) and _is_type_checking(child.test) and not type_checking:
             children = child.orelse  # the ``if`` body never runs
         else:
             children = [child]
@@ -130,7 +121,7 @@ def _import_statements(node: ast.AST, scope: str = "module level"):
             inner = scope
             if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = f"in {stmt.name}()"
-            yield from _import_statements(stmt, inner)
+            yield from _import_statements(stmt, inner, type_checking=type_checking)
 
 
 def _packages_on_path(module: str) -> list[str]:
@@ -139,14 +130,17 @@ def _packages_on_path(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def import_edges(modules: dict[str, Path], package: str) -> list[Edge]:
-    """The edges of the import graph among ``modules`` (the rules in this file's docstring)."""
+def import_edges(
+    modules: dict[str, Path], package: str, *, type_checking: bool = False
+) -> list[Edge]:
+    """The edges of the import graph among ``modules`` (the rules in this file's docstring);
+    with ``type_checking``, the ``if TYPE_CHECKING:`` imports count too."""
     edges = []
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         own_packages = {*_packages_on_path(name), *([name] if is_package else [])}
         tree = ast.parse(path.read_text(), filename=str(path))
-        for node, scope in _import_statements(tree):
+        for node, scope in _import_statements(tree, type_checking=type_checking):
             # (imported module, whether a name is read from its namespace)
             if isinstance(node, ast.Import):
                 targets = [(alias.name, False) for alias in node.names]
@@ -309,6 +303,16 @@ def test_no_import_cycle_among_jaxrl_llm_modules():
         pytest.fail(f"{len(cycles)} import cycle(s) among {PACKAGE} modules:\n{report}", False)
 
 
+def test_no_import_cycle_even_among_type_only_imports():
+    """Type-only imports (``if TYPE_CHECKING:``) run nowhere, but a cycle among them still ties
+    two modules into one concept: the types belong to the lower one."""
+    modules = find_modules(PACKAGE_DIR, PACKAGE)
+    edges = import_edges(modules, PACKAGE, type_checking=True)
+    cycles = find_cycles(edges)
+    report = "\n".join(describe_cycle(cycle, edges, modules) for cycle in cycles)
+    assert not cycles, f"{len(cycles)} import cycle(s) with type-only imports:\n{report}"
+
+
 def test_no_import_against_the_layers():
     modules = find_modules(PACKAGE_DIR, PACKAGE)
     against = layer_violations(import_edges(modules, PACKAGE), LAYERS)
@@ -321,6 +325,64 @@ def test_no_import_against_the_layers():
             for e in against
         )
         pytest.fail(f"{len(against)} import(s) against the declared layers:\n{report}", False)
+
+
+def top_level_names(path: Path) -> set[str] | None:
+    """The names a module binds at its top level (None when a star import hides them)."""
+    names = set()
+    for stmt in ast.parse(path.read_text(), filename=str(path)).body:
+        statements = [stmt]
+        if isinstance(stmt, ast.If | ast.Try):  # guarded definitions
+            statements = [*stmt.body, *getattr(stmt, "orelse", [])]
+        for node in statements:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name == "*":
+                        return None
+                    names.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def unresolved_imports(modules: dict[str, Path], package: str) -> list[str]:
+    """``file:line: target`` for every import of ``package`` that names no file of it and no
+    top-level name of the module it reads from.
+
+    The graph's edges skip such targets, so an import through an alias (the loss modules' old
+    root names, which ``jaxrl_llm/__init__.py`` resolves at run time) would hide its edge.
+    """
+    missing = []
+    for path in modules.values():
+        for node, _ in _import_statements(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # relative imports: by construction inside the package
+            if isinstance(node, ast.Import):
+                pairs = [(alias.name, None) for alias in node.names]
+            else:
+                pairs = [(node.module or "", alias.name) for alias in node.names]
+            for base, name in pairs:
+                if base != package and not base.startswith(package + "."):
+                    continue
+                if base not in modules:
+                    missing.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}: {base}")
+                    continue
+                if name is None or f"{base}.{name}" in modules:
+                    continue
+                defined = top_level_names(modules[base])
+                if defined is not None and name not in defined:
+                    where = f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}"
+                    missing.append(f"{where}: {base}.{name}")
+    return missing
+
+
+def test_every_import_names_a_module_of_the_package():
+    missing = unresolved_imports(find_modules(PACKAGE_DIR, PACKAGE), PACKAGE)
+    assert not missing, f"imports of no {PACKAGE} file (use the module's own path): {missing}"
 
 
 def test_every_module_has_a_layer():
@@ -422,6 +484,9 @@ def test_type_checking_imports_are_not_edges(tmp_path):
         "b.py": "import typing\nfrom pkg.a import f\nif typing.TYPE_CHECKING:\n    import pkg.a\n",
     }
     assert _cycles(tmp_path, files) == []
+    modules = _write_package(tmp_path, files)
+    typed = find_cycles(import_edges(modules, "pkg", type_checking=True))
+    assert typed == [["pkg.a", "pkg.b", "pkg.a"]]  # the type-only cycle, when asked for
     files["a.py"] += "else:\n    from pkg.b import B\n"
     assert _cycles(tmp_path, files) == [["pkg.a", "pkg.b", "pkg.a"]]
 

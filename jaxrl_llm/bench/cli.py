@@ -47,7 +47,7 @@ def loss_presets() -> list[str]:
     """The presets whose loss is a function of the ``[B, T]`` log-probs alone, which the loss
     benchmark times: every preset but those adding a distillation loss over the teacher's
     top-k distribution (``distill_gkd``: it takes the student's log-probs of those tokens)."""
-    return [name for name in objectives.available() if objectives.make(name).distill_loss is None]
+    return [name for name in objectives.available() if objectives.make(name).distill.loss is None]
 
 
 def parse_presets(text: str) -> list[str]:

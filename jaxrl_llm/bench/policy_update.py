@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import advantages, models, objectives
+from jaxrl_llm import models, objectives
+from jaxrl_llm.losses import advantages
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.optim import make_optimizer
 from jaxrl_llm.train.rl.policy import make_policy_step

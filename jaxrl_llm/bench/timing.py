@@ -110,12 +110,12 @@ def objective_batch(
 ) -> tuple[np.ndarray, RolloutBatch]:
     """:func:`random_batch` holding what ``objective``'s loss reads: reference log-probs only
     when KL is in the loss, per-token advantages for the token-level estimators."""
-    kl_in_loss = objective.kl_kind is not None and objective.kl_placement == "loss"
+    kl_in_loss = objective.kl.kind is not None and objective.kl.placement == "loss"
     return random_batch(
         B=B,
         T=T,
         seed=seed,
-        token_advantages=objective.advantage in TOKEN_ADVANTAGE_ESTIMATORS,
+        token_advantages=objective.advantage.name in TOKEN_ADVANTAGE_ESTIMATORS,
         with_reference=kl_in_loss,
         noise=noise,
     )

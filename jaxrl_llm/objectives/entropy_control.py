@@ -9,7 +9,7 @@ Report", arXiv:2505.22312; TRL's ``use_adaptive_entropy``): after each optimizer
 
 and step ``k + 1`` applies ``α_{k+1}·[H_k ≤ H_target]``: the bonus acts only while the entropy
 is at or below the target (TRL's gating), and nothing before the first measurement
-(``H_{−1} = +∞``). ``α_0 = objective.entropy_coef``, ``δ = entropy_coef_delta``,
+(``H_{−1} = +∞``). ``α_0 = objective.entropy.coef``, ``δ = entropy_coef_delta``,
 ``(α_min, α_max) = entropy_coef_bounds``, ``H_target = entropy_target``.
 
 The controller is step-to-step state (:class:`EntropyControl`, two f32 scalars) that lives in
@@ -83,22 +83,22 @@ def gated_coef(coef: Array, last_entropy: Array, *, target: float) -> Array:
 
 
 def _check_adaptive(objective: Objective) -> None:
-    if not objective.adaptive_entropy:
+    if not objective.entropy.adaptive:
         raise ValueError(
             f"objective {objective.name!r} has no adaptive entropy coefficient; "
-            "set objective.entropy_target"
+            "set objective.overrides.entropy_target"
         )
 
 
 def init_control(objective: Objective) -> EntropyControl:
-    """``EntropyControl(α_0 = objective.entropy_coef, H = +inf)``.
+    """``EntropyControl(α_0 = objective.entropy.coef, H = +inf)``.
 
     Raises:
       ValueError: the objective has no ``entropy_target``.
     """
     _check_adaptive(objective)
     return EntropyControl(
-        coef=jnp.asarray(objective.entropy_coef, jnp.float32),
+        coef=jnp.asarray(objective.entropy.coef, jnp.float32),
         entropy=jnp.asarray(jnp.inf, jnp.float32),
     )
 
@@ -107,7 +107,7 @@ def applied_coef(objective: Objective, control: EntropyControl) -> Array:
     """The coefficient this step's ``policy_loss(entropy_coef=...)`` applies:
     :func:`gated_coef` of the state."""
     _check_adaptive(objective)
-    return gated_coef(control.coef, control.entropy, target=objective.entropy_target)
+    return gated_coef(control.coef, control.entropy, target=objective.entropy.target)
 
 
 def measured_entropy(objective: Objective, metrics: Mapping[str, Array]) -> Array:
@@ -121,7 +121,11 @@ def measured_entropy(objective: Objective, metrics: Mapping[str, Array]) -> Arra
     Raises:
       ValueError: a metric ``policy_loss`` reports for this objective is missing.
     """
-    keys = ("entropy_top", "top_entropy_frac") if objective.top_entropy_quantile < 1.0 else ()
+    keys = (
+        ("entropy_top", "top_entropy_frac")
+        if objective.selection.top_entropy_quantile < 1.0
+        else ()
+    )
     missing = sorted({"entropy", *keys} - set(metrics))
     if missing:
         raise ValueError(
@@ -145,8 +149,8 @@ def update_control(
     coef = adaptive_entropy_coef(
         control.coef,
         entropy,
-        target=objective.entropy_target,
-        delta=objective.entropy_coef_delta,
-        bounds=objective.entropy_coef_bounds,
+        target=objective.entropy.target,
+        delta=objective.entropy.coef_delta,
+        bounds=objective.entropy.coef_bounds,
     )
     return EntropyControl(coef=coef, entropy=entropy)

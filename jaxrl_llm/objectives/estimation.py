@@ -8,7 +8,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, kl
+from jaxrl_llm import _checks
+from jaxrl_llm.losses import kl
 from jaxrl_llm.objectives import estimator_registry
 from jaxrl_llm.objectives.objective import Objective
 
@@ -17,12 +18,12 @@ Array = jax.Array
 
 def _check_group_size(objective: Objective, group_size: int) -> estimator_registry.EstimatorSpec:
     """The objective's estimator, after checking that it accepts ``group_size``."""
-    spec = estimator_registry.estimator_spec(objective.advantage)
+    spec = estimator_registry.estimator_spec(objective.advantage.name)
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size must be a positive Python int, got {group_size!r}")
     if group_size < spec.min_group_size:
         raise ValueError(
-            f"the {objective.advantage} estimator needs group_size >= {spec.min_group_size} "
+            f"the {objective.advantage.name} estimator needs group_size >= {spec.min_group_size} "
             f"(e.g. for its leave-one-out baselines), got group_size={group_size}"
         )
     return spec
@@ -30,15 +31,15 @@ def _check_group_size(objective: Objective, group_size: int) -> estimator_regist
 
 def _kl_penalty(objective: Objective, mask: Array, old_logprobs, ref_logprobs) -> Array:
     """``[B, T]`` ``beta*kl(old, ref)*m`` for KL in the reward, else zeros."""
-    if objective.kl_placement == "reward" and objective.kl_kind is not None and objective.kl_coef:
+    if objective.kl.placement == "reward" and objective.kl.kind is not None and objective.kl.coef:
         if old_logprobs is None or ref_logprobs is None:
             raise ValueError(
                 f"objective {objective.name!r} puts KL in the reward: "
                 "old_logprobs and ref_logprobs are required"
             )
         return (
-            objective.kl_coef
-            * kl.estimate(old_logprobs, ref_logprobs, kind=objective.kl_kind)
+            objective.kl.coef
+            * kl.estimate(old_logprobs, ref_logprobs, kind=objective.kl.kind)
             * mask
         )
     return jnp.zeros_like(mask)
@@ -60,7 +61,7 @@ def compute_advantages(
 ) -> tuple[Array, Array | None]:
     """Advantages (and value targets) for an objective, from one rollout batch.
 
-    Calls the estimator registered under ``objective.advantage`` (see
+    Calls the estimator registered under ``objective.advantage.name`` (see
     :func:`~jaxrl_llm.objectives.register_estimator`). With ``kl_placement="reward"`` the
     per-token KL ``beta*kl(old, ref)`` is subtracted from the token rewards (token-level
     estimators) or its row sum from the scalar reward (sequence-level estimators).
@@ -105,14 +106,14 @@ def compute_advantages(
     for name in spec.requires:
         if optional[name] is None:
             raise ValueError(
-                f"the {objective.advantage} estimator needs {name} "
+                f"the {objective.advantage.name} estimator needs {name} "
                 f"({estimator_registry.OPTIONAL_INPUTS[name]})"
             )
     inputs = estimator_registry.AdvantageInputs(rewards, mask, group_size, kl_penalty, **optional)
-    out = spec.fn(objective, inputs)
+    out = spec.fn(objective.advantage, inputs)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(
-            f"estimator {objective.advantage!r} must return (advantages, returns | None), "
+            f"estimator {objective.advantage.name!r} must return (advantages, returns | None), "
             f"got {type(out)}"
         )
     advantages, returns = out

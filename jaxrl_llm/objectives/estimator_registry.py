@@ -1,15 +1,15 @@
 """Registry of advantage estimators, open to user entries.
 
-An estimator is registered as a function ``fn(objective, inputs) -> (advantages, returns)``:
+An estimator is registered as a function ``fn(advantage, inputs) -> (advantages, returns)``:
 
-- ``objective``: the :class:`~jaxrl_llm.objectives.Objective` (its hyper-parameters,
-  including user ones in ``objective.extra_dict``);
+- ``advantage``: its own piece, an :class:`~jaxrl_llm.objectives.pieces.Advantage` (name,
+  scale, discounts, and a user estimator's declared ``params``);
 - ``inputs``: an :class:`AdvantageInputs` (rewards, mask, the static group size, the
   KL-in-reward penalty and the optional arrays of one rollout batch);
 - ``advantages``: ``[B]`` or ``[B, T]`` float32; ``returns``: ``[B, T]`` value targets or
   ``None``.
 
-The built-ins adapt :mod:`jaxrl_llm.advantages`, whose docstrings carry the formulas and
+The built-ins adapt :mod:`jaxrl_llm.losses.advantages`, whose docstrings carry the formulas and
 papers.
 """
 
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, advantages
+from jaxrl_llm import _checks
+from jaxrl_llm.losses import advantages
+from jaxrl_llm.objectives.pieces import Advantage, check_params_type
 from jaxrl_llm.objectives.registry import Registry, check_registration
-
-if TYPE_CHECKING:
-    from jaxrl_llm.objectives.objective import Objective
 
 Array = jax.Array
 
@@ -91,25 +90,28 @@ class AdvantageInputs(NamedTuple):
         return self.rewards - jnp.sum(self.kl_penalty, axis=1)
 
 
-EstimatorFn = Callable[["Objective", AdvantageInputs], tuple[Array, Array | None]]
+EstimatorFn = Callable[[Advantage, AdvantageInputs], tuple[Array, Array | None]]
 
 
 class EstimatorSpec(NamedTuple):
     """A registered advantage estimator.
 
     Attributes:
-      fn: ``fn(objective, inputs) -> (advantages [B] or [B, T], returns [B, T] or None)``.
+      fn: ``fn(advantage, inputs) -> (advantages [B] or [B, T], returns [B, T] or None)``.
       requires: optional inputs (names of :data:`OPTIONAL_INPUTS`) that must not be None;
         ``"values"`` makes the objective need a critic.
       needs_reference: whether the trainer must keep a reference policy (e.g. PRIME's
         implicit process rewards), whatever the KL settings.
       min_group_size: smallest valid group size (RLOO-style baselines need 2).
+      params: the frozen dataclass of its own hyper-parameters (``advantage.params``), or
+        ``None`` when it takes none beyond the piece's fields.
     """
 
     fn: EstimatorFn
     requires: tuple[str, ...] = ()
     needs_reference: bool = False
     min_group_size: int = 1
+    params: type | None = None
 
 
 _ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator")
@@ -125,20 +127,23 @@ def register_estimator(
     requires: tuple[str, ...] = (),
     needs_reference: bool = False,
     min_group_size: int = 1,
+    params: type | None = None,
 ) -> Any:
     """Registers an advantage estimator under ``name``; a decorator or a plain call.
 
-    ``@register_estimator("mine")`` above ``def mine(objective, inputs): ...``, or
+    ``@register_estimator("mine")`` above ``def mine(advantage, inputs): ...``, or
     ``register_estimator("mine", mine)``; then ``make("grpo", advantage="mine")``.
 
     Args:
-      name: the value of ``Objective.advantage`` that selects it.
-      fn: ``fn(objective, inputs: AdvantageInputs) -> (advantages, returns | None)``;
+      name: the value of ``Objective.advantage.name`` that selects it.
+      fn: ``fn(advantage: Advantage, inputs: AdvantageInputs) -> (advantages, returns | None)``;
         ``None`` returns a decorator.
       override: replace an already registered name (built-ins included).
       requires: names of :data:`OPTIONAL_INPUTS` it cannot do without.
       needs_reference: whether it needs a reference policy.
       min_group_size: smallest group size it accepts.
+      params: a frozen dataclass type of its own hyper-parameters (defaults for every field);
+        the objective converts ``advantage_params`` to it.
 
     Returns:
       ``fn`` unchanged (or a decorator when ``fn`` is None).
@@ -148,6 +153,7 @@ def register_estimator(
         ``requires`` / ``min_group_size`` is invalid.
     """
     check_registration("estimator", name, fn)
+    check_params_type("estimator", params)
     requires = (requires,) if isinstance(requires, str) else tuple(requires)
     unknown = sorted(set(requires) - set(OPTIONAL_INPUTS))
     if unknown:
@@ -165,8 +171,9 @@ def register_estimator(
             requires=requires,
             needs_reference=needs_reference,
             min_group_size=min_group_size,
+            params=params,
         )
-    spec = EstimatorSpec(fn, requires, bool(needs_reference), min_group_size)
+    spec = EstimatorSpec(fn, requires, bool(needs_reference), min_group_size, params)
     _ESTIMATORS.add(name, spec, override=override)
     return fn
 
@@ -193,34 +200,34 @@ def estimator_spec(name: str) -> EstimatorSpec:
 
 
 @register_estimator("grpo")
-def _grpo(objective: Objective, inputs: AdvantageInputs):
+def _grpo(advantage: Advantage, inputs: AdvantageInputs):
     """``(r − μ_g) / (σ_g + eps)`` (GRPO), ``/ σ_batch`` or unscaled (Dr.GRPO)."""
     adv = advantages.grpo(
         inputs.sequence_rewards(),
         group_size=inputs.group_size,
-        scale=objective.advantage_scale,
-        std_ddof=objective.std_ddof,
+        scale=advantage.scale,
+        std_ddof=advantage.std_ddof,
     )
     return adv, None
 
 
 @register_estimator("rloo")
-def _rloo(objective: Objective, inputs: AdvantageInputs):
+def _rloo(advantage: Advantage, inputs: AdvantageInputs):
     """``r_i − mean_{j≠i} r_j`` (RLOO)."""
-    del objective
+    del advantage
     return advantages.rloo(inputs.sequence_rewards(), group_size=inputs.group_size), None
 
 
 @register_estimator("reinforce_pp")
-def _reinforce_pp(objective: Objective, inputs: AdvantageInputs):
+def _reinforce_pp(advantage: Advantage, inputs: AdvantageInputs):
     """Whitened reward-to-go of the token rewards (REINFORCE++)."""
-    return advantages.reinforce_pp(inputs.token_rewards(), inputs.mask, gamma=objective.gamma), None
+    return advantages.reinforce_pp(inputs.token_rewards(), inputs.mask, gamma=advantage.gamma), None
 
 
 @register_estimator("reinforce_pp_baseline")
-def _reinforce_pp_baseline(objective: Objective, inputs: AdvantageInputs):
+def _reinforce_pp_baseline(advantage: Advantage, inputs: AdvantageInputs):
     """Whitened ``r − μ_g`` broadcast over tokens (REINFORCE++-baseline)."""
-    del objective
+    del advantage
     adv = advantages.reinforce_pp_baseline(
         inputs.sequence_rewards(), inputs.mask, group_size=inputs.group_size
     )
@@ -228,41 +235,41 @@ def _reinforce_pp_baseline(objective: Objective, inputs: AdvantageInputs):
 
 
 @register_estimator("remax", requires=("baseline_rewards",))
-def _remax(objective: Objective, inputs: AdvantageInputs):
+def _remax(advantage: Advantage, inputs: AdvantageInputs):
     """``r − b``, ``b`` the greedy completion's reward (ReMax)."""
-    del objective
+    del advantage
     return advantages.remax(inputs.sequence_rewards(), inputs.baseline_rewards), None
 
 
 @register_estimator("opo")
-def _opo(objective: Objective, inputs: AdvantageInputs):
+def _opo(advantage: Advantage, inputs: AdvantageInputs):
     """``r − Σ L_j r_j / Σ L_j``, a length-weighted group baseline (OPO)."""
-    del objective
+    del advantage
     adv = advantages.opo(inputs.sequence_rewards(), inputs.mask, group_size=inputs.group_size)
     return adv, None
 
 
 @register_estimator("gpg")
-def _gpg(objective: Objective, inputs: AdvantageInputs):
+def _gpg(advantage: Advantage, inputs: AdvantageInputs):
     """``α·(r − μ_g)`` with GPG's correction for zero-advantage rows."""
-    del objective
+    del advantage
     return advantages.gpg(inputs.sequence_rewards(), group_size=inputs.group_size), None
 
 
 @register_estimator("pass_at_k", min_group_size=2)
-def _pass_at_k(objective: Objective, inputs: AdvantageInputs):
+def _pass_at_k(advantage: Advantage, inputs: AdvantageInputs):
     """The best row of each group gets ``r_max − r_second`` (Pass@k training)."""
     adv = advantages.pass_at_k(
-        inputs.sequence_rewards(), group_size=inputs.group_size, scale=objective.advantage_scale
+        inputs.sequence_rewards(), group_size=inputs.group_size, scale=advantage.scale
     )
     return adv, None
 
 
 @register_estimator("gae", requires=("values",))
-def _gae(objective: Objective, inputs: AdvantageInputs):
+def _gae(advantage: Advantage, inputs: AdvantageInputs):
     """GAE over the token rewards and critic values (PPO)."""
     return advantages.gae(
-        inputs.token_rewards(), inputs.values, inputs.mask, gamma=objective.gamma, lam=objective.lam
+        inputs.token_rewards(), inputs.values, inputs.mask, gamma=advantage.gamma, lam=advantage.lam
     )
 
 
@@ -277,13 +284,13 @@ def _group_loo_token_rewards(token_rewards: Array, mask: Array, group_size: int)
 
 
 @register_estimator("prime", requires=("process_rewards",), needs_reference=True, min_group_size=2)
-def _prime(objective: Objective, inputs: AdvantageInputs):
+def _prime(advantage: Advantage, inputs: AdvantageInputs):
     """PRIME (Cui et al. 2025): RLOO over dense implicit rewards plus RLOO outcome rewards.
 
     ``returns_t = Σ_{u≥t} (loo(p)_u + [u = last]·rloo(r) − kl_u)``; advantages are their
     masked whitening.
     """
-    del objective
+    del advantage
     mask = inputs.mask
     _checks.check_batch_time("process_rewards", inputs.process_rewards, mask)
     dense = _group_loo_token_rewards(_checks.f32(inputs.process_rewards), mask, inputs.group_size)
@@ -296,7 +303,7 @@ def _prime(objective: Objective, inputs: AdvantageInputs):
 
 
 @register_estimator("gdpo", requires=("reward_columns",))
-def _gdpo(objective: Objective, inputs: AdvantageInputs):
+def _gdpo(advantage: Advantage, inputs: AdvantageInputs):
     """Each reward column normalised in its group, weighted sum, normalised over the batch
     (GDPO; TRL's ``normalize_then_sum``)."""
     columns = inputs.reward_columns
@@ -305,39 +312,39 @@ def _gdpo(objective: Objective, inputs: AdvantageInputs):
     adv = advantages.gdpo(
         columns,
         group_size=inputs.group_size,
-        weights=objective.reward_weights,
-        std_ddof=objective.std_ddof,
+        weights=advantage.reward_weights,
+        std_ddof=advantage.std_ddof,
     )
     return adv, None
 
 
 @register_estimator("distill", requires=("old_logprobs", "teacher_logprobs"))
-def _distill(objective: Objective, inputs: AdvantageInputs):
+def _distill(advantage: Advantage, inputs: AdvantageInputs):
     """On-policy distillation: ``distill_coef * (log π_T − log π_old)`` per token, the
     negative reverse-KL sample to the teacher (GKD's on-policy reverse KL, Qwen3, Thinking
     Machines); the reward is not used."""
     adv = advantages.distillation(
-        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=objective.distill_coef
+        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=advantage.distill_coef
     )
     return adv, None
 
 
 @register_estimator("grpo_distill", requires=("old_logprobs", "teacher_logprobs"))
-def _grpo_distill(objective: Objective, inputs: AdvantageInputs):
+def _grpo_distill(advantage: Advantage, inputs: AdvantageInputs):
     """GRPO's group advantage on every token plus the teacher term
     ``distill_coef * (log π_T − log π_old)``: the task's reward and the teacher together."""
-    outcome, _ = _grpo(objective, inputs)
+    outcome, _ = _grpo(advantage, inputs)
     teacher = advantages.distillation(
-        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=objective.distill_coef
+        inputs.old_logprobs, inputs.teacher_logprobs, inputs.mask, coef=advantage.distill_coef
     )
     return outcome[:, None] * inputs.mask + teacher, None
 
 
 @register_estimator("none")
-def _none(objective: Objective, inputs: AdvantageInputs):
+def _none(advantage: Advantage, inputs: AdvantageInputs):
     """No advantage: 0 for every row. A run trained by the loss terms beside the surrogate
     alone (GKD's distillation loss, ``Objective.distill_loss``); the reward only reports."""
-    del objective
+    del advantage
     return jnp.zeros(inputs.mask.shape[:1], jnp.float32), None
 
 

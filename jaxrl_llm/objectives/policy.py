@@ -7,16 +7,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import (
-    _checks,
-    aggregation,
-    correction,
-    distillation,
-    kl,
-    masked_stats,
-    token_selection,
-)
-from jaxrl_llm.objectives import _metrics, surrogate_registry
+from jaxrl_llm import _checks
+from jaxrl_llm.losses import aggregation, correction, distillation, kl, masked, token_selection
+from jaxrl_llm.objectives import surrogate_registry
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
 
@@ -47,26 +40,28 @@ def _call_surrogate(
     objective: Objective, inputs: surrogate_registry.SurrogateInputs
 ) -> tuple[Array, dict[str, Array]]:
     """The registered surrogate's ``(loss, metrics)``, its output checked."""
-    out = surrogate_registry.surrogate_spec(objective.surrogate).fn(objective, inputs)
+    spec = surrogate_registry.surrogate_spec(objective.surrogate.name)
+    out = spec.fn(objective.surrogate, inputs)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(
-            f"surrogate {objective.surrogate!r} must return (loss, metrics), got {type(out)}"
+            f"surrogate {objective.surrogate.name!r} must return (loss, metrics), got {type(out)}"
         )
     loss, metrics = out
     if not isinstance(metrics, Mapping):
         raise ValueError(
-            f"surrogate {objective.surrogate!r} must return metrics as a mapping, got {metrics!r}"
+            f"surrogate {objective.surrogate.name!r} must return metrics as a mapping, "
+            f"got {metrics!r}"
         )
     shadowed = sorted(RESERVED_METRICS & set(metrics))
     if shadowed:
         raise ValueError(
-            f"surrogate {objective.surrogate!r} returned metrics {shadowed}, which policy_loss "
-            "reports itself; rename them"
+            f"surrogate {objective.surrogate.name!r} returned metrics {shadowed}, which "
+            "policy_loss reports itself; rename them"
         )
     shape = jnp.shape(loss)
     if shape not in ((), jnp.shape(inputs.mask)):
         raise ValueError(
-            f"surrogate {objective.surrogate!r} returned a loss of shape {shape}; expected a "
+            f"surrogate {objective.surrogate.name!r} returned a loss of shape {shape}; expected a "
             f"per-token [B, T]={jnp.shape(inputs.mask)} loss or a scalar"
         )
     return loss, dict(metrics)
@@ -92,14 +87,14 @@ def _surrogate_term(
         return inputs.aggregate(loss), metrics
     if weights is not None:
         raise ValueError(
-            f"surrogate {objective.surrogate!r} returns one loss for the batch, so per-token "
+            f"surrogate {objective.surrogate.name!r} returns one loss for the batch, so per-token "
             "rollout-correction IS weights cannot multiply it; use rejection only "
             "(rollout_correction.is_level=None)"
         )
     if selection is not None:
         loss, metrics = _call_surrogate(objective, inputs._replace(mask=inputs.mask * selection))
         if jnp.shape(loss) != ():
-            raise ValueError(f"surrogate {objective.surrogate!r} changed its loss's shape")
+            raise ValueError(f"surrogate {objective.surrogate.name!r} changed its loss's shape")
     return _checks.f32(loss), metrics
 
 
@@ -111,12 +106,12 @@ def _token_selection(
     entropy: Array | None,
 ) -> tuple[Array | None, Array | None, dict[str, Array]]:
     """``(selection or None, entropy selection or None, metrics)`` of the objective's token
-    masks (:mod:`jaxrl_llm.token_selection`)."""
+    masks (:mod:`jaxrl_llm.losses.token_selection`)."""
     selection = entropy_selection = None
     metrics: dict[str, Array] = {}
-    if objective.top_entropy_quantile < 1.0:
+    if objective.selection.top_entropy_quantile < 1.0:
         entropy_selection = token_selection.top_entropy_mask(
-            entropy, inputs.mask, quantile=objective.top_entropy_quantile
+            entropy, inputs.mask, quantile=objective.selection.top_entropy_quantile
         )
         selection = entropy_selection
         metrics["top_entropy_frac"] = inputs.token_mean(entropy_selection)
@@ -124,21 +119,23 @@ def _token_selection(
     if batch.rollout_logprobs is not None:
         _checks.check_batch_time("rollout_logprobs", batch.rollout_logprobs, inputs.mask)
         sampling = jax.lax.stop_gradient(_checks.f32(batch.rollout_logprobs))
-    if objective.off_policy_mask_threshold is not None:
+    if objective.selection.off_policy_mask_threshold is not None:
         kept = token_selection.off_policy_sequence_mask(
             logprobs,
             sampling,
             inputs.advantages,
             inputs.mask,
-            threshold=objective.off_policy_mask_threshold,
+            threshold=objective.selection.off_policy_mask_threshold,
         )
         metrics["off_policy_masked_frac"] = inputs.token_mean(1.0 - kept)
         selection = kept if selection is None else selection * kept
-    if objective.m2_threshold is not None:
+    if objective.selection.m2_threshold is not None:
         # M2PO: log π_θ − log π_sampler, as AReaL's proximal − behaviour log-probs on a
         # batch's first optimizer step (the parameters the old log-probs were taken with).
         log_ratio = jax.lax.stop_gradient(logprobs) - sampling
-        kept = token_selection.m2po_mask(log_ratio, inputs.mask, threshold=objective.m2_threshold)
+        kept = token_selection.m2po_mask(
+            log_ratio, inputs.mask, threshold=objective.selection.m2_threshold
+        )
         metrics["m2po_m2"] = inputs.token_mean(jnp.square(log_ratio))
         metrics["m2po_masked_frac"] = inputs.token_mean(1.0 - kept)
         selection = kept if selection is None else selection * kept
@@ -159,19 +156,20 @@ def policy_loss(
     ``loss = agg(surr(ratio(lp, old), A)) + kl_coef·agg(kl(lp, ref))
     + distill_loss_coef·agg(JSD_β) − entropy_coef·agg(H)``
     where the KL term is present only for ``kl_placement="loss"``, the JSD term only with
-    ``objective.distill_loss="jsd"``, and ``agg`` is
-    ``objective.aggregation`` with ``batch.num_tokens`` / ``batch.num_seqs`` as global
+    ``objective.distill.loss="jsd"``, and ``agg`` is
+    ``objective.aggregation.mode`` with ``batch.num_tokens`` / ``batch.num_seqs`` as global
     normalisers (so K micro-batches sum to the full-batch loss and gradient). ``ratio`` and
-    ``surr`` are the registered functions named by ``objective.ratio`` / ``.surrogate``; a
+    ``surr`` are the registered functions named by ``objective.ratio.kind`` / ``.surrogate``; a
     surrogate that returns a scalar (GMPO) is not aggregated again.
 
-    Rollout correction (``jaxrl_llm.correction``): ``batch.is_weights`` multiply the per-token
-    surrogate loss; ``objective.rollout_correction`` computes IS weights and a rejection mask
-    from ``batch.rollout_logprobs`` — against ``old_logprobs`` (``mode="decoupled"``) or, with
-    the rollout as the old policy, against ``stop_gradient(logprobs)`` (``"bypass"``, weights
-    only for ratio-free surrogates); rejected tokens leave every term.
+    Rollout correction (``jaxrl_llm.losses.correction``): ``batch.is_weights`` multiply the
+    per-token surrogate loss; ``objective.correction`` computes IS weights and a
+    rejection mask from ``batch.rollout_logprobs`` — against ``old_logprobs``
+    (``mode="decoupled"``) or, with the rollout as the old policy, against
+    ``stop_gradient(logprobs)`` (``"bypass"``, weights only for ratio-free surrogates);
+    rejected tokens leave every term.
 
-    Token selection (:mod:`jaxrl_llm.token_selection`): with ``top_entropy_quantile < 1``
+    Token selection (:mod:`jaxrl_llm.losses.token_selection`): with ``top_entropy_quantile < 1``
     only the top-entropy tokens, with ``off_policy_mask_threshold`` only rows the policy has
     not drifted from (or with ``A ≥ 0``) keep their surrogate loss (the others add 0 and
     still count in the normalisers, as in TRL); the entropy bonus acts on the top-entropy
@@ -179,15 +177,15 @@ def policy_loss(
     ``m2_threshold`` (M2PO) the tokens of largest ``(log π_θ − log π_sampler)²`` of this
     (micro-)batch leave the surrogate too, until its second moment is under the threshold.
 
-    Adaptive entropy coefficient (``objective.entropy_target``): the coefficient is train
+    Adaptive entropy coefficient (``objective.entropy.target``): the coefficient is train
     state (:mod:`~jaxrl_llm.objectives.entropy_control`); the caller hands this step's value
     as ``entropy_coef`` (``entropy_control.applied_coef``), reported as the ``entropy_coef``
     metric, and the ``entropy`` (and, with a top-entropy mask, ``entropy_top``) metrics feed
     the controller's next update.
 
-    Distillation loss (``objective.distill_loss="jsd"``, GKD, arXiv:2306.13649):
+    Distillation loss (``objective.distill.loss="jsd"``, GKD, arXiv:2306.13649):
     ``JSD_β = distillation.top_k_generalized_jsd(student_top_logprobs,
-    batch.teacher_top_logprobs, β=objective.jsd_beta)`` per token, the student's and the
+    batch.teacher_top_logprobs, β=objective.distill.jsd_beta)`` per token, the student's and the
     teacher's distributions restricted to the teacher's top-``k`` tokens and renormalised
     there (``k = V``: the full vocabulary); aggregated over the trained tokens (after
     rollout-correction rejection, before token selection, as the KL term) like the policy
@@ -205,7 +203,7 @@ def policy_loss(
       student_top_logprobs: ``[B, T, k]`` the current policy's log-probs (carry the gradient)
         of the teacher's top-``k`` tokens ``batch.teacher_top_ids`` at each completion
         position (``logprobs.completion_logprobs(gather_ids=...)``); read with
-        ``objective.distill_loss``, which needs it and ``batch.teacher_top_logprobs``.
+        ``objective.distill.loss``, which needs it and ``batch.teacher_top_logprobs``.
 
     Returns:
       ``LossOutput(loss, metrics)``; metrics as listed in shared/SPEC_LOSSES.md, the
@@ -223,8 +221,8 @@ def policy_loss(
     logprobs = _checks.f32(logprobs)
     old_logprobs = jax.lax.stop_gradient(_checks.f32(batch.old_logprobs))
     adv = jax.lax.stop_gradient(_checks.f32(batch.advantages))
-    kl_in_loss = objective.kl_kind is not None and objective.kl_placement == "loss"
-    if kl_in_loss and objective.kl_coef > 0 and batch.ref_logprobs is None:
+    kl_in_loss = objective.kl.kind is not None and objective.kl.placement == "loss"
+    if kl_in_loss and objective.kl.coef > 0 and batch.ref_logprobs is None:
         raise ValueError(
             f"objective {objective.name!r} puts KL in the loss: batch.ref_logprobs is None"
         )
@@ -233,18 +231,18 @@ def policy_loss(
             "entropy_coef > 0, entropy_target and top_entropy_quantile < 1 need the per-token "
             "entropy"
         )
-    if objective.adaptive_entropy != (entropy_coef is not None):
+    if objective.entropy.adaptive != (entropy_coef is not None):
         raise ValueError(
             "policy_loss(entropy_coef=...) is this step's adaptive entropy coefficient: give it "
-            "exactly when objective.entropy_target is set "
-            f"(entropy_target={objective.entropy_target!r}, entropy_coef={entropy_coef!r}); "
+            "exactly when the objective sets entropy_target "
+            f"(entropy_target={objective.entropy.target!r}, entropy_coef={entropy_coef!r}); "
             "see jaxrl_llm.objectives.entropy_control"
         )
-    if objective.distill_loss is not None and (
+    if objective.distill.loss is not None and (
         student_top_logprobs is None or batch.teacher_top_logprobs is None
     ):
         raise ValueError(
-            f"objective {objective.name!r} adds the {objective.distill_loss} distillation loss: "
+            f"objective {objective.name!r} adds the {objective.distill.loss} distillation loss: "
             "it needs batch.teacher_top_logprobs (the teacher's top-k log-probs) and "
             "student_top_logprobs (the policy's log-probs of those tokens)"
         )
@@ -258,8 +256,8 @@ def policy_loss(
     default_tokens, default_seqs = aggregation.normalisers(mask)
     num_tokens = default_tokens if batch.num_tokens is None else batch.num_tokens
     num_seqs = default_seqs if batch.num_seqs is None else batch.num_seqs
-    log_ratio = surrogate_registry.ratio_fn(objective.ratio)(
-        objective, logprobs, old_logprobs, mask
+    log_ratio = surrogate_registry.ratio_fn(objective.ratio.kind)(
+        objective.ratio, logprobs, old_logprobs, mask
     )
     inputs = surrogate_registry.SurrogateInputs(
         log_ratio=log_ratio,
@@ -269,8 +267,8 @@ def policy_loss(
         mask=mask,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
-        aggregation=objective.aggregation,
-        norm_constant=objective.norm_constant,
+        aggregation=objective.aggregation.mode,
+        norm_constant=objective.aggregation.norm_constant,
     )
 
     if entropy is not None:
@@ -286,20 +284,20 @@ def policy_loss(
     if weights is not None:
         metrics["rollout_corr/is_weight_mean"] = inputs.token_mean(weights)
     if "rollout_corr/rejected" in corrected:
-        rejected = _metrics.masked_sum(corrected["rollout_corr/rejected"], 1.0)
+        rejected = masked.selected_sum(corrected["rollout_corr/rejected"], 1.0)
         metrics["rollout_corr/rejected_frac"] = rejected / jnp.maximum(all_tokens, 1)
 
-    ratio = jnp.exp(jnp.clip(log_ratio, -objective.ratio_clamp, objective.ratio_clamp))
+    ratio = jnp.exp(jnp.clip(log_ratio, -objective.ratio.clamp, objective.ratio.clamp))
     metrics["approx_kl"] = inputs.token_mean(-(logprobs - old_logprobs))
     metrics["ratio_mean"] = inputs.token_mean(ratio)
-    metrics["ratio_min"] = masked_stats.extreme(ratio, mask, jnp.min, jnp.inf)
-    metrics["ratio_max"] = masked_stats.extreme(ratio, mask, jnp.max, -jnp.inf)
+    metrics["ratio_min"] = masked.extreme(ratio, mask, jnp.min, jnp.inf)
+    metrics["ratio_max"] = masked.extreme(ratio, mask, jnp.max, -jnp.inf)
 
-    if batch.ref_logprobs is not None and objective.kl_kind is not None:
+    if batch.ref_logprobs is not None and objective.kl.kind is not None:
         _checks.check_batch_time("ref_logprobs", batch.ref_logprobs, mask)
         ref = jax.lax.stop_gradient(_checks.f32(batch.ref_logprobs))
-        kl_kw = {"kind": objective.kl_kind, "straight_through": objective.kl_straight_through}
-        if objective.kl_bias_correction:
+        kl_kw = {"kind": objective.kl.kind, "straight_through": objective.kl.straight_through}
+        if objective.kl.bias_correction:
             per_token_kl = kl.importance_weighted_estimate(logprobs, ref, log_ratio, **kl_kw)
         else:
             per_token_kl = kl.estimate(logprobs, ref, **kl_kw)
@@ -307,30 +305,30 @@ def policy_loss(
         if kl_in_loss:
             kl_loss = inputs.aggregate(per_token_kl)
             metrics["kl_loss"] = kl_loss
-            loss = loss + objective.kl_coef * kl_loss
+            loss = loss + objective.kl.coef * kl_loss
 
-    if objective.distill_loss is not None:
+    if objective.distill.loss is not None:
         jsd = distillation.top_k_generalized_jsd(
-            student_top_logprobs, batch.teacher_top_logprobs, mask, beta=objective.jsd_beta
+            student_top_logprobs, batch.teacher_top_logprobs, mask, beta=objective.distill.jsd_beta
         )
         jsd_loss = inputs.aggregate(jsd)
         metrics["distill/jsd"] = inputs.token_mean(jax.lax.stop_gradient(jsd))
         metrics["distill/jsd_loss"] = jsd_loss
-        loss = loss + objective.distill_loss_coef * jsd_loss
+        loss = loss + objective.distill.coef * jsd_loss
 
     if entropy is not None:
         metrics["entropy"] = inputs.token_mean(jax.lax.stop_gradient(entropy))
-        if objective.adaptive_entropy or objective.entropy_coef > 0:
+        if objective.entropy.adaptive or objective.entropy.coef > 0:
             # With a top-entropy mask the bonus acts on the tokens the policy loss trains (TRL).
             bonus = entropy if entropy_selection is None else entropy * entropy_selection
             entropy_loss = inputs.aggregate(bonus)
             metrics["entropy_loss"] = entropy_loss
-            coef = objective.entropy_coef
-            if objective.adaptive_entropy:
+            coef = objective.entropy.coef
+            if objective.entropy.adaptive:
                 coef = jax.lax.stop_gradient(_checks.f32(entropy_coef))
                 _checks.check_shape("entropy_coef", coef, ())
                 # Additive like every metric: each micro-batch's share of the batch's tokens.
-                share = _metrics.masked_sum(1.0, batch.completion_mask) / jnp.maximum(all_tokens, 1)
+                share = masked.selected_sum(1.0, batch.completion_mask) / jnp.maximum(all_tokens, 1)
                 metrics["entropy_coef"] = coef * share
                 if entropy_selection is not None:  # the controller measures the bonus's tokens
                     metrics["entropy_top"] = inputs.token_mean(jax.lax.stop_gradient(bonus))
@@ -344,12 +342,12 @@ def _rollout_correction(
     objective: Objective, logprobs: Array, old_logprobs: Array, batch: RolloutBatch, mask: Array
 ) -> tuple[Array | None, Array, Array, dict[str, Array]]:
     """``(IS weights or None, loss mask, old log-probs, metrics)`` after ``batch.is_weights``
-    and the objective's rollout correction (``jaxrl_llm.correction``)."""
+    and the objective's rollout correction (``jaxrl_llm.losses.correction``)."""
     weights = None
     if batch.is_weights is not None:
         _checks.check_batch_time("is_weights", batch.is_weights, mask)
         weights = jax.lax.stop_gradient(_checks.f32(batch.is_weights))
-    spec = objective.rollout_correction
+    spec = objective.correction
     if spec is None:
         return weights, mask, old_logprobs, {}
     if batch.rollout_logprobs is None:
@@ -362,7 +360,9 @@ def _rollout_correction(
     if spec.mode == "bypass":  # the rollout is the old policy; measure the current one
         old_logprobs, train = rollout, jax.lax.stop_gradient(logprobs)
         # A ratio already carries pi/pi_rollout: weights would count it twice (verl).
-        use_weights = not surrogate_registry.surrogate_spec(objective.surrogate).needs_old_logprobs
+        use_weights = not surrogate_registry.surrogate_spec(
+            objective.surrogate.name
+        ).needs_old_logprobs
     else:
         train, use_weights = old_logprobs, True
     log_ratio = train - rollout

@@ -1,9 +1,9 @@
 """Registries of importance ratios and policy surrogates, open to user entries.
 
-A surrogate is registered as a function ``fn(objective, inputs) -> (loss, metrics)``:
+A surrogate is registered as a function ``fn(surrogate, inputs) -> (loss, metrics)``:
 
-- ``objective``: the :class:`~jaxrl_llm.objectives.Objective` (its hyper-parameters,
-  including user ones in ``objective.extra_dict``);
+- ``surrogate``: its own piece, a :class:`~jaxrl_llm.objectives.pieces.Surrogate` (name,
+  bounds, and a user surrogate's declared ``params``);
 - ``inputs``: a :class:`SurrogateInputs` (log-ratio, log-probs, advantages, mask, global
   normalisers, and the objective's aggregation as :meth:`SurrogateInputs.aggregate`);
 - ``loss``: either a per-token ``[B, T]`` loss to minimise, which :func:`policy_loss`
@@ -12,9 +12,10 @@ A surrogate is registered as a function ``fn(objective, inputs) -> (loss, metric
 - ``metrics``: ``{name: scalar}``, normalised with the global counts (use
   :meth:`SurrogateInputs.token_mean`) so that micro-batch metrics sum to the full-batch one.
 
-A ratio is registered as ``fn(objective, logprobs, old_logprobs, mask) -> log_ratio [B, T]``.
+A ratio is registered as ``fn(ratio, logprobs, old_logprobs, mask) -> log_ratio [B, T]``,
+``ratio`` its :class:`~jaxrl_llm.objectives.pieces.Ratio` piece.
 
-The built-ins adapt :mod:`jaxrl_llm.surrogates` and :mod:`jaxrl_llm.ratios`, whose
+The built-ins adapt :mod:`jaxrl_llm.losses.surrogates` and :mod:`jaxrl_llm.losses.ratios`, whose
 docstrings carry the formulas and papers.
 """
 
@@ -22,17 +23,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import aggregation, ratios, surrogates
-from jaxrl_llm.objectives import _metrics
+from jaxrl_llm.losses import aggregation, masked, ratios, surrogates
+from jaxrl_llm.objectives.pieces import Ratio, Surrogate, check_params_type
 from jaxrl_llm.objectives.registry import Registry, check_registration
-
-if TYPE_CHECKING:
-    from jaxrl_llm.objectives.objective import Objective
 
 Array = jax.Array
 
@@ -75,31 +73,34 @@ class SurrogateInputs(NamedTuple):
 
     def token_mean(self, values: Array) -> Array:
         """``Σ v·m / max(N_tok, 1)``: the normaliser of additive metrics."""
-        return _metrics.token_mean(values, self.mask, self.num_tokens)
+        return masked.token_mean(values, self.mask, self.num_tokens)
 
     def sequence_mean(self, seq_values: Array) -> Array:
         """``[B]`` -> mean over non-empty rows with the global ``N_seq``."""
         return aggregation.sequence_mean(seq_values, self.mask, num_seqs=self.num_seqs)
 
 
-SurrogateFn = Callable[["Objective", SurrogateInputs], tuple[Array, Mapping[str, Array]]]
-RatioFn = Callable[["Objective", Array, Array, Array], Array]
+SurrogateFn = Callable[[Surrogate, SurrogateInputs], tuple[Array, Mapping[str, Array]]]
+RatioFn = Callable[[Ratio, Array, Array, Array], Array]
 
 
 class SurrogateSpec(NamedTuple):
     """A registered surrogate.
 
     Attributes:
-      fn: ``fn(objective, inputs) -> (loss [B, T] or scalar, metrics)``.
+      fn: ``fn(surrogate, inputs) -> (loss [B, T] or scalar, metrics)``.
       needs_old_logprobs: whether the behaviour log-probs enter the loss.
       ratios: ratio kinds it accepts (``None``: any registered ratio).
       clip_low_optional: whether ``clip_low=None`` (no lower bound) is meaningful for it.
+      params: the frozen dataclass of its own hyper-parameters (``surrogate.params``), or
+        ``None`` when it takes none beyond the piece's fields.
     """
 
     fn: SurrogateFn
     needs_old_logprobs: bool = True
     ratios: tuple[str, ...] | None = None
     clip_low_optional: bool = False
+    params: type | None = None
 
 
 _SURROGATES: Registry[SurrogateSpec] = Registry("surrogate")
@@ -117,29 +118,36 @@ def register_surrogate(
     needs_old_logprobs: bool = True,
     ratios: tuple[str, ...] | None = None,
     clip_low_optional: bool = False,
+    params: type | None = None,
 ) -> Any:
     """Registers a policy surrogate under ``name``; usable as a decorator or a plain call.
 
-    ``@register_surrogate("mine")`` above ``def mine(objective, inputs): ...``, or
-    ``register_surrogate("mine", mine)``; then ``make("grpo", surrogate="mine")``.
+    ``@register_surrogate("mine", params=MineParams)`` above ``def mine(surrogate, inputs):
+    ...`` (reading ``surrogate.params.alpha``), or ``register_surrogate("mine", mine)``; then
+    ``make("grpo", surrogate="mine", surrogate_params={"alpha": 0.5})``.
 
     Args:
-      name: the value of ``Objective.surrogate`` that selects it.
-      fn: ``fn(objective, inputs: SurrogateInputs) -> (loss, metrics)``, ``loss`` a ``[B, T]``
+      name: the value of ``Objective.surrogate.name`` that selects it.
+      fn: ``fn(surrogate: Surrogate, inputs: SurrogateInputs) -> (loss, metrics)``, ``loss`` a
+        ``[B, T]``
         per-token loss (aggregated by the objective's mode) or a scalar; ``None`` returns a
         decorator.
       override: replace an already registered name (built-ins included).
       needs_old_logprobs: whether the loss uses the behaviour log-probs.
       ratios: the ratio kinds it accepts (``None``: any).
       clip_low_optional: whether ``clip_low=None`` is valid with it.
+      params: a frozen dataclass type of its own hyper-parameters (defaults for every field);
+        the objective converts ``surrogate_params`` to it.
 
     Returns:
       ``fn`` unchanged (or a decorator when ``fn`` is None).
 
     Raises:
-      ValueError: ``name`` is taken and ``override`` is False, or ``fn`` is not callable.
+      ValueError: ``name`` is taken and ``override`` is False, ``fn`` is not callable, or
+        ``params`` is not a frozen dataclass type.
     """
     check_registration("surrogate", name, fn)
+    check_params_type("surrogate", params)
     if fn is None:
         return functools.partial(
             register_surrogate,
@@ -148,18 +156,19 @@ def register_surrogate(
             needs_old_logprobs=needs_old_logprobs,
             ratios=ratios,
             clip_low_optional=clip_low_optional,
+            params=params,
         )
     if ratios is not None:
         ratios = tuple(ratios)
-    spec = SurrogateSpec(fn, bool(needs_old_logprobs), ratios, bool(clip_low_optional))
+    spec = SurrogateSpec(fn, bool(needs_old_logprobs), ratios, bool(clip_low_optional), params)
     _SURROGATES.add(name, spec, override=override)
     return fn
 
 
 def register_ratio(name: str, fn: RatioFn | None = None, *, override: bool = False) -> Any:
-    """Registers an importance-ratio kind ``fn(objective, lp, old_lp, mask) -> log_ratio``.
+    """Registers an importance-ratio kind ``fn(ratio, lp, old_lp, mask) -> log_ratio``.
 
-    Used as :func:`register_surrogate`; selected by ``Objective.ratio``.
+    Used as :func:`register_surrogate`; selected by ``Objective.ratio.kind``.
     """
     check_registration("ratio", name, fn)
     if fn is None:
@@ -204,27 +213,27 @@ def ratio_fn(name: str) -> RatioFn:
 
 
 @register_ratio("token")
-def _token_ratio(objective: Objective, logprobs: Array, old_logprobs: Array, mask: Array):
+def _token_ratio(ratio: Ratio, logprobs: Array, old_logprobs: Array, mask: Array):
     """PPO's per-token ``clip(lp − old, −clamp, clamp)``."""
     del mask
-    return ratios.token_log_ratio(logprobs, old_logprobs, clamp=objective.ratio_clamp)
+    return ratios.token_log_ratio(logprobs, old_logprobs, clamp=ratio.clamp)
 
 
 @register_ratio("gspo_token")
-def _gspo_token_ratio(objective: Objective, logprobs: Array, old_logprobs: Array, mask: Array):
+def _gspo_token_ratio(ratio: Ratio, logprobs: Array, old_logprobs: Array, mask: Array):
     """GSPO-token's length-normalised sequence ratio with per-token gradient (Zheng et al.)."""
     return ratios.gspo_token_log_ratio(
-        logprobs, old_logprobs, mask, max_log_ratio=objective.max_log_ratio
+        logprobs, old_logprobs, mask, max_log_ratio=ratio.max_log_ratio
     )
 
 
 @register_surrogate("ppo_clip")
-def _ppo_clip(objective: Objective, inputs: SurrogateInputs):
+def _ppo_clip(surrogate: Surrogate, inputs: SurrogateInputs):
     """``max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))``, dual clip for ``A < 0`` (PPO, DAPO)."""
     bounds = {
-        "clip_low": objective.clip_low,
-        "clip_high": objective.clip_high,
-        "dual_clip": objective.dual_clip,
+        "clip_low": surrogate.clip_low,
+        "clip_high": surrogate.clip_high,
+        "dual_clip": surrogate.dual_clip,
     }
     per_token = surrogates.ppo_clip(inputs.log_ratio, inputs.advantages, **bounds)
     indicators = surrogates.ppo_clip_metrics(inputs.log_ratio, inputs.advantages, **bounds)
@@ -235,59 +244,59 @@ def _ppo_clip(objective: Objective, inputs: SurrogateInputs):
 
 
 @register_surrogate("cispo", clip_low_optional=True)
-def _cispo(objective: Objective, inputs: SurrogateInputs):
+def _cispo(surrogate: Surrogate, inputs: SurrogateInputs):
     """``−sg(clip(r, 1 − ε_low, 1 + ε_high))·A·lp`` (MiniMax-M1's CISPO)."""
-    bounds = {"clip_low": objective.clip_low, "clip_high": objective.clip_high}
+    bounds = {"clip_low": surrogate.clip_low, "clip_high": surrogate.clip_high}
     per_token = surrogates.cispo(inputs.log_ratio, inputs.logprobs, inputs.advantages, **bounds)
     indicators = surrogates.cispo_metrics(inputs.log_ratio, **bounds)
     return per_token, {"clip_frac": inputs.token_mean(indicators["clipped"])}
 
 
 @register_surrogate("sapo")
-def _sapo(objective: Objective, inputs: SurrogateInputs):
+def _sapo(surrogate: Surrogate, inputs: SurrogateInputs):
     """``−σ(τ·(r − 1))·(4/τ)·A``, ``τ = τ_pos`` if ``A > 0`` else ``τ_neg`` (SAPO)."""
     per_token = surrogates.sapo(
-        inputs.log_ratio, inputs.advantages, tau_pos=objective.tau_pos, tau_neg=objective.tau_neg
+        inputs.log_ratio, inputs.advantages, tau_pos=surrogate.tau_pos, tau_neg=surrogate.tau_neg
     )
     return per_token, {}
 
 
 @register_surrogate("gmpo", ratios=("token",))
-def _gmpo(objective: Objective, inputs: SurrogateInputs):
+def _gmpo(surrogate: Surrogate, inputs: SurrogateInputs):
     """``mean_i(−Ā_i·ρ_i)`` over non-empty rows, ``ρ_i`` a clipped geometric mean (GMPO).
 
     Already per sequence, so it is reduced here whatever the aggregation mode (which then
     applies to the KL and entropy terms only).
     """
-    bounds = {"clip_low": objective.clip_low, "clip_high": objective.clip_high}
+    bounds = {"clip_low": surrogate.clip_low, "clip_high": surrogate.clip_high}
     per_seq = surrogates.gmpo(inputs.log_ratio, inputs.advantages, inputs.mask, **bounds)
     indicators = surrogates.gmpo_metrics(inputs.log_ratio, inputs.advantages, inputs.mask, **bounds)
     return inputs.sequence_mean(per_seq), {"clip_frac": inputs.token_mean(indicators["clipped"])}
 
 
 @register_surrogate("reinforce", needs_old_logprobs=False, ratios=("token",))
-def _reinforce(objective: Objective, inputs: SurrogateInputs):
+def _reinforce(surrogate: Surrogate, inputs: SurrogateInputs):
     """``−A·lp``: vanilla policy gradient, no ratio, no clip (GPG)."""
-    del objective
+    del surrogate
     return surrogates.reinforce(inputs.logprobs, inputs.advantages), {}
 
 
-def _no_dual_clip(objective: Objective, instead: str) -> None:
-    if objective.dual_clip is not None:
+def _no_dual_clip(surrogate: Surrogate, instead: str) -> None:
+    if surrogate.dual_clip is not None:
         raise ValueError(
-            f"surrogate {objective.surrogate!r} has no dual clip (dual_clip="
-            f"{objective.dual_clip!r}); set dual_clip=None{instead}"
+            f"surrogate {surrogate.name!r} has no dual clip (dual_clip="
+            f"{surrogate.dual_clip!r}); set dual_clip=None{instead}"
         )
 
 
 def _dppo(divergence: str) -> SurrogateFn:
-    def fn(objective: Objective, inputs: SurrogateInputs):
-        _no_dual_clip(objective, " (its IS weight is capped by ratio_cap)")
+    def fn(surrogate: Surrogate, inputs: SurrogateInputs):
+        _no_dual_clip(surrogate, " (its IS weight is capped by ratio_cap)")
         kw = {
             "divergence": divergence,
-            "delta_low": objective.clip_low,
-            "delta_high": objective.clip_high,
-            "ratio_cap": objective.ratio_cap,
+            "delta_low": surrogate.clip_low,
+            "delta_high": surrogate.clip_high,
+            "ratio_cap": surrogate.ratio_cap,
         }
         args = (inputs.log_ratio, inputs.logprobs, inputs.old_logprobs, inputs.advantages)
         indicators = surrogates.dppo_metrics(*args, **kw)
@@ -308,11 +317,11 @@ register_surrogate("dppo_kl", _dppo("kl"), ratios=("token",))
 
 
 @register_surrogate("kl_cov", ratios=("token",))
-def _kl_cov(objective: Objective, inputs: SurrogateInputs):
+def _kl_cov(surrogate: Surrogate, inputs: SurrogateInputs):
     """``−A·r + β·|log r|`` on the highest-covariance tokens, ``−A·r`` elsewhere (KL-Cov)."""
-    kw = {"fraction": objective.cov_fraction}
+    kw = {"fraction": surrogate.cov_fraction}
     args = (inputs.logprobs, inputs.advantages, inputs.mask)
-    per_token = surrogates.kl_cov(inputs.log_ratio, *args, coef=objective.kl_cov_coef, **kw)
+    per_token = surrogates.kl_cov(inputs.log_ratio, *args, coef=surrogate.kl_cov_coef, **kw)
     return per_token, {"cov_frac": inputs.token_mean(surrogates.kl_cov_selection(*args, **kw))}
 
 
@@ -324,28 +333,28 @@ def _data_key(inputs: SurrogateInputs) -> Array:
 
 
 @register_surrogate("clip_cov", ratios=("token",))
-def _clip_cov(objective: Objective, inputs: SurrogateInputs):
+def _clip_cov(surrogate: Surrogate, inputs: SurrogateInputs):
     """PPO's clipped surrogate with a random few tokens of high covariance left out (Clip-Cov).
 
     The draw's key is derived from the batch's old log-probs, so a step is a pure function of
     its data and repeats exactly.
     """
-    _no_dual_clip(objective, "")
+    _no_dual_clip(surrogate, "")
     kw = {
         "key": _data_key(inputs),
-        "fraction": objective.cov_fraction,
-        "cov_low": objective.cov_bounds[0],
-        "cov_high": objective.cov_bounds[1],
-        "clip_low": objective.clip_low,
-        "clip_high": objective.clip_high,
+        "fraction": surrogate.cov_fraction,
+        "cov_low": surrogate.cov_bounds[0],
+        "cov_high": surrogate.cov_bounds[1],
+        "clip_low": surrogate.clip_low,
+        "clip_high": surrogate.clip_high,
     }
     args = (inputs.log_ratio, inputs.logprobs, inputs.advantages, inputs.mask)
     selected = surrogates.clip_cov_selection(*args, **kw)
     clipped = surrogates.ppo_clip_metrics(
         inputs.log_ratio,
         inputs.advantages,
-        clip_low=objective.clip_low,
-        clip_high=objective.clip_high,
+        clip_low=surrogate.clip_low,
+        clip_high=surrogate.clip_high,
     )["clipped"]
     return surrogates.clip_cov(*args, **kw), {
         "clip_frac": inputs.token_mean(clipped),

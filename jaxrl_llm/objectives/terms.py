@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import _checks, aggregation, value
-from jaxrl_llm.objectives import _metrics
+from jaxrl_llm import _checks
+from jaxrl_llm.losses import aggregation, masked, value
 from jaxrl_llm.objectives.objective import Objective
 from jaxrl_llm.types import LossOutput, RolloutBatch
 
@@ -18,7 +18,7 @@ Array = jax.Array
 def value_loss(objective: Objective, values: Array, batch: RolloutBatch) -> LossOutput:
     """PPO's clipped critic loss, aggregated like the policy loss.
 
-    ``vf_loss = agg(½·max((v − R)², (clip(v, v_old ± c) − R)²))`` with ``c = objective.value_clip``.
+    ``vf_loss = agg(½·max((v − R)², (clip(v, v_old ± c) − R)²))`` with ``c = objective.value.clip``.
 
     Args:
       objective: supplies ``value_clip`` and the aggregation mode.
@@ -32,7 +32,7 @@ def value_loss(objective: Objective, values: Array, batch: RolloutBatch) -> Loss
         raise ValueError("value_loss needs batch.old_values and batch.returns")
     mask = _checks.as_mask(batch.completion_mask)
     per_token = value.clipped_value_loss(
-        values, batch.old_values, batch.returns, clip=objective.value_clip
+        values, batch.old_values, batch.returns, clip=objective.value.clip
     )
     default_tokens, default_seqs = aggregation.normalisers(mask)
     num_tokens = default_tokens if batch.num_tokens is None else batch.num_tokens
@@ -40,18 +40,18 @@ def value_loss(objective: Objective, values: Array, batch: RolloutBatch) -> Loss
     vf_loss = aggregation.aggregate(
         per_token,
         mask,
-        objective.aggregation,
+        objective.aggregation.mode,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
-        norm_constant=objective.norm_constant,
+        norm_constant=objective.aggregation.norm_constant,
     )
     clip_fraction = value.value_clip_fraction(
-        values, batch.old_values, batch.returns, clip=objective.value_clip
+        values, batch.old_values, batch.returns, clip=objective.value.clip
     )
     metrics = {
         "vf_loss": vf_loss,
-        "vf_clipfrac": _metrics.token_mean(clip_fraction, mask, num_tokens),
-        "value_mean": _metrics.token_mean(
+        "vf_clipfrac": masked.token_mean(clip_fraction, mask, num_tokens),
+        "value_mean": masked.token_mean(
             jax.lax.stop_gradient(_checks.f32(values)), mask, num_tokens
         ),
     }

@@ -64,7 +64,7 @@ def scores_in_rollout(cfg, objective) -> bool:
     """The learned reward is added as the draw is scored, inside the rollout (no reward
     workers, or dynamic sampling); else once the log-prob forwards are dispatched
     (``RunContext.finish_scoring``)."""
-    return cfg.rollout.reward_workers == 0 or objective.dynamic_sampling
+    return cfg.rollout.reward_workers == 0 or objective.advantage.dynamic_sampling
 
 
 def _reward_model_spec(run, config: models.ModelConfig, shardings: PyTree) -> ProgramSpec:

@@ -361,7 +361,13 @@ def export_adapter(
     if merge:
         merged = jax.jit(lambda p: lora.merge_weights(p, config))(params)
         return export.export_policy(
-            directory, lora.base_config(config), merged, tokenizer, stop_ids=stop_ids, dtype=dtype
+            directory,
+            lora.base_config(config),
+            merged,
+            tokenizer,
+            stop_ids=stop_ids,
+            dtype=dtype,
+            source=base_model,
         )
     directory = os.fspath(directory)
     host = jax.tree.map(export.gather_host, lora.split(params)[1])

@@ -409,7 +409,9 @@ def _export(job, cfg, run_dir, params, tokenizer, out, *, dtype, merge) -> str:
     if job == "reward_model":
         return export.export_scalar_model(out, config, params, tokenizer, dtype=dtype)
     stop = data.stop_token_ids(tokenizer, config, cfg.model.path)
-    return export.export_policy(out, config, params, tokenizer, stop_ids=stop, dtype=dtype)
+    return export.export_policy(
+        out, config, params, tokenizer, stop_ids=stop, dtype=dtype, source=cfg.model.path
+    )
 
 
 def _export_lora_reward_model(cfg, run_dir, params, tokenizer, out, dtype) -> str:

@@ -64,6 +64,7 @@ def export_policy(
     *,
     stop_ids: Sequence[int] = (),
     dtype: str | None = None,
+    source: str | os.PathLike | None = None,
 ) -> str:
     """Writes a causal-LM checkpoint (weights, config, tokenizer, generation config).
 
@@ -74,6 +75,10 @@ def export_policy(
       tokenizer: a Hugging Face tokenizer, saved beside the weights.
       stop_ids: the ids that end a completion (``data.stop_token_ids``).
       dtype: ``float32`` | ``bfloat16`` | ``float16``, or None to keep the parameters' dtype.
+      source: the checkpoint the policy was loaded from (``model.path``): a multimodal one
+        (Gemma 3's ``Gemma3ForConditionalGeneration``) is written back whole, its vision tower
+        and projector copied through, so ``transformers`` loads the trained model as the model
+        it was; any other source changes nothing.
 
     Returns:
       The directory, as a string.
@@ -83,13 +88,20 @@ def export_policy(
         raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     host = jax.tree.map(gather_host, params)
     if parallel.is_primary():
-        models.save_pretrained(directory, model_config, _cast(host, dtype))
+        models.save_pretrained(directory, model_config, _cast(host, dtype), source=_local(source))
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
         write_generation_config(
             directory, model_config, tokenizer, stop_ids or (model_config.eos_token_ids or ())
         )
     return directory
+
+
+def _local(source: str | os.PathLike | None) -> str | None:
+    """``source`` when it is a local checkpoint directory (the only kind a wrapper is read from)."""
+    if source is None or not os.path.isfile(os.path.join(os.fspath(source), "config.json")):
+        return None
+    return os.fspath(source)
 
 
 def export_scalar_model(directory, model_config, params, tokenizer, *, dtype=None) -> str:

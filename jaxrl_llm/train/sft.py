@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import jax
 import optax
 
-from jaxrl_llm import aggregation
+from jaxrl_llm.losses import aggregation
 from jaxrl_llm.train import adapters
 from jaxrl_llm.train.forward import sequence_logprobs
 from jaxrl_llm.train.optim import make_optimizer

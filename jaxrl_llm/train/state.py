@@ -30,7 +30,7 @@ class TrainState(NamedTuple):
       opt_state: optax state.
       rng: PRNG key carried across steps.
       entropy_control: ``objectives.EntropyControl`` of an adaptive entropy coefficient
-        (``objective.entropy_target``), else None.
+        (``objective.entropy.target``), else None.
     """
 
     step: Array

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxrl_llm import aggregation, parallel
+from jaxrl_llm import parallel
+from jaxrl_llm.losses import aggregation
 from jaxrl_llm.objectives import entropy_control as entropy_ctl
 from jaxrl_llm.train.packing import micro_plan
 from jaxrl_llm.train.state import TrainState

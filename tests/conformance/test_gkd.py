@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import aggregation, distillation
 from jaxrl_llm.logprobs import token_logprobs_from_hidden
+from jaxrl_llm.losses import aggregation, distillation
 
 try:
     import torch

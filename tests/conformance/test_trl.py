@@ -7,7 +7,8 @@ gradients.
 
 TRL's other stabilisers (``use_bias_correction_kl``, ``multi_objective_aggregation=
 "normalize_then_sum"``) are written inline in the trainer; their formulas are transcribed in
-tests/reference/stabilisers.py and tested in tests/test_kl.py and tests/test_advantages.py.
+tests/reference/stabilisers.py and tested in tests/losses/test_kl.py and
+tests/losses/test_advantages.py.
 Skipped unless TRL is installed (``JAXRL_REQUIRE_TRL=1`` turns the skip into a failure).
 """
 
@@ -19,7 +20,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxrl_llm import aggregation, distillation, token_selection
+from jaxrl_llm.losses import aggregation, distillation, token_selection
 
 try:
     import torch

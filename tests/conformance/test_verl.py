@@ -37,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import advantages as adv
-from jaxrl_llm import aggregation, kl, objectives, ratios, surrogates, value
-from jaxrl_llm.aggregation import MODES
+from jaxrl_llm import objectives
+from jaxrl_llm.losses import advantages as adv
+from jaxrl_llm.losses import aggregation, kl, ratios, surrogates, value
+from jaxrl_llm.losses.aggregation import MODES
 from jaxrl_llm.types import RolloutBatch
 
 VERL_VERSION = "0.9.1"
@@ -770,8 +771,11 @@ def test_preset_policy_loss_matches_verl_actor(rng, name):
     settings: the registered policy loss plus ``kl_loss_coef · agg_loss(kl_penalty(lp, ref))``
     when the KL is in the loss (as ``verl/workers/utils/losses.py::ppo_loss`` composes them)."""
     objective = objectives.make(name)
-    assert (objective.ratio_clamp, objective.max_log_ratio) == (20.0, 10.0)  # verl's constants
-    assert objective.entropy_coef == 0.0
+    assert (objective.ratio.clamp, objective.ratio.max_log_ratio) == (
+        20.0,
+        10.0,
+    )  # verl's constants
+    assert objective.entropy.coef == 0.0
     # The gmpo preset feeds GMPO the token log-ratio clamped at ±20 like every other preset,
     # verl's geo_mean does not clamp: they differ on tokens with |Δ| > 20 only.
     lp, old, advantages, mask = _policy_batch(
@@ -791,26 +795,30 @@ def test_preset_policy_loss_matches_verl_actor(rng, name):
 
     loss, grad, _ = _ours(ours, lp)
 
-    clip_low = objective.clip_low
+    clip_low = objective.surrogate.clip_low
     config = _actor_config(
         clip_ratio_low=1.0 if clip_low is None else clip_low,
-        clip_ratio_high=objective.clip_high,
-        clip_ratio_c=objective.dual_clip or 1e9,
-        tau_pos=objective.tau_pos,
-        tau_neg=objective.tau_neg,
-        global_batch_info={"loss_scale_factor": objective.norm_constant},
+        clip_ratio_high=objective.surrogate.clip_high,
+        clip_ratio_c=objective.surrogate.dual_clip or 1e9,
+        tau_pos=objective.surrogate.tau_pos,
+        tau_neg=objective.surrogate.tau_neg,
+        global_batch_info={"loss_scale_factor": objective.aggregation.norm_constant},
     )
     log_prob = _t(lp, grad=True)
     token_adv = (
         np.broadcast_to(advantages[:, None], lp.shape) if advantages.ndim == 1 else advantages
     )
-    loss_fn = core_algos.get_policy_loss_fn(_VERL_LOSS[objective.surrogate, objective.ratio])
-    theirs, _ = loss_fn(_t(old), log_prob, _t(token_adv), _t(mask), objective.aggregation, config)
-    if objective.kl_kind is not None and objective.kl_placement == "loss":
-        kl_name = _VERL_KL[objective.kl_kind] + ("+" if objective.kl_straight_through else "")
+    loss_fn = core_algos.get_policy_loss_fn(
+        _VERL_LOSS[objective.surrogate.name, objective.ratio.kind]
+    )
+    theirs, _ = loss_fn(
+        _t(old), log_prob, _t(token_adv), _t(mask), objective.aggregation.mode, config
+    )
+    if objective.kl.kind is not None and objective.kl.placement == "loss":
+        kl_name = _VERL_KL[objective.kl.kind] + ("+" if objective.kl.straight_through else "")
         kld = core_algos.kl_penalty(log_prob, _t(ref_lp), kl_name)
-        theirs = theirs + objective.kl_coef * core_algos.agg_loss(
-            kld, _t(mask), objective.aggregation, **config.global_batch_info
+        theirs = theirs + objective.kl.coef * core_algos.agg_loss(
+            kld, _t(mask), objective.aggregation.mode, **config.global_batch_info
         )
     theirs.backward()
     _close(loss, theirs)

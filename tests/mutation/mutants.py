@@ -43,7 +43,7 @@ def _critic_values_zero(patch: pytest.MonkeyPatch) -> None:
 def _process_rewards_zero(patch: pytest.MonkeyPatch) -> None:
     import jax.numpy as jnp
 
-    from jaxrl_llm import implicit_prm
+    from jaxrl_llm.losses import implicit_prm
 
     real = implicit_prm.process_rewards
     patch.setattr(implicit_prm, "process_rewards", lambda *a, **k: jnp.zeros_like(real(*a, **k)))
@@ -263,10 +263,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "loss math runs in the inputs' bf16 instead of upcasting to f32 first",
         _bf16_loss_math,
         (
-            "tests/test_ratios.py::test_bf16_inputs_are_upcast_before_any_math",
-            "tests/test_kl.py::test_bf16_inputs_are_upcast_before_any_math[False]",
-            "tests/test_value.py::test_bf16_inputs_are_upcast_before_any_math[0.2]",
-            "tests/test_advantages.py::test_bf16_inputs_are_upcast_before_any_math",
+            "tests/losses/test_ratios.py::test_bf16_inputs_are_upcast_before_any_math",
+            "tests/losses/test_kl.py::test_bf16_inputs_are_upcast_before_any_math[False]",
+            "tests/losses/test_value.py::test_bf16_inputs_are_upcast_before_any_math[0.2]",
+            "tests/losses/test_advantages.py::test_bf16_inputs_are_upcast_before_any_math",
         ),
     ),
     Mutant(

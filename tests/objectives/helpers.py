@@ -130,7 +130,7 @@ def distill_inputs(objective, batch: RolloutBatch, shape) -> tuple[RolloutBatch,
     (``Objective.distill_loss``): a teacher's top-k log-probs in the batch and the student's
     log-probs of the same tokens (``distill_tables``; NaN on the masked positions: they must
     not leak); unchanged for any other objective."""
-    if objective.distill_loss is None or batch.teacher_top_logprobs is not None:
+    if objective.distill.loss is None or batch.teacher_top_logprobs is not None:
         return batch, {}
     mask = (jnp.asarray(batch.completion_mask) > 0)[..., None]  # may be traced (jit tests)
     teacher, student = (
@@ -206,14 +206,21 @@ def assert_matches_reference(objective, cfg, data, **kwargs):
         objective, jnp.asarray(data["logprobs"]), batch, jnp.asarray(data["entropy"])
     )
     want_loss, want_metrics, want_grad = reference_loss(cfg, data, **kwargs)
-    if objective.distill_loss is not None:
+    if objective.distill.loss is not None:
         mask = data["mask"]
-        jsd = reference_top_k_jsd(*distill_tables(mask.shape)[::-1], mask, objective.jsd_beta)
+        jsd = reference_top_k_jsd(
+            *distill_tables(mask.shape)[::-1], mask, objective.distill.jsd_beta
+        )
         num_tokens, num_seqs = ref.normalisers(mask) if kwargs.get("global_norm") else (None, None)
         jsd_loss = losses_ref.aggregate(
-            jsd, mask, objective.aggregation, num_tokens, num_seqs, objective.norm_constant
+            jsd,
+            mask,
+            objective.aggregation.mode,
+            num_tokens,
+            num_seqs,
+            objective.aggregation.norm_constant,
         )
-        want_loss = want_loss + objective.distill_loss_coef * jsd_loss
+        want_loss = want_loss + objective.distill.coef * jsd_loss
         want_metrics = {
             **want_metrics,
             "loss": want_loss,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import advantages, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.losses import advantages
 from jaxrl_llm.types import RolloutBatch
 from tests.objectives.helpers import AGGREGATIONS, assert_matches_reference, policy_data
 from tests.reference import objectives as ref
@@ -122,8 +123,12 @@ def test_the_jsd_term_mixes_with_grpo_as_the_float64_reference(rng, beta, aggreg
 
 def test_the_distill_gkd_preset_is_the_jsd_alone(rng):
     objective = objectives.make("distill_gkd")
-    assert (objective.advantage, objective.distill_loss, objective.jsd_beta) == ("none", "jsd", 0.5)
-    assert (objective.distill_top_k, objective.distill_loss_coef) == (None, 1.0)
+    assert (objective.advantage.name, objective.distill.loss, objective.distill.jsd_beta) == (
+        "none",
+        "jsd",
+        0.5,
+    )
+    assert (objective.distill.top_k, objective.distill.coef) == (None, 1.0)
     assert objective.needs_teacher and not objective.needs_reference
     data = policy_data(rng)
     assert_matches_reference(

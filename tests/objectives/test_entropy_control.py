@@ -268,6 +268,6 @@ def test_adaptive_entropy_is_configured_from_yaml():
       entropy_coef_bounds: [0.0, 0.01]
     """
     objective = make_objective(ObjectiveSection(**yaml.safe_load(text)))
-    assert objective.entropy_coef_bounds == (0.0, 0.01) and objective.adaptive_entropy
-    assert objective.needs_entropy and not make("grpo").adaptive_entropy
+    assert objective.entropy.coef_bounds == (0.0, 0.01) and objective.entropy.adaptive
+    assert objective.needs_entropy and not make("grpo").entropy.adaptive
     hash(objective)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import advantages as adv_lib
 from jaxrl_llm import objectives
+from jaxrl_llm.losses import advantages as adv_lib
 from jaxrl_llm.objectives import make
 from tests.objectives.helpers import B, G, T, compute, rollout_data
 from tests.reference import objectives as ref

@@ -7,6 +7,8 @@ the jitted ``advantage_fn``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,18 +21,25 @@ from tests.reference import objectives as ref
 pytestmark = pytest.mark.usefixtures("restore_registries")
 
 
-def min_baseline(objective, inputs):
+@dataclasses.dataclass(frozen=True)
+class MinBaselineParams:
+    """The estimator's own hyper-parameter, declared at registration."""
+
+    scale: float = 1.0
+
+
+def min_baseline(advantage, inputs):
     """``scale·(r_i − min_{j∈g} r_j)`` on the KL-penalised sequence rewards."""
     groups = inputs.sequence_rewards().reshape(-1, inputs.group_size)
-    advantages = objective.extra_dict["scale"] * (groups - groups.min(axis=1, keepdims=True))
+    advantages = advantage.params.scale * (groups - groups.min(axis=1, keepdims=True))
     return advantages.reshape(-1), None
 
 
-def discounted_minus_values(objective, inputs):
+def discounted_minus_values(advantage, inputs):
     """Returns ``R_t = Σ_{u≥t} γ^(u−t)·r_u`` of the token rewards; advantages ``R − V``."""
     positions = jnp.arange(inputs.mask.shape[1])
     offsets = positions[None, :] - positions[:, None]  # [t, u] = u - t
-    discounts = jnp.where(offsets >= 0, objective.gamma ** jnp.maximum(offsets, 0), 0.0)
+    discounts = jnp.where(offsets >= 0, advantage.gamma ** jnp.maximum(offsets, 0), 0.0)
     returns = (inputs.token_rewards() @ discounts.T) * inputs.mask
     return (returns - inputs.values) * inputs.mask, returns
 
@@ -52,14 +61,14 @@ def _run_both(objective, roll, **arrays):
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 def test_user_sequence_estimator_matches_reference(kl_coef, rng):
-    objectives.register_estimator("min_baseline", min_baseline)
+    objectives.register_estimator("min_baseline", min_baseline, params=MinBaselineParams)
     objective = make(
         "grpo",
         advantage="min_baseline",
         kl_kind="k1",
         kl_coef=kl_coef,
         kl_placement="reward",
-        extra={"scale": 2.0},
+        advantage_params={"scale": 2.0},
     )
     roll = rollout_data(rng)
     penalised = roll["rewards"] - kl_coef * np.sum(
@@ -128,8 +137,8 @@ def test_registration_flags_reach_the_objective():
 
 
 def test_malformed_estimator_output_is_a_clear_error(rng):
-    objectives.register_estimator("bare", lambda objective, inputs: inputs.rewards)
-    objectives.register_estimator("wide", lambda objective, inputs: (inputs.rewards[:3], None))
+    objectives.register_estimator("bare", lambda advantage, inputs: inputs.rewards)
+    objectives.register_estimator("wide", lambda advantage, inputs: (inputs.rewards[:3], None))
     roll = rollout_data(rng)
     with pytest.raises(ValueError, match=r"'bare' must return \(advantages, returns \| None\)"):
         compute(make("dapo", advantage="bare"), roll)

@@ -154,5 +154,5 @@ def test_m2_threshold_is_validated_and_configured():
             make("grpo", m2_threshold=bad)
     section = ObjectiveSection(**yaml.safe_load("{name: dapo, overrides: {m2_threshold: 0.04}}"))
     objective = make_objective(section)
-    assert objective.m2_threshold == 0.04 and not objective.needs_entropy
+    assert objective.selection.m2_threshold == 0.04 and not objective.needs_entropy
     hash(objective)

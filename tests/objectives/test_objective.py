@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -11,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import objectives
-from jaxrl_llm.objectives import Objective, make
+from jaxrl_llm.objectives import Objective, make, pieces
+from jaxrl_llm.objectives.objective import FLAT_NAMES
 from tests.objectives.helpers import policy_data, rollout_batch
 from tests.reference import objectives as ref
 
@@ -29,7 +29,7 @@ def test_preset_matches_spec_table(name):
     objective = make(name)
     assert isinstance(objective, Objective)
     for field, want in ref.config(name).items():
-        got = getattr(objective, field)
+        got = objective.name if field == "name" else objective.value_of(field)
         if isinstance(want, float):
             assert got == pytest.approx(want), field
         else:
@@ -38,10 +38,14 @@ def test_preset_matches_spec_table(name):
 
 def test_make_applies_overrides_without_touching_the_preset():
     objective = make("grpo", kl_coef=0.1, clip_high=0.28, entropy_coef=0.01)
-    assert (objective.kl_coef, objective.clip_high, objective.entropy_coef) == (0.1, 0.28, 0.01)
-    assert objective.kl_kind == "k3"
-    assert objective.aggregation == "seq-mean-token-mean"
-    assert make("grpo").kl_coef == pytest.approx(0.04)
+    assert (objective.kl.coef, objective.surrogate.clip_high, objective.entropy.coef) == (
+        0.1,
+        0.28,
+        0.01,
+    )
+    assert objective.kl.kind == "k3"
+    assert objective.aggregation.mode == "seq-mean-token-mean"
+    assert make("grpo").kl.coef == pytest.approx(0.04)
     assert make("grpo") == objectives.PRESETS["grpo"]
 
 
@@ -93,30 +97,99 @@ def test_presets_are_hashable_jit_static_arguments():
 
 
 # --------------------------------------------------------------------------------------
-# Objective.extra: user hyper-parameters, hashable
+# Pieces: an objective is a composition; flat names route to the pieces
 # --------------------------------------------------------------------------------------
 
 
-def test_extra_accepts_a_dict_and_stays_hashable():
-    objective = make("grpo", extra={"beta": [1, [2, 3]], "alpha": 0.5})
-    assert objective.extra == (("alpha", 0.5), ("beta", (1, (2, 3))))
-    assert objective.extra_dict == {"alpha": 0.5, "beta": (1, (2, 3))}
-    # Insertion order and the dict / pairs spelling do not matter.
-    same = dataclasses.replace(objective, extra=objective.extra[::-1])
-    assert same == objective and hash(same) == hash(objective)
-    assert make("grpo", extra={"alpha": 0.6}) != make("grpo", extra={"alpha": 0.5})
-    assert make("grpo").extra == () and make("grpo").extra_dict == {}
+def test_presets_are_compositions_of_pieces():
+    grpo = make("grpo")
+    assert grpo.kl == pieces.KLPenalty(kind="k3", coef=0.04)
+    assert grpo.aggregation == pieces.Aggregation("seq-mean-token-mean")
+    assert make("cispo").surrogate == pieces.Surrogate("cispo", clip_low=None, clip_high=4.0)
+    assert make("ppo").advantage.name == "gae" and make("ppo").kl.in_reward
 
 
-@pytest.mark.parametrize(
-    "extra, match",
-    [
-        ({"table": {"a": 1}}, r"extra\['table'\]=\{'a': 1\} is not hashable"),
-        ({1: 2.0}, "extra names must be non-empty strings"),
-        ([("a", 1), ("a", 2)], "extra names must be unique"),
-        ((1, 2), r"a mapping or \(name, value\) pairs"),
-    ],
-)
-def test_extra_rejects_bad_input(extra, match):
-    with pytest.raises(ValueError, match=match):
-        make("grpo", extra=extra)
+FLAT_VALUES = {
+    "advantage": "rloo",
+    "advantage_scale": "batch",
+    "std_ddof": 0,
+    "gamma": 0.9,
+    "lam": 0.8,
+    "reward_weights": [1.0, 2.0],
+    "distill_coef": 0.5,
+    "prime_beta": 0.1,
+    "dynamic_sampling": True,
+    "ratio": "gspo_token",
+    "ratio_clamp": 10.0,
+    "max_log_ratio": 5.0,
+    "surrogate": "cispo",
+    "clip_low": None,
+    "clip_high": 3.0,
+    "dual_clip": None,
+    "tau_pos": 2.0,
+    "tau_neg": 3.0,
+    "ratio_cap": 4.0,
+    "cov_fraction": 0.01,
+    "cov_bounds": [0.5, 2.0],
+    "kl_cov_coef": 0.2,
+    "kl_kind": "k2",
+    "kl_coef": 0.3,
+    "kl_placement": "loss",
+    "kl_straight_through": True,
+    "kl_bias_correction": True,
+    "entropy_coef": 0.01,
+    "entropy_target": 0.5,
+    "entropy_coef_delta": 0.01,
+    "entropy_coef_bounds": [0.0, 0.5],
+    "aggregation": "token-sum",
+    "norm_constant": 7.0,
+    "top_entropy_quantile": 0.2,
+    "off_policy_mask_threshold": 0.5,
+    "m2_threshold": 0.04,
+    "value_clip": 0.3,
+    "value_coef": 0.7,
+    "distill_loss": "jsd",
+    "jsd_beta": 0.25,
+    "distill_top_k": 8,
+    "distill_loss_coef": 2.0,
+}
+
+
+def test_every_flat_name_sets_its_piece_field():
+    assert set(FLAT_VALUES) == set(FLAT_NAMES) - {"advantage_params", "surrogate_params"}
+    objective = make("grpo", **FLAT_VALUES)
+    for flat, value in FLAT_VALUES.items():
+        piece, field = FLAT_NAMES[flat]
+        got = getattr(getattr(objective, piece), field)
+        assert got == (tuple(value) if isinstance(value, list) else value), flat
+        assert objective.value_of(flat) == got
+    with pytest.raises(ValueError, match="unknown Objective field 'kl_cof'"):
+        objective.value_of("kl_cof")
+    assert hash(objective) == hash(make("grpo", **FLAT_VALUES))
+
+
+def test_pieces_replace_whole_or_in_part_and_conflicts_are_refused():
+    objective = make("grpo", kl=pieces.KLPenalty("k1", 0.1, placement="reward"))
+    assert objective.kl == pieces.KLPenalty("k1", 0.1, placement="reward")
+    partly = make("grpo", kl={"coef": 0.5})  # a mapping updates the named fields only
+    assert partly.kl == pieces.KLPenalty("k3", 0.5)
+    assert make("grpo", surrogate=pieces.Surrogate("sapo")).surrogate.name == "sapo"
+    with pytest.raises(ValueError, match="kl_coef is set twice"):
+        make("grpo", kl={"coef": 0.5}, kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"unknown kl field\(s\) \['beta'\]"):
+        make("grpo", kl={"beta": 0.5})
+    with pytest.raises(ValueError, match=r"unknown Objective field\(s\) \['clip_hihg'\]"):
+        make("grpo", clip_hihg=0.3)
+    with pytest.raises(ValueError, match="Objective.kl must be a KLPenalty"):
+        Objective(kl=0.1)
+
+
+def test_each_piece_checks_its_own_fields_with_the_flat_name():
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        pieces.KLPenalty("k3", -1.0)
+    with pytest.raises(ValueError, match="clip_low must be in"):
+        pieces.Surrogate(clip_low=1.5)
+    with pytest.raises(ValueError, match="aggregation mode"):
+        pieces.Aggregation("mean-of-everything")
+    with pytest.raises(ValueError, match="entropy_coef_bounds"):
+        pieces.Entropy(coef_bounds=(0.5, 0.1))

@@ -5,15 +5,14 @@ references of tests/reference/stabilisers.py, on every preset."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
 
-from jaxrl_llm import advantages, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.losses import advantages
 from jaxrl_llm.objectives import make
 from tests.objectives.helpers import (
     AGGREGATIONS,
@@ -102,7 +101,7 @@ def test_clip_cov_policy_loss_is_ppo_clip_without_the_drawn_tokens(rng):
     cov = stab.covariance(lp, adv, mask)
     bounds = tuple(float(b) for b in np.quantile(cov[mask > 0], [0.3, 0.95]))
     base = make("dapo", clip_high=0.28)
-    objective = dataclasses.replace(base, surrogate="clip_cov", cov_fraction=0.1, cov_bounds=bounds)
+    objective = base.replace(surrogate="clip_cov", cov_fraction=0.1, cov_bounds=bounds)
     loss, metrics, grad, _ = _run(objective, data, per_token=True)
     plain_loss, _, plain_grad, _ = _run(base, data, per_token=True)
     dropped = (grad == 0) & (plain_grad != 0)
@@ -133,7 +132,7 @@ def test_top_entropy_quantile_trains_only_the_forking_tokens(rng):
     data = policy_data(rng)
     for name in ("grpo", "dapo", "cispo"):
         plain = make(name)
-        objective = dataclasses.replace(plain, top_entropy_quantile=0.3)
+        objective = plain.replace(top_entropy_quantile=0.3)
         loss, metrics, grad, _ = _run(objective, data)
         _, _, plain_grad, _ = _run(plain, data)
         keep = stab.top_entropy_mask(data["entropy"], data["mask"], 0.3)
@@ -167,7 +166,7 @@ def test_entropy_bonus_acts_on_the_selected_tokens(rng):
 def test_off_policy_mask_drops_drifted_negative_rows(rng, use_rollout):
     data = policy_data(rng)
     plain = make("dapo")
-    objective = dataclasses.replace(plain, off_policy_mask_threshold=0.05)
+    objective = plain.replace(off_policy_mask_threshold=0.05)
     lp, old, mask = data["logprobs"], data["old_logprobs"], data["mask"]
     sampling = old + 0.2 * (np.arange(lp.shape[0]) % 2)[:, None].astype(np.float32)
     fields = {"rollout_logprobs": jnp.asarray(sampling)} if use_rollout else {}
@@ -184,9 +183,9 @@ def test_off_policy_mask_drops_drifted_negative_rows(rng, use_rollout):
 def test_kl_bias_correction_weights_the_kl_by_the_ratio(rng):
     data = policy_data(rng)
     plain = make("grpo")
-    objective = dataclasses.replace(plain, kl_bias_correction=True)
+    objective = plain.replace(kl_bias_correction=True)
     loss, metrics, grad, batch = _run(objective, data)
-    no_kl = dataclasses.replace(plain, kl_kind=None, kl_coef=0.0)
+    no_kl = plain.replace(kl_kind=None, kl_coef=0.0)
     pg_loss, _, pg_grad, _ = _run(no_kl, data)
     lp, ref_lp, old, mask = (data[k] for k in ("logprobs", "ref_logprobs", "old_logprobs", "mask"))
     value, d_value = stab.importance_weighted_k3(lp, ref_lp, old)
@@ -257,7 +256,7 @@ def test_selection_keeps_micro_batches_additive(rng):
 def test_gmpo_takes_the_selection_through_its_mask(rng):
     data = policy_data(rng)
     plain = make("gmpo")
-    objective = dataclasses.replace(plain, off_policy_mask_threshold=0.0)
+    objective = plain.replace(off_policy_mask_threshold=0.0)
     sampling = data["old_logprobs"] + 1.0  # every negative-advantage row drifted
     _, _, grad, _ = _run(objective, data, rollout_logprobs=jnp.asarray(sampling))
     negative = np.asarray(data["row_advantages"]) < 0
@@ -300,13 +299,13 @@ def test_stabilisers_are_configured_from_yaml_overrides():
       kl_bias_correction: true
     """
     objective = make_objective(ObjectiveSection(**yaml.safe_load(text)))
-    assert objective.cov_bounds == (0.5, 4.0) and objective.surrogate == "clip_cov"
+    assert objective.surrogate.cov_bounds == (0.5, 4.0) and objective.surrogate.name == "clip_cov"
     assert objective.needs_entropy and not make("dr_grpo").needs_entropy
     hash(objective)
     gdpo = make_objective(
         ObjectiveSection(name="grpo", overrides={"advantage": "gdpo", "reward_weights": [1, 2]})
     )
-    assert gdpo.reward_weights == (1.0, 2.0) and gdpo.needs_reward_columns
+    assert gdpo.advantage.reward_weights == (1.0, 2.0) and gdpo.needs_reward_columns
 
 
 @pytest.mark.parametrize(

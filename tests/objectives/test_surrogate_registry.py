@@ -6,6 +6,7 @@ float64 NumPy references of their loss and gradient (tests/reference/objectives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,9 +34,16 @@ pytestmark = pytest.mark.usefixtures("restore_registries")
 EPS = 0.2
 
 
-def soft_clip(objective, inputs):
-    """``−A·(1 + ε·tanh((r − 1)/ε))`` per token, ``ε = objective.extra_dict["eps"]``."""
-    eps = objective.extra_dict["eps"]
+@dataclasses.dataclass(frozen=True)
+class SoftClipParams:
+    """The soft clip's own hyper-parameter, declared at registration."""
+
+    eps: float = 0.2
+
+
+def soft_clip(surrogate, inputs):
+    """``−A·(1 + ε·tanh((r − 1)/ε))`` per token, ``ε = surrogate.params.eps``."""
+    eps = surrogate.params.eps
     ratio = jnp.exp(inputs.log_ratio)
     adv = inputs.advantages[:, None] if inputs.advantages.ndim == 1 else inputs.advantages
     per_token = -adv * (1.0 + eps * jnp.tanh((ratio - 1.0) / eps))
@@ -43,9 +51,9 @@ def soft_clip(objective, inputs):
     return per_token, {"soft_clip_frac": inputs.token_mean(outside)}
 
 
-def sequence_reinforce(objective, inputs):
+def sequence_reinforce(surrogate, inputs):
     """``mean_i(−A_i·mean_t lp)``, already reduced over the non-empty rows."""
-    del objective
+    del surrogate
     valid = inputs.mask > 0
     lengths = jnp.maximum(jnp.sum(inputs.mask, axis=1), 1.0)
     mean_logprob = jnp.sum(jnp.where(valid, inputs.logprobs, 0.0), axis=1) / lengths
@@ -63,17 +71,22 @@ def _soft_clip_config(**overrides):
 
 @pytest.mark.parametrize("ratio", ["token", "gspo_token"])
 def test_user_surrogate_matches_reference(ratio, rng):
-    objectives.register_surrogate("soft_clip", soft_clip)
+    objectives.register_surrogate("soft_clip", soft_clip, params=SoftClipParams)
     # The grpo preset brings k3 KL in the loss; the loss aggregates with its global normalisers.
     objective = make(
-        "grpo", surrogate="soft_clip", ratio=ratio, entropy_coef=0.01, extra={"eps": EPS}
+        "grpo",
+        surrogate="soft_clip",
+        ratio=ratio,
+        entropy_coef=0.01,
+        surrogate_params={"eps": EPS},
     )
+    assert objective.surrogate.params == SoftClipParams(eps=EPS)
     cfg = _soft_clip_config(ratio=ratio, entropy_coef=0.01)
     assert_matches_reference(objective, cfg, policy_data(rng), per_token=True, global_norm=True)
 
 
 def test_user_surrogate_under_jit_reads_its_hyper_parameter_statically(rng):
-    objectives.register_surrogate("soft_clip")(soft_clip)  # the decorator form
+    objectives.register_surrogate("soft_clip", params=SoftClipParams)(soft_clip)  # decorator
     traces = []
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -84,13 +97,15 @@ def test_user_surrogate_under_jit_reads_its_hyper_parameter_statically(rng):
     data = policy_data(rng)
     args = (jnp.asarray(data["logprobs"]), rollout_batch(data))
     for eps in (EPS, 0.5):
-        loss, metrics, grad = run(make("grpo", surrogate="soft_clip", extra={"eps": eps}), *args)
+        params = SoftClipParams(eps=eps)  # a typed instance works as the mapping does
+        objective = make("grpo", surrogate="soft_clip", surrogate_params=params)
+        loss, metrics, grad = run(objective, *args)
         cfg = ref.config("grpo", surrogate=functools.partial(ref.soft_clip, eps=eps))
         want_loss, want_metrics, want_grad = reference_loss(cfg, {**data, "entropy": None})
         np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
         np.testing.assert_allclose(float(metrics["soft_clip_frac"]), want_metrics["soft_clip_frac"])
         np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
-    run(make("grpo", surrogate="soft_clip", extra={"eps": 0.5}), *args)  # equal: cache hit
+    run(make("grpo", surrogate="soft_clip", surrogate_params={"eps": 0.5}), *args)  # cache hit
     assert len(traces) == 2
 
 
@@ -114,8 +129,8 @@ def test_user_surrogate_may_return_an_already_reduced_scalar(aggregation, rng):
 
 def test_user_ratio_kind(rng):
     @objectives.register_ratio("half")
-    def half_log_ratio(objective, logprobs, old_logprobs, mask):
-        del objective, mask
+    def half_log_ratio(ratio, logprobs, old_logprobs, mask):
+        del ratio, mask
         return 0.5 * (logprobs - old_logprobs)
 
     assert objectives.ratios_available()[-1] == "half"
@@ -213,19 +228,48 @@ def test_registration_flags_drive_objective_validation():
     with pytest.raises(ValueError, match=r"clip_low=None.*'soft_clip'.*\['cispo'\]"):
         make("grpo", surrogate="soft_clip", clip_low=None)
     objectives.register_surrogate("unbounded", soft_clip, clip_low_optional=True)
-    assert make("grpo", surrogate="unbounded", clip_low=None).clip_low is None
+    assert make("grpo", surrogate="unbounded", clip_low=None).surrogate.clip_low is None
     assert make("grpo", surrogate="unbounded").needs_old_logprobs
 
 
-def _row_shaped_loss(objective, inputs):
+def test_declared_params_are_typed_defaulted_and_checked():
+    objectives.register_surrogate("soft_clip", soft_clip, params=SoftClipParams)
+    assert make("grpo", surrogate="soft_clip").surrogate.params == SoftClipParams()
+    objective = make("grpo", surrogate="soft_clip", surrogate_params={"eps": 0.3})
+    assert objective.surrogate.params == SoftClipParams(eps=0.3)
+    assert hash(objective) == hash(
+        make("grpo", surrogate="soft_clip", surrogate_params=objective.surrogate.params)
+    )
+    with pytest.raises(
+        ValueError, match=r"unknown parameter\(s\) \['epss'\] of surrogate 'soft_clip'.*\['eps'\]"
+    ):
+        make("grpo", surrogate="soft_clip", surrogate_params={"epss": 0.3})
+    with pytest.raises(ValueError, match="surrogate 'ppo_clip' declares no parameters"):
+        make("grpo", surrogate_params={"eps": 0.3})
+    with pytest.raises(ValueError, match="extra is gone.*surrogate_params"):
+        make("grpo", extra={"eps": 0.3})
+
+
+def test_params_must_be_a_frozen_dataclass_type():
+    @dataclasses.dataclass
+    class Mutable:
+        eps: float = 0.2
+
+    for bad in (Mutable, dict, SoftClipParams()):
+        with pytest.raises(ValueError, match="params must be a frozen dataclass type"):
+            objectives.register_surrogate("soft_clip", soft_clip, params=bad)
+    assert "soft_clip" not in objectives.SURROGATES
+
+
+def _row_shaped_loss(surrogate, inputs):
     return inputs.logprobs[:, 0], {}
 
 
-def _shadowing_metric(objective, inputs):
+def _shadowing_metric(surrogate, inputs):
     return inputs.logprobs, {"loss": jnp.float32(0.0)}
 
 
-def _loss_without_metrics(objective, inputs):
+def _loss_without_metrics(surrogate, inputs):
     return inputs.logprobs
 
 

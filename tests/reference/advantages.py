@@ -1,4 +1,4 @@
-"""Float64 NumPy references for ``jaxrl_llm.advantages``, written as plain loops from the spec.
+"""Float64 NumPy references for ``jaxrl_llm.losses.advantages``, plain loops from the spec.
 
 Deliberately naive (explicit Python loops over groups, rows and time steps) so that they
 share no structure with the vectorised JAX code they check.

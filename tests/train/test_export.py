@@ -133,3 +133,30 @@ def test_tiny_model_config_matches_build_policy():
     tokenizer, config, _ = setup.build_policy(cfg, None)
     tiny = setup.tiny_model_config(cfg.model, tokenizer, None)
     assert setup.job_model(tiny, setup.resolve_precision(cfg.model)) == config
+
+
+def test_export_policy_writes_a_multimodal_source_back_whole(tmp_path):
+    """A policy trained from a ``Gemma3ForConditionalGeneration`` exports as that wrapper: the
+    language model's tensors updated, the vision tower and projector copied through, so
+    transformers loads the trained model as the model it was."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from jaxrl_llm.train import export  # noqa: PLC0415
+    from tests.models import hf_utils  # noqa: PLC0415
+
+    source = str(tmp_path / "gemma3_mm")
+    hf_utils.build_gemma3_multimodal(source, seed=3)
+    config, params = models.load_pretrained(source, dtype=jnp.float32)
+    trained = jax.tree.map(lambda x: x + 0.01, params)
+    out = export.export_policy(str(tmp_path / "out"), config, trained, None, source=source)
+    theirs, ours = (load_file(f"{d}/model.safetensors") for d in (source, out))
+    assert set(ours) == set(theirs)
+    towers = [k for k in theirs if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert towers and all(np.array_equal(ours[k], theirs[k]) for k in towers)
+    assert not any(np.array_equal(ours[k], theirs[k]) for k in set(theirs) - set(towers))
+    with open(f"{out}/config.json") as f:
+        assert json.load(f)["architectures"] == ["Gemma3ForConditionalGeneration"]
+    # A source that is not a local checkpoint (a hub id, a missing path) changes nothing.
+    plain = export.export_policy(str(tmp_path / "plain"), config, trained, None, source="a/b")
+    with open(f"{plain}/config.json") as f:
+        assert json.load(f)["architectures"] == ["Gemma3ForCausalLM"]

@@ -13,7 +13,8 @@ import optax
 import pytest
 from jax.sharding import AxisType
 
-from jaxrl_llm import aggregation, objectives, parallel
+from jaxrl_llm import objectives, parallel
+from jaxrl_llm.losses import aggregation
 from jaxrl_llm.train import optim
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.rl.policy import make_policy_step

@@ -44,7 +44,7 @@ def test_every_default_variant_builds_a_valid_objective():
         variant = sweep.parse_variant(name)
         built = objectives.make(variant.preset, **dict(variant.overrides))
         for key, value in variant.overrides:
-            assert getattr(built, key) == value, (name, key)
+            assert built.value_of(key) == value, (name, key)
 
 
 @pytest.mark.parametrize(

@@ -446,5 +446,10 @@ class PreferenceTrainer(Trainer):
             )
             return
         export.export_policy(
-            directory, self.model_config, self.state.params, self.tokenizer, stop_ids=stop_ids
+            directory,
+            self.model_config,
+            self.state.params,
+            self.tokenizer,
+            stop_ids=stop_ids,
+            source=self.cfg.model.path,
         )

@@ -460,7 +460,7 @@ def with_teacher(
     if teacher.loss is not None:
         _choice("teacher.loss", teacher.loss, TEACHER_LOSSES)
         fields["distill_loss"] = None if teacher.loss == "none" else teacher.loss
-    jsd = fields.get("distill_loss", objective.distill_loss) is not None
+    jsd = fields.get("distill_loss", objective.distill.loss) is not None
     beta, top_k, coef = teacher.jsd_beta, teacher.top_k, teacher.coef
     if beta is not None:
         if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta <= 1:
@@ -490,7 +490,7 @@ def with_teacher(
         )
     if not fields:
         return objective
-    return dataclasses.replace(objective, **fields)
+    return objective.replace(**fields)
 
 
 #: The most bytes of stored teacher log-probs and ids ``[B, T, V]`` (f32 + int32) a step may
@@ -506,7 +506,7 @@ def teacher_top_k(objective: objectives.Objective, vocab: int, rows: int, length
       ValueError: a k larger than the vocabulary, or a full vocabulary whose ``[B, T, V]``
         log-probs and ids (``rows x length x vocab x 8`` bytes) exceed ``FULL_VOCAB_BYTES``.
     """
-    k = objective.distill_top_k
+    k = objective.distill.top_k
     if k is not None:
         if k > vocab:
             raise ValueError(f"teacher.top_k={k} is larger than the vocabulary ({vocab} tokens)")
@@ -532,9 +532,9 @@ def check_teacher(cfg: TrainConfig, objective: objectives.Objective) -> None:
     by_advantage = "teacher_logprobs" in objective.estimator_requires
     if objective.needs_teacher and teacher.path is None:
         why = (
-            f"{objective.advantage} advantages"
+            f"{objective.advantage.name} advantages"
             if by_advantage
-            else f"its {objective.distill_loss} distillation loss"
+            else f"its {objective.distill.loss} distillation loss"
         )
         raise ValueError(
             f"objective {objective.name!r} ({why}) needs a teacher: set teacher.path to a "
@@ -551,12 +551,12 @@ def check_teacher(cfg: TrainConfig, objective: objectives.Objective) -> None:
             "teacher.coef weighs a teacher's term: set teacher.path and a distillation "
             "objective (objective.name=distill) or teacher.loss=jsd"
         )
-    if objective.distill_loss is not None and (
+    if objective.distill.loss is not None and (
         objective.needs_critic or objective.needs_process_rewards
     ):
         raise ValueError(
-            f"teacher.loss={objective.distill_loss} is computed by the policy trainer's update; "
-            f"objective {objective.name!r} ({objective.advantage} advantages) trains a critic "
+            f"teacher.loss={objective.distill.loss} is computed by the policy trainer's update; "
+            f"objective {objective.name!r} ({objective.advantage.name} advantages) trains a critic "
             "or a process reward model beside it, which it does not support yet"
         )
 
@@ -610,7 +610,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
             f"rollout.engine=continuous and kv_block_size >= 1; got engine={r.engine!r}, "
             f"kv_block_size={r.kv_block_size}"
         )
-    fix = objective.rollout_correction
+    fix = objective.correction
     if fix is not None and (fix.mode == "bypass") != (r.logprobs == "sampler"):
         need = "sampler" if fix.mode == "bypass" else "recompute"  # the old policy's
         raise ValueError(f"rollout_correction mode={fix.mode} needs rollout.logprobs={need}")
@@ -656,7 +656,7 @@ def check_config(cfg: TrainConfig) -> objectives.Objective:
     objective = with_teacher(objective, cfg.teacher, cfg.objective.overrides)
     if r.group_size < objective.min_group_size:
         raise ValueError(
-            f"objective {objective.name!r} ({objective.advantage} advantages) needs "
+            f"objective {objective.name!r} ({objective.advantage.name} advantages) needs "
             f"rollout.group_size >= {objective.min_group_size}, got {r.group_size}"
         )
     if objective.needs_critic:

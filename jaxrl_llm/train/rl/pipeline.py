@@ -7,7 +7,7 @@ verl's ``one_step_off_policy`` and AReaL's bounded staleness): the rollout of st
 starts at step ``s`` from a snapshot of the parameters then (version ``s``), so the batch a
 step trains on is at most ``k`` updates old. The behaviour log-probs then differ from the
 trainer's by the staleness as well as the numerics; the objective's ``rollout_correction``
-(``jaxrl_llm.correction``) corrects both. ``k = 0`` is the synchronous loop, unchanged.
+(``jaxrl_llm.losses.correction``) corrects both. ``k = 0`` is the synchronous loop, unchanged.
 
 With ``rollout.partial`` (partial rollouts, as AReaL's interruptible generation and slime's /
 verl's partial rollouts) a rollout in flight does not finish on the weights it started with:

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import masked_stats, objectives
+from jaxrl_llm import objectives
 from jaxrl_llm import packing as packing_lib
+from jaxrl_llm.losses import masked
 from jaxrl_llm.models import moe
 from jaxrl_llm.train.adapters import has_dropout
 from jaxrl_llm.train.forward import routed_sequence_logprobs, sequence_logprobs
@@ -61,7 +62,7 @@ def sampler_mismatch(
     denom = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
     return {
         "rollout/logprob_diff_mean": jnp.sum(jnp.abs(diff) * mask) / denom,
-        "rollout/logprob_diff_max": masked_stats.extreme(jnp.abs(diff), mask, jnp.max, 0.0),
+        "rollout/logprob_diff_max": masked.extreme(jnp.abs(diff), mask, jnp.max, 0.0),
         "rollout/k3": jnp.sum((jnp.expm1(clipped) - clipped) * mask) / denom,
     }
 
@@ -205,7 +206,7 @@ def make_policy_loss_fn(
     if router is None and model_config.is_moe:  # the checkpoint's aux weight, no z-loss
         router = RouterLoss(float(model_config.router_aux_loss_coef))
 
-    distills = objective.distill_loss is not None
+    distills = objective.distill.loss is not None
 
     def loss_fn(params, batch: RolloutBatch, totals: Totals | None, key=None):
         kwargs = dict(
@@ -226,7 +227,7 @@ def make_policy_loss_fn(
         if distills:  # the policy's log-probs of the teacher's top-k, from the same forward
             if batch.teacher_top_ids is None:
                 raise ValueError(
-                    f"objective {objective.name!r} adds the {objective.distill_loss} "
+                    f"objective {objective.name!r} adds the {objective.distill.loss} "
                     "distillation loss: the batch carries no teacher_top_ids / "
                     "teacher_top_logprobs (the teacher's top-k, train.rl.programs.teacher_program)"
                 )
@@ -332,7 +333,7 @@ def make_policy_step(
     Returns:
       ``step(state, batch) -> (state, metrics)``; ``batch`` is a ``RolloutBatch`` with prompt and
       completion tokens, masks, ``old_logprobs``, ``advantages`` and, when the objective needs
-      them, ``ref_logprobs`` and (``objective.distill_loss``) the teacher's
+      them, ``ref_logprobs`` and (``objective.distill.loss``) the teacher's
       ``teacher_top_logprobs`` / ``teacher_top_ids`` ``[B, T, k]``. ``old_logprobs=None``
       means on-policy: the behaviour log-probs are this step's own,
       ``stop_gradient(logprobs)`` (ratio exactly 1, as in TRL's ``GRPOTrainer`` with one
@@ -356,5 +357,5 @@ def make_policy_step(
         micro_batches=micro_batches,
         param_shardings=param_shardings,
         loss_takes_key=has_dropout(model_config),  # LoRA dropout in the update
-        adaptive_entropy=objective if objective.adaptive_entropy else None,
+        adaptive_entropy=objective if objective.entropy.adaptive else None,
     )

@@ -106,10 +106,10 @@ def make_joint_step(
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         vf, vf_metrics = value_loss(params["value"], batch, totals, keys[1])
         if value_only:
-            total = objective.value_coef * vf
+            total = objective.value.coef * vf
             return total, {**vf_metrics, "total_loss": total}
         pg, pg_metrics = policy_loss(params["policy"], batch, totals, keys[0])
-        total = pg + objective.value_coef * vf
+        total = pg + objective.value.coef * vf
         return total, {**pg_metrics, **vf_metrics, "total_loss": total}
 
     return make_step(
@@ -120,7 +120,7 @@ def make_joint_step(
         loss_takes_key=has_dropout(model_config),
         # An adaptive entropy coefficient follows the policy term's entropy (none while the
         # critic warms up alone).
-        adaptive_entropy=objective if objective.adaptive_entropy and not value_only else None,
+        adaptive_entropy=objective if objective.entropy.adaptive and not value_only else None,
     )
 
 
@@ -278,7 +278,7 @@ class PPOTrainer(RLTrainer):
         if not objective.needs_critic:
             raise ValueError(
                 f"PPOTrainer trains a critic for an estimator that needs values (gae), not "
-                f"{objective.advantage!r}"
+                f"{objective.advantage.name!r}"
             )
         super().check_objective(objective)
 

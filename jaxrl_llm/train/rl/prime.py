@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_llm import implicit_prm, objectives, parallel
+from jaxrl_llm import objectives, parallel
+from jaxrl_llm.losses import implicit_prm
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train import packing as packing_lib
@@ -93,7 +94,7 @@ def prm_programs(
     step = make_step(
         make_prm_loss_fn(
             model_config,
-            beta=run.objective.prime_beta,
+            beta=run.objective.advantage.prime_beta,
             temperature=cfg.rollout.temperature,
             chunk_size=cfg.model.chunk_size,
             remat=cfg.model.remat,
@@ -124,7 +125,7 @@ class PRIMETrainer(RLTrainer):
         if not objective.needs_process_rewards:
             raise ValueError(
                 f"PRIMETrainer trains an implicit PRM for an estimator that needs process "
-                f"rewards (prime), not {objective.advantage!r}"
+                f"rewards (prime), not {objective.advantage.name!r}"
             )
         super().check_objective(objective)
 
@@ -219,7 +220,7 @@ class PRIMETrainer(RLTrainer):
             metrics.update(self._update_prm(seqs, ref, labels, update_plan))
         prm_lp = self.prm_logprob_fn(self.prm_params, seqs, forward_plan)
         dense = implicit_prm.process_rewards(
-            prm_lp, ref, seqs.completion_mask, beta=self.run.objective.prime_beta
+            prm_lp, ref, seqs.completion_mask, beta=self.run.objective.advantage.prime_beta
         )
         adv, _ = self.advantage_fn(rewards, seqs.completion_mask, process_rewards=dense)
         if self.cfg.prime.update == "after":

@@ -177,7 +177,7 @@ def distill_top_k(run: RunSpec, teacher_config: Any) -> int | None:
     """``k`` of the teacher's top-k log-probs the update's JSD loss reads
     (``Objective.distill_loss``; ``config.teacher_top_k``: the vocabulary for the full
     distribution), or None when the objective has no JSD loss."""
-    if run.objective.distill_loss is None:
+    if run.objective.distill.loss is None:
         return None
     shape = run.shape
     return teacher_top_k(run.objective, teacher_config.vocab_size, shape.rows, shape.completion_len)

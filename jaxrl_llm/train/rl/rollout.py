@@ -482,7 +482,7 @@ class StepRollout:
     def __init__(self, run: Any, prompts: Any, key: jax.Array, *, mesh: Any, defer: bool):
         self.run, self.prompts, self.key, self.mesh = run, prompts, key, mesh
         # Dynamic sampling waits for every draw's rewards before choosing the groups.
-        self.defer = defer and not run.objective.dynamic_sampling
+        self.defer = defer and not run.objective.advantage.dynamic_sampling
 
     def __call__(
         self, step: int, params: Any, timer: Any, updates: Any = None, version: int = 0
@@ -510,7 +510,7 @@ class StepRollout:
             draw,
             prompts_per_step=r.prompts_per_step,
             group_size=r.group_size,
-            dynamic_sampling=self.run.objective.dynamic_sampling,
+            dynamic_sampling=self.run.objective.advantage.dynamic_sampling,
             max_attempts=r.max_resample_attempts,
         )
 

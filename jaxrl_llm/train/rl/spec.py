@@ -152,7 +152,7 @@ def trainer_kind(objective: objectives.Objective) -> str:
             return kind
     raise ValueError(
         f"objective {objective.name!r}: no trainer supplies the inputs its advantage "
-        f"estimator {objective.advantage!r} requires {objective.estimator_requires}"
+        f"estimator {objective.advantage.name!r} requires {objective.estimator_requires}"
     )
 
 
@@ -182,7 +182,7 @@ def check_staleness(cfg: Any, objective: Any, *, warn: bool = True) -> None:
             "processes the asynchronous loop needs the sampler on processes of its own "
             "(mesh.rollout_devices); set one of them"
         )
-    if warn and objective.rollout_correction is None and r.logprobs == "recompute":
+    if warn and objective.correction is None and r.logprobs == "recompute":
         log.warning(
             "rollout.max_staleness=%d without a rollout_correction: the stale batches' old "
             "log-probs are recomputed by the current weights (ratio 1 at the first update); "

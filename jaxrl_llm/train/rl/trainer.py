@@ -149,7 +149,7 @@ class RLTrainer(Trainer):
             remote.check_remote(cfg)
         self.check_objective(objective)
         # A distillation loss trains whatever the advantages (GKD's: none at all).
-        self.loss_gives_signal = objective.distill_loss is not None
+        self.loss_gives_signal = objective.distill.loss is not None
         if not self.loss_gives_signal and not watch.group_size_gives_signal(
             objective, cfg.rollout.group_size
         ):
@@ -158,7 +158,7 @@ class RLTrainer(Trainer):
                 "(it compares completions within a group), so the policy cannot learn: set "
                 "rollout.group_size >= 2",
                 cfg.rollout.group_size,
-                objective.advantage,
+                objective.advantage.name,
             )
         self.watch = watch.StepWatch(
             cfg.trainer.stop_without_signal, cfg.rollout.group_size, cfg.rollout.max_new_tokens
@@ -216,8 +216,8 @@ class RLTrainer(Trainer):
                 f"{len(eval_examples)} eval prompts, "
                 + ("through the chat template" if cfg.data.chat_template else "as raw text")
                 + f", completions up to {cfg.rollout.max_new_tokens} tokens",
-                "objective": f"{objective.name} ({objective.advantage} advantages, "
-                f"{objective.surrogate}), {rows} completions per step",
+                "objective": f"{objective.name} ({objective.advantage.name} advantages, "
+                f"{objective.surrogate.name}), {rows} completions per step",
                 "sft warm-up": self._warmup_line(),
                 **adapters.start_line(model_config),
                 **({"teacher": self._teacher_line()} if self.teacher else {}),
@@ -237,7 +237,7 @@ class RLTrainer(Trainer):
         missing = sorted(set(objective.estimator_requires) - set(self.SUPPLIES))
         if missing:
             raise ValueError(
-                f"objective {objective.name!r} ({objective.advantage} advantages) needs "
+                f"objective {objective.name!r} ({objective.advantage.name} advantages) needs "
                 f"{', '.join(missing)}, which {type(self).__name__} does not compute (a critic "
                 "or a process reward model): run it with train.rl.run, which picks the trainer"
             )
@@ -265,15 +265,15 @@ class RLTrainer(Trainer):
     def _teacher_line(self) -> str:
         """The start line's ``teacher``: its path and, with a JSD loss, the loss's settings."""
         objective = self.spec.objective
-        if objective.distill_loss is None:
+        if objective.distill.loss is None:
             return str(self.cfg.teacher.path)
         k = distill_top_k(self.spec, self.teacher[0])
         tokens = (
-            "the whole vocabulary" if objective.distill_top_k is None else f"its top {k} tokens"
+            "the whole vocabulary" if objective.distill.top_k is None else f"its top {k} tokens"
         )
         return (
-            f"{self.cfg.teacher.path} (loss += {objective.distill_loss_coef:g} x "
-            f"JSD(beta={objective.jsd_beta:g}) over {tokens})"
+            f"{self.cfg.teacher.path} (loss += {objective.distill.coef:g} x "
+            f"JSD(beta={objective.distill.jsd_beta:g}) over {tokens})"
         )
 
     def _warmup_line(self) -> str:
@@ -294,7 +294,7 @@ class RLTrainer(Trainer):
             )
         # An adaptive entropy coefficient is state: checkpointed and resumed with the rest.
         control = None
-        if run.objective.adaptive_entropy:
+        if run.objective.entropy.adaptive:
             control = objectives.entropy_control.init_control(run.objective)
         if run.model_config.lora is None:
             self.state, self.shardings = create_train_state(
@@ -761,6 +761,7 @@ class RLTrainer(Trainer):
             self.policy_params,
             self.run.tokenizer,
             stop_ids=self.run.stop_ids,
+            source=self.cfg.model.path,
         )
 
     def summary(self) -> dict[str, Any]:

@@ -4,14 +4,14 @@ metrics averaged over the minibatch updates."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_llm import correction, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.losses import correction
 from jaxrl_llm.train.rl.spec import RunSpec
 from jaxrl_llm.types import RolloutBatch
 
@@ -28,7 +28,7 @@ def on_policy_update(run: RunSpec) -> bool:
     """
     objective = run.objective
     kl_in_reward = (
-        objective.kl_placement == "reward" and objective.kl_kind is not None and objective.kl_coef
+        objective.kl.placement == "reward" and objective.kl.kind is not None and objective.kl.coef
     )
     return (
         run.shape.updates_per_step == 1
@@ -44,14 +44,14 @@ def batch_corrected(objective: objectives.Objective) -> bool:
     the IS weights and rejection of the old log-probs against the sampler's, verl's
     normalisers: rejected tokens leave the batch's token count). ``bypass`` mode corrects
     inside the loss, against the current policy."""
-    spec = objective.rollout_correction
+    spec = objective.correction
     return spec is not None and spec.mode == "decoupled"
 
 
 def update_objective(objective: objectives.Objective) -> objectives.Objective:
     """The objective the update's loss runs: without a correction the batch already carries."""
     if batch_corrected(objective):
-        return dataclasses.replace(objective, rollout_correction=None)
+        return objective.replace(correction=None)
     return objective
 
 
@@ -69,7 +69,7 @@ def correct_batch(
     if not batch_corrected(objective):
         return batch, {}
     weights, kept, metrics = _correct(
-        objective.rollout_correction,
+        objective.correction,
         batch.old_logprobs,
         batch.rollout_logprobs,
         batch.completion_mask,

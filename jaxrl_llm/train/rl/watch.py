@@ -39,7 +39,7 @@ def group_size_gives_signal(objective: objectives.Objective, group_size: int) ->
     Estimated on 8 groups of distinct rewards; an estimator that needs more than the rewards
     (values, process rewards, reward columns) is assumed to (it is not probed).
     """
-    spec = objectives.ESTIMATORS[objective.advantage]
+    spec = objectives.ESTIMATORS[objective.advantage.name]
     if spec.requires or group_size < spec.min_group_size:
         return True
     rows = 8 * group_size

@@ -103,11 +103,11 @@ def expected_keys(cfg: TrainConfig) -> set[str]:
     """The keys a step row of this config must hold."""
     objective = make_objective(cfg.objective)
     keys = {"step", *ROW_KEYS}
-    if objective.surrogate in CLIPPING_SURROGATES:
+    if objective.surrogate.name in CLIPPING_SURROGATES:
         keys.add("clip_frac")
-    if objective.needs_reference and objective.kl_kind is not None:
+    if objective.needs_reference and objective.kl.kind is not None:
         keys.add("kl")
-    if objective.dynamic_sampling:
+    if objective.advantage.dynamic_sampling:
         keys.update(DYNAMIC_KEYS)
     return keys
 

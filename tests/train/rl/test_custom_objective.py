@@ -2,12 +2,15 @@
 
 The user's surrogate is a clipped REINFORCE, ``ℓ_t = −clip(r_t, 1−ε, 1+ε)·A·lp_t`` with the
 clipped ratio detached (CISPO-like but with a symmetric band and a user hyper-parameter ``ε``
-from ``Objective.extra``). The test checks (1) the registered function is what the jitted step
-calls — its own metric is in every row and its value equals a float64 NumPy evaluation of the
-formula on the step's inputs — and (2) the run trains: the policy moves.
+the surrogate declares at registration, ``params=ClipParams``). The test checks (1) the
+registered function is what the jitted step calls — its own metric is in every row and its
+value equals a float64 NumPy evaluation of the formula on the step's inputs — and (2) the run
+trains: the policy moves.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +26,13 @@ from jaxrl_llm.train.rl.run import trainer_for
 NAME = "user_clipped_reinforce"
 
 
-def clipped_reinforce(objective, inputs):
-    eps = dict(objective.extra)["eps"]
+@dataclasses.dataclass(frozen=True)
+class ClipParams:
+    eps: float = 0.2
+
+
+def clipped_reinforce(surrogate, inputs):
+    eps = surrogate.params.eps
     ratio = jnp.exp(inputs.log_ratio)
     weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps, 1.0 + eps))
     per_token = -weight * inputs.advantages[:, None] * inputs.logprobs
@@ -34,7 +42,7 @@ def clipped_reinforce(objective, inputs):
 
 @pytest.fixture
 def registered():
-    objectives.register_surrogate(NAME, clipped_reinforce)
+    objectives.register_surrogate(NAME, clipped_reinforce, params=ClipParams)
     yield
     objectives.unregister_surrogate(NAME)
 
@@ -48,7 +56,11 @@ def test_user_surrogate_in_policy_loss_matches_numpy(registered):
     mask = np.ones((B, T))
     mask[1, 3:] = 0
     objective = objectives.make(
-        "grpo", surrogate=NAME, kl_coef=0.0, extra={"eps": 0.2}, aggregation="token-mean"
+        "grpo",
+        surrogate=NAME,
+        kl_coef=0.0,
+        surrogate_params={"eps": 0.2},
+        aggregation="token-mean",
     )
     from jaxrl_llm.types import RolloutBatch  # noqa: PLC0415
 
@@ -83,13 +95,13 @@ def test_user_surrogate_trains_end_to_end(registered, tmp_path):
             "logging.plots=false",
             "mesh.fsdp=1",
             f"run_dir={tmp_path / 'run'}",
-            f"objective.overrides={{surrogate: {NAME}, extra: {{eps: 0.1}}}}",
+            f"objective.overrides={{surrogate: {NAME}, surrogate_params: {{eps: 0.1}}}}",
             "rewards=[{name: math_match}, {name: overlong, kwargs: {max_tokens: 6, "
             "buffer_tokens: 4}}]",
         ],
     )
     trainer = trainer_for(cfg)
-    assert trainer.run.objective.surrogate == NAME
+    assert trainer.run.objective.surrogate.name == NAME
     trainer.setup()
     before = jax.tree.map(np.asarray, trainer.state.params)
     trainer.latest = None
@@ -202,7 +214,7 @@ def test_a_top_entropy_objective_gets_the_entropy_it_selects_by():
     from tests.train import step_problem  # noqa: PLC0415
 
     objective = objectives.make("grpo", top_entropy_quantile=0.25)
-    assert objective.entropy_coef == 0 and objective.needs_entropy
+    assert objective.entropy.coef == 0 and objective.needs_entropy
     loss_fn = make_policy_loss_fn(step_problem.CONFIG, objective, compute_entropy=False)
     params = init_params(step_problem.CONFIG, jax.random.key(0))
     batch = jax.tree.map(jnp.asarray, step_problem.host_batch(0))

@@ -268,7 +268,7 @@ def hand_jsd(trainer: GKDRecorder, seen: dict) -> float:
     student = _log_softmax(np.take_along_axis(_log_softmax(z), teacher.top_ids, axis=-1))
     p = np.exp(_log_softmax(np.asarray(teacher.top_logprobs, np.float64)))
     q = np.exp(student)
-    beta = objective.jsd_beta
+    beta = objective.distill.jsd_beta
 
     def kl(a, b):
         return np.where(a > 0, a * (np.log(a) - np.log(b)), 0.0).sum(-1)
@@ -297,7 +297,7 @@ def _gkd_run(teacher_dir, run_dir, *extra):
     trainer.fit()
     rows = read_metrics(run_dir)
     assert len(rows) == len(trainer.seen) == 2
-    alone = trainer.spec.objective.advantage == "none"
+    alone = trainer.spec.objective.advantage.name == "none"
     for row, seen in zip(rows, trainer.seen, strict=True):
         assert row["distill/jsd"] == pytest.approx(hand_jsd(trainer, seen), rel=1e-5, abs=1e-6)
         assert row["distill/jsd"] > 0 and row["grad_norm"] > 0
@@ -394,15 +394,19 @@ def test_the_jsd_settings_are_checked_and_reach_the_objective(teacher_dir, tmp_p
             "teacher.coef=0.25",
         )
     )
-    assert (objective.name, objective.advantage, objective.distill_loss) == ("grpo", "grpo", "jsd")
-    assert (objective.distill_top_k, objective.jsd_beta, objective.distill_loss_coef) == (
+    assert (objective.name, objective.advantage.name, objective.distill.loss) == (
+        "grpo",
+        "grpo",
+        "jsd",
+    )
+    assert (objective.distill.top_k, objective.distill.jsd_beta, objective.distill.coef) == (
         4,
         1.0,
         0.25,
     )
     # Without a JSD loss, teacher.coef weighs the sampled-token advantage (distill_coef).
     opd = check_config(config(rl_helpers.CONFIGS / "distill.yaml", teacher, "teacher.coef=0.5"))
-    assert (opd.distill_coef, opd.distill_loss, opd.distill_loss_coef) == (0.5, None, 1.0)
+    assert (opd.advantage.distill_coef, opd.distill.loss, opd.distill.coef) == (0.5, None, 1.0)
     for overrides, message in [
         (("teacher.path=null",), r"objective 'distill_gkd' \(its jsd distillation loss\) needs"),
         ((teacher, "teacher.loss=kl"), r"teacher.loss must be one of \('none', 'jsd'\)"),

@@ -160,7 +160,7 @@ def test_joint_step_updates_policy_and_value_with_one_optimizer():
     new_state, metrics = step(state, batch)
     assert {"pg_loss", "vf_loss", "total_loss", "clip_frac"} <= set(metrics)
     assert float(metrics["total_loss"]) == pytest.approx(
-        float(metrics["loss"]) + objective.value_coef * float(metrics["vf_loss"]), rel=1e-5
+        float(metrics["loss"]) + objective.value.coef * float(metrics["vf_loss"]), rel=1e-5
     )
     for name in ("policy", "value"):
         moved = jax.tree.map(

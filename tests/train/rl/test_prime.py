@@ -1,6 +1,6 @@
 """PRIME (issue 8): implicit process rewards, the PRM's cross-entropy update, a short run.
 
-The process-reward math lives in ``jaxrl_llm.implicit_prm``; the trainer's PRM loss function
+The process-reward math lives in ``jaxrl_llm.losses.implicit_prm``; the trainer's PRM loss function
 and ``PRIMETrainer`` in ``jaxrl_llm.train.rl.prime``.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import models, objectives, parallel
-from jaxrl_llm.implicit_prm import implicit_sequence_reward, process_rewards
+from jaxrl_llm.losses.implicit_prm import implicit_sequence_reward, process_rewards
 from jaxrl_llm.train.forward import make_logprob_fn
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.optim import make_optimizer

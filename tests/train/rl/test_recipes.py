@@ -76,19 +76,19 @@ def test_recipe_runs_and_leaves_a_complete_run_dir(tmp_path, name):
     # log-probs must match the ones the step computes (ratio 1).
     assert abs(first["approx_kl"]) < 1e-5
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    if objective.needs_reference and objective.kl_kind is not None:
+    if objective.needs_reference and objective.kl.kind is not None:
         # The frozen reference is the initial policy.
         assert abs(first["kl"]) < 1e-5
     # The shaped rewards differ within some group (the teacher's log-probs differ from the
     # student's), so the objective has a gradient.
-    if objective.advantage == "none":  # GKD: the JSD term is the whole signal
+    if objective.advantage.name == "none":  # GKD: the JSD term is the whole signal
         assert first["distill/jsd"] > 0.0
     else:
-        if objective.advantage != "distill":
+        if objective.advantage.name != "distill":
             assert first["reward_std"] > 0.0
         assert first["advantage_std"] > 0.0
     assert first["grad_norm"] > 0.0
-    if objective.advantage in ("grpo", "rloo", "gpg", "reinforce_pp"):
+    if objective.advantage.name in ("grpo", "rloo", "gpg", "reinforce_pp"):
         # Group baselines sum to zero within each group; REINFORCE++ whitens over the batch.
         assert abs(first["advantage_mean"]) < 1e-5
     rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size

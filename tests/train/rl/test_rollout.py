@@ -217,7 +217,7 @@ def trainer(tmp_path_factory):
         "rollout.max_resample_attempts=1",
     )
     trainer = RLTrainer(cfg)
-    assert trainer.run.objective.dynamic_sampling
+    assert trainer.run.objective.advantage.dynamic_sampling
     trainer.setup()
     yield trainer
     trainer.checkpointer.close()

@@ -190,13 +190,13 @@ def test_a_tiny_moe_run_reports_the_router_losses(tmp_path):
     )
     run(cfg)
     objective = make_objective(cfg.objective)
-    assert objective.entropy_coef == 0.0 and not objective.adaptive_entropy
+    assert objective.entropy.coef == 0.0 and not objective.entropy.adaptive
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 2
     for row in rows:
         lb, z = row["moe/load_balancing_loss"], row["moe/router_z_loss"]
         assert np.isfinite(lb) and np.isfinite(z) and lb > 0.0 and z > 0.0, row
         # grpo.yaml's loss: pg + kl_coef * kl (no entropy bonus), then the router terms.
-        policy = row["pg_loss"] + objective.kl_coef * row.get("kl_loss", 0.0)
+        policy = row["pg_loss"] + objective.kl.coef * row.get("kl_loss", 0.0)
         want = policy + 0.5 * lb + 0.1 * z
         assert row["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6), row

@@ -58,7 +58,7 @@ def trainer(tmp_path_factory):
     trainer = RLTrainer(cfg)
     trainer.setup()
     assert trainer.reference is not None and not trainer.on_policy
-    assert not trainer.run.objective.dynamic_sampling
+    assert not trainer.run.objective.advantage.dynamic_sampling
     yield trainer
     trainer.checkpointer.close()
     trainer.metrics_writer.close()

@@ -1,6 +1,6 @@
 """Tests that catch a broken trainer (issue 17): what the PPO / PRIME update really receives.
 
-The estimators are tested on their own against float64 references (tests/test_advantages.py,
+The estimators are tested on their own against float64 references (tests/losses/test_advantages.py,
 tests/objectives); these tests check the *wiring*: one real RL step runs, the batch its
 ``score`` hook builds and the minibatches handed to ``update`` are captured, and their
 advantages (and PPO's returns and old values) must equal float64 NumPy references computed
@@ -12,7 +12,7 @@ checks that its reference would differ under such a bug by far more than its tol
 
 Mutation seams (looked up at call time, so a module-level monkeypatch takes effect):
 ``jaxrl_llm.train.rl.ppo.make_value_fn`` (called in ``PPOTrainer.compile``) and
-``jaxrl_llm.implicit_prm.process_rewards`` (called in ``PRIMETrainer.score``).
+``jaxrl_llm.losses.implicit_prm.process_rewards`` (called in ``PRIMETrainer.score``).
 """
 
 from __future__ import annotations
@@ -186,9 +186,12 @@ def test_ppo_update_gets_gae_of_the_rewards_kl_and_critic_values(tmp_path):
     finally:
         _close(trainer)
     objective = trainer.run.objective
-    assert objective.advantage == "gae" and (objective.gamma, objective.lam) == (0.9, 0.8)
-    assert objective.kl_placement == "reward" and objective.kl_kind == "k1"
-    assert objective.kl_coef > 0
+    assert objective.advantage.name == "gae" and (
+        objective.advantage.gamma,
+        objective.advantage.lam,
+    ) == (0.9, 0.8)
+    assert objective.kl.placement == "reward" and objective.kl.kind == "k1"
+    assert objective.kl.coef > 0
 
     mask = np.asarray(batch.completion_mask, bool)
     assert mask.sum(axis=1).min() >= 1 and mask.sum() >= 2 * mask.shape[0]
@@ -203,11 +206,11 @@ def test_ppo_update_gets_gae_of_the_rewards_kl_and_critic_values(tmp_path):
     assert np.abs(values[mask]).mean() > 0.05, values
     np.testing.assert_allclose(batch.old_values, values, atol=ATOL)
 
-    kl_penalty = objective.kl_coef * (lp_old - lp_ref) * mask  # k1 = lp - ref
+    kl_penalty = objective.kl.coef * (lp_old - lp_ref) * mask  # k1 = lp - ref
     assert np.abs(kl_penalty[mask]).max() > 1e-3
     token_rewards = ref_obj.outcome_token_rewards(batch.rewards, mask) - kl_penalty
     want_adv, want_returns = ref_adv.gae(
-        token_rewards, values, mask, gamma=objective.gamma, lam=objective.lam
+        token_rewards, values, mask, gamma=objective.advantage.gamma, lam=objective.advantage.lam
     )
     chex.assert_shape([batch.advantages, batch.returns, batch.old_values], mask.shape)
     np.testing.assert_allclose(batch.advantages, want_adv, atol=ATOL, rtol=1e-4)
@@ -215,12 +218,20 @@ def test_ppo_update_gets_gae_of_the_rewards_kl_and_critic_values(tmp_path):
 
     # Zeroed values (or a dropped KL penalty) would move the targets far beyond the tolerance.
     zero_adv, zero_returns = ref_adv.gae(
-        token_rewards, np.zeros_like(values), mask, gamma=objective.gamma, lam=objective.lam
+        token_rewards,
+        np.zeros_like(values),
+        mask,
+        gamma=objective.advantage.gamma,
+        lam=objective.advantage.lam,
     )
     assert np.abs(zero_adv - want_adv).max() > SENSITIVITY * ATOL
     assert np.abs(zero_returns - want_returns).max() > SENSITIVITY * ATOL
     no_kl_adv, _ = ref_adv.gae(
-        token_rewards + kl_penalty, values, mask, gamma=objective.gamma, lam=objective.lam
+        token_rewards + kl_penalty,
+        values,
+        mask,
+        gamma=objective.advantage.gamma,
+        lam=objective.advantage.lam,
     )
     assert np.abs(no_kl_adv - want_adv).max() > SENSITIVITY * ATOL
 
@@ -262,9 +273,9 @@ def test_prime_update_gets_advantages_of_the_implicit_process_rewards(tmp_path):
     finally:
         _close(trainer)
     objective = trainer.run.objective
-    assert objective.advantage == "prime" and objective.prime_beta == 0.5
+    assert objective.advantage.name == "prime" and objective.advantage.prime_beta == 0.5
     # No KL in the reward: the reference below has no KL term.
-    assert objective.kl_placement != "reward" or not objective.kl_coef
+    assert objective.kl.placement != "reward" or not objective.kl.coef
 
     mask = np.asarray(batch.completion_mask, bool)
     assert mask.sum(axis=1).min() >= 1
@@ -278,7 +289,7 @@ def test_prime_update_gets_advantages_of_the_implicit_process_rewards(tmp_path):
     lp_ref = _logprobs(reference, model_config, batch, temperature)
     np.testing.assert_allclose(batch.ref_logprobs, lp_ref, atol=ATOL)
     lp_prm = _logprobs(prm, model_config, batch, temperature)
-    dense = objective.prime_beta * (lp_prm - lp_ref) * mask
+    dense = objective.advantage.prime_beta * (lp_prm - lp_ref) * mask
     # The trained PRM has moved away from the reference: the process rewards are not all ~0.
     assert np.abs(dense[mask]).mean() > 1e-3, dense
 

@@ -1,4 +1,5 @@
-"""Tests for jaxrl_llm.surrogates against the float64 references of tests/reference/losses.py."""
+"""Tests for jaxrl_llm.losses.surrogates against the float64 references of
+tests/reference/losses.py."""
 
 import chex
 import jax
@@ -7,9 +8,9 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxrl_llm import surrogates
-from jaxrl_llm.aggregation import MODES, aggregate, sequence_mean
-from jaxrl_llm.ratios import token_log_ratio
+from jaxrl_llm.losses import surrogates
+from jaxrl_llm.losses.aggregation import MODES, aggregate, sequence_mean
+from jaxrl_llm.losses.ratios import token_log_ratio
 from tests.reference import losses as ref
 from tests.reference import stabilisers as stab
 

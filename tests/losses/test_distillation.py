@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import distillation
+from jaxrl_llm.losses import distillation
 
 B, T, V = 3, 4, 7
 

@@ -1,4 +1,5 @@
-"""Tests for jaxrl_llm.aggregation against the float64 references of tests/reference/losses.py."""
+"""Tests for jaxrl_llm.losses.aggregation against the float64 references of
+tests/reference/losses.py."""
 
 import functools
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxrl_llm.aggregation import MODES, aggregate, normalisers, sequence_mean
+from jaxrl_llm.losses.aggregation import MODES, aggregate, normalisers, sequence_mean
 from tests.reference import losses as ref
 
 B, T = 6, 5

@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.token_selection against the float64 references of
+"""Tests for jaxrl_llm.losses.token_selection against the float64 references of
 tests/reference/stabilisers.py (TRL's formulas) and tests/reference/m2po.py (AReaL's M2PO)."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import token_selection
+from jaxrl_llm.losses import token_selection
 from tests.reference import losses as ref
 from tests.reference import m2po as m2ref
 from tests.reference import stabilisers as stab

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm._checks import as_mask, check_choice, check_rank, check_shape, f32
-from jaxrl_llm.advantages._outcome import grpo
-from jaxrl_llm.advantages._token import whiten
+from jaxrl_llm.losses.advantages._outcome import grpo
+from jaxrl_llm.losses.advantages._token import whiten
 
 Array = jax.Array
 

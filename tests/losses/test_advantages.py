@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.advantages against the float64 references in tests/reference."""
+"""Tests for jaxrl_llm.losses.advantages against the float64 references in tests/reference."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxrl_llm import advantages as adv
+from jaxrl_llm.losses import advantages as adv
 from tests.reference import advantages as ref
 from tests.reference import stabilisers as stab
 

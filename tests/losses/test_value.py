@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.value against the float64 references of tests/reference/losses.py."""
+"""Tests for jaxrl_llm.losses.value against the float64 references of tests/reference/losses.py."""
 
 import chex
 import jax
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxrl_llm import value
-from jaxrl_llm.aggregation import aggregate
+from jaxrl_llm.losses import value
+from jaxrl_llm.losses.aggregation import aggregate
 from tests.reference import losses as ref
 
 B, T = 4, 6

@@ -17,11 +17,11 @@ ones (``[B, T]``, whitened over the batch) in ``_token``, GDPO's several reward 
 ``_groups``; every public name is exported here.
 """
 
-from jaxrl_llm.advantages._groups import group_view
-from jaxrl_llm.advantages._multi_reward import gdpo
-from jaxrl_llm.advantages._outcome import gpg, grpo, opo, pass_at_k, remax, rloo
-from jaxrl_llm.advantages._teacher import distillation
-from jaxrl_llm.advantages._token import gae, reinforce_pp, reinforce_pp_baseline, whiten
+from jaxrl_llm.losses.advantages._groups import group_view
+from jaxrl_llm.losses.advantages._multi_reward import gdpo
+from jaxrl_llm.losses.advantages._outcome import gpg, grpo, opo, pass_at_k, remax, rloo
+from jaxrl_llm.losses.advantages._teacher import distillation
+from jaxrl_llm.losses.advantages._token import gae, reinforce_pp, reinforce_pp_baseline, whiten
 
 __all__ = [
     "distillation",

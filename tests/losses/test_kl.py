@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.kl against the float64 references of tests/reference/losses.py."""
+"""Tests for jaxrl_llm.losses.kl against the float64 references of tests/reference/losses.py."""
 
 import chex
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxrl_llm import kl
+from jaxrl_llm.losses import kl
 from tests.reference import losses as ref
 from tests.reference import stabilisers as stab
 

@@ -107,7 +107,7 @@ def importance_weighted_estimate(
       logprobs: ``[B, T]`` current log-probs (carry the gradient).
       ref_logprobs: ``[B, T]`` reference-policy log-probs.
       log_ratio: ``[B, T]`` ``log π_θ − log π_old`` (carries the gradient; already clamped,
-        e.g. :func:`jaxrl_llm.ratios.token_log_ratio`).
+        e.g. :func:`jaxrl_llm.losses.ratios.token_log_ratio`).
       kind, straight_through: as in :func:`estimate`.
 
     Returns:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import _checks
-from jaxrl_llm import masked_stats as ms
+from jaxrl_llm.losses import masked as ms
 
 Array = jax.Array
 

@@ -17,7 +17,7 @@ from jaxrl_llm._checks import (
     check_same_shape,
     f32,
 )
-from jaxrl_llm.advantages._groups import (
+from jaxrl_llm.losses.advantages._groups import (
     center,
     check_row_mask,
     group_view,

@@ -1,4 +1,4 @@
-"""Tests of jaxrl_llm.correction against float64 NumPy transcriptions of verl's
+"""Tests of jaxrl_llm.losses.correction against float64 NumPy transcriptions of verl's
 ``verl/trainer/ppo/rollout_corr_helper.py`` (``compute_rollout_correction_weights`` +
 ``compute_is_metrics``, ``compute_rollout_rejection_mask`` + ``compute_rs_metrics``,
 ``compute_offpolicy_metrics``), written from verl's source with ``masked_mean = Σv·m/(Σm+1e-8)``.
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import correction, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.losses import correction
 
 EPS, BOUND = 1e-8, 20.0
 RTOL, ATOL = 2e-5, 1e-6
@@ -550,7 +551,7 @@ def test_correction_spec_normalises_and_hashes():
     # bypass with neither weights nor rejection is valid: the rollout is the old policy
     assert correction.Correction.of({"mode": "bypass", "is_level": None}).rejection == ()
     made = objectives.make("grpo", rollout_correction={"is_level": "sequence"})
-    assert made.rollout_correction == correction.Correction(is_level="sequence")
+    assert made.correction == correction.Correction(is_level="sequence")
 
 
 def test_padding_never_reaches_values_or_gradients():

@@ -1,14 +1,15 @@
 """Policy-gradient surrogates: per-token losses to MINIMISE.
 
-Each takes a log importance ratio ``Δ`` (from :mod:`jaxrl_llm.ratios`, so ``r = exp(Δ)``) and
-advantages ``A`` of shape ``[B]`` (one per completion, broadcast over tokens) or ``[B, T]``, and
-returns an unreduced ``[B, T]`` loss (GMPO: ``[B]``) for :func:`jaxrl_llm.aggregation.aggregate`.
+Each takes a log importance ratio ``Δ`` (from :mod:`jaxrl_llm.losses.ratios`, so
+``r = exp(Δ)``) and advantages ``A`` of shape ``[B]`` (one per completion, broadcast over
+tokens) or ``[B, T]``, and returns an unreduced ``[B, T]`` loss (GMPO: ``[B]``) for
+:func:`jaxrl_llm.losses.aggregation.aggregate`.
 All math is float32 whatever the input dtype.
 
 The ``*_metrics`` helpers return per-token float 0/1 indicators (no gradient) whose masked
 mean is the usual diagnostic, e.g. ``clip_frac``.
 
-``r`` is computed as ``exp(min(Δ, 80))``: :func:`jaxrl_llm.ratios.token_log_ratio` already
+``r`` is computed as ``exp(min(Δ, 80))``: :func:`jaxrl_llm.losses.ratios.token_log_ratio` already
 clamps at 20 so the cap never binds in normal use, but it keeps unclamped garbage at padding
 positions finite, so that the masked aggregation gives those positions an exact 0 gradient
 instead of ``0·inf = NaN``.
@@ -286,7 +287,7 @@ def gmpo(
 
     Returns:
       ``[B]`` float32 per-sequence loss (reduce with
-      :func:`jaxrl_llm.aggregation.sequence_mean`).
+      :func:`jaxrl_llm.losses.aggregation.sequence_mean`).
 
     Raises:
       ValueError: on bad shapes or bounds.

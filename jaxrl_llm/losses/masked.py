@@ -1,6 +1,16 @@
-"""Masked reductions over ``[B, T]`` / ``[B]`` arrays with verl_F's semantics (``Σ v·m / (Σ m +
-1e-8)``), and the guarded statistics (extremes, std, inverse) ``jaxrl_llm.correction`` and the loss
-metrics are built from: every one is finite on all-masked input."""
+"""Masked reductions over ``[B, T]`` / ``[B]`` arrays, the one home of the loss layer's.
+
+- weighted, with verl_F's semantics: :func:`masked_sum` ``Σ v·m`` and :func:`masked_mean`
+  ``Σ v·m / (Σ m + 1e-8)``;
+- selected, for metrics: :func:`selected_sum` ``Σ v·[m > 0]`` and :func:`token_mean`
+  ``Σ v·[m > 0] / max(N_tok, 1)`` with the loss's global token count, so that summing the
+  metrics of K micro-batches gives the full-batch metric;
+- the guarded statistics (extremes, std, inverse) ``losses.correction`` and the loss metrics
+  are built from.
+
+Masked entries never contribute, even when they hold inf or NaN, and every reduction is finite on
+all-masked input.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +23,24 @@ EPS = 1e-8
 
 
 def masked_sum(values: Array, mask: Array, axis=None) -> Array:
+    """``Σ v·m`` over ``axis`` (a weighted mask weighs), masked garbage zeroed first."""
     return jnp.sum(jnp.where(mask > 0, values, 0.0) * mask, axis=axis)
 
 
 def masked_mean(values: Array, mask: Array, axis=None) -> Array:
+    """verl_F's ``Σ v·m / (Σ m + 1e-8)`` over ``axis``."""
     return masked_sum(values, mask, axis) / (jnp.sum(mask, axis=axis) + EPS)
+
+
+def selected_sum(values: Array, mask: Array) -> Array:
+    """``Σ v·[m > 0]``: the entries the mask selects, unweighted; masked garbage (even inf)
+    contributes exactly 0."""
+    return jnp.sum(jnp.where(mask > 0, values, 0.0))
+
+
+def token_mean(values: Array, mask: Array, num_tokens: Array) -> Array:
+    """``Σ v·[m > 0] / max(N_tok, 1)``, the normaliser of every additive metric."""
+    return selected_sum(values, mask) / jnp.maximum(num_tokens, 1)
 
 
 def extreme(values: Array, mask: Array, reduce, fill: float) -> Array:

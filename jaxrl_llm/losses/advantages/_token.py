@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm._checks import as_mask, check_batch_time, check_non_negative, check_same_shape, f32
-from jaxrl_llm.advantages._groups import center, check_row_mask, rewards_groups
+from jaxrl_llm.losses.advantages._groups import center, check_row_mask, rewards_groups
 
 Array = jax.Array
 
