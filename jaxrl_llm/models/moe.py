@@ -17,7 +17,9 @@ Routing is dropless: every token reaches all of its k experts (no capacity facto
 dropped or padded). The ``T·k`` (token, expert) assignments are sorted by expert and the expert
 MLPs run as three grouped matmuls over the sorted rows (``jax.lax.ragged_dot``: one GEMM whose
 rows are split into ``E`` consecutive groups, group ``e`` multiplied by expert ``e``'s weight),
-then the rows are put back in token order and mixed with their routing weights. The router's
+then the rows are put back in token order and mixed with their routing weights (on CPU, where
+XLA expands ``ragged_dot`` into a dense product over every expert, ``grouped_matmul`` runs a
+loop over row tiles instead: ``tiled_grouped_matmul``). The router's
 logits and softmax are f32 whatever the compute dtype, so the expert choice does not flip with
 bf16 rounding.
 
@@ -258,12 +260,164 @@ def _swiglu_experts(
     into groups by expert (``row_experts [R]``: each row's expert, for the biases; an id past
     the experts, an empty slot, gets zero biases). The down bias is not added here (see
     ``_add_down_bias``)."""
-    gate = jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    gate = grouped_matmul(rows, w_gate, group_sizes)
+    up = grouped_matmul(rows, w_up, group_sizes)
     if biases is not None:
         gate = gate + _row_bias(biases.gate, row_experts, gate.dtype)
         up = up + _row_bias(biases.up, row_experts, up.dtype)
-    return jax.lax.ragged_dot(gated_activation(gate, up, clamp), w_down, group_sizes)
+    return grouped_matmul(gated_activation(gate, up, clamp), w_down, group_sizes)
+
+
+def grouped_matmul(rows: Array, weights: Array, group_sizes: Array) -> Array:
+    """``out[r] = rows[r] @ W[g(r)]``, ``g(r)`` the group of row ``r``: rows ``0 .. n_0 - 1``
+    are group 0, the next ``n_1`` group 1, and so on (``jax.lax.ragged_dot``'s contract; rows
+    past ``sum(n)`` give zeros).
+
+    XLA:TPU and XLA:GPU compile ``jax.lax.ragged_dot`` to a grouped GEMM, and that is what
+    runs there. XLA:CPU expands it to a dense product over every group (``[G, R, K]`` masked
+    copies of ``rows``: ``G×`` the FLOPs and memory), so on CPU (``jax.lax.platform_dependent``)
+    it is ``tiled_grouped_matmul`` instead: a loop over row tiles of one group each.
+
+    Args:
+      rows: ``[R, K]``, sorted into groups.
+      weights: ``[G, K, N]``.
+      group_sizes: ``[G]`` int, ``n_g`` (summing to at most ``R``).
+
+    Returns:
+      ``[R, N]`` in the result dtype of ``rows`` and ``weights``.
+    """
+    return jax.lax.platform_dependent(
+        *_varying_alike(rows, weights, group_sizes),
+        cpu=_cpu_grouped_matmul,
+        default=jax.lax.ragged_dot,
+    )
+
+
+def _cpu_grouped_matmul(rows: Array, weights: Array, group_sizes: Array) -> Array:
+    """``tiled_grouped_matmul`` on operands whole on every device of the context mesh's
+    automatic axes: the SPMD partitioner would otherwise reshard the loop's row slices (with
+    all-to-alls), where ``ragged_dot`` gets them gathered."""
+    rows, weights, group_sizes = (
+        _constrain(a, *([None] * a.ndim)) for a in (rows, weights, group_sizes)
+    )
+    return tiled_grouped_matmul(rows, weights, group_sizes)
+
+
+def _varying_alike(*arrays: Array) -> tuple[Array, ...]:
+    """``arrays`` cast (``jax.lax.pcast``) to vary over the union of the manual mesh axes any
+    of them varies over (inside ``jax.shard_map``; a no-op outside): the tile loop's carries and
+    its ``custom_vjp`` cotangents then have one type, and the cast's transpose sums the
+    gradient of an input that was the same on every device of an axis."""
+    arrays = tuple(jnp.asarray(a) for a in arrays)
+    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    return tuple(
+        jax.lax.pcast(a, tuple(sorted(union - _varying_axes(a))), to="varying")
+        if union - _varying_axes(a)
+        else a
+        for a in arrays
+    )
+
+
+def _varying_axes(x: Array) -> frozenset:
+    """The manual mesh axes ``x`` varies over (empty outside ``jax.shard_map``)."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(axis_type, "varying", ()))
+
+
+# Rows per tile of ``tiled_grouped_matmul``: each group's last tile is partly masked, about
+# ``G · TILE_ROWS / 2`` wasted rows in all; smaller tiles are smaller, slower GEMMs.
+TILE_ROWS = 64
+
+
+@jax.custom_vjp
+def tiled_grouped_matmul(rows: Array, weights: Array, group_sizes: Array) -> Array:
+    """``grouped_matmul`` as a loop over row tiles: exact FLOPs up to the tiles' padding.
+
+    Group ``g``'s ``n_g`` rows are cut into ``ceil(n_g / t)`` tiles of ``t = TILE_ROWS`` rows
+    (the last one masked past the group's end) and a ``jax.lax.fori_loop`` over the
+    ``sum_g ceil(n_g / t)`` tiles (a run-time count) computes ``rows[tile] @ W[g]`` into the
+    tile's rows of the output: ``sum_g n_g · K · N`` multiply-adds plus at most ``G·t`` padded
+    rows, against ``G · R · K · N`` for the dense expansion. The products accumulate in f32.
+    The backward pass (``jax.custom_vjp``) is the same loop: ``d rows[tile] = dy[tile] W[g]^T``
+    and ``dW[g] += rows[tile]^T dy[tile]``.
+
+    Args / returns: as ``grouped_matmul``.
+    """
+    return _tiled_forward(rows, weights, group_sizes)
+
+
+def _tile_schedule(group_sizes: Array, num_rows: int, tile: int) -> tuple[Array, ...]:
+    """``(groups, starts, valid, count)``: tile ``i``'s group, first row and number of real
+    rows, for ``i`` below the static bound ``R // t + G`` (only the first ``count`` are real
+    tiles)."""
+    sizes = group_sizes.astype(jnp.int32)
+    tiles = (sizes + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles)
+    bound = num_rows // tile + sizes.shape[0]
+    index = jnp.arange(bound, dtype=jnp.int32)
+    groups = jnp.minimum(
+        jnp.searchsorted(tile_ends, index, side="right"), sizes.shape[0] - 1
+    ).astype(jnp.int32)
+    within = index - (tile_ends[groups] - tiles[groups])
+    starts = (jnp.cumsum(sizes) - sizes)[groups] + within * tile
+    valid = jnp.clip(sizes[groups] - within * tile, 0, tile)
+    return groups, starts, valid, tile_ends[-1]
+
+
+def _tiled_forward(rows: Array, weights: Array, group_sizes: Array) -> Array:
+    rows, weights = jnp.asarray(rows), jnp.asarray(weights)
+    num_rows, out_dtype = rows.shape[0], jnp.result_type(rows, weights)
+    tile = TILE_ROWS
+    groups, starts, valid, count = _tile_schedule(group_sizes, num_rows, tile)
+    padded = jnp.pad(rows, ((0, tile), (0, 0)))  # a tile may run past the last row
+    live = jnp.arange(tile)
+
+    def body(i, out):
+        start = starts[i]
+        x = jax.lax.dynamic_slice_in_dim(padded, start, tile)
+        y = jnp.matmul(x, weights[groups[i]], preferred_element_type=jnp.float32)
+        old = jax.lax.dynamic_slice_in_dim(out, start, tile)
+        new = jnp.where((live < valid[i])[:, None], y.astype(out.dtype), old)
+        return jax.lax.dynamic_update_slice_in_dim(out, new, start, 0)
+
+    out = jnp.zeros((num_rows + tile, weights.shape[-1]), out_dtype)
+    out, _ = _varying_alike(out, rows)
+    return jax.lax.fori_loop(0, count, body, out)[:num_rows]
+
+
+def _tiled_fwd(rows, weights, group_sizes):
+    return _tiled_forward(rows, weights, group_sizes), (rows, weights, group_sizes)
+
+
+def _tiled_bwd(residuals, grad):
+    rows, weights, group_sizes = (jnp.asarray(a) for a in residuals)
+    num_rows, tile = rows.shape[0], TILE_ROWS
+    groups, starts, valid, count = _tile_schedule(group_sizes, num_rows, tile)
+    padded = jnp.pad(rows, ((0, tile), (0, 0)))
+    padded_grad = jnp.pad(grad, ((0, tile), (0, 0)))
+    live = jnp.arange(tile)
+
+    def body(i, carry):
+        d_rows, d_weights = carry
+        start, group = starts[i], groups[i]
+        mask = (live < valid[i])[:, None]
+        x = jnp.where(mask, jax.lax.dynamic_slice_in_dim(padded, start, tile), 0)
+        dy = jax.lax.dynamic_slice_in_dim(padded_grad, start, tile)
+        dx = jnp.matmul(dy, weights[group].T, preferred_element_type=jnp.float32)
+        old = jax.lax.dynamic_slice_in_dim(d_rows, start, tile)
+        new = jnp.where(mask, dx.astype(d_rows.dtype), old)
+        d_rows = jax.lax.dynamic_update_slice_in_dim(d_rows, new, start, 0)
+        dw = jnp.matmul(x.T, dy, preferred_element_type=jnp.float32)
+        return d_rows, d_weights.at[group].add(dw)
+
+    d_rows = jnp.zeros((num_rows + tile, rows.shape[1]), rows.dtype)
+    d_weights = jnp.zeros(weights.shape, jnp.float32)
+    d_rows, d_weights, _ = _varying_alike(d_rows, d_weights, rows)
+    d_rows, d_weights = jax.lax.fori_loop(0, count, body, (d_rows, d_weights))
+    return d_rows[:num_rows], d_weights.astype(weights.dtype), None
+
+
+tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def _row_bias(bias: Array, row_experts: Array, dtype: Any) -> Array:
@@ -644,10 +798,12 @@ __all__ = [
     "expert_parallel_mesh",
     "gated_activation",
     "grouped_experts",
+    "grouped_matmul",
     "load_balancing_loss",
     "replay_route",
     "route",
     "router_logits",
     "router_z_loss",
     "sparse_mlp",
+    "tiled_grouped_matmul",
 ]
