@@ -24,6 +24,8 @@ from jaxrl_llm.plan._frozen_model import (
     TEACHER,
     frozen_model_state,
     lower_frozen_program,
+    reserved_devices,
+    reserved_mesh,
 )
 from jaxrl_llm.plan._job import (
     MEMORY_PARTS,
@@ -34,6 +36,7 @@ from jaxrl_llm.plan._job import (
     Program,
     StepInputs,
     abstract_rollout_batch,
+    abstract_routing,
     abstract_sequences,
     abstract_train_state,
     plan_mesh,
@@ -50,6 +53,7 @@ from jaxrl_llm.plan._lora import (
 from jaxrl_llm.plan._moe import WEIGHT_PROGRAMS as MOE_WEIGHT_PROGRAMS
 from jaxrl_llm.plan._moe import is_expert_exchange, is_moe, program_moe
 from jaxrl_llm.plan._packing import job_packing
+from jaxrl_llm.plan._routing import records_routing, replays_routing
 from jaxrl_llm.plan._serving import choose_layout, lower_sampler_programs
 from jaxrl_llm.plan._split import (
     SAMPLER_PROGRAMS,
@@ -66,7 +70,12 @@ from jaxrl_llm.plan.topology import TopologySpec, get_devices
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.optim import make_trainer_optimizer
 from jaxrl_llm.train.rl.config import TrainConfig
-from jaxrl_llm.train.rl.programs import policy_programs, takes_own_logprobs
+from jaxrl_llm.train.rl.programs import (
+    check_replay_model,
+    distill_top_k,
+    policy_programs,
+    takes_own_logprobs,
+)
 
 PyTree = Any
 
@@ -87,9 +96,18 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     run = resolve_plan(cfg)
     objective = run.objective
     model_config = plan_model_config(cfg.model)
+    try:  # model.routing_replay on a dense model, refused as ``train`` refuses it
+        check_replay_model(cfg.model.replay_mode, model_config)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     devices = get_devices(spec) if devices is None else list(devices)
     split = split_job(cfg, devices)
-    mesh = plan_mesh(cfg.mesh, devices if split is None else split.trainer_devices)
+    # ``teacher.devices``: the last chips after the sampler's are the teacher's own
+    # (``setup.make_run_mesh(..., reserve=)``, ``setup.reserved_mesh``).
+    trainer_devices, teacher_devices = reserved_devices(
+        cfg, devices if split is None else split.trainer_devices
+    )
+    mesh = plan_mesh(cfg.mesh, trainer_devices)
     if split is not None:
         check_trainer_mesh(cfg, split, mesh)
     shape = run.shape_on(mesh)
@@ -142,13 +160,19 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
         params,
     )
     rm = frozen_model_state(REWARD_MODEL, cfg, model_config, mesh)
-    teacher = frozen_model_state(TEACHER, cfg, model_config, mesh)
+    own = reserved_mesh(teacher_devices, shape.rows) if teacher_devices else None
+    teacher = frozen_model_state(TEACHER, cfg, model_config, mesh, own_mesh=own)
+    if teacher is not None:
+        try:  # the JSD loss's k (``teacher.top_k``), refused as ``RLTrainer`` refuses it
+            teacher = dataclasses.replace(teacher, top_k=distill_top_k(run, teacher.config))
+        except ValueError as err:
+            raise PlanError(str(err)) from None
     sizes = with_aux_bytes(
         state_bytes(state, reference, params_compute, None, frozen and frozen.base), critic
     )
     if rm is not None:
         sizes = dataclasses.replace(sizes, reward_model=shard_bytes(rm.params))
-    if teacher is not None:
+    if teacher is not None and teacher.own_mesh is None:  # else not on the trainer's chips
         sizes = dataclasses.replace(sizes, teacher=shard_bytes(teacher.params))
     if split is not None:  # the sampler's own chips
         layout = sampler_layout(cfg, model_config, split, spec)
@@ -192,6 +216,8 @@ def build_job(cfg: TrainConfig, spec: TopologySpec, devices: Sequence[Any] | Non
     for name, program in programs.items():  # the chips each program runs on
         on_sampler = split is not None and name in SAMPLER_PROGRAMS
         program.chips = len(split.sampler_devices) if on_sampler else mesh.size
+        if teacher is not None and teacher.own_mesh is not None and name == TEACHER.program:
+            program.chips = teacher.own_mesh.size
     return Job(
         run,
         spec,
@@ -258,19 +284,33 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
         u_packed = packing.update if u_plan is not None else None
         f_rows = rows if f_packed is None else f_packed.packed_rows
         m_rows = m_rows if u_packed is None else u_packed.packed_rows
-    logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs, f_plan)
+    # Routing replay (``model.routing_replay``): the sampler's recorded routing of the whole
+    # batch, on device from the log-prob forwards to the last update; with ``rollout`` the
+    # policy's (and the reference's) forwards replay it (``RLTrainer.train_step``).
+    records = records_routing(run.config)
+    routing = abstract_routing(mesh, model_config, rows, seq) if records else None
+    replay = routing if replays_routing(run.config) else None
+    routing_bytes = 0 if routing is None else shard_bytes(routing)
+    routing_alive = {} if routing is None else {"inputs": routing_bytes}
+    logprob_out = jax.eval_shape(logprob_fn, policy_params, seqs, f_plan, replay)
     forward = flops_lib.forward_flops(model_config, f_rows, seq, logits_positions=t_len)
     programs["logprobs"] = Program(
         name="logprobs",
-        lowered=logprob_fn.lower(policy_params, seqs, f_plan),
+        lowered=logprob_fn.lower(policy_params, seqs, f_plan, replay),
         calls_per_step=built["logprobs"].calls_per_step,
         function=built["logprobs"].builder,
         flops=forward,
         model_flops=forward,
         tokens=f_rows * t_len,
         argument_parts=dict(weights),
-        resident={"optimizer_state": sizes.optimizer, **ref_bytes},
+        # A recorded routing it does not replay (``measure``) is on device beside it.
+        resident={
+            "optimizer_state": sizes.optimizer,
+            **ref_bytes,
+            **(routing_alive if replay is None else {}),
+        },
         packing=f_packed,
+        routing_bytes=routing_bytes,
     )
     if shape.needs_reference:
         # The old log-probs computed just before stay on device.
@@ -278,7 +318,8 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
             "parameters": sizes.params,
             "optimizer_state": sizes.optimizer,
             "aux_model": sizes.aux,
-            "inputs": shard_bytes(logprob_out),
+            "inputs": shard_bytes(logprob_out)
+            + (routing_alive.get("inputs", 0) if replay is None else 0),
         }
         ref = built["ref_logprobs"]
         if frozen is not None:  # the base itself, adapters off (lora.base_config)
@@ -286,7 +327,7 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
             ref_forward = flops_lib.forward_flops(base_config, f_rows, seq, logits_positions=t_len)
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=ref.fn.lower(frozen.base, seqs, f_plan),
+                lowered=ref.fn.lower(frozen.base, seqs, f_plan, replay),
                 calls_per_step=ref.calls_per_step,
                 function=ref.builder,
                 flops=ref_forward,
@@ -295,12 +336,13 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
                 argument_parts={"frozen_base": sizes.base},
                 resident={**around, "sampler_weights": sizes.serving_base},
                 packing=f_packed,
+                routing_bytes=routing_bytes,
             )
         else:
             same = jax.tree.leaves(reference)[0].dtype == jax.tree.leaves(state.params)[0].dtype
             programs["ref_logprobs"] = Program(
                 name="ref_logprobs",
-                lowered=None if same else ref.fn.lower(reference, seqs, f_plan),
+                lowered=None if same else ref.fn.lower(reference, seqs, f_plan, replay),
                 calls_per_step=ref.calls_per_step,
                 function=ref.builder,
                 flops=forward,
@@ -310,18 +352,28 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
                 resident=around,
                 same_as="logprobs" if same else None,
                 packing=f_packed,
+                routing_bytes=routing_bytes,
             )
 
     # (a) the policy update on one minibatch (a LoRA run's base passed as frozen parameters;
     # PPO's joint optimizer: the joint step on the whole state).
     # Packed: each minibatch's ``RolloutBatch`` carries its stacked plan (``packing``).
+    # The batch carries the recorded routing (``model.routing_replay``) and a JSD loss's
+    # teacher top-k (``teacher_program``'s ``[B, T, k]``) as ``RLTrainer.train_step`` puts them.
+    batch_fields = dict(
+        on_policy=on_policy,
+        routed=model_config if records else None,
+        teacher_top_k=None if low.teacher is None else low.teacher.top_k,
+    )
     minibatch = abstract_rollout_batch(
-        mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, on_policy=on_policy
+        mesh, objective, shape, shape.minibatch_rows, logprob_out.dtype, **batch_fields
     )._replace(packing=u_plan)
     full_batch = abstract_rollout_batch(
-        mesh, objective, shape, rows, logprob_out.dtype, on_policy=on_policy
+        mesh, objective, shape, rows, logprob_out.dtype, **batch_fields
     )
-    inputs = StepInputs(seqs, logprob_out, minibatch, full_batch, f_plan, f_rows, m_rows)
+    inputs = StepInputs(
+        seqs, logprob_out, minibatch, full_batch, f_plan, f_rows, m_rows, routing=routing
+    )
     if critic is not None and critic.joint:
         programs["update"] = joint_update_program(low, inputs)
     else:
@@ -340,6 +392,8 @@ def _lower_programs(low: Lowering) -> dict[str, Program]:
             # The whole rollout batch stays on device while its minibatches are drawn.
             resident={**ref_bytes, "inputs": shard_bytes(full_batch)},
             packing=u_packed,
+            # The minibatch's routing (an argument) beside the whole batch's.
+            routing_bytes=0 if routing is None else routing_bytes + shard_bytes(minibatch.routing),
         )
     if critic is not None:
         lower_aux_programs(programs, low, inputs, built["logprobs"])

@@ -112,9 +112,11 @@ def lower_engine_programs(
     resident: dict[str, int],
     inner: dict[str, int],
     hbm: float | None,
+    record_routing: bool = False,
 ) -> None:
     """Adds the engine's ``prefill`` (one refill of every slot) and ``decode_step`` (its
-    decode loop, one step a trip) to ``programs``."""
+    decode loop, one step a trip) to ``programs``; ``record_routing``: the slots' state
+    carries the routing buffer (``model.routing_replay``, ``Engine(record_routing=True)``)."""
     key, sampling = abstract_key(smesh), abstract_sampling_params(smesh)
     eng = engine_shape(cfg, shape, smesh)
     p_len, t_len, group = shape.prompt_len, shape.completion_len, shape.group_size
@@ -131,10 +133,12 @@ def lower_engine_programs(
                 pad_id=0,
                 unstacked=False,
                 paged=eng.paged,
+                record_routing=record_routing,
             )
         )
         state = with_shardings(state, slots_lib.shardings(state, smesh))
         cache = shard_bytes(state.cache)
+        routing = 0 if state.routing is None else shard_bytes(state.routing)
         # A refill of every slot: the G samples of a prompt share its prefill row.
         prompts = shards * pow2(-(-math.ceil(eng.slots / group) // shards))
         admitted = pow2(eng.slots)
@@ -177,6 +181,7 @@ def lower_engine_programs(
             argument_parts={**weights_arg, "kv_cache": cache},
             resident=resident,
             inner_parts=inner,
+            routing_bytes=routing,
         )
         burst_args = (
             params,
@@ -200,6 +205,7 @@ def lower_engine_programs(
             argument_parts={**weights_arg, "kv_cache": cache},
             resident=resident,
             inner_parts=inner,
+            routing_bytes=routing,
             hbm_bytes=hbm,
             per_step_loop=True,
         )

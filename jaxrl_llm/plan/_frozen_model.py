@@ -34,11 +34,12 @@ What differs is data (``FrozenKind``):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl_llm import models, parallel
 from jaxrl_llm.models import heads
@@ -49,9 +50,11 @@ from jaxrl_llm.plan._job import (
     Program,
     StepInputs,
     _rows,
+    abstract_sequences,
     shard_bytes,
     with_shardings,
 )
+from jaxrl_llm.plan._packing import job_packing
 from jaxrl_llm.plan._split import on_trainer_chips
 from jaxrl_llm.train import setup
 from jaxrl_llm.train.rl.context import reward_model_program
@@ -141,6 +144,13 @@ REWARD_MODEL = FrozenKind(
         "weights, or after the log-prob forwards are dispatched with rollout.reward_workers)"
     ),
 )
+OWN_CHIPS_ASSUMPTION = (
+    "teacher.devices: the teacher and its teacher_logprobs live on the last chips of the slice "
+    "(the trainer's mesh is over the rest), which hold nothing else; the step's sequences are "
+    "put there and its outputs put back on the trainer's mesh (transfers not counted), and "
+    "the RL step counts its forward in full, though it runs beside the behaviour and "
+    "reference forwards (an upper bound)"
+)
 # In the order their programs are lowered (a step dispatches the teacher's forward first).
 FROZEN_KINDS = (TEACHER, REWARD_MODEL)
 
@@ -155,6 +165,10 @@ class FrozenModel:
       config: its ``ModelConfig``, computing in ``model.compute_dtype``.
       params: abstract parameters in the compute dtype with their shardings.
       shardings: their ``NamedSharding``s (what its program places them by).
+      own_mesh: the fsdp mesh of its chips of its own (``teacher.devices``:
+        ``setup.reserved_mesh``), or None: it lives on the trainer's mesh.
+      top_k: ``k`` of the teacher's top-k a JSD distillation loss reads
+        (``train.rl.programs.distill_top_k``), or None.
     """
 
     kind: FrozenKind
@@ -162,6 +176,8 @@ class FrozenModel:
     config: models.ModelConfig
     params: PyTree
     shardings: PyTree
+    own_mesh: Any = None
+    top_k: int | None = None
 
     @property
     def param_count(self) -> int:
@@ -195,12 +211,47 @@ def side_model_config(
     return config
 
 
+def reserved_devices(cfg, devices: Sequence[Any]) -> tuple[list, list]:
+    """``(trainer's devices, the teacher's own)`` of ``devices`` (those after
+    ``mesh.rollout_devices``'s), as ``setup.trainer_devices`` / ``setup.reserved_mesh`` split
+    them for ``teacher.devices = N``: the last ``N`` are the teacher's (none with 0).
+
+    Raises:
+      PlanError: ``N`` leaves the trainer no chip (``setup.trainer_devices``' message).
+    """
+    devices, reserve = list(devices), cfg.teacher.devices
+    if not reserve:
+        return devices, []
+    if not 0 < reserve < len(devices):
+        raise PlanError(
+            f"teacher.devices={reserve} must leave the trainer a device: {len(devices)} "
+            "chip(s) after mesh.rollout_devices"
+        )
+    return devices[: len(devices) - reserve], devices[len(devices) - reserve :]
+
+
+def reserved_mesh(devices: Sequence[Any], rows: int) -> Mesh:
+    """The teacher's own mesh (``setup.reserved_mesh``: ``fsdp`` over ``devices``), after the
+    trainer's check that its batch shards divide the rollout batch.
+
+    Raises:
+      PlanError: a layout the torus cannot take, or rows its shards do not divide.
+    """
+    try:
+        mesh = parallel.make_mesh(1, len(devices), 1, devices=list(devices))
+        setup.check_batch_sizes({"rollout batch on teacher.devices": rows}, mesh)
+    except (ValueError, NotImplementedError) as err:
+        raise PlanError(f"teacher.devices={len(devices)}: {str(err).split('. ')[0]}") from None
+    return mesh
+
+
 def frozen_model_state(
-    kind: FrozenKind, cfg, policy_config: models.ModelConfig, mesh
+    kind: FrozenKind, cfg, policy_config: models.ModelConfig, mesh, *, own_mesh=None
 ) -> FrozenModel | None:
     """``kind``'s model as ``train`` loads it (shapes only), or None without its path.
 
-    Frozen: stored in the compute dtype (nothing updates it), sharded by the parameter rules.
+    Frozen: stored in the compute dtype (nothing updates it), sharded by the parameter rules
+    on ``mesh`` (the trainer's) or ``own_mesh`` (chips of its own: ``teacher.devices``).
 
     Raises:
       PlanError: see ``side_model_config``; or a weight the mesh does not divide (naming the
@@ -210,6 +261,7 @@ def frozen_model_state(
     if path is None:
         return None
     config = side_model_config(path, kind.key, policy_config, cfg.model, kind.head)
+    mesh = mesh if own_mesh is None else own_mesh
     dtype = jnp.dtype(config.compute_dtype)
     if kind.head == "scalar":
         shapes, axes = heads.scalar_param_shapes(config, dtype), heads.scalar_logical_axes(config)
@@ -219,7 +271,9 @@ def frozen_model_state(
         shardings = parallel.logical_to_sharding(axes, mesh, parallel.PARAM_RULES, shapes=shapes)
     except ValueError as err:
         raise PlanError(f"{kind.key}: parameter layout on mesh {dict(mesh.shape)}: {err}") from None
-    return FrozenModel(kind, path, config, with_shardings(shapes, shardings), shardings)
+    return FrozenModel(
+        kind, path, config, with_shardings(shapes, shardings), shardings, own_mesh=own_mesh
+    )
 
 
 def lower_frozen_program(
@@ -228,6 +282,10 @@ def lower_frozen_program(
     """Adds ``model``'s program (``kind.program``) and its weights to every other program on
     the trainer's chips, with what the trainer keeps alive while it runs."""
     kind, cfg, mesh, sizes, shape = model.kind, low.cfg, low.mesh, low.sizes, low.shape
+    if model.own_mesh is not None:  # on chips of its own (``teacher.devices``)
+        _lower_on_own_chips(programs, low, model)
+        return
+    routing = 0
     weights = getattr(sizes, kind.part)
     for name, program in programs.items():  # a fresh dict: programs may share one
         if on_trainer_chips(low.split, name):  # loaded on the trainer's mesh
@@ -255,7 +313,9 @@ def lower_frozen_program(
         forwards += sum(name in programs for name in ("ref_logprobs", "teacher_logprobs"))
         around["sampler_weights"] = sizes.serving_base
         sequences = shard_bytes(inputs.seqs) if kind.counts_sequences else 0
-        around["inputs"] = sequences + (1 + forwards) * per_token
+        # The recorded routing (``model.routing_replay``) is on device until the last update.
+        routing = 0 if inputs.routing is None else shard_bytes(inputs.routing)
+        around["inputs"] = sequences + (1 + forwards) * per_token + routing
     built = kind.build(low.run, model.config, model.shardings)
     plan = inputs.forward_plan if kind.packs else None  # packed: the forwards' plan
     with jax.set_mesh(mesh):  # ``Trainer.fit`` runs under the trainer's mesh
@@ -278,6 +338,44 @@ def lower_frozen_program(
         argument_parts={kind.part: weights},
         resident=around,
         packing=None if plan is None else low.packing.forwards,
+        routing_bytes=routing,
+    )
+
+
+def _lower_on_own_chips(programs: dict[str, Program], low: Lowering, model: FrozenModel) -> None:
+    """``model``'s program on its own chips (``RLTrainer.teacher_logprobs`` with a
+    ``teacher_mesh``): the step's sequences put there, its own packing plan for its batch
+    shards (when the trainer's forwards run packed), lowered under its mesh; the chips hold its
+    weights and this program only (its output is put back on the trainer's mesh)."""
+    kind, cfg, shape, mesh = model.kind, low.cfg, low.shape, model.own_mesh
+    rows, seq, t_len = shape.rows, shape.seq_len, shape.completion_len
+    seqs = abstract_sequences(mesh, rows, shape.prompt_len, t_len)
+    packed = None
+    if kind.packs and low.packing is not None and low.packing.plan_of(low.packing.forwards, mesh):
+        # ``packing_plan(..., self.teacher_mesh)``: planned again for its own shards.
+        prompt_tokens = min(cfg.data.max_prompt_tokens, shape.prompt_len)
+        own = job_packing(cfg, shape, mesh, prompt_tokens, parallel.current_platform(mesh)[0])
+        packed = None if own is None else own.forwards
+    plan = None if packed is None or not packed.packed else packed.abstract(mesh)
+    built = kind.build(low.run, model.config, model.shardings)
+    with jax.set_mesh(mesh):  # not the trainer's mesh
+        lowered = built.fn.lower(model.params, seqs, plan)
+    if plan is not None:
+        rows = packed.packed_rows
+    forward = flops_lib.forward_flops(
+        model.config, rows, seq, logits_positions=t_len if kind.unembeds else 0
+    )
+    programs[kind.program] = Program(
+        name=kind.program,
+        lowered=lowered,
+        calls_per_step=built.calls_per_step,
+        function=built.builder,
+        flops=forward,
+        model_flops=forward,
+        tokens=rows * t_len,
+        argument_parts={kind.part: shard_bytes(model.params)},
+        resident={},
+        packing=None if plan is None else packed,
     )
 
 
@@ -291,8 +389,13 @@ def frozen_model_report(job, model: FrozenModel | None) -> dict[str, Any] | None
         "architecture": model.config.architecture,
         "params": model.param_count,
         "dtype": model.config.compute_dtype,
-        "bytes_per_chip": getattr(job.state, model.kind.part),
+        # On chips of its own its bytes are not in the trainer's resident state.
+        "bytes_per_chip": shard_bytes(model.params),
     }
+    if model.kind is TEACHER:
+        own = model.own_mesh
+        out["devices"] = 0 if own is None else own.size  # teacher.devices (0: the trainer's)
+        out["top_k"] = model.top_k
     if model.kind.in_rollout is not None:
         out["scores_in_rollout"] = model.kind.in_rollout(job.cfg, job.objective)
     return out
@@ -300,6 +403,7 @@ def frozen_model_report(job, model: FrozenModel | None) -> dict[str, Any] | None
 
 __all__ = [
     "FROZEN_KINDS",
+    "OWN_CHIPS_ASSUMPTION",
     "REWARD_MODEL",
     "TEACHER",
     "FrozenKind",
@@ -307,6 +411,8 @@ __all__ = [
     "frozen_model_report",
     "frozen_model_state",
     "lower_frozen_program",
+    "reserved_devices",
+    "reserved_mesh",
     "scores_in_rollout",
     "side_model_config",
 ]

@@ -318,6 +318,9 @@ class Program:
         ``train`` calls; ``train.rl.programs``), when it is one of those; else None.
       packing: the packing plan it is lowered with (``plan._packing.PackedForward``: its
         FLOPs and tokens count the packed rows), or None (padded rows).
+      routing_bytes: per-chip bytes of the sampler's recorded routing alive during it
+        (``model.routing_replay``: the sampler's buffer in its state, the trainer's int32 copy
+        of the batch's and a minibatch's; counted in ``inputs``, ``plan._routing``).
     """
 
     name: str
@@ -336,6 +339,7 @@ class Program:
     chips: int | None = None
     function: str | None = None
     packing: Any = None
+    routing_bytes: int = 0
 
 
 class OfRun:
@@ -412,6 +416,9 @@ class StepInputs:
         teacher: ``[K, shards, rows, W]``), or None (padded).
       forward_rows: the rows those forwards compute (packed rows, or ``B``).
       update_rows: the rows one update computes (packed rows, or the minibatch's).
+      routing: the sampler's recorded routing of the whole batch on the trainer's mesh
+        (``abstract_routing``; ``model.routing_replay`` set), alive from the log-prob
+        forwards to the last update; None without.
     """
 
     seqs: Any
@@ -421,6 +428,7 @@ class StepInputs:
     forward_plan: Any = None
     forward_rows: int | None = None
     update_rows: int | None = None
+    routing: Any = None
 
 
 @dataclasses.dataclass
@@ -463,6 +471,27 @@ def abstract_sequences(mesh: Mesh, rows: int, prompt_len: int, completion_len: i
     )
 
 
+def abstract_routing(
+    mesh: Mesh, model_config: models.ModelConfig, rows: int, seq_len: int
+) -> jax.ShapeDtypeStruct:
+    """The sampler's recorded routing as ``RLTrainer.batch_routing`` puts it on the trainer's
+    mesh (``model.routing_replay``): ``[rows, P + T, L, k]`` int32 (the ``k`` experts each of
+    the ``L`` layers chose for every prompt and completion token), rows split over the batch
+    axes; ``rows x (P + T) x L x k x 4`` bytes over the batch shards."""
+    width = (model_config.num_hidden_layers, model_config.num_experts_per_tok)
+    return _rows(mesh, (rows, seq_len, *width), jnp.int32)
+
+
+def abstract_teacher_top(mesh: Mesh, rows: int, completion_len: int, k: int) -> tuple:
+    """A JSD distillation loss's teacher top-k as the trainer puts them in the batch
+    (``RolloutBatch.teacher_top_logprobs`` / ``teacher_top_ids``): ``[rows, T, k]`` f32 and
+    int32, rows split over the batch axes."""
+    return (
+        _rows(mesh, (rows, completion_len, k), jnp.float32),
+        _rows(mesh, (rows, completion_len, k), jnp.int32),
+    )
+
+
 def abstract_rollout_batch(
     mesh: Mesh,
     objective: objectives.Objective,
@@ -471,10 +500,17 @@ def abstract_rollout_batch(
     logprob_dtype,
     *,
     on_policy: bool = False,
+    routed: models.ModelConfig | None = None,
+    teacher_top_k: int | None = None,
 ) -> RolloutBatch:
     """The update's ``RolloutBatch`` of ``rows`` rows, as ``RLTrainer.score`` builds it (the
     advantages' shape from ``objectives.advantage_fn`` itself; no ``old_logprobs`` when
-    ``on_policy``: the update takes its own)."""
+    ``on_policy``: the update takes its own).
+
+    ``routed``: the mixture-of-experts policy's config when the batch carries the sampler's
+    routing (``model.routing_replay`` set; ``abstract_routing``). ``teacher_top_k``: ``k`` of a
+    JSD distillation loss's teacher top-k (``abstract_teacher_top``), or None.
+    """
     seqs = abstract_sequences(mesh, rows, shape.prompt_len, shape.completion_len)
     per_token = _rows(mesh, (rows, shape.completion_len), logprob_dtype)
     rewards = _rows(mesh, (rows,), jnp.float32)
@@ -499,6 +535,12 @@ def abstract_rollout_batch(
     # PPO: the critic's rollout-time values and its targets (``PPOTrainer.score``).
     per_value = _rows(mesh, (rows, shape.completion_len), jnp.float32)
     value_fields = {"old_values": per_value, "returns": per_value} if objective.needs_critic else {}
+    extra = {}
+    if routed is not None:
+        extra["routing"] = abstract_routing(mesh, routed, rows, shape.seq_len)
+    if teacher_top_k is not None:
+        top = abstract_teacher_top(mesh, rows, shape.completion_len, teacher_top_k)
+        extra["teacher_top_logprobs"], extra["teacher_top_ids"] = top
     return RolloutBatch(
         completion_mask=seqs.completion_mask,
         old_logprobs=None if on_policy else per_token,
@@ -515,4 +557,5 @@ def abstract_rollout_batch(
         if batch_corrected(objective)
         else None,
         **value_fields,
+        **extra,
     )

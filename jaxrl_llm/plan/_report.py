@@ -20,7 +20,7 @@ from jaxrl_llm.plan._analysis import (
 from jaxrl_llm.plan._aux import ASSUMPTIONS as JOINT_ASSUMPTIONS
 from jaxrl_llm.plan._aux import critic_report
 from jaxrl_llm.plan._engine import engine_shape
-from jaxrl_llm.plan._frozen_model import frozen_model_report
+from jaxrl_llm.plan._frozen_model import OWN_CHIPS_ASSUMPTION, frozen_model_report
 from jaxrl_llm.plan._job import (
     ASSUMPTIONS,
     Job,
@@ -30,6 +30,8 @@ from jaxrl_llm.plan._job import (
 from jaxrl_llm.plan._lora import ASSUMPTIONS as LORA_ASSUMPTIONS
 from jaxrl_llm.plan._lora import lora_report
 from jaxrl_llm.plan._moe import moe_hints, moe_report, moe_suggestions, replication
+from jaxrl_llm.plan._routing import ASSUMPTIONS as ROUTING_ASSUMPTIONS
+from jaxrl_llm.plan._routing import records_routing, routing_report
 from jaxrl_llm.plan._serving import roofline_mesh
 from jaxrl_llm.plan._split import ASSUMPTIONS as SPLIT_ASSUMPTIONS
 from jaxrl_llm.plan._split import split_report
@@ -346,6 +348,7 @@ def summarise(
         "critic": critic_report(job),
         "reward_model": frozen_model_report(job, job.reward_model),
         "teacher": frozen_model_report(job, job.teacher),
+        "routing_replay": routing_report(job, programs),
         "job": {**dataclasses.asdict(shape), "seq_len": shape.seq_len},
         "resident_bytes": dataclasses.asdict(state),
         "programs": dict(programs),
@@ -354,7 +357,9 @@ def summarise(
             *(LORA_ASSUMPTIONS if config.lora is not None else ()),
             *(JOINT_ASSUMPTIONS if job.aux is not None and job.aux.joint else ()),
             *(m.kind.assumption for m in (job.reward_model, job.teacher) if m is not None),
+            *((OWN_CHIPS_ASSUMPTION,) if job.teacher and job.teacher.own_mesh else ()),
             *(SPLIT_ASSUMPTIONS if job.split is not None else ()),
+            *(ROUTING_ASSUMPTIONS if records_routing(job.cfg) else ()),
         ],
     }
     report["suggestions"] = [] if fits else suggestions(job, programs, skipped_compile)
@@ -526,8 +531,13 @@ def suggestions(job: Job, programs: Mapping[str, dict], skipped_compile: bool = 
     if not skipped_compile and "teacher_logprobs" in over:
         out.append(
             "the teacher scores the whole rollout batch at once (teacher_logprobs): fewer "
-            "rollout rows (rollout.prompts_per_step), a smaller model.chunk_size, or a smaller "
+            "rollout rows (rollout.prompts_per_step), a smaller model.chunk_size, a smaller "
             "teacher (teacher.path)"
+            + (
+                ", more chips of its own (teacher.devices)"
+                if job.teacher is not None and job.teacher.own_mesh is not None
+                else ", or chips of its own (teacher.devices)"
+            )
         )
     if not skipped_compile and "rm_scores" in over:
         out.append(

@@ -29,6 +29,7 @@ from jaxrl_llm.plan._job import (
     with_shardings,
 )
 from jaxrl_llm.plan._lora import policy, reshard_programs, serving_trees
+from jaxrl_llm.plan._routing import records_routing
 from jaxrl_llm.plan._split import lower_split_programs
 from jaxrl_llm.sampling import serving, strategies
 from jaxrl_llm.sampling.generate import decode_program, prefill_program
@@ -173,6 +174,7 @@ def lower_sampler_programs(
             resident=resident,
             inner=inner,
             hbm=None if hbm is None else decode_hbm_bytes(mesh, engine.slots, engine.width),
+            record_routing=records_routing(cfg),
         )
         return
     prompts = abstract_sequences(smesh, shape.prompts, p_len, 1)
@@ -184,6 +186,8 @@ def lower_sampler_programs(
         cache_dtype=cache_dtype,
         mesh=smesh,
     )
+    if records_routing(cfg):  # the state carries the routing buffer the decode loop fills
+        prefill_kwargs["record_routing"] = True
     prefill_flops = flops_lib.forward_flops(
         model_config, shape.prompts, p_len, kv_len=p_len, logits_positions=1
     )
@@ -196,6 +200,8 @@ def lower_sampler_programs(
             sampling_state, _sampling_state_shardings(sampling_state, smesh)
         )
         cache = shard_bytes(sampling_state.cache)
+        # The recorded routing's buffer (``model.routing_replay``), in the state it returns.
+        routing = 0 if sampling_state.routing is None else shard_bytes(sampling_state.routing)
         programs["prefill"] = Program(
             name="prefill",
             lowered=prefill_program.lower(*prefill_args, **prefill_kwargs),
@@ -206,6 +212,7 @@ def lower_sampler_programs(
             argument_parts=weights_arg,
             resident=resident,
             inner_parts={**inner, "kv_cache": cache},
+            routing_bytes=routing,
         )
         # The decode loop itself (``decode_program``, as ``generate`` calls it on TPU: layers
         # stacked, or per layer with ``rollout.decode_layers=per_layer``); its loop body is one
@@ -226,6 +233,7 @@ def lower_sampler_programs(
             inner_parts=inner,
             hbm_bytes=hbm,
             per_step_loop=True,
+            routing_bytes=routing,
         )
 
 

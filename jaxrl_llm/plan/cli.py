@@ -290,11 +290,34 @@ def _aux_lines(report: Mapping[str, Any]) -> list[str]:
         )
     teacher = report.get("teacher")
     if teacher:
+        devices = teacher.get("devices")
+        where = (
+            f"on {devices} chip(s) of its own (teacher.devices)"
+            if devices
+            else "on the trainer's chips"
+        )
+        k = teacher.get("top_k")
+        use = (
+            "give the distillation advantages"
+            if k is None
+            else f"and its top-{k} log-probs and ids ([B, T, {k}]) feed the JSD loss"
+        )
         lines.append(
             f"teacher: {teacher['path']} ({teacher['architecture']}, "
             f"{teacher['params'] / 1e6:.2f} M parameters in {teacher['dtype']}, "
-            f"{_gib(teacher['bytes_per_chip'])} GiB a chip: teacher), kept all run; its "
-            "log-probs of each rollout batch (teacher_logprobs) give the distillation advantages"
+            f"{_gib(teacher['bytes_per_chip'])} GiB a chip: teacher), kept all run {where}; "
+            f"its log-probs of each rollout batch (teacher_logprobs) {use}"
+        )
+    routing = report.get("routing_replay")
+    if routing:
+        b, s, layers, k = routing["shape"]
+        replayed = ", ".join(routing["replayed_by"]) or "none (the update measures the mismatch)"
+        lines.append(
+            f"routing replay ({routing['mode']}): the sampler records [B, P + T, L, k] = "
+            f"[{b}, {s}, {layers}, {k}] experts ({routing['sampler_dtype']}, "
+            f"{_gib(routing['sampler_bytes_per_chip'])} GiB a chip in its state), the trainer "
+            f"keeps them as int32 ({_gib(routing['bytes_per_chip'])} GiB a chip, in inputs); "
+            f"replayed by: {replayed}"
         )
     return lines
 

@@ -14,6 +14,7 @@ devices); the teacher's directory holds only a ``config.json``, as plan reads no
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from jaxrl_llm import models
@@ -226,3 +227,122 @@ def test_plan_of_the_opd_recipe_shows_the_teacher(paths, tmp_path):
     assert "\nteacher: " in text and "  teacher  " in text
     (line,) = [line for line in text.splitlines() if line.startswith("teacher_logprobs ")][1:]
     assert line.split()[1] == "1"  # the time table's calls column
+
+
+# -- GKD (a JSD loss over the teacher's top-k) and a teacher on chips of its own ---------------
+
+GKD = ("objective.name=distill_gkd", "teacher.path={teacher}")
+
+
+def _shape(arg):
+    return None if arg is None else (tuple(arg.shape), np.dtype(arg.dtype))
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_gkd_update_takes_the_teachers_top_k(paths, k):
+    """``distill_gkd``: ``teacher_program`` returns the teacher's top-k beside its log-probs
+    (``[B, T, k]`` f32 and int32) and the update's batch carries them
+    (``RolloutBatch.teacher_top_logprobs`` / ``teacher_top_ids``, a minibatch's rows)."""
+    job = _job(paths, *GKD, f"teacher.top_k={k}")
+    assert job.teacher.top_k == k
+    out = job.programs["teacher_logprobs"].lowered.out_info
+    assert _shape(out.top_logprobs) == ((ROWS, T, k), np.dtype(np.float32))
+    assert _shape(out.top_ids) == ((ROWS, T, k), np.dtype(np.int32))
+    batch = job.programs["update"].lowered.args_info[0][1]
+    assert _shape(batch.teacher_top_logprobs) == ((ROWS, T, k), np.dtype(np.float32))
+    assert _shape(batch.teacher_top_ids) == ((ROWS, T, k), np.dtype(np.int32))
+
+
+def test_gkd_top_k_bytes_are_resident_during_the_update(paths):
+    """The whole batch's top-k stays on device while its minibatches are drawn: per chip 2 rows
+    x T 8 x k x (4 + 4) bytes, 512 more for k = 8 than for k = 4."""
+    four, eight = (_job(paths, *GKD, f"teacher.top_k={k}") for k in (4, 8))
+    extra = eight.programs["update"].resident["inputs"] - four.programs["update"].resident["inputs"]
+    assert extra == 2 * T * (8 - 4) * 8 == 512
+    # Without a JSD loss (distill's advantages) the batch has no top-k.
+    opd = _job(paths, *OPD).programs["update"].lowered.args_info[0][1]
+    assert opd.teacher_top_ids is None and opd.teacher_top_logprobs is None
+
+
+def test_gkd_top_k_larger_than_the_vocabulary_is_refused(paths):
+    with pytest.raises(pr.PlanError, match="teacher.top_k=300 is larger than the vocabulary"):
+        _job(paths, *GKD, "teacher.top_k=300")
+
+
+def _own_chips_job(paths, *overrides):
+    cfg = load_config(TrainConfig, None, _overrides(paths, *overrides))
+    return pr.build_job(cfg, resolve_topology("v5litepod-8"), devices=jax.devices()[:8])
+
+
+def test_teacher_devices_reserve_the_last_chips(paths):
+    """``teacher.devices=4`` of 8 chips: the trainer's mesh takes the first 4
+    (``make_run_mesh(reserve=4)``, with ``mesh.fsdp=-1``), the teacher is split over the last
+    4 (``reserved_mesh``), and its forward runs there over the whole batch; no program on the
+    trainer's chips holds the teacher, whose chips hold nothing but it and its forward."""
+    devices = jax.devices()[:8]
+    # fsdp -1 fills the chips the trainer has: 4, not 8.
+    job = _own_chips_job(paths, *GKD, "teacher.top_k=8", "teacher.devices=4", "mesh.fsdp=-1")
+    assert list(job.mesh.devices.flat) == devices[:4]
+    teacher_devices = {d for s in jax.tree.leaves(job.teacher.shardings) for d in s.device_set}
+    assert teacher_devices == set(devices[4:])
+    assert job.teacher.own_mesh.shape == {"data": 1, "fsdp": 4, "tensor": 1}
+    program = job.programs["teacher_logprobs"]
+    assert program.chips == 4 and program.resident == {}
+    assert program.argument_parts == {"teacher": TEACHER_BYTES}  # bf16, split over fsdp 4
+    # Its sequences are on its own chips, compiled for them.
+    seqs = program.lowered.args_info[0][1]
+    assert seqs.prompt_tokens.shape == (ROWS, 16)
+    shared = _job(paths, *GKD, "teacher.top_k=8")
+    assert job.state.teacher == 0 and shared.state.teacher == TEACHER_BYTES
+    assert job.state.resident == shared.state.resident - TEACHER_BYTES
+    for name, p in job.programs.items():
+        if name != "teacher_logprobs":
+            assert "teacher" not in p.resident and "teacher" not in p.argument_parts, name
+    # The update still takes the top-k (put back on the trainer's mesh).
+    batch = job.programs["update"].lowered.args_info[0][1]
+    assert batch.teacher_top_ids.shape == (ROWS, T, 8)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("teacher.devices=8",), "teacher.devices=8 must leave the trainer a device"),
+        # 8 rows over 3 teacher chips, as ``RLTrainer`` checks them.
+        (("teacher.devices=3",), "rollout batch on teacher.devices"),
+        # The trainer's fsdp 4 does not fit the 2 chips left.
+        (("teacher.devices=6",), "mesh .* needs 4 chips"),
+    ],
+)
+def test_teacher_devices_refusals(paths, overrides, message):
+    with pytest.raises(pr.PlanError, match=message):
+        _own_chips_job(paths, *OPD, *overrides)
+
+
+@needs_libtpu
+def test_plan_of_gkd_with_a_teacher_on_its_own_chips(paths, tmp_path):
+    """``jaxrl-llm plan configs/distill_gkd.yaml`` (deviceless, v5litepod-8) with
+    ``teacher.devices=4``: the teacher's top-k forward compiles on its 4 chips and fits, its
+    weights are in no other program's HBM, and the report says where it runs and its k."""
+    report_path = tmp_path / "plan.json"
+    code, out, err = plan(
+        "configs/distill_gkd.yaml",
+        "--topology",
+        "v5litepod-8",
+        *_overrides(paths, "teacher.devices=4", "teacher.path={teacher}"),
+        "--json",
+        str(report_path),
+    )
+    assert code == 0, out + err
+    report = json.loads(report_path.read_text())
+    teacher = report["teacher"]
+    assert teacher["devices"] == 4 and teacher["top_k"] == 8
+    assert teacher["bytes_per_chip"] == TEACHER_BYTES
+    assert report["resident_bytes"]["teacher"] == 0
+    row = report["programs"]["teacher_logprobs"]
+    assert row["compiled"] and row["fits"]
+    assert row["memory_bytes"]["teacher"] == TEACHER_BYTES
+    for name, program in report["programs"].items():
+        if name != "teacher_logprobs":
+            assert program["memory_bytes"]["teacher"] == 0, name
+    text = format_report(report)
+    assert "on 4 chip(s) of its own (teacher.devices)" in text and "top-8" in text
