@@ -149,7 +149,7 @@ def test_logprobs_use_the_rollout_temperature(tmp_path, sampling, minibatches):
         f"trainer.minibatches={minibatches}",
         *(f"rollout.{k}={v}" for k, v in sampling.items()),
     )
-    assert cfg.trainer.epochs == 1 and check_config(cfg).kl_placement == "loss"
+    assert cfg.trainer.epochs == 1 and check_config(cfg).kl.placement == "loss"
     temperature = sampling["temperature"]
     trainer, calls = _one_step(cfg)
     assert trainer.on_policy == (minibatches == 1)
