@@ -219,15 +219,10 @@ def reserved_devices(cfg, devices: Sequence[Any]) -> tuple[list, list]:
     Raises:
       PlanError: ``N`` leaves the trainer no chip (``setup.trainer_devices``' message).
     """
-    devices, reserve = list(devices), cfg.teacher.devices
-    if not reserve:
-        return devices, []
-    if not 0 < reserve < len(devices):
-        raise PlanError(
-            f"teacher.devices={reserve} must leave the trainer a device: {len(devices)} "
-            "chip(s) after mesh.rollout_devices"
-        )
-    return devices[: len(devices) - reserve], devices[len(devices) - reserve :]
+    try:
+        return setup.split_reserved(devices, cfg.teacher.devices)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def reserved_mesh(devices: Sequence[Any], rows: int) -> Mesh:
@@ -238,7 +233,7 @@ def reserved_mesh(devices: Sequence[Any], rows: int) -> Mesh:
       PlanError: a layout the torus cannot take, or rows its shards do not divide.
     """
     try:
-        mesh = parallel.make_mesh(1, len(devices), 1, devices=list(devices))
+        mesh = setup.own_mesh(devices)
         setup.check_batch_sizes({"rollout batch on teacher.devices": rows}, mesh)
     except (ValueError, NotImplementedError) as err:
         raise PlanError(f"teacher.devices={len(devices)}: {str(err).split('. ')[0]}") from None

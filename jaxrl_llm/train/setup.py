@@ -59,21 +59,37 @@ def trainer_devices(section, reserve: int = 0) -> list:
     Raises:
       ValueError: ``reserve`` leaves the trainer no device.
     """
-    devices = split_devices(rollout_devices(section))[1]
-    if reserve and not 0 < reserve < len(devices):
+    return split_reserved(split_devices(rollout_devices(section))[1], reserve)[0]
+
+
+def split_reserved(devices: Sequence[Any], reserve: int) -> tuple[list, list]:
+    """``(the trainer's, the reserved)`` of ``devices`` (those after ``mesh.rollout_devices``'):
+    the last ``reserve`` are held for a frozen model of its own (``teacher.devices``; none
+    with 0). ``plan`` splits a slice's compile-only devices with it.
+
+    Raises:
+      ValueError: ``reserve`` leaves the trainer no device.
+    """
+    devices = list(devices)
+    if not reserve:
+        return devices, []
+    if not 0 < reserve < len(devices):
         raise ValueError(
             f"teacher.devices={reserve} must leave the trainer a device: {len(devices)} "
             "device(s) after mesh.rollout_devices"
         )
-    return devices[: len(devices) - reserve]
+    return devices[: len(devices) - reserve], devices[len(devices) - reserve :]
 
 
 def reserved_mesh(section, reserve: int) -> jax.sharding.Mesh:
     """An fsdp mesh over the last ``reserve`` of the trainer's devices
     (:func:`trainer_devices`): a frozen model's devices of its own (``teacher.devices``)."""
-    devices = split_devices(rollout_devices(section))[1]
-    trainer_devices(section, reserve)  # checks reserve
-    return parallel.make_mesh(1, reserve, 1, devices=devices[len(devices) - reserve :])
+    return own_mesh(split_reserved(split_devices(rollout_devices(section))[1], reserve)[1])
+
+
+def own_mesh(devices: Sequence[Any]) -> jax.sharding.Mesh:
+    """The mesh of a frozen model on devices of its own: ``fsdp`` over all of them."""
+    return parallel.make_mesh(1, len(devices), 1, devices=list(devices))
 
 
 def split_devices(rollout_devices: int, devices: Sequence[Any] | None = None) -> tuple[list, list]:
