@@ -30,12 +30,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm._checks import check_positive, check_rank, check_same_shape
-from jaxrl_llm.models import ModelConfig, forward, unembed, unembedding
+from jaxrl_llm.models import ModelConfig, cast_params, forward, unembed, unembedding
+from jaxrl_llm.models.attention import softcap
 from jaxrl_llm.models.layers import constrain
 from jaxrl_llm.packing import PackingPlan, pack, unpack
+from jaxrl_llm.parallel import vocab as vocab_parallel
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, mesh_axes_of
+from jaxrl_llm.parallel.vocab import vocab_parallel_axis
 from jaxrl_llm.types import Sequences, join_sequences
 
 Array = jax.Array
@@ -161,8 +165,11 @@ def _token_outputs(
     return_entropy: bool,
     top_k: int | None = None,
     gather_ids: Array | None = None,
+    table: VocabTable | None = None,
 ) -> LogprobOutputs:
-    """``token_logprobs_from_hidden``'s values, every one asked for, as a ``LogprobOutputs``."""
+    """``token_logprobs_from_hidden``'s values, every one asked for, as a ``LogprobOutputs``;
+    with ``table`` (and neither ``top_k`` nor ``gather_ids``) over the unembedding split by
+    vocabulary over fsdp (``_vocab_parallel_scan``) instead of ``unembed_fn``'s gathered one."""
     check_rank("hidden", hidden, 3)
     check_rank("targets", targets, 2)
     batch, length = targets.shape
@@ -212,7 +219,10 @@ def _token_outputs(
         body = jax.checkpoint(body, prevent_cse=False)
     ids = None if gather_ids is None else gather_ids.astype(jnp.int32)
     xs = (to_chunks(hidden), to_chunks(targets), to_chunks(mask.astype(bool)), to_chunks(ids))
-    _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
+    if table is not None and top_k is None and gather_ids is None:
+        out = _vocab_parallel_scan(table, inv_temperature, return_entropy, chunks > 1, *xs[:3])
+    else:
+        _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
 
     def from_chunks(x: Array | None) -> Array | None:
         if x is None:
@@ -221,6 +231,99 @@ def _token_outputs(
         return x.reshape(batch, chunks * chunk_size, *x.shape[3:])[:, :length]
 
     return LogprobOutputs(*(from_chunks(x) for x in out))
+
+
+class VocabTable(NamedTuple):
+    """The unembedding in its stored layout for ``_vocab_parallel_scan``: ``weight`` (cast to
+    the compute dtype) is ``E [V, D]`` (``vocab_dim`` 0, tied) or ``W_U [D, V]`` (1)."""
+
+    weight: Array
+    vocab_dim: int
+    config: ModelConfig
+
+
+def vocab_table(params: Any, config: ModelConfig, rows: int) -> VocabTable | None:
+    """The unembedding to split by vocabulary over fsdp for ``rows`` batch rows, or None
+    where the context mesh does not (``parallel.vocab.vocab_parallel_axis``)."""
+    if vocab_parallel_axis(config.vocab_size, config.hidden_size, rows) is None:
+        return None
+    name = "embed" if config.tie_word_embeddings else "lm_head"
+    weight = cast_params({name: params[name]}, config)[name]
+    return VocabTable(weight, 0 if config.tie_word_embeddings else 1, config)
+
+
+def _vocab_parallel_scan(
+    table: VocabTable,
+    inv_temperature: Array,
+    return_entropy: bool,
+    remat: bool,
+    hidden: Array,
+    targets: Array,
+    mask: Array,
+) -> LogprobOutputs:
+    """``_chunk`` over ``[n, B, C, ...]`` chunks with ``W_U`` split by vocabulary over fsdp.
+
+    Per chunk, on device ``j`` of the fsdp group (rows ``B_f``, vocabulary ids
+    ``o_j .. o_j + V / f``): ``h = all_gather(h)``, ``z_j = unembed(h; W_j) / tau``
+    ``[B_f, C, V / f]``, ``m = pmax(max z_j)``, ``lse = m + log psum(sum exp(z_j - m))``,
+    ``z[y] = psum([y in j] z_j[y - o_j])``, entropy ``lse - psum(sum p_j z_j)``; each device
+    keeps its own ``B_f / f`` rows of these. ``W_j`` comes
+    from the stored shard by one all-to-all (``to_vocab_shard``), so ``dW_j`` stays local;
+    ``dh`` is reduce-scattered (the transpose of the gather). Returns ``[n, B, C]`` values.
+    """
+    axis = vocab_parallel.AXIS
+
+    def local(weight, inv_temperature, hidden, targets, mask):
+        w = vocab_parallel.to_vocab_shard(weight, table.vocab_dim)
+        w = w.T if table.vocab_dim == 0 else w  # [D, V / f]
+        offset = vocab_parallel.vocab_offset(w.shape[1])
+        # Typed as varying over the other batch axes already, so that ``dW_j`` is summed over
+        # them once after the loop over chunks, not once a chunk.
+        others = tuple(a for a in vocab_parallel.batch_axes() if a != axis)
+        w = jax.lax.pcast(w, others, to="varying") if others else w
+
+        def body(h, y, m):
+            h, y, m = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (h, y, m))
+            # A plain product (not ``models.matmul.dense``, whose CPU backward is a custom VJP
+            # that does not track shard_map's per-axis variance).
+            z = jnp.tensordot(h, w, 1, preferred_element_type=jnp.float32)
+            z = softcap(z, table.config.final_logit_softcapping) * inv_temperature
+            top = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+            top = jax.lax.stop_gradient(jax.lax.pmax(top, axis))
+            lse = top + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(z - top[..., None]), -1), axis))
+            ids = y.astype(jnp.int32) - offset
+            owned = (ids >= 0) & (ids < w.shape[1])
+            picked = jnp.take_along_axis(z, jnp.where(owned, ids, 0)[..., None], axis=-1)[..., 0]
+            target = jax.lax.psum(jnp.where(owned, picked, 0.0), axis)
+            out = (jnp.where(m, target - lse, 0.0),)
+            if return_entropy:
+                expected = jax.lax.psum(jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1), axis)
+                out = (*out, jnp.where(m, lse - expected, 0.0))
+            # Every device of the group holds all B_f rows' values; each keeps its own B_f / f.
+            rows = hidden.shape[1]
+            start = jax.lax.axis_index(axis) * rows
+            return tuple(jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0) for x in out)
+
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, (hidden, targets, mask))
+        return out
+
+    rows = vocab_parallel.batch_axes() or None
+    stored = P(None, axis) if table.vocab_dim == 0 else P(axis, None)
+    with jax.named_scope(vocab_parallel.SCOPE):  # names its collectives (``plan`` reads them)
+        out = jax.shard_map(
+            local,
+            in_specs=(
+                stored,
+                P(),
+                P(None, rows, None, None),
+                P(None, rows, None),
+                P(None, rows, None),
+            ),
+            out_specs=(P(None, rows, None),) * (2 if return_entropy else 1),
+        )(table.weight, inv_temperature, hidden, targets, mask)
+    return LogprobOutputs(out[0], out[1] if return_entropy else None, None, None, None)
 
 
 def _chunk(
@@ -412,8 +515,10 @@ def _padded(
     )
     hidden, router_logits = out[0], (out[2] if router else None)
     length = completion_tokens.shape[1]
-    # Gathered (and cast) once here, outside the loop over chunks.
+    # Gathered (and cast) once here, outside the loop over chunks; on an fsdp-only mesh the
+    # table is used split by vocabulary instead (``table``; the gathered one is then unused).
     unembed_fn = functools.partial(unembed, None, config, weight=unembedding(params, config))
+    table = vocab_table(params, config, tokens.shape[0])
     if options.return_prompt_logprobs:
         # Column j predicts token j + 1: prompt tokens 1..P-1 (when both they and the token
         # before them are real) and then the completion tokens, in one chunked pass.
@@ -421,14 +526,16 @@ def _padded(
         predicted = jnp.concatenate(
             [prompt_mask[:, 1:] & prompt_mask[:, :-1], completion_mask.astype(bool)], axis=1
         )
-        logprobs = token_logprobs_from_hidden(
+        logprobs = _token_outputs(
             hidden[:, : prompt_len - 1 + length],
             unembed_fn,
             tokens[:, 1:],
             mask=predicted,
             temperature=temperature,
             chunk_size=chunk_size,
-        )
+            return_entropy=False,
+            table=table,
+        ).logprobs
         prompt_logprobs = jnp.pad(logprobs[:, : prompt_len - 1], [(0, 0), (1, 0)])
         return (logprobs[:, prompt_len - 1 :], prompt_logprobs), router_logits, mask
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + length]
@@ -442,6 +549,7 @@ def _padded(
         return_entropy=options.return_entropy,
         top_k=options.top_k,
         gather_ids=options.gather_ids,
+        table=table,
     )
     return _result(out, options), router_logits, mask
 
@@ -548,6 +656,7 @@ def _packed(
         return_entropy=return_entropy,
         top_k=options.top_k,
         gather_ids=packed_ids,
+        table=vocab_table(params, config, packed_tokens.shape[0]),
     )
 
     def padded(x: Array | None) -> Array | None:  # slot i's value at its target's slot

@@ -57,6 +57,7 @@ from jaxrl_llm.models.layers import (
 from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.models.moe import replay_route, route
 from jaxrl_llm.parallel.mesh import current_platform
+from jaxrl_llm.parallel.vocab import embed_lookup, vocab_parallel_axis
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -175,8 +176,11 @@ class Transformer(nnx.Module):
         if config.rope_local_theta is not None and any(config.sliding_layers):
             local_rope = rope_angles(config, positions, local=True)
 
-        # The table gathered over fsdp once (vocab rows stay tensor-split), then looked up.
-        x = gathered(self.embed[...], "vocab", "embed")[tokens]
+        embedding = self.embed[...]
+        if vocab_parallel_axis(*embedding.shape, batch) is not None:  # fsdp-only mesh
+            x = embed_lookup(embedding, tokens)  # the table used split by vocabulary over fsdp
+        else:  # gathered over fsdp once (vocab rows stay tensor-split), then looked up
+            x = gathered(embedding, "vocab", "embed")[tokens]
         if config.embed_scale is not None:  # Gemma: sqrt(D), rounded to the compute dtype
             x = x * jnp.asarray(config.embed_scale, x.dtype)
         x = constrain(x, "batch", None, "embed")

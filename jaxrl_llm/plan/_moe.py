@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.parallel import vocab as vocab_parallel
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan import hlo as hlo_lib
@@ -63,8 +64,13 @@ def is_moe(config: models.ModelConfig) -> bool:
 
 
 def is_expert_exchange(op: hlo_lib.CollectiveOp) -> bool:
-    """An all-to-all that ``models.moe`` issued (its ``op_name`` ends in ``all_to_all``)."""
-    return op.kind == "all-to-all" and op.op_name.rsplit("/", 1)[-1] in EXCHANGE_PRIMITIVES
+    """An all-to-all that ``models.moe`` issued (its ``op_name`` ends in ``all_to_all``), not
+    one of the vocabulary-parallel tables' (under ``vocab_parallel.SCOPE``)."""
+    return (
+        op.kind == "all-to-all"
+        and op.op_name.rsplit("/", 1)[-1] in EXCHANGE_PRIMITIVES
+        and not vocab_parallel.in_scope(op.op_name)
+    )
 
 
 def exchange_summary(ops: Iterable[hlo_lib.CollectiveOp], link_bandwidth: float) -> dict:

@@ -282,6 +282,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "activation_constraints_dropped",
         "the model no longer pins activation shardings: an fsdp mesh all-reduces activations",
         _activation_constraints_dropped,
-        ("tests/parallel/test_fsdp_sharding.py::test_fsdp_step_moves_weights_never_activations",),
+        (
+            "tests/parallel/test_fsdp_sharding.py::test_fsdp_step_moves_weights_never_activations[gathered]",
+        ),
     ),
 )

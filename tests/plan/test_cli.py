@@ -70,7 +70,7 @@ def test_small_job_fits_and_reports(small_plan):
     assert report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["hbm_capacity_gib"] == 16.0
     assert 0 < report["hbm_per_chip_gib"] < report["hbm_usable_gib"] < report["hbm_capacity_gib"]
-    assert 0 < report["roofline_mfu_bound"] < 1
+    assert 0 < report["roofline_mfu_bound"] <= 1  # 1: compute-bound, no remat
     assert report["est_mfu"] == report["roofline_mfu_bound"]  # the old name, kept
     assert report["est_step_s"] > 0 and report["est_decode_tokens_per_s"] > 0
     assert set(report["programs"]) == PROGRAMS
