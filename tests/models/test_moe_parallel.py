@@ -267,12 +267,7 @@ _ALL_GATHER = re.compile(r"= ([a-z0-9]+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\
 def _sft_step_hlo(mesh) -> str:
     from tests.parallel import test_fsdp_sharding  # noqa: PLC0415  (its SFT-step compile)
 
-    original = test_fsdp_sharding.CONFIG
-    test_fsdp_sharding.CONFIG = CONFIG
-    try:
-        return test_fsdp_sharding._compile(mesh)
-    finally:
-        test_fsdp_sharding.CONFIG = original
+    return test_fsdp_sharding._compile(mesh, config=CONFIG)
 
 
 def test_compiled_step_exchanges_tokens_and_never_gathers_the_experts(fresh_compiles):
