@@ -33,7 +33,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm._checks import check_positive, check_rank, check_same_shape
-from jaxrl_llm.models import ModelConfig, cast_params, forward, unembed, unembedding
+from jaxrl_llm.models import (
+    ModelConfig,
+    cast_params,
+    context_parallel,
+    forward,
+    unembed,
+    unembedding,
+)
 from jaxrl_llm.models.attention import softcap
 from jaxrl_llm.models.layers import constrain
 from jaxrl_llm.packing import PackingPlan, pack, unpack
@@ -337,9 +344,12 @@ def _chunk(
     gather_ids: Array | None,
 ) -> LogprobOutputs:
     """``[B, C, D]`` states -> the ``LogprobOutputs`` of ``C`` positions, 0 where ``mask`` is
-    False."""
-    hidden = constrain(hidden, "batch", None, "embed")
-    z = constrain(unembed_fn(hidden).astype(jnp.float32), "batch", None, "vocab")
+    False. Under context parallelism (a ``sequence`` mesh axis that divides ``C``) each of its
+    devices computes the logits of ``C / s`` of the positions, not all ``C`` of them."""
+    count = context_parallel.shards()
+    seq = "sequence" if count > 1 and hidden.shape[1] % count == 0 else None
+    hidden = constrain(hidden, "batch", seq, "embed")
+    z = constrain(unembed_fn(hidden).astype(jnp.float32), "batch", seq, "vocab")
     z = z * inv_temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     target_logit = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]

@@ -3,7 +3,7 @@ Gemma 3, and the Qwen2-MoE / Qwen3-MoE / Mixtral / gpt-oss mixtures of experts) 
 checkpoints (gpt-oss's MXFP4 experts dequantised at load: ``mxfp4``; the multimodal Gemma 3
 checkpoints loaded as, and saved back around, their language model)."""
 
-from jaxrl_llm.models import lora, moe, mxfp4
+from jaxrl_llm.models import context_parallel, lora, moe, mxfp4
 from jaxrl_llm.models.architectures import (
     ARCHITECTURE_DIR,
     architecture_config,
@@ -80,6 +80,7 @@ __all__ = [
     "read_scalar_config",
     "remat_policy",
     "load_tokenizer",
+    "context_parallel",
     "lora",
     "moe",
     "mxfp4",

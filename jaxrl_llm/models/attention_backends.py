@@ -14,6 +14,9 @@ Attention sinks (gpt-oss: a learned logit per query head in each softmax's denom
 so does splash (the kernel's ``sinks``); cuDNN does not (``attention.dot_product_attention``
 refuses them there), nor does the TPU paged-attention kernel (``kv_cache`` gathers instead).
 
+Context parallelism: ``splash_chunk_attention`` runs one device's chunk of queries over the
+whole sequence's keys (splash with a rectangular causal mask at the chunk's offset).
+
 Shapes: B batch, S sequence, N query heads, K key/value heads, H head dim.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -304,11 +308,14 @@ def _splash_kernel(
     interpret: bool,
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
+    kv_seq: int | None = None,
+    offset: int = 0,
 ) -> Any:
-    """A causal splash kernel for one row's ``[heads, seq, H]`` queries and ``[K, seq, H]`` keys;
-    with ``sliding_window`` W a local one (key ``j`` visible to query ``i`` iff
-    ``i - W < j <= i``), with ``logit_softcap`` c the scores capped to ``c tanh(s / c)`` (the
-    kernel's ``attn_logits_soft_cap``).
+    """A causal splash kernel for one row's ``[heads, seq, H]`` queries and ``[K, kv_seq, H]``
+    keys (``kv_seq`` defaults to ``seq``), query ``i`` at key slot ``offset + i``: key ``j``
+    visible to query ``i`` iff ``j <= offset + i``; with ``sliding_window`` W a local one (iff
+    ``offset + i - W < j <= offset + i``), with ``logit_softcap`` c the scores capped to
+    ``c tanh(s / c)`` (the kernel's ``attn_logits_soft_cap``).
 
     Built at every trace: its mask tables become constants of the traced program (a cached
     kernel would hold arrays of one trace). JAX caches the NumPy processing of the mask.
@@ -326,10 +333,11 @@ def _splash_kernel(
         block_q_dq=block_q,
         block_kv_dq=block_kv,
     )
+    shape = (seq, seq if kv_seq is None else kv_seq)
     if sliding_window is None:
-        one = splash.CausalMask((seq, seq))
+        one = splash.CausalMask(shape, offset=offset)
     else:
-        one = splash.LocalMask((seq, seq), window_size=(sliding_window - 1, 0), offset=0)
+        one = splash.LocalMask(shape, window_size=(sliding_window - 1, 0), offset=offset)
     mask = splash.MultiHeadMask([one] * heads)
     return splash.make_splash_mha(
         mask,
@@ -391,6 +399,150 @@ def _splash_local(
     else:  # one sink per head, shared by the rows
         out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(*args, sinks.astype(jnp.float32))
     return jnp.swapaxes(out[:, :, :seq], 1, 2).astype(q.dtype)
+
+
+def _is_int(x: Any) -> bool:
+    """A Python or NumPy integer (not a bool, not a traced value)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_chunk(
+    q: Array,
+    k: Array,
+    v: Array,
+    q_segments: Array,
+    kv_segments: Array,
+    *,
+    offset: Any,
+    block_q: Any,
+    block_kv: Any,
+    sliding_window: Any,
+    sinks: Array | None,
+) -> None:
+    """One-line ``ValueError`` on inputs ``splash_chunk_attention`` cannot run."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"need q [B, C, N, H], k = v [B, S, K, H]: got {q.shape}, {k.shape}, {v.shape}"
+        )
+    (batch, chunk, heads, dim), (kv_batch, seq, kv_heads, kv_dim) = q.shape, k.shape
+    if kv_batch != batch or kv_dim != dim or heads % kv_heads:
+        raise ValueError(f"q {q.shape} and k, v {k.shape} differ in B or H, or K does not divide N")
+    if q_segments.shape != (batch, chunk) or kv_segments.shape != (batch, seq):
+        raise ValueError(
+            f"q_segments {q_segments.shape} must be {(batch, chunk)} and kv_segments"
+            f" {kv_segments.shape} {(batch, seq)}"
+        )
+    if chunk % _SPLASH_LANES or seq % _SPLASH_LANES:
+        raise ValueError(
+            f"C = {chunk} (q {q.shape}) and S = {seq} (k {k.shape}) must be multiples of 128"
+        )
+    if not _is_int(offset) or offset < 0 or offset + chunk > seq:
+        raise ValueError(
+            f"offset must be a Python int in [0, S - C] = [0, {seq - chunk}], got {offset!r}"
+        )
+    for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+        if not _is_int(block) or block < _SPLASH_LANES:
+            raise ValueError(f"{name} must be an int >= 128, got {block!r}")
+    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"sinks must be [N] = {(heads,)}, got {sinks.shape}")
+
+
+def splash_chunk_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    q_segments: Array,
+    kv_segments: Array,
+    *,
+    offset: int,
+    scale: float,
+    block_q: int = 512,
+    block_kv: int = 512,
+    interpret: bool = False,
+    logit_softcap: float | None = None,
+    sliding_window: int | None = None,
+    sinks: Array | None = None,
+) -> Array:
+    """Splash attention of one sequence chunk's queries over the whole sequence's keys: the
+    per-device core of context parallelism (run it inside the caller's ``jax.shard_map``).
+
+    Query ``i`` sits at slot ``offset + i``, key ``j`` at slot ``j``. Query ``i`` of row ``b``
+    sees key ``j`` iff ``j <= offset + i`` and ``q_segments[b, i] == kv_segments[b, j]`` (and,
+    with ``sliding_window`` W, ``offset + i - j < W``):
+    ``O_i = sum_j p_ij V_j``, ``p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(σ))`` over the
+    visible keys, ``s_ij = cap(scale q_i . k_j)`` (``cap(s) = c tanh(s / c)`` with
+    ``logit_softcap`` c, else ``s``; ``σ`` the head's sink, ``exp(σ) = 0`` without ``sinks``).
+    The kernel's mask is ``CausalMask((C, S), offset)`` (``LocalMask`` with a window): static,
+    so ``offset`` is a Python int, one compiled kernel per offset. Under a ``jax.shard_map``
+    whose devices hold different chunks, pick the device's kernel with
+    ``lax.switch(lax.axis_index(axis), [one call per offset], ...)``, and map with
+    ``check_vma=False`` (the Pallas call's outputs carry no varying-axes type).
+
+    Every query should see at least one key (its own slot, when ``q_segments`` is
+    ``kv_segments[:, offset:offset + C]``); a query that sees none gets an undefined output.
+
+    Args:
+      q: ``[B, C, N, H]`` queries (after RoPE).
+      k, v: ``[B, S, K, H]`` keys and values of all ``S`` slots in order (``N % K == 0``).
+      q_segments: ``[B, C]`` int32 segment ids of the queries: 0 on pads, ``k >= 1`` on the
+        ``k``-th packed sequence of the row (1 on every real token of an unpacked row).
+      kv_segments: ``[B, S]`` int32 segment ids of the keys, likewise.
+      offset: the slot of the first query, ``0 <= offset <= S - C``.
+      scale: the score scale (queries are scaled in f32, then cast back to their dtype).
+      block_q, block_kv: the kernel's tiles are the largest multiples of 128 that divide C
+        (resp. S) and are at most these.
+      interpret: run the Pallas kernel in the interpreter (CPU tests).
+      logit_softcap: ``c``, or None.
+      sliding_window: ``W``, or None.
+      sinks: ``[N]`` sink logits ``σ`` (f32), or None.
+
+    Returns:
+      ``[B, C, N, H]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: C or S not a multiple of 128, ``offset`` outside ``[0, S - C]``, or
+        mismatched shapes.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    _check_chunk(
+        q,
+        k,
+        v,
+        q_segments,
+        kv_segments,
+        offset=offset,
+        block_q=block_q,
+        block_kv=block_kv,
+        sliding_window=sliding_window,
+        sinks=sinks,
+    )
+    chunk, heads, seq = q.shape[1], q.shape[2], k.shape[1]
+    kernel = _splash_kernel(
+        chunk,
+        heads,
+        _splash_block(chunk, block_q),
+        _splash_block(seq, block_kv),
+        interpret,
+        logit_softcap,
+        sliding_window,
+        kv_seq=seq,
+        offset=int(offset),
+    )
+
+    def head_major(x: Array) -> Array:  # [B, L, h, H] -> [B, h, L, H]
+        return jnp.swapaxes(x, 1, 2)
+
+    scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    segments = SegmentIds(q=q_segments.astype(jnp.int32), kv=kv_segments.astype(jnp.int32))
+    args = (head_major(scaled), head_major(k), head_major(v), segments)
+    if sinks is None:
+        out = jax.vmap(kernel)(*args)
+    else:  # one sink per head, shared by the rows
+        out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(*args, sinks.astype(jnp.float32))
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
 
 
 def _mapped_axes(mesh: Any, rule: str, sizes: tuple[int, ...]) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_llm.models import context_parallel
 from jaxrl_llm.models.attention import (
     apply_rope,
     attention_mask,
@@ -279,13 +280,21 @@ class DecoderLayer(nnx.Module):
         return gathered(getattr(self, name)[...], *LAYER_AXES[name])
 
     def _project(
-        self, name: str, x: Array, contract: int = 1, *, flat: bool = False, key=None
+        self,
+        name: str,
+        x: Array,
+        contract: int = 1,
+        *,
+        flat: bool = False,
+        key=None,
+        seq: str | None = None,
     ) -> Array:
         """``x W`` for weight ``name``, plus its LoRA path ``scale · (dropout(x) A) B`` when
         adapted (dropout only with a ``key``: training).
 
         ``flat``: one ``[B, S, N*H] x [N*H, D]`` product (the decode path's output projection:
-        with the 4-D einsum XLA:CPU transposes the weight on every decode step).
+        with the 4-D einsum XLA:CPU transposes the weight on every decode step). ``seq``: the
+        logical axis of the positions (``"sequence"`` under context parallelism).
         """
         w = self._use(name)
         if flat:
@@ -299,7 +308,7 @@ class DecoderLayer(nnx.Module):
             key = jax.random.fold_in(key, _LORA_ORDER.index(name))
             keep = jax.random.bernoulli(key, 1.0 - self.lora_dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
-        low = constrain(dense(x, a, contract), "batch", None, None)
+        low = constrain(dense(x, a, contract), "batch", seq, None)
         return out + (self.lora_scale * dense(low, b)).astype(out.dtype)
 
     def __call__(
@@ -318,6 +327,7 @@ class DecoderLayer(nnx.Module):
         local: Any = False,
         segment_ids: Array | None = None,
         routing: Array | None = None,
+        context: bool = False,
     ) -> tuple[Array, tuple[Array, Array] | None, Array | None]:
         """One block on ``x: [B, S, D]``.
 
@@ -339,26 +349,46 @@ class DecoderLayer(nnx.Module):
             segment), or None. Not with ``kv``.
           routing: ``[B, S, k]`` int expert ids to replay in a mixture-of-experts layer
             (``models.moe.replay_route``), or None: its own top-k.
+          context: the positions are split over the ``sequence`` mesh axis
+            (``models.context_parallel``; no ``kv``): ``query_slots`` is each position's
+            ``[S]`` slot and attention gathers the keys and values over the axis.
 
         Returns:
           ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
           ``kv``; ``router_logits`` is ``[B, S, E]`` f32 in a mixture-of-experts layer, else
           None.
         """
-        x = constrain(x, "batch", None, "embed")
+        if context and kv is not None:
+            raise ValueError("context parallelism is for forwards without a KV cache")
+        seq = "sequence" if context else None
+        x = constrain(x, "batch", seq, "embed")
         h = self._norm("attn_norm", x)
-        q, k, v = (self._project(name, h, key=dropout_key) for name in ("wq", "wk", "wv"))
+        q, k, v = (self._project(name, h, key=dropout_key, seq=seq) for name in ("wq", "wk", "wv"))
         if self.bq is not None:
             q, k, v = q + self._use("bq"), k + self._use("bk"), v + self._use("bv")
-        q = constrain(q, "batch", None, "heads", "head_dim")
-        k = constrain(k, "batch", None, "kv_heads", "head_dim")
-        v = constrain(v, "batch", None, "kv_heads", "head_dim")
+        q = constrain(q, "batch", seq, "heads", "head_dim")
+        k = constrain(k, "batch", seq, "kv_heads", "head_dim")
+        v = constrain(v, "batch", seq, "kv_heads", "head_dim")
         if self.q_norm is not None:
             q, k = self._norm("q_norm", q), self._norm("k_norm", k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = self.sliding_window if local is not False else None
         sinks = None if self.sinks is None else self._use("sinks")
-        if kv is None:
+        if context:
+            attn = context_parallel.attention(
+                q,
+                k,
+                v,
+                key_valid=key_valid,
+                slots=query_slots,
+                segment_ids=segment_ids,
+                scale=self.scale,
+                logit_softcap=self.logit_softcap,
+                sliding_window=window,
+                window_active=local,
+                sinks=sinks,
+            )
+        elif kv is None:
             # Fused per backend: the splash kernel on TPU and cuDNN on GPU (memory linear in S),
             # blocked causal einsums on CPU (see attention.dot_product_attention).
             attn = dot_product_attention(
@@ -410,24 +440,24 @@ class DecoderLayer(nnx.Module):
                     windowed=limit is not None,
                     sinks=sinks,
                 )
-        attn = constrain(attn, "batch", None, "heads", "head_dim")
-        out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key)
+        attn = constrain(attn, "batch", seq, "heads", "head_dim")
+        out = self._project("wo", attn, 2, flat=kv is not None, key=dropout_key, seq=seq)
         if self.bo is not None:
             out = out + self._use("bo")
         if self.post_attn_norm is not None:
             out = self._norm("post_attn_norm", out)
-        x = constrain(x + out, "batch", None, "embed")
+        x = constrain(x + out, "batch", seq, "embed")
         h = self._norm("mlp_norm", x)
         if self.router is not None:
             out, logits = self._experts(h, routing)
-            return constrain(x + out, "batch", None, "embed"), kv, logits
-        gate = self._project("w_gate", h, key=dropout_key)
-        gate = activation(constrain(gate, "batch", None, "mlp"), self.act)
-        up = constrain(self._project("w_up", h, key=dropout_key), "batch", None, "mlp")
-        out = self._project("w_down", gate * up, key=dropout_key)
+            return constrain(x + out, "batch", seq, "embed"), kv, logits
+        gate = self._project("w_gate", h, key=dropout_key, seq=seq)
+        gate = activation(constrain(gate, "batch", seq, "mlp"), self.act)
+        up = constrain(self._project("w_up", h, key=dropout_key, seq=seq), "batch", seq, "mlp")
+        out = self._project("w_down", gate * up, key=dropout_key, seq=seq)
         if self.post_mlp_norm is not None:
             out = self._norm("post_mlp_norm", out)
-        return constrain(x + out, "batch", None, "embed"), kv, None
+        return constrain(x + out, "batch", seq, "embed"), kv, None
 
     def _norm(self, name: str, x: Array) -> Array:
         """RMSNorm of ``x`` with the scale ``name`` (``1 + w`` for Gemma)."""

@@ -33,7 +33,7 @@ F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm._checks import check_choice, check_rank
+from jaxrl_llm.models import context_parallel
 from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles, softcap
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import CACHE_AXES, KVCache, check_cache, init_cache
@@ -170,6 +171,11 @@ class Transformer(nnx.Module):
         if positions is None:
             counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1)
             positions = jnp.maximum(offset + counts - 1, 0)
+        context = None  # context parallelism: the sequence split over the mesh's sequence axis
+        if cache is None and context_parallel.shards() > 1:
+            context = _context_layout(config, tokens, positions, attention_mask, segment_ids)
+            tokens, positions, attention_mask, segment_ids, query_slots = context.arrays
+            key_valid = attention_mask
         rope = rope_angles(config, positions)
         # Gemma 3: the sliding-window layers rotate with a base of their own.
         local_rope = None
@@ -183,7 +189,8 @@ class Transformer(nnx.Module):
             x = gathered(embedding, "vocab", "embed")[tokens]
         if config.embed_scale is not None:  # Gemma: sqrt(D), rounded to the compute dtype
             x = x * jnp.asarray(config.embed_scale, x.dtype)
-        x = constrain(x, "batch", None, "embed")
+        seq_axis = None if context is None else "sequence"
+        x = constrain(x, "batch", seq_axis, "embed")
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -213,6 +220,7 @@ class Transformer(nnx.Module):
                 local=local,
                 segment_ids=segment_ids,
                 routing=layer_routing,
+                context=context is not None,
             )
             chosen = None
             if return_routing and router_logits is not None:
@@ -253,6 +261,8 @@ class Transformer(nnx.Module):
             plus_one=config.is_gemma,
             in_f32=config.norm_in_f32,
         )
+        if context is not None:  # back in slot order, the padding dropped
+            final = context.restore(constrain(final, "batch", seq_axis, "embed"))
         hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
         out: tuple[Any, ...] = (hidden, new_cache)
@@ -343,6 +353,59 @@ def _packed_rows(
         first = jax.lax.cummax(jnp.where(starts, slots, 0), axis=1)
         positions = jnp.where(segment_ids > 0, slots - first, 0)
     return segment_ids, positions
+
+
+class _ContextLayout(NamedTuple):
+    """A context-parallel forward's inputs padded and permuted (``context_parallel.zigzag``)."""
+
+    arrays: tuple[Array, Array, Array, Array | None, Array]  # tokens, positions, mask, segs, slots
+    order: np.ndarray
+    length: int
+
+    def restore(self, hidden: Array) -> Array:
+        """``[B, T', D]`` in permuted order -> ``[B, T, D]`` in slot order."""
+        return jnp.take(hidden, np.argsort(self.order)[: self.length], axis=1)
+
+
+def _context_layout(
+    config: ModelConfig,
+    tokens: Array,
+    positions: Array,
+    mask: Array,
+    segment_ids: Array | None,
+) -> _ContextLayout:
+    """The sequence padded to whole load-balanced chunks (masked, segment 0) and put in zigzag
+    order, with each position's slot (see ``models.context_parallel``)."""
+    if config.is_moe:
+        raise ValueError(
+            "context parallelism (mesh.sequence > 1) is not available for mixture-of-experts "
+            "models yet; use mesh.sequence=1"
+        )
+    count = context_parallel.shards()
+    seq = tokens.shape[1]
+    splash = context_parallel.uses_splash(
+        config.compute_dtype or jnp.float32,
+        config.head_dim,
+        logit_softcap=config.attn_logit_softcapping,
+        sliding_window=config.sliding_window if any(config.sliding_layers) else None,
+        sinks=config.attention_sinks,
+    )
+    length = context_parallel.padded_length(seq, count, splash=splash)
+    order = context_parallel.zigzag(length, count)
+
+    def arrange(x: Array | None) -> Array | None:
+        if x is None:
+            return None
+        return jnp.take(jnp.pad(x, ((0, 0), (0, length - seq))), order, axis=1)
+
+    arrays = (
+        arrange(tokens),
+        arrange(positions),
+        arrange(mask),
+        arrange(segment_ids),
+        jnp.asarray(order, jnp.int32),
+    )
+    return _ContextLayout(arrays, order, seq)
 
 
 def _check_optional(name: str, x: Array | None, shape: tuple[int, ...]) -> Array | None:

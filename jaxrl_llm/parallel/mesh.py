@@ -10,6 +10,12 @@ axis at all -- the three-axis mesh of every job without expert parallelism, unch
 rule tables' ``expert`` entries drop out (``rules.OPTIONAL_MESH_AXES``). ``expert`` sits next to
 ``tensor``, the minor (fastest-linked) end, since its all-to-all runs in every MoE layer.
 
+Context parallelism (``mesh.sequence = s > 1``) adds a ``sequence`` axis after ``fsdp``:
+``("data", "fsdp", "sequence", [expert,] "tensor")``. A training or scoring forward splits its
+sequence over it (``models.context_parallel``: each device holds ``T / s`` positions of every
+row and all-gathers the layer's keys and values), and the weights are stored split over
+``fsdp x sequence`` (one more FSDP axis: ``rules.PARAM_RULES``). Absent at ``s = 1``.
+
 Axis types. JAX 0.10's own ``jax.make_mesh`` defaults to ``AxisType.Explicit`` ("sharding in
 types"): every array carries its sharding in its abstract type and an op whose output sharding is
 ambiguous -- e.g. an einsum whose contracting dimension is sharded on both operands, which is
@@ -36,14 +42,16 @@ MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 # The axes of a mesh with expert parallelism (``make_mesh(..., expert=e)``, ``e > 1``).
 EXPERT_AXIS = "expert"
 EXPERT_MESH_AXES: tuple[str, str, str, str] = ("data", "fsdp", EXPERT_AXIS, "tensor")
+# The context-parallel axis (``make_mesh(..., sequence=s)``, ``s > 1``), after ``fsdp``.
+SEQUENCE_AXIS = "sequence"
 
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def resolve_mesh_shape(
-    data: int, fsdp: int, tensor: int, *, num_devices: int, expert: int = 1
+    data: int, fsdp: int, tensor: int, *, num_devices: int, expert: int = 1, sequence: int = 1
 ) -> tuple[int, int, int]:
-    """Fills a ``-1`` axis so that ``data * fsdp * expert * tensor == num_devices``.
+    """Fills a ``-1`` axis so that ``data * fsdp * sequence * expert * tensor == num_devices``.
 
     Args:
       data: size of the pure data-parallel axis, or -1.
@@ -51,17 +59,20 @@ def resolve_mesh_shape(
       tensor: size of the tensor-parallel axis, or -1.
       num_devices: the number of devices the mesh must cover exactly.
       expert: size of the expert-parallel axis (a positive int, never filled).
+      sequence: size of the context-parallel axis (a positive int, never filled).
 
     Returns:
-      The three concrete sizes ``(data, fsdp, tensor)``, in ``MESH_AXES`` order (``expert`` is
-      as given).
+      The three concrete sizes ``(data, fsdp, tensor)``, in ``MESH_AXES`` order (``expert``
+      and ``sequence`` are as given).
 
     Raises:
-      ValueError: a size is not a positive int or -1 (``expert``: not a positive int), more
-        than one size is -1, or the sizes cannot multiply to ``num_devices``.
+      ValueError: a size is not a positive int or -1 (``expert``, ``sequence``: not a positive
+        int), more than one size is -1, or the sizes cannot multiply to ``num_devices``.
     """
-    if not isinstance(expert, int) or isinstance(expert, bool) or expert < 1:
-        raise ValueError(f"mesh axis 'expert' must be a positive int, got {expert!r}")
+    for name, size in (("expert", expert), ("sequence", sequence)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must be a positive int, got {size!r}")
+    extra = {k: n for k, n in (("sequence", sequence), ("expert", expert)) if n > 1}
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
@@ -69,20 +80,19 @@ def resolve_mesh_shape(
     fill = [name for name, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
-    shown = sizes if expert == 1 else {**sizes, "expert": expert}
+    shown = {**sizes, **extra}
     if fill:
-        known = math.prod(size for size in sizes.values() if size != -1) * expert
+        known = math.prod(size for size in sizes.values() if size != -1) * expert * sequence
         if num_devices % known:
             raise ValueError(
                 f"cannot fill mesh axis {fill[0]!r}: the other sizes {shown} multiply to {known}, "
                 f"which does not divide the {num_devices} devices"
             )
         sizes[fill[0]] = num_devices // known
-    total = math.prod(sizes.values()) * expert
+    total = math.prod(sizes.values()) * expert * sequence
     if total != num_devices:
         product = f"data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']}"
-        if expert > 1:
-            product += f" x expert={expert}"
+        product += "".join(f" x {k}={n}" for k, n in extra.items())
         raise ValueError(
             f"mesh sizes {product} = {total} must equal the number of devices ({num_devices})"
         )
@@ -95,6 +105,7 @@ def make_mesh(
     tensor: int = 1,
     *,
     expert: int = 1,
+    sequence: int = 1,
     devices: Sequence[jax.Device] | None = None,
     axis_types: str | AxisType = "auto",
 ) -> Mesh:
@@ -102,7 +113,8 @@ def make_mesh(
 
     ``data * fsdp * expert * tensor == len(devices)``; one of data, fsdp, tensor may be -1 and
     is filled. With ``expert > 1`` the mesh is ``("data", "fsdp", "expert", "tensor")``
-    (``EXPERT_MESH_AXES``; see the module docstring). ``data``
+    (``EXPERT_MESH_AXES``; see the module docstring), with ``sequence > 1`` it has a
+    ``sequence`` axis after ``fsdp``. ``data``
     replicates parameters (pure data parallelism, e.g. across slices), ``fsdp`` shards the batch
     and the parameters' ``embed`` dimension (ZeRO-3 / FSDP, Rajbhandari et al., 2020), ``tensor``
     shards heads and the MLP width (Megatron-LM, Shoeybi et al., 2019); the compiler inserts the
@@ -114,6 +126,8 @@ def make_mesh(
       fsdp: FSDP axis size, or -1 to fill (the default: all devices shard the batch and the state).
       tensor: tensor-parallel axis size, or -1 to fill.
       expert: expert-parallel axis size (mixture-of-experts layers; 1: no ``expert`` axis).
+      sequence: context-parallel axis size (a training forward's sequence split over it; 1: no
+        ``sequence`` axis).
       devices: the devices to use; defaults to ``jax.devices()`` (all processes' devices).
       axis_types: ``"auto"`` (default, see the module docstring) or ``"explicit"``, or a
         ``jax.sharding.AxisType``; applied to all three axes and always passed to JAX.
@@ -138,12 +152,14 @@ def make_mesh(
     if not devices:
         raise ValueError("make_mesh needs at least one device, got an empty device list")
     data, fsdp, tensor = resolve_mesh_shape(
-        data, fsdp, tensor, num_devices=len(devices), expert=expert
+        data, fsdp, tensor, num_devices=len(devices), expert=expert, sequence=sequence
     )
-    if expert == 1:
-        shape, names = (data, fsdp, tensor), MESH_AXES
-    else:
-        shape, names = (data, fsdp, expert, tensor), EXPERT_MESH_AXES
+    axes = [("data", data), ("fsdp", fsdp)]
+    axes += [(SEQUENCE_AXIS, sequence)] if sequence > 1 else []
+    axes += [(EXPERT_AXIS, expert)] if expert > 1 else []
+    axes += [("tensor", tensor)]
+    names = tuple(name for name, _ in axes)
+    shape = tuple(size for _, size in axes)
     return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names), devices=devices)
 
 

@@ -21,6 +21,12 @@ batch (``batch`` -> ``("data", "fsdp", "expert")``): the attention and every den
 over ``expert``, as over ``data``. ``expert`` is an *optional* mesh axis
 (``OPTIONAL_MESH_AXES``): on a mesh without it -- every mesh with ``e = 1`` -- it is dropped
 from the specs, exactly as an axis of size 1 would be, so the tables serve both meshes.
+
+Context parallelism. The ``sequence`` mesh axis (``make_mesh(..., sequence=s)``, optional like
+``expert``) splits the positions of a training or scoring forward's activations (logical
+``sequence``: ``[B, T, D]`` -> ``T / s`` per device, ``models.context_parallel``), stores the
+weights split over ``fsdp x sequence`` (``embed`` -> both: they are gathered for use as over
+fsdp alone) and, for sampling, splits rows like a data axis.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ LOGICAL_AXES: tuple[str, ...] = (
     "layers",
     "cache_seq",
     "expert",
+    "sequence",
 )
 
 # Mesh axes that a rule may name and a mesh may lack: on a mesh without one, a spec drops it (the
 # same sharding as the axis at size 1). Every other mesh axis a rule names must be in the mesh.
-OPTIONAL_MESH_AXES: tuple[str, ...] = ("expert",)
+OPTIONAL_MESH_AXES: tuple[str, ...] = ("expert", "sequence")
 
 # Parameters and optimizer state: FSDP shards the model width, tensor parallelism the
 # per-head / MLP / vocabulary dims. A weight [embed, heads, head_dim] thus lives on
@@ -61,7 +68,8 @@ OPTIONAL_MESH_AXES: tuple[str, ...] = ("expert",)
 PARAM_RULES: Rules = MappingProxyType(
     {
         "batch": ("data", "fsdp", "expert"),
-        "embed": "fsdp",
+        # Context parallelism's sequence axis is one more FSDP axis for storage.
+        "embed": ("fsdp", "sequence"),
         "mlp": "tensor",
         "heads": "tensor",
         "kv_heads": "tensor",
@@ -73,6 +81,7 @@ PARAM_RULES: Rules = MappingProxyType(
         # parallelism; dropped on a mesh without one); the experts' width is tensor-split as
         # "mlp".
         "expert": "expert",
+        "sequence": None,
     }
 )
 
@@ -92,6 +101,8 @@ ACTIVATION_RULES: Rules = MappingProxyType(
         "layers": None,
         "cache_seq": None,
         "expert": "expert",
+        # A training forward's positions under context parallelism (models.context_parallel).
+        "sequence": "sequence",
     }
 )
 
@@ -99,7 +110,8 @@ ACTIVATION_RULES: Rules = MappingProxyType(
 # sequence axis stays whole because every decode step writes one dynamic slot of it.
 SAMPLING_RULES: Rules = MappingProxyType(
     {
-        "batch": ("data", "fsdp", "expert"),
+        # Decoding has no sequence to split: a context-parallel axis splits rows as data does.
+        "batch": ("data", "fsdp", "expert", "sequence"),
         "embed": None,
         "mlp": "tensor",
         "heads": "tensor",
@@ -109,6 +121,7 @@ SAMPLING_RULES: Rules = MappingProxyType(
         "layers": None,
         "cache_seq": None,
         "expert": "expert",
+        "sequence": None,
     }
 )
 

@@ -40,14 +40,14 @@ SCOPE = "vocab_parallel"
 
 def vocab_parallel_axis(vocab: int, width: int, rows: int | None = None) -> str | None:
     """``"fsdp"`` when the context mesh splits a ``[V, D]`` table's vocabulary over fsdp for
-    use, else None (no mesh, fsdp = 1, a tensor or expert axis > 1, manual or Explicit axes, or
-    ``V``, ``D`` or ``rows`` -- the batch -- not divisible by the shards)."""
+    use, else None (no mesh, fsdp = 1, a tensor, expert or sequence axis > 1, manual or
+    Explicit axes, or ``V``, ``D`` or ``rows`` -- the batch -- not divisible by the shards)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or AXIS not in mesh.axis_names:
         return None
     shape = dict(mesh.shape)
     fsdp = shape[AXIS]
-    if fsdp == 1 or shape.get("tensor", 1) != 1 or shape.get("expert", 1) != 1:
+    if fsdp == 1 or any(shape.get(a, 1) != 1 for a in ("tensor", "expert", "sequence")):
         return None
     if getattr(mesh, "manual_axes", ()) or any(t != AxisType.Auto for t in mesh.axis_types):
         return None

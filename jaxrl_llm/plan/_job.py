@@ -160,30 +160,26 @@ def plan_model_config(section) -> models.ModelConfig:
 
 def plan_mesh(section, devices: Sequence[Any]) -> Mesh:
     """The trainer's ``("data", "fsdp", "tensor")`` mesh over ``devices`` (``make_run_mesh``:
-    a ``-1`` fills; without one the first ``data x fsdp x expert x tensor`` devices are used;
-    ``mesh.expert > 1`` adds the ``expert`` axis).
+    a ``-1`` fills; without one the first ``data x fsdp x sequence x expert x tensor`` devices
+    are used; ``mesh.expert > 1`` adds the ``expert`` axis, ``mesh.sequence > 1`` the
+    ``sequence`` one).
 
     Raises:
       PlanError: sizes that do not fit the slice, or that its torus cannot lay out (each axis
         a product of whole torus axes).
     """
-    sizes = (section.data, section.fsdp, section.tensor)
-    expert = getattr(section, "expert", 1)
-    devices = list(devices)
     try:
-        if -1 not in sizes:
-            count = math.prod(sizes) * expert
-            if count > len(devices):
-                raise ValueError(f"mesh {sizes} needs {count} chips; the slice has {len(devices)}")
-            devices = devices[:count]
-        return parallel.make_mesh(*sizes, expert=expert, devices=devices)
+        return setup.mesh_over(section, devices)
     except ValueError as err:
         raise PlanError(f"mesh: {err}") from None
     except NotImplementedError as err:  # jax.make_mesh on a torus: axes of whole torus axes
+        sizes = {a: getattr(section, a, 1) for a in ("data", "fsdp", "sequence", "expert")}
+        sizes["tensor"] = section.tensor
+        shown = " x ".join(sizes)
         raise PlanError(
-            f"mesh: data x fsdp x expert x tensor = {sizes[0]} x {sizes[1]} x {expert} x "
-            f"{sizes[2]} does not map onto the slice's torus ({str(err).split('. ')[0]}); "
-            "choose sizes that are products of its axes"
+            f"mesh: {shown} = {' x '.join(str(n) for n in sizes.values())} does not map onto "
+            f"the slice's torus ({str(err).split('. ')[0]}); choose sizes that are products of "
+            "its axes"
         ) from None
 
 

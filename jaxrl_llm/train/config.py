@@ -233,6 +233,13 @@ class MeshSection:
     treats it as one more data axis, so the batch splits over ``data x fsdp x expert``. The
     experts' count must divide by it; with ``fsdp: -1`` the fsdp axis takes the devices left.
 
+    ``sequence``: context parallelism (a positive int, never filled; 1 = none). The mesh gains a
+    ``sequence`` axis of that size: the training-side forwards (update, log-probs, critic)
+    split every row's positions over it, gathering each layer's keys and values
+    (``models.context_parallel``), and the weights are stored split over ``fsdp x sequence``.
+    For completions too long for one chip's activations (32k-token chains of thought); dense
+    models.
+
     ``rollout_devices``: an RL job's first N devices only sample (their own serving mesh,
     weights copied over after each update); the trainer's mesh takes the rest. 0 = shared.
     On several processes the last N devices sample, and they must be whole processes
@@ -243,14 +250,16 @@ class MeshSection:
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    sequence: int = 1
     rollout_devices: int = 0
 
     def __post_init__(self):
-        if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
-            raise ValueError(
-                f"mesh.expert must be a positive int (1: no expert parallelism), got "
-                f"{self.expert!r}"
-            )
+        for name, what in (("expert", "expert"), ("sequence", "context")):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"mesh.{name} must be a positive int (1: no {what} parallelism), got {size!r}"
+                )
 
 
 WANDB_MODES = ("online", "offline", "disabled")

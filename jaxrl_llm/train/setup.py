@@ -39,17 +39,29 @@ def make_run_mesh(section, reserve: int = 0) -> jax.sharding.Mesh:
     ones, less the last ``reserve`` of them (an RL job's ``teacher.devices``:
     :func:`reserved_mesh`); without a ``-1`` the first ``data·fsdp·expert·tensor`` of them are
     used. With ``mesh.expert > 1`` the mesh has an ``expert`` axis (``parallel.make_mesh``),
-    which the batch also splits over (``parallel.batch_shards`` counts it)."""
+    which the batch also splits over (``parallel.batch_shards`` counts it); with
+    ``mesh.sequence > 1`` a ``sequence`` axis (context parallelism), which splits positions."""
+    return mesh_over(section, trainer_devices(section, reserve))
+
+
+def mesh_over(section, devices: list) -> jax.sharding.Mesh:
+    """The mesh of ``mesh.*`` (``data``, ``fsdp``, ``tensor``, ``expert``, ``sequence``) over
+    ``devices``: a ``-1`` fills with what is left, else the first ``data·fsdp·sequence·
+    expert·tensor`` of them are used. What ``train`` runs on and what ``plan`` compiles for.
+
+    Raises:
+      ValueError: the sizes need more devices than given, or do not multiply to them.
+    """
     sizes = (section.data, section.fsdp, section.tensor)
-    expert = getattr(section, "expert", 1)
-    devices = trainer_devices(section, reserve)
+    extra = {a: getattr(section, a, 1) for a in ("expert", "sequence")}
+    devices = list(devices)
     if -1 not in sizes:
-        count = int(np.prod(sizes)) * expert
+        count = int(np.prod(sizes)) * extra["expert"] * extra["sequence"]
         if count > len(devices):
-            shape = sizes if expert == 1 else (*sizes, f"expert={expert}")
+            shape = (*sizes, *(f"{a}={n}" for a, n in extra.items() if n > 1))
             raise ValueError(f"mesh {shape} needs {count} devices; {len(devices)} available")
         devices = devices[:count]
-    return parallel.make_mesh(*sizes, expert=expert, devices=devices)
+    return parallel.make_mesh(*sizes, **extra, devices=devices)
 
 
 def trainer_devices(section, reserve: int = 0) -> list:

@@ -29,6 +29,7 @@ from jaxrl_llm.models import (
 from jaxrl_llm.models.heads import SEQ_CLS_ARCHITECTURES, backbone_config
 from jaxrl_llm.packing import plan_sequences
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, logical_to_spec, make_mesh
+from jaxrl_llm.parallel.rules import spec_for_mesh
 from tests.jit_traces import count_traces
 from tests.models import hf_utils
 from tests.reference import heads as ref
@@ -382,7 +383,8 @@ def test_sharded_load_and_init_land_in_named_shardings(classifiers):
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     for leaf, leaf_axes in zip(jax.tree.leaves(sharded), flat_axes):
         assert isinstance(leaf.sharding, NamedSharding)
-        assert leaf.sharding.spec == logical_to_spec(leaf_axes, PARAM_RULES)
+        want = spec_for_mesh(logical_to_spec(leaf_axes, PARAM_RULES), mesh.axis_names)
+        assert leaf.sharding.spec == want
     assert sharded["score"].sharding.spec[0] == "fsdp"
     chex.assert_trees_all_equal(jax.device_get(sharded), jax.device_get(plain))
 

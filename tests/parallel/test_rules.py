@@ -25,7 +25,7 @@ from jaxrl_llm.parallel import (
     make_mesh,
     with_logical_constraint,
 )
-from jaxrl_llm.parallel.mesh import EXPERT_MESH_AXES
+from jaxrl_llm.parallel.mesh import EXPERT_MESH_AXES, SEQUENCE_AXIS
 from jaxrl_llm.parallel.rules import OPTIONAL_MESH_AXES, present_mesh_axes, spec_for_mesh
 
 PARAM_TREE = {
@@ -69,13 +69,15 @@ def test_tables_cover_every_logical_axis_with_valid_mesh_axes(rules):
     assert set(rules) == set(LOGICAL_AXES)
     for value in rules.values():
         axes = (value,) if isinstance(value, str) else (value or ())
-        assert set(axes) <= set(EXPERT_MESH_AXES) == {*MESH_AXES, *OPTIONAL_MESH_AXES}
+        assert set(axes) <= {*EXPERT_MESH_AXES, SEQUENCE_AXIS} == {*MESH_AXES, *OPTIONAL_MESH_AXES}
     with pytest.raises(TypeError):
         rules["embed"] = None
 
 
 def test_table_contents():
-    assert PARAM_RULES["embed"] == "fsdp"
+    # Context parallelism's sequence axis (optional: absent at size 1) is one more FSDP axis.
+    assert PARAM_RULES["embed"] == ("fsdp", "sequence")
+    assert ACTIVATION_RULES["sequence"] == "sequence" and PARAM_RULES["sequence"] is None
     for name in ("heads", "kv_heads", "mlp", "vocab"):
         assert PARAM_RULES[name] == "tensor"
         assert ACTIVATION_RULES[name] == "tensor"
@@ -83,25 +85,28 @@ def test_table_contents():
     assert ACTIVATION_RULES["embed"] is None
     # Expert parallelism: the experts' dim on the expert axis (in storage and in use), which is
     # also one more batch axis.
-    for rules in (PARAM_RULES, ACTIVATION_RULES, SAMPLING_RULES):
+    for rules in (PARAM_RULES, ACTIVATION_RULES):
         assert rules["batch"] == ("data", "fsdp", "expert")
+    for rules in (PARAM_RULES, ACTIVATION_RULES, SAMPLING_RULES):
         assert rules["expert"] == "expert"
+    # Decoding has no sequence to split: the sequence axis splits sampling rows.
+    assert SAMPLING_RULES["batch"] == ("data", "fsdp", "expert", "sequence")
     assert SAMPLING_RULES["kv_heads"] == "tensor"
     assert SAMPLING_RULES["cache_seq"] is None
 
 
 def test_logical_to_spec():
     assert logical_to_spec(("layers", "embed", "heads", "head_dim"), PARAM_RULES) == P(
-        None, "fsdp", "tensor", None
+        None, ("fsdp", "sequence"), "tensor", None
     )
     assert logical_to_spec(("batch", None, "embed"), ACTIVATION_RULES) == P(
         ("data", "fsdp", "expert"), None, None
     )
     assert logical_to_spec(
         ("layers", "batch", "cache_seq", "kv_heads", "head_dim"), SAMPLING_RULES
-    ) == P(None, ("data", "fsdp", "expert"), None, "tensor", None)
+    ) == P(None, ("data", "fsdp", "expert", "sequence"), None, "tensor", None)
     assert logical_to_spec(("layers", "expert", "embed", "mlp"), PARAM_RULES) == P(
-        None, "expert", "fsdp", "tensor"
+        None, "expert", ("fsdp", "sequence"), "tensor"
     )
     assert logical_to_spec((), PARAM_RULES) == P()
     assert logical_to_spec(("x",), {"x": ("fsdp",)}) == P("fsdp")
