@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.models import cast_params, logical_axes, param_shapes
 from jaxrl_llm.parallel import MESH_AXES, PARAM_RULES, logical_to_sharding
@@ -165,7 +165,9 @@ def serving_layout(
             f"rollout.tensor_parallel must be 'auto', 'trainer' or a positive int, got {tensor!r}"
         )
     shapes = param_shapes(config)
-    if tensor == "auto" and dict(mesh.shape)["fsdp"] == 1:
+    sizes = dict(mesh.shape)
+    # The weights are gathered per token over fsdp (and a context-parallel sequence axis).
+    if tensor == "auto" and sizes["fsdp"] * sizes.get("sequence", 1) == 1:
         tensor = "trainer"  # already a serving layout: nothing to gather per token
     if tensor == "auto":
         dtype = config.compute_dtype or jnp.float32
@@ -223,11 +225,44 @@ def cast_to(config: Any, shardings: Any, *, separate: bool = False):
     """``tree -> tree`` in the compute dtype on ``shardings``: one jitted program when they
     are on the tree's devices (the serving mesh orders the trainer's devices, so one device
     assignment covers both); with ``separate`` (the sampler on devices of its own) the cast
-    runs on the source devices and ``jax.device_put`` copies the result across."""
+    runs on the source devices and ``jax.device_put`` copies the result across.
+
+    A tree's stacked ``layers`` (``[L, ...]`` leaves, the layer dim whole in ``shardings``)
+    move one layer at a time (a scan over L), so the program's temporaries hold one layer in
+    flight, not the whole stack gathered at once."""
     if not separate:
-        return jax.jit(lambda tree: cast_params(tree, config), out_shardings=shardings)
+        return jax.jit(
+            lambda tree: _layer_by_layer(cast_params(tree, config), shardings),
+            out_shardings=shardings,
+        )
     cast = jax.jit(lambda tree: cast_params(tree, config))
     return lambda tree: jax.device_put(cast(tree), shardings)
+
+
+def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _layer_by_layer(tree: Any, shardings: Any) -> Any:
+    """``tree`` with its stacked ``layers`` resharded to ``shardings["layers"]`` a layer at a
+    time (unchanged when there are none, or their layer dim is split)."""
+    layers = tree.get("layers") if isinstance(tree, dict) else None
+    targets = shardings.get("layers") if isinstance(shardings, dict) else None
+    leaves = jax.tree.leaves(targets)
+    if not isinstance(layers, dict) or not leaves:
+        return tree
+    if any(not hasattr(t, "spec") or (len(t.spec) and t.spec[0] is not None) for t in leaves):
+        return tree
+    per_layer = jax.tree.map(lambda t: NamedSharding(t.mesh, PartitionSpec(*t.spec[1:])), targets)
+
+    def move(_, layer):  # one layer gathered whole, then sliced to its serving shard
+        whole = jax.tree.map(
+            lambda x, t: _constrain(x, NamedSharding(t.mesh, PartitionSpec())), layer, per_layer
+        )
+        return None, jax.tree.map(_constrain, whole, per_layer)
+
+    _, moved = jax.lax.scan(move, None, layers)
+    return {**tree, "layers": moved}
 
 
 def free_device_bytes(mesh: Mesh) -> float | None:
