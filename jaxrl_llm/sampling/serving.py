@@ -232,7 +232,7 @@ def cast_to(config: Any, shardings: Any, *, separate: bool = False):
     flight, not the whole stack gathered at once."""
     if not separate:
         return jax.jit(
-            lambda tree: _layer_by_layer(cast_params(tree, config), shardings),
+            lambda tree: _layer_by_layer(cast_params(tree, config), shardings, config),
             out_shardings=shardings,
         )
     cast = jax.jit(lambda tree: cast_params(tree, config))
@@ -243,7 +243,7 @@ def _constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _layer_by_layer(tree: Any, shardings: Any) -> Any:
+def _layer_by_layer(tree: Any, shardings: Any, config: Any) -> Any:
     """``tree`` with its stacked ``layers`` resharded to ``shardings["layers"]`` a layer at a
     time (unchanged when there are none, or their layer dim is split)."""
     layers = tree.get("layers") if isinstance(tree, dict) else None
@@ -254,15 +254,44 @@ def _layer_by_layer(tree: Any, shardings: Any) -> Any:
     if any(not hasattr(t, "spec") or (len(t.spec) and t.spec[0] is not None) for t in leaves):
         return tree
     per_layer = jax.tree.map(lambda t: NamedSharding(t.mesh, PartitionSpec(*t.spec[1:])), targets)
+    axes = logical_axes(config).get("layers")
+    if not isinstance(axes, dict) or set(axes) != set(layers):  # e.g. a LoRA adapter tree
+        axes = jax.tree.map(lambda x: (None,) * x.ndim, layers)
+    # The FSDP-stored dim (``embed``) of each weight, its layer dim dropped, or None.
+    fsdp_dims = jax.tree.map(
+        lambda a: a.index("embed") - 1 if "embed" in a else -1,
+        axes,
+        is_leaf=lambda a: isinstance(a, tuple),
+    )
 
-    def move(_, layer):  # one layer gathered whole, then sliced to its serving shard
-        whole = jax.tree.map(
-            lambda x, t: _constrain(x, NamedSharding(t.mesh, PartitionSpec())), layer, per_layer
-        )
-        return None, jax.tree.map(_constrain, whole, per_layer)
+    def move(_, layer):
+        return None, jax.tree.map(_move_layer, layer, fsdp_dims, per_layer)
 
     _, moved = jax.lax.scan(move, None, layers)
     return {**tree, "layers": moved}
+
+
+def _move_layer(x: jax.Array, fsdp_dim: int, target: NamedSharding) -> jax.Array:
+    """One layer's weight from its stored (FSDP) sharding to its serving one in two clean
+    collectives: the dim FSDP splits (``fsdp_dim``; ``-1``: none), whole in serving, first lies
+    on the serving mesh's ``data`` axis with the serving split in place (an all-to-all within
+    each data group), then is gathered over ``data``. Each device so receives about its
+    serving shard, not the whole layer (a direct move gathers the layer first)."""
+    sizes = dict(target.mesh.shape)
+
+    def axes(entry: Any) -> tuple[str, ...]:  # the entry's mesh axes of size > 1
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return tuple(a for a in names if sizes[a] > 1)
+
+    spec = [*target.spec, *[None] * (x.ndim - len(target.spec))]
+    data = sizes.get("data", 1)
+    used = {a for entry in spec for a in axes(entry)}
+    dim = fsdp_dim
+    if dim >= 0 and data > 1 and "data" not in used and not axes(spec[dim]):
+        if x.shape[dim] % data == 0:
+            staged = PartitionSpec(*spec[:dim], "data", *spec[dim + 1 :])
+            x = _constrain(x, NamedSharding(target.mesh, staged))
+    return _constrain(x, target)
 
 
 def free_device_bytes(mesh: Mesh) -> float | None:
