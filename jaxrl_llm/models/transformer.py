@@ -176,6 +176,7 @@ class Transformer(nnx.Module):
             context = _context_layout(config, tokens, positions, attention_mask, segment_ids)
             tokens, positions, attention_mask, segment_ids, query_slots = context.arrays
             key_valid = attention_mask
+            routing = context.arrange_routing(routing)
         rope = rope_angles(config, positions)
         # Gemma 3: the sliding-window layers rotate with a base of their own.
         local_rope = None
@@ -263,6 +264,8 @@ class Transformer(nnx.Module):
         )
         if context is not None:  # back in slot order, the padding dropped
             final = context.restore(constrain(final, "batch", seq_axis, "embed"))
+            router_logits = context.restore(router_logits, axis=2)
+            chosen = context.restore(chosen, axis=2)
         hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
         out: tuple[Any, ...] = (hidden, new_cache)
@@ -362,9 +365,19 @@ class _ContextLayout(NamedTuple):
     order: np.ndarray
     length: int
 
-    def restore(self, hidden: Array) -> Array:
-        """``[B, T', D]`` in permuted order -> ``[B, T, D]`` in slot order."""
-        return jnp.take(hidden, np.argsort(self.order)[: self.length], axis=1)
+    def restore(self, x: Array | None, axis: int = 1) -> Array | None:
+        """``[.., T', ..]`` (positions on ``axis``) in permuted order -> ``[.., T, ..]`` in
+        slot order (None stays None)."""
+        if x is None:
+            return None
+        return jnp.take(x, np.argsort(self.order)[: self.length], axis=axis)
+
+    def arrange_routing(self, routing: Array | None) -> Array | None:
+        """Replayed ``[L, B, T, k]`` expert ids padded (``-1``: route freely) and permuted."""
+        if routing is None:
+            return None
+        pad = ((0, 0), (0, 0), (0, self.order.shape[0] - self.length), (0, 0))
+        return jnp.take(jnp.pad(routing, pad, constant_values=-1), self.order, axis=2)
 
 
 def _context_layout(
@@ -376,10 +389,11 @@ def _context_layout(
 ) -> _ContextLayout:
     """The sequence padded to whole load-balanced chunks (masked, segment 0) and put in zigzag
     order, with each position's slot (see ``models.context_parallel``)."""
-    if config.is_moe:
+    mesh = jax.sharding.get_abstract_mesh()
+    if config.is_moe and dict(mesh.shape).get("expert", 1) > 1:
         raise ValueError(
-            "context parallelism (mesh.sequence > 1) is not available for mixture-of-experts "
-            "models yet; use mesh.sequence=1"
+            "context parallelism (mesh.sequence > 1) and expert parallelism (mesh.expert > 1) "
+            "do not combine yet: use one of them"
         )
     count = context_parallel.shards()
     seq = tokens.shape[1]

@@ -237,8 +237,8 @@ class MeshSection:
     ``sequence`` axis of that size: the training-side forwards (update, log-probs, critic)
     split every row's positions over it, gathering each layer's keys and values
     (``models.context_parallel``), and the weights are stored split over ``fsdp x sequence``.
-    For completions too long for one chip's activations (32k-token chains of thought); dense
-    models.
+    For completions too long for one chip's activations (32k-token chains of thought); not yet
+    together with ``expert``.
 
     ``rollout_devices``: an RL job's first N devices only sample (their own serving mesh,
     weights copied over after each update); the trainer's mesh takes the rest. 0 = shared.

@@ -4,7 +4,8 @@ sequence split over the ``sequence`` mesh axis.
 On 8 fake CPU devices (``mesh.sequence=4 mesh.fsdp=2``) the log-prob forward and the gradient
 of a GRPO-style surrogate plus entropy equal the one-device result, whose forward is checked
 against transformers elsewhere (padded rows, packed rows, Gemma-style sliding windows with soft
-caps); the attention alone (packed rows, windows, caps, gpt-oss's sinks) equals a float64 NumPy
+caps, a mixture of experts with its router logits and replayed routing); the attention alone
+(packed rows, windows, caps, gpt-oss's sinks) equals a float64 NumPy
 reference; the compiled HLO gathers each layer's keys and values over groups
 of the 4 sequence devices and moves no activation over fsdp. The zigzag order is checked by
 hand.
@@ -297,19 +298,68 @@ def test_each_layer_gathers_keys_and_values_over_the_sequence_devices():
             assert _group(m["rest"]) in (4,), m.group(0)[:300]
 
 
-def test_mixture_of_experts_is_refused_on_a_sequence_mesh():
-    if len(jax.devices()) < 2:
-        pytest.skip("needs 2 devices")
-    config = _config(
-        architecture="Qwen3MoeForCausalLM",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
+MOE = dict(
+    architecture="Qwen3MoeForCausalLM",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
+
+
+@EIGHT
+def test_mixture_of_experts_split_over_the_sequence_match_one_device():
+    """A mixture of experts on the sequence mesh: hidden states, router logits and the chosen
+    experts in slot order equal the one-device forward's, replaying those experts (routing
+    replay) gives the same output, and the gradient of a loss over both agrees."""
+    config = _config(**MOE)
+    params = models.init_params(config, jax.random.key(0))
+    prompt, prompt_mask, completion, completion_mask, _ = _batch(2)
+    tokens = jnp.concatenate([prompt, completion], axis=1)
+    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+
+    def run(p, routing=None):
+        hidden, _, logits, chosen = models.forward(
+            p,
+            config,
+            tokens,
+            attention_mask=mask,
+            routing=routing,
+            return_router_logits=True,
+            return_routing=True,
+        )
+        return hidden, logits, chosen
+
+    def loss(p):
+        hidden, logits, _ = run(p)
+        return jnp.sum((hidden * mask[..., None]) ** 2) + jnp.sum(logits * mask[None, ..., None])
+
+    want = jax.jit(run)(params)
+    want_grads = jax.jit(jax.grad(loss))(params)
+    with jax.set_mesh(parallel.make_mesh(data=1, fsdp=2, sequence=4)):
+        got = jax.jit(run)(params)
+        replayed = jax.jit(run)(params, want[2])
+        grads = jax.jit(jax.grad(loss))(params)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(got[0])[real], np.asarray(want[0])[real], atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(got[1])[:, real], np.asarray(want[1])[:, real], rtol=1e-5, atol=1e-6
     )
+    np.testing.assert_array_equal(np.asarray(got[2])[:, real], np.asarray(want[2])[:, real])
+    np.testing.assert_allclose(np.asarray(replayed[0])[real], np.asarray(want[0])[real], atol=2e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        # Sums over 8 x 2 shards in another order: float32 rounding of a large loss.
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-4)
+
+
+def test_expert_and_sequence_axes_together_are_refused():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    config = _config(**MOE)
     params = models.init_params(config, jax.random.key(0))
     tokens = jnp.zeros((2, 8), jnp.int32)
-    with jax.set_mesh(parallel.make_mesh(data=1, fsdp=1, sequence=2, devices=jax.devices()[:2])):
-        with pytest.raises(ValueError, match="context parallelism .* mixture-of-experts"):
+    mesh = parallel.make_mesh(data=1, fsdp=1, sequence=2, expert=2, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="context parallelism .* expert parallelism"):
             jax.jit(lambda p: models.forward(p, config, tokens)[0])(params)
 
 
