@@ -260,6 +260,11 @@ class MeshSection:
                 raise ValueError(
                     f"mesh.{name} must be a positive int (1: no {what} parallelism), got {size!r}"
                 )
+        if self.expert > 1 and self.sequence > 1:
+            raise ValueError(
+                f"mesh.expert={self.expert} and mesh.sequence={self.sequence}: expert and "
+                "context parallelism do not combine yet; set one of them to 1"
+            )
 
 
 WANDB_MODES = ("online", "offline", "disabled")

@@ -138,3 +138,15 @@ def test_mesh_section_expert_key():
     for bad in (0, -1, True, 2.5):
         with pytest.raises(ValueError, match="mesh.expert must be a positive int"):
             MeshSection(expert=bad)
+
+
+def test_mesh_section_sequence_key():
+    from jaxrl_llm.train.config import MeshSection  # noqa: PLC0415
+
+    assert MeshSection().sequence == 1
+    assert MeshSection(sequence=4, fsdp=2).sequence == 4
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="mesh.sequence must be a positive int"):
+            MeshSection(sequence=bad)
+    with pytest.raises(ValueError, match="expert and context parallelism do not combine"):
+        MeshSection(expert=2, sequence=2)
