@@ -310,7 +310,7 @@ def test_teacher_devices_reserve_the_last_chips(paths):
         # 8 rows over 3 teacher chips, as ``RLTrainer`` checks them.
         (("teacher.devices=3",), "rollout batch on teacher.devices"),
         # The trainer's fsdp 4 does not fit the 2 chips left.
-        (("teacher.devices=6",), "mesh .* needs 4 chips"),
+        (("teacher.devices=6",), "mesh .* needs 4 devices"),
     ],
 )
 def test_teacher_devices_refusals(paths, overrides, message):
