@@ -251,6 +251,57 @@ def test_context_attention_matches_a_float64_reference(features):
     np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5)
 
 
+@EIGHT
+def test_the_splash_path_matches_a_float64_reference(monkeypatch):
+    """The TPU path (two splash kernels a device, keys put back in slot order, the device's
+    offsets chosen by ``lax.switch``), run in the Pallas interpreter on 2 sequence devices
+    over 512 zigzag-ordered positions with packed rows and sinks, against float64 NumPy."""
+    from jaxrl_llm.models import attention_backends  # noqa: PLC0415
+
+    monkeypatch.setattr(context_parallel, "uses_splash", lambda *a, **k: True)
+    kernel = attention_backends.splash_chunk_attention
+    monkeypatch.setattr(
+        attention_backends,
+        "splash_chunk_attention",
+        lambda *a, **k: kernel(*a, **k, interpret=True),
+    )
+    rng = np.random.default_rng(7)
+    batch, seq, heads, kv_heads, dim = 4, 512, 2, 1, 32
+    q = rng.normal(size=(batch, seq, heads, dim)).astype(np.float32)
+    k = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
+    v = rng.normal(size=(batch, seq, kv_heads, dim)).astype(np.float32)
+    valid = np.ones((batch, seq), bool)
+    valid[0, :37] = False
+    valid[1, 300:] = False
+    segments = valid.astype(np.int32)
+    segments[2, 200:] = 2
+    segments[3, 100:450] = 3
+    sinks = rng.normal(size=heads).astype(np.float32)
+    want = _reference_attention(
+        q, k, v, valid, segments, scale=0.2, window=None, cap=None, sinks=sinks
+    )
+    order = context_parallel.zigzag(seq, 2)
+
+    def attend(q, k, v, valid, segments, sinks):
+        return context_parallel.attention(
+            q,
+            k,
+            v,
+            key_valid=valid,
+            slots=jnp.asarray(order, jnp.int32),
+            segment_ids=segments,
+            scale=0.2,
+            sinks=sinks,
+        )
+
+    with jax.set_mesh(parallel.make_mesh(data=1, fsdp=4, sequence=2)):
+        got = jax.jit(attend)(
+            *(jnp.asarray(x[:, order]) for x in (q, k, v, valid, segments)), jnp.asarray(sinks)
+        )
+    got = np.asarray(got)[:, np.argsort(order)]
+    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-4, atol=2e-4)
+
+
 COLLECTIVE = re.compile(
     r"^\s*\S+ = (?P<shape>.*?) (?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)(?:-start)?\((?P<rest>.*)$",
