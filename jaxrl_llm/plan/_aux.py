@@ -1,7 +1,8 @@
 """``plan``'s auxiliary trained models: PPO's critic and PRIME's implicit PRM.
 
-Each is built as its trainer builds it (``PPOTrainer``, ``PRIMETrainer``): an abstract state
-resident all step (the ``aux_model`` memory part) and the programs that read or train it.
+Each is built from the description its trainer builds from (``train.rl.ppo.CriticLayout``,
+``train.rl.prime.prm_params_axes`` / ``fresh_prm_params``): an abstract state resident all
+step (the ``aux_model`` memory part) and the programs that read or train it.
 
 PPO's critic (``PPOTrainer.setup_extra_networks``) is the policy's architecture with a scalar
 head, or with ``critic.init=reward_model`` the architecture of the scalar-head model at
@@ -14,7 +15,7 @@ memory parts, each byte counted once: the policy's parameters, their moments and
 counters (``parameters``, ``optimizer_state``), the critic's parameters and moments
 (``aux_model``).
 
-With ``model.lora`` (``PPOTrainer._lora_value_params``, ``PRIMETrainer``) the auxiliary model
+With ``model.lora`` (``PPOTrainer``, ``PRIMETrainer``) the auxiliary model
 trains adapters too: the critic its own adapters and scalar head over a frozen backbone -- the
 policy's base itself with ``critic.init=policy`` (``adapters.backbone_view``: the same arrays,
 counted once, in ``frozen_base``) or ``critic.path``'s backbone in the compute dtype with
@@ -29,11 +30,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from jaxrl_llm import models, parallel
-from jaxrl_llm.models import heads, lora
+from jaxrl_llm import models
+from jaxrl_llm.models import heads
 from jaxrl_llm.plan._frozen_model import side_model_config
 from jaxrl_llm.plan._job import (
     PlanError,
@@ -43,6 +42,8 @@ from jaxrl_llm.plan._job import (
 )
 from jaxrl_llm.train import adapters, setup
 from jaxrl_llm.train.optim import make_model_optimizer
+from jaxrl_llm.train.rl.ppo import CriticLayout
+from jaxrl_llm.train.rl.prime import fresh_prm_params, prm_params_axes
 from jaxrl_llm.train.state import TrainState, abstract_train_state
 from jaxrl_llm.train.step import merge_trees
 
@@ -104,72 +105,6 @@ class Aux:
         return trained if frozen is None else merge_trees(frozen, trained)
 
 
-def _lora_critic(cfg, config, mesh: Mesh, dtype, policy_frozen):
-    """A LoRA critic's halves (``PPOTrainer._lora_value_params``): ``(init, axes)`` of its
-    trained parameters (fresh adapters of the backbone and the ``[D, 1]`` head, in ``dtype``)
-    and ``(frozen, shardings, own bytes)``: the policy's base without its unembedding (the same
-    arrays) or ``critic.path``'s backbone in the compute dtype."""
-    backbone = heads.backbone_config(config)
-    base_axes, adapter_axes = lora.split(models.logical_axes(backbone))
-
-    def init(key):
-        return {
-            "backbone": lora.init_adapters(backbone, key, dtype=dtype),
-            "score": jnp.zeros((config.hidden_size, 1), dtype),
-        }
-
-    axes = {"backbone": adapter_axes, "score": heads.scalar_logical_axes(config)["score"]}
-    if cfg.critic.init != "reward_model":
-        view = adapters.backbone_view
-        return (init, axes), (view(policy_frozen.base), view(policy_frozen.shardings), 0)
-    shapes = lora.split(models.param_shapes(backbone))[0]
-    shardings = parallel.logical_to_sharding(base_axes, mesh, parallel.PARAM_RULES, shapes=shapes)
-    base_dtype = adapters.base_dtype(config, dtype)
-    frozen = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, base_dtype, sharding=s), shapes, shardings
-    )
-    return (init, axes), ({"backbone": frozen}, {"backbone": shardings}, shard_bytes(frozen))
-
-
-def abstract_critic_state(
-    model_config: models.ModelConfig, optimizer, mesh: Mesh, param_dtype
-) -> tuple[TrainState, TrainState]:
-    """PPO's critic state (``PPOTrainer``: ``model_config``'s backbone with a scalar head, its
-    own optimizer), shapes only, with its shardings."""
-    return abstract_train_state(
-        model_config,
-        optimizer,
-        mesh=mesh,
-        init_params=lambda key: heads.init_scalar_params(model_config, key, dtype=param_dtype),
-        params_axes=heads.scalar_logical_axes(model_config),
-    )
-
-
-def abstract_joint_state(
-    model_config: models.ModelConfig,
-    value_config: models.ModelConfig,
-    optimizer,
-    mesh: Mesh,
-    param_dtype,
-) -> tuple[TrainState, TrainState]:
-    """``critic.optimizer=joint``: one state over ``{"policy", "value"}`` with the trainer's
-    optimizer, its parameter axes those ``PPOTrainer.setup_extra_networks`` gives it."""
-
-    def init(key):
-        return {
-            "policy": models.init_params(model_config, key, dtype=param_dtype),
-            "value": heads.init_scalar_params(value_config, key, dtype=param_dtype),
-        }
-
-    axes = {
-        "policy": models.logical_axes(model_config),
-        "value": heads.scalar_logical_axes(value_config),
-    }
-    return abstract_train_state(
-        model_config, optimizer, mesh=mesh, init_params=init, params_axes=axes
-    )
-
-
 def policy_view(tree: TrainState) -> TrainState:
     """The policy's share of a joint state (or of its shardings): its parameters, the state's
     step and key; the optimizer state, over both models, is left out (``with_aux_bytes``)."""
@@ -197,18 +132,17 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=
         if objective.needs_critic:  # PPO
             return _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen)
         if objective.needs_process_rewards:  # PRIME: a trainable copy of the policy
-            prime = cfg.prime
-            own = make_model_optimizer(prime)
-            if policy_frozen is None:
-                state = abstract_train_state(model_config, own, mesh=mesh, param_dtype=dtype)
-                return Aux(own, *state, model_config)
-            state = abstract_train_state(  # LoRA: its own adapters over the policy's base
+            own = make_model_optimizer(cfg.prime)
+            state = abstract_train_state(
                 model_config,
                 own,
                 mesh=mesh,
-                init_params=lambda key: lora.init_adapters(model_config, key, dtype=dtype),
-                params_axes=lora.split(models.logical_axes(model_config))[1],
+                init_params=lambda key: fresh_prm_params(model_config, key, dtype),
+                params_axes=prm_params_axes(model_config),
             )
+            if policy_frozen is None:
+                return Aux(own, *state, model_config)
+            # LoRA: its own adapters over the policy's base
             return Aux(
                 own,
                 *state,
@@ -225,44 +159,45 @@ def aux_state(cfg, objective, model_config, mesh, optimizer=None, policy_frozen=
 
 
 def _critic_state(cfg, model_config, mesh, optimizer, dtype, policy_frozen) -> Aux:
-    """PPO's critic (``PPOTrainer.setup_extra_networks``), separate or joint, full or LoRA."""
+    """PPO's critic (``PPOTrainer.setup_extra_networks``), separate or joint, full or LoRA:
+    the state ``CriticLayout`` describes, and a LoRA critic's frozen backbone -- the policy's
+    base itself (``critic.init=policy``: the same arrays) or ``critic.path``'s backbone in
+    the compute dtype (its own)."""
     critic = cfg.critic
     config = critic_config(cfg, model_config)
-    source = critic.path if critic.init == "reward_model" else None
-    joint = critic.optimizer == "joint"
-    own = None if joint else make_model_optimizer(critic)
-    if policy_frozen is None:
-        if joint:
-            state = abstract_joint_state(model_config, config, optimizer, mesh, dtype)
-            return Aux(optimizer, *state, config, joint=True, source=source)
-        return Aux(own, *abstract_critic_state(config, own, mesh, dtype), config, False, source)
-    config = dataclasses.replace(config, lora=model_config.lora)
-    (init, axes), (frozen, frozen_shardings, own_bytes) = _lora_critic(
-        cfg, config, mesh, dtype, policy_frozen
-    )
-    extra = {"source": source, "own_frozen": own_bytes}
-    if not joint:
-        state = abstract_train_state(config, own, mesh=mesh, init_params=init, params_axes=axes)
-        return Aux(own, *state, config, frozen=frozen, frozen_shardings=frozen_shardings, **extra)
-    policy_axes = lora.split(models.logical_axes(model_config))[1]
+    if policy_frozen is not None:
+        config = dataclasses.replace(config, lora=model_config.lora)
+    layout = CriticLayout(model_config, config, critic.optimizer == "joint")
+    own = optimizer if layout.joint else make_model_optimizer(critic)
     state = abstract_train_state(
-        model_config,
-        optimizer,
+        layout.state_config,
+        own,
         mesh=mesh,
-        init_params=lambda key: {
-            "policy": lora.init_adapters(model_config, key, dtype=dtype),
-            "value": init(key),
-        },
-        params_axes={"policy": policy_axes, "value": axes},
+        init_params=lambda key: layout.fresh_state_params(key, dtype),
+        params_axes=layout.state_axes,
     )
+    source = critic.path if critic.init == "reward_model" else None
+    if policy_frozen is None:
+        return Aux(own, *state, config, joint=layout.joint, source=source)
+    own_bytes = 0
+    if critic.init == "reward_model":
+        frozen, frozen_shardings = adapters.frozen_scalar_layout(config, mesh, param_dtype=dtype)
+        own_bytes = shard_bytes(frozen)
+    else:
+        frozen = adapters.backbone_view(policy_frozen.base)
+        frozen_shardings = adapters.backbone_view(policy_frozen.shardings)
+    if layout.joint:
+        frozen = {"policy": policy_frozen.base, "value": frozen}
+        frozen_shardings = {"policy": policy_frozen.shardings, "value": frozen_shardings}
     return Aux(
-        optimizer,
+        own,
         *state,
         config,
-        joint=True,
-        frozen={"policy": policy_frozen.base, "value": frozen},
-        frozen_shardings={"policy": policy_frozen.shardings, "value": frozen_shardings},
-        **extra,
+        joint=layout.joint,
+        source=source,
+        frozen=frozen,
+        frozen_shardings=frozen_shardings,
+        own_frozen=own_bytes,
     )
 
 

@@ -217,16 +217,33 @@ def frozen_scalar_base(
         backbone = {k: v for k, v in params.items() if k != "lm_head"}
         fresh = jax.random.normal(key, (config.hidden_size, 1), jnp.float32)
         score = heads.DEFAULT_SCORE_STD * fresh
-    base_axes = lora.split(models.logical_axes(heads.backbone_config(config)))[0]
-    base_shapes = lora.split(models.param_shapes(heads.backbone_config(config)))[0]
+    abstract, shardings = frozen_scalar_layout(config, mesh, param_dtype=param_dtype)
+    dtype = jax.tree.leaves(abstract)[0].dtype
+    frozen = _cast_to({"backbone": lora.split(backbone)[0]}, dtype, shardings)
+    return frozen, shardings, score
+
+
+def frozen_scalar_layout(
+    config: models.ModelConfig, mesh, *, param_dtype=jnp.float32
+) -> tuple[PyTree, PyTree]:
+    """``(abstract, shardings)`` of a LoRA scalar-head model's frozen ``{"backbone": base}``
+    of its own (:func:`frozen_scalar_base`): ``ShapeDtypeStruct``s in the compute dtype
+    carrying their ``NamedSharding``s on ``mesh``, and those shardings."""
+    backbone = heads.backbone_config(config)
+    base_axes = lora.split(models.logical_axes(backbone))[0]
+    base_shapes = lora.split(models.param_shapes(backbone))[0]
     shardings = {
         "backbone": parallel.logical_to_sharding(
             base_axes, mesh, parallel.PARAM_RULES, shapes=base_shapes
         )
     }
     dtype = base_dtype(config, param_dtype)
-    frozen = _cast_to({"backbone": lora.split(backbone)[0]}, dtype, shardings)
-    return frozen, shardings, score
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s),
+        {"backbone": base_shapes},
+        shardings,
+    )
+    return abstract, shardings
 
 
 def merged_scalar(config: models.ModelConfig, params: PyTree) -> PyTree:

@@ -11,6 +11,7 @@ separate optimizers or with one optimizer over both (``pg + value_coef·vf``). D
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -254,6 +255,90 @@ def critic_programs(
     return programs
 
 
+@dataclasses.dataclass(frozen=True)
+class CriticLayout:
+    """PPO's critic state as ``PPOTrainer`` builds it and ``plan`` counts it: which parameter
+    tree the critic's ``TrainState`` holds, its logical axes and its fresh initialisation.
+
+    Separate (``critic.optimizer=separate``): the state holds the critic's trained
+    parameters under its own optimizer; joint: one state over ``{"policy": ..., "value":
+    ...}`` under the trainer's. Full: the trained parameters are a scalar-head model
+    (``heads.ScalarParams``); LoRA (``value.lora`` set): ``{"backbone": adapters, "score":
+    [D, 1]}`` over a frozen backbone (and a joint policy's trained half is its adapters).
+
+    Attributes:
+      policy: the policy's ``ModelConfig``.
+      value: the critic's (the policy's, or ``critic.path``'s; ``lora`` set for a LoRA critic).
+      joint: ``critic.optimizer=joint``.
+    """
+
+    policy: models.ModelConfig
+    value: models.ModelConfig
+    joint: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.value.lora is not None
+
+    @property
+    def state_config(self) -> models.ModelConfig:
+        """The ``ModelConfig`` the state is created with (the policy's for a joint state)."""
+        return self.policy if self.joint else self.value
+
+    @property
+    def value_axes(self) -> Any:
+        """Logical axes of the critic's trained parameters."""
+        axes = heads.scalar_logical_axes(self.value)
+        if not self.lora:
+            return axes
+        backbone = models.logical_axes(heads.backbone_config(self.value))
+        return {"backbone": lora.split(backbone)[1], "score": axes["score"]}
+
+    @property
+    def state_axes(self) -> Any:
+        """Logical axes of the state's parameters (``create_train_state``'s ``params_axes``)."""
+        if not self.joint:
+            return self.value_axes
+        policy = models.logical_axes(self.policy)
+        return {
+            "policy": lora.split(policy)[1] if self.lora else policy,
+            "value": self.value_axes,
+        }
+
+    def state_params(self, policy: Any, value: Any) -> Any:
+        """The state's parameter tree from the policy's and the critic's trained halves."""
+        return {"policy": policy, "value": value} if self.joint else value
+
+    def fresh_value(self, key: jax.Array, dtype=jnp.float32, backbone: Any = None) -> Any:
+        """Fresh trained critic parameters: a scalar head (``N(0, 0.02²)``) over ``backbone``
+        (None: a random one); LoRA: PEFT-initialised adapters (``B = 0``) and such a head."""
+        if not self.lora:
+            return heads.init_scalar_params(self.value, key, backbone=backbone, dtype=dtype)
+        adapter_key, score_key = jax.random.split(key)
+        score = heads.DEFAULT_SCORE_STD * jax.random.normal(
+            score_key, (self.value.hidden_size, 1), jnp.float32
+        )
+        return {
+            "backbone": lora.init_adapters(
+                heads.backbone_config(self.value), adapter_key, dtype=dtype
+            ),
+            "score": score.astype(dtype),
+        }
+
+    def fresh_state_params(self, key: jax.Array, dtype=jnp.float32) -> Any:
+        """The state's parameters freshly initialised (``plan`` reads their shapes): with
+        ``joint`` a random policy (LoRA: fresh adapters) beside :meth:`fresh_value`."""
+        policy_key, value_key = jax.random.split(key)
+        value = self.fresh_value(value_key, dtype)
+        if not self.joint:
+            return value
+        if self.lora:
+            policy = lora.init_adapters(self.policy, policy_key, dtype=dtype)
+        else:
+            policy = models.init_params(self.policy, policy_key, dtype=dtype)
+        return self.state_params(policy, value)
+
+
 def explained_variance(values: np.ndarray, returns: np.ndarray, mask: np.ndarray) -> float:
     """``1 − Var[R − V] / Var[R]`` over valid tokens (1 = perfect critic, ≤ 0 = useless).
 
@@ -354,38 +439,35 @@ class PPOTrainer(RLTrainer):
             )
         return adapters.scalar_lora_params(
             self.value_config, score, key=adapter_key, mesh=run.mesh, param_dtype=dtype
-        )
+        )[0]
 
     def setup_extra_networks(self) -> None:
         run, critic = self.run, self.cfg.critic
         self.value_config, value_params = self._initial_value_params()
-        axes = heads.scalar_logical_axes(self.value_config)
-        policy_axes = models.logical_axes(run.model_config)
+        layout = CriticLayout(run.model_config, self.value_config, self.joint)
         if self.base is not None:
-            value_params, axes = self._lora_value_params(value_params)
-            policy_axes = lora.split(policy_axes)[1]
+            value_params = self._lora_value_params(value_params)
         key = jax.random.fold_in(self.key, 8)
         if self.joint:
-            params = {"policy": self.state.params, "value": value_params}
             self.state, self.joint_shardings = create_train_state(
-                run.model_config,
+                layout.state_config,
                 self.optimizer,
                 key=key,
                 mesh=run.mesh,
-                params=params,
-                params_axes={"policy": policy_axes, "value": axes},
+                params=layout.state_params(self.state.params, value_params),
+                params_axes=layout.state_axes,
                 entropy_control=self.state.entropy_control,
             )
             return
         optimizer = make_model_optimizer(critic)
         self.value_optimizer = optimizer
         self.value_state, self.value_shardings = create_train_state(
-            self.value_config,
+            layout.state_config,
             optimizer,
             key=key,
             mesh=run.mesh,
             params=value_params,
-            params_axes=axes,
+            params_axes=layout.state_axes,
         )
 
     def compile(self) -> None:
@@ -490,6 +572,7 @@ class PPOTrainer(RLTrainer):
 
 
 __all__ = [
+    "CriticLayout",
     "critic_programs",
     "joint_update",
     "PPOTrainer",

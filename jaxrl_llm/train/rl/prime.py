@@ -14,9 +14,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import objectives, parallel
+from jaxrl_llm import models, objectives, parallel
 from jaxrl_llm.losses import implicit_prm
 from jaxrl_llm.models import lora
 from jaxrl_llm.train import adapters, setup
@@ -116,6 +117,22 @@ def prm_programs(
     }
 
 
+def prm_params_axes(model_config) -> Any:
+    """Logical axes of the PRM state's parameters: the policy's (the PRM is a trained copy of
+    the policy), or with ``model.lora`` its own adapters' (over the policy's frozen base)."""
+    axes = models.logical_axes(model_config)
+    return axes if model_config.lora is None else lora.split(axes)[1]
+
+
+def fresh_prm_params(model_config, key: jax.Array, dtype=jnp.float32) -> Any:
+    """The PRM state's parameters, fresh (``plan`` reads their shapes; ``PRIMETrainer``
+    starts a full PRM as a copy of the policy instead): a random policy, or with
+    ``model.lora`` PEFT-initialised adapters (``B = 0``: the PRM starts as the policy)."""
+    if model_config.lora is None:
+        return models.init_params(model_config, key, dtype=dtype)
+    return lora.init_adapters(model_config, key, dtype=dtype)
+
+
 class PRIMETrainer(RLTrainer):
     """The RL loop plus PRIME's implicit PRM (objective with ``advantage="prime"``)."""
 
@@ -142,21 +159,21 @@ class PRIMETrainer(RLTrainer):
         if self.base is not None:
             # LoRA: its own adapters (B = 0: it starts as the policy) over the policy's base.
             adapter_key, key = jax.random.split(key)
-            params, axes = adapters.fresh_adapters(
+            params = adapters.fresh_adapters(
                 self.run.model_config,
                 key=adapter_key,
                 mesh=self.run.mesh,
                 param_dtype=self.spec.precision.param,
-            )
+            )[0]
         else:  # the PRM starts as a copy of the (warm-started) policy, as in the paper
-            params, axes = self.copy_params(self.state.params), None
+            params = self.copy_params(self.state.params)
         self.prm_state, self.prm_shardings = create_train_state(
             self.run.model_config,
             self.prm_optimizer,
             key=key,
             mesh=self.run.mesh,
             params=params,
-            params_axes=axes,
+            params_axes=prm_params_axes(self.run.model_config),
         )
 
     @property
@@ -231,4 +248,10 @@ class PRIMETrainer(RLTrainer):
         return self.rollout_batch(seqs, old, ref, rewards, adv), metrics
 
 
-__all__ = ["PRIMETrainer", "make_prm_loss_fn", "prm_programs"]
+__all__ = [
+    "PRIMETrainer",
+    "fresh_prm_params",
+    "make_prm_loss_fn",
+    "prm_params_axes",
+    "prm_programs",
+]
