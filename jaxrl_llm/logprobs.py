@@ -520,7 +520,7 @@ def _padded(
         attention_mask=mask,
         remat=options.remat,
         dropout_key=options.dropout_key,
-        return_router_logits=router,
+        outputs=("router_logits",) if router else (),
         routing=replayed_routing(options.routing, tokens.shape),
     )
     hidden, router_logits = out[0], (out[2] if router else None)
@@ -636,7 +636,7 @@ def _packed(
         segment_ids=segments,
         remat=options.remat,
         dropout_key=options.dropout_key,
-        return_router_logits=router,
+        outputs=("router_logits",) if router else (),
         routing=replayed_routing(options.routing, shape, plan),
     )
     hidden, router_logits = out[0], (out[2] if router else None)

@@ -42,7 +42,9 @@ def test_moe_router_logits_are_the_forwards_padded_and_packed():
     params = models.init_params(MOE, jax.random.key(1))
     tokens = np.concatenate([seqs.prompt_tokens, seqs.completion_tokens], axis=1)
     real = np.concatenate([seqs.prompt_mask, seqs.completion_mask], axis=1)
-    _, _, want = models.forward(params, MOE, tokens, attention_mask=real, return_router_logits=True)
+    _, _, want = models.forward(
+        params, MOE, tokens, attention_mask=real, outputs=("router_logits",)
+    )
     padded = routed_completion_logprobs(params, MOE, seqs)
     assert padded.router_logits.shape == (MOE.num_hidden_layers, *tokens.shape, 4)
     np.testing.assert_allclose(

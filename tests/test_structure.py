@@ -519,3 +519,46 @@ def test_an_import_of_a_higher_layer_is_found(tmp_path):
     assert layer_of("pkg.mid.m", layers) == 1 and layer_of("pkg", layers) == 2
     against = layer_violations(import_edges(modules, "pkg"), layers)
     assert [(e.source, e.target, e.where) for e in against] == [("pkg.low", "pkg.high", "in f()")]
+
+
+# --- Function size: no function takes more than 12 parameters --------------------------------
+
+MAX_PARAMETERS = 12
+
+
+def wide_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
+    """``file:line name (n)`` of every function or method under ``root`` taking more than
+    ``limit`` parameters (``*args`` and ``**kwargs`` count one each; a method's ``self`` /
+    ``cls`` does not): a job's settings travel in a resolved record, not as loose arguments."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+            if names[:1] in (["self"], ["cls"]):
+                names = names[1:]
+            if len(names) > limit:
+                where = path.relative_to(root.parent)
+                found.append(f"{where}:{node.lineno} {node.name} ({len(names)})")
+    return found
+
+
+def test_no_function_takes_more_than_twelve_parameters():
+    assert wide_functions(PACKAGE_DIR) == []
+
+
+def test_the_width_check_counts_every_kind_of_parameter(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "m.py").write_text(
+        "def ok(a, b, c, d, e, f, g, h, i, j, k, l): pass\n"
+        "def wide(a, /, b, *args, c, d, e, f, g, h, i, j, k, **kwargs): pass\n"
+        "class C:\n"
+        "    def method(self, a, b, c, d, e, f, g, h, i, j, k, l): pass\n"
+        "    def wider(self, a, b, c, d, e, f, g, h, i, j, k, *, l, m): pass\n",
+        encoding="utf-8",
+    )
+    assert wide_functions(package) == ["pkg/m.py:2 wide (13)", "pkg/m.py:5 wider (13)"]

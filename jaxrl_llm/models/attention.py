@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +182,7 @@ def attention_implementations() -> tuple[str, ...]:
       backward pass, each block against only the keys up to its last query (faster than
       ``"xla"`` on CPU; keeps about half of the ``O(S^2)`` probabilities).
     * ``"splash"``: the Pallas TPU splash-attention kernel (``O(S)`` memory; it takes
-      attention sinks); pass ``interpret=True`` to emulate it off TPU (slow; for tests).
+      attention sinks); ``KernelOptions(interpret=True)`` emulates it off TPU (slow; tests).
     * ``"cudnn"``: cuDNN flash attention via ``jax.nn.dot_product_attention`` (NVIDIA GPU,
       bf16/f16; ``O(S)`` memory; no soft cap, sliding window or attention sinks).
     """
@@ -230,6 +230,23 @@ def resolve_attention_implementation(
     return "einsum" if platform == "cpu" else "xla"
 
 
+class KernelOptions(NamedTuple):
+    """Tiling and emulation of ``dot_product_attention``'s fused kernels.
+
+    Attributes:
+      block_q: queries per block. ``"splash"``: a multiple of 128 (default 512); ``"einsum"``:
+        any positive int (default: about 3 MiB of f32 scores per block, at most 16 blocks).
+      block_kv: ``"splash"`` keys per block, a multiple of 128 (default 512). The sequence is
+        padded to a multiple of 128 (padding masked, output sliced) and each splash block
+        shrinks to the largest multiple of 128 that divides the padded length.
+      interpret: run ``"splash"`` in the Pallas interpreter (off TPU, for tests).
+    """
+
+    block_q: int | None = None
+    block_kv: int | None = None
+    interpret: bool = False
+
+
 def dot_product_attention(
     q: Array,
     k: Array,
@@ -238,9 +255,7 @@ def dot_product_attention(
     key_valid: Array,
     scale: float,
     implementation: str = "auto",
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    interpret: bool = False,
+    kernel: KernelOptions | None = None,
     logit_softcap: float | None = None,
     sliding_window: int | None = None,
     window_active: Any = True,
@@ -267,12 +282,8 @@ def dot_product_attention(
       key_valid: ``[B, S]`` bool, True on real tokens.
       scale: score multiplier, usually ``H ** -0.5`` (a Python number).
       implementation: one of ``attention_implementations()``.
-      block_q: queries per block. ``"splash"``: a multiple of 128 (default 512); ``"einsum"``:
-        any positive int (default: about 3 MiB of f32 scores per block, at most 16 blocks).
-      block_kv: ``"splash"`` keys per block, a multiple of 128 (default 512). The sequence is
-        padded to a multiple of 128 (padding masked, output sliced) and each splash block
-        shrinks to the largest multiple of 128 that divides the padded length.
-      interpret: run ``"splash"`` in the Pallas interpreter (off TPU, for tests).
+      kernel: the fused kernels' tiling and emulation (:class:`KernelOptions`; None: the
+        defaults).
       logit_softcap: ``c``: the scaled scores ``s`` become ``c tanh(s / c)`` before the mask
         (Gemma 2's attention soft-capping), or None. Not on ``"cudnn"``.
       sliding_window: ``W``: query ``i`` sees only the keys ``j > i - W`` (a sliding-window
@@ -298,11 +309,12 @@ def dot_product_attention(
 
     Raises:
       ValueError: bad shapes or dtypes, an unknown ``implementation``, bad block sizes,
-        ``"splash"`` off TPU without ``interpret=True``, ``"cudnn"`` with an unsupported
-        dtype or head dim or with a soft cap, sliding window or sinks, bad sinks, or a bad
-        cap or window.
+        ``"splash"`` off TPU without ``KernelOptions(interpret=True)``, ``"cudnn"`` with an
+        unsupported dtype or head dim or with a soft cap, sliding window or sinks, bad sinks,
+        or a bad cap or window.
     """
     _check_inputs(q, k, v, key_valid)
+    block_q, block_kv, interpret = KernelOptions() if kernel is None else kernel
     scale = _check_scale(scale)
     if logit_softcap is not None:
         logit_softcap = _check_scale(logit_softcap)
@@ -375,7 +387,7 @@ def dot_product_attention(
     if not interpret and current_platform()[0] != "tpu":
         raise ValueError(
             "implementation='splash' needs a TPU (the context mesh's or the default devices); "
-            "pass interpret=True to emulate the kernel elsewhere"
+            "pass kernel=KernelOptions(interpret=True) to emulate the kernel elsewhere"
         )
     splash = functools.partial(
         backends._splash_attention,

@@ -453,8 +453,7 @@ def splash_chunk_attention(
     q: Array,
     k: Array,
     v: Array,
-    q_segments: Array,
-    kv_segments: Array,
+    segments: tuple[Array, Array],
     *,
     offset: int,
     scale: float,
@@ -469,7 +468,8 @@ def splash_chunk_attention(
     per-device core of context parallelism (run it inside the caller's ``jax.shard_map``).
 
     Query ``i`` sits at slot ``offset + i``, key ``j`` at slot ``j``. Query ``i`` of row ``b``
-    sees key ``j`` iff ``j <= offset + i`` and ``q_segments[b, i] == kv_segments[b, j]`` (and,
+    sees key ``j`` iff ``j <= offset + i`` and ``q_segments[b, i] == kv_segments[b, j]``
+    (``segments = (q_segments, kv_segments)``; and,
     with ``sliding_window`` W, ``offset + i - j < W``):
     ``O_i = sum_j p_ij V_j``, ``p_ij = exp(s_ij) / (sum_k exp(s_ik) + exp(σ))`` over the
     visible keys, ``s_ij = cap(scale q_i . k_j)`` (``cap(s) = c tanh(s / c)`` with
@@ -486,9 +486,9 @@ def splash_chunk_attention(
     Args:
       q: ``[B, C, N, H]`` queries (after RoPE).
       k, v: ``[B, S, K, H]`` keys and values of all ``S`` slots in order (``N % K == 0``).
-      q_segments: ``[B, C]`` int32 segment ids of the queries: 0 on pads, ``k >= 1`` on the
-        ``k``-th packed sequence of the row (1 on every real token of an unpacked row).
-      kv_segments: ``[B, S]`` int32 segment ids of the keys, likewise.
+      segments: ``(q_segments [B, C], kv_segments [B, S])`` int32 segment ids of the queries
+        and of the keys: 0 on pads, ``k >= 1`` on the ``k``-th packed sequence of the row (1
+        on every real token of an unpacked row).
       offset: the slot of the first query, ``0 <= offset <= S - C``.
       scale: the score scale (queries are scaled in f32, then cast back to their dtype).
       block_q, block_kv: the kernel's tiles are the largest multiples of 128 that divide C
@@ -507,6 +507,7 @@ def splash_chunk_attention(
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
+    q_segments, kv_segments = segments
     _check_chunk(
         q,
         k,

@@ -81,6 +81,25 @@ CACHE_AXES = KVCache(
 )
 
 
+class LayerCache(NamedTuple):
+    """What one decoder layer's call reads and writes of a cache (``DecoderLayer.__call__``).
+
+    Attributes:
+      kv: the caches ``(k, v)``: stacked ``[L, B, K, S_max, H]`` (with ``layer_index``), this
+        layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or, with ``table``, the block
+        pools (``[L, K, N, P, H]`` or ``[K, N, P, H]``) of a ``PagedKVCache``.
+      cache_index: first cache slot written by this call (int32, ``[]`` or ``[B]``; may be
+        traced).
+      layer_index: this layer's index into stacked caches (int32, may be traced), or None.
+      table: ``[B, S_max // P]`` block table of a paged cache, else None.
+    """
+
+    kv: tuple[Array, Array]
+    cache_index: Array
+    layer_index: Array | None = None
+    table: Array | None = None
+
+
 def init_cache(
     config: ModelConfig, batch_size: int, max_len: int, *, dtype: Any = jnp.bfloat16
 ) -> KVCache:

@@ -27,7 +27,12 @@ from jaxrl_llm.models.attention import (
     window_limit,
 )
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.kv_cache import layer_slice, paged_cache_attention, write_slots
+from jaxrl_llm.models.kv_cache import (
+    LayerCache,
+    layer_slice,
+    paged_cache_attention,
+    write_slots,
+)
 from jaxrl_llm.models.matmul import dense
 from jaxrl_llm.models.moe import ClampedSwiGLU, ExpertBiases, SharedExpert, sparse_mlp
 from jaxrl_llm.parallel.rules import ACTIVATION_RULES, PARAM_RULES, with_logical_constraint
@@ -315,14 +320,10 @@ class DecoderLayer(nnx.Module):
         self,
         x: Array,
         *,
-        cos: Array,
-        sin: Array,
+        rope: tuple[Array, Array],
         query_slots: Array,
         key_valid: Array,
-        kv: tuple[Array, Array] | None = None,
-        layer_index: Array | None = None,
-        cache_index: Array | None = None,
-        table: Array | None = None,
+        cache: LayerCache | None = None,
         dropout_key: Array | None = None,
         local: Any = False,
         segment_ids: Array | None = None,
@@ -333,15 +334,10 @@ class DecoderLayer(nnx.Module):
 
         Args:
           x: ``[B, S, D]`` residual stream.
-          cos, sin: ``[B, S, H/2]`` RoPE angles of the S tokens.
+          rope: ``(cos, sin)``, each ``[B, S, H/2]``: RoPE angles of the S tokens.
           query_slots: ``[S]`` or ``[B, S]`` int32 slot (column) of each query among the keys.
           key_valid: ``[B, S_kv]`` bool, True on keys holding real tokens.
-          kv: the caches ``(k, v)``: stacked ``[L, B, K, S_max, H]`` (with ``layer_index``),
-            this layer's own ``[B, K, S_max, H]`` (``layer_index=None``), or None.
-          layer_index: this layer's index into stacked caches (int32, may be traced).
-          cache_index: first cache slot written by this call (traced int32, ``[]`` or ``[B]``).
-          table: ``[B, S_max // P]`` block table when ``kv`` are the block pools
-            (``[L, K, N, P, H]`` or ``[K, N, P, H]``) of a ``PagedKVCache``, else None.
+          cache: the KV cache this call reads and writes (:class:`LayerCache`), or None.
           dropout_key: this layer's key for LoRA dropout (training), or None (no dropout).
           local: whether this is a sliding-window layer (``config.sliding_layers``): a Python
             bool, or a traced bool inside the layer scan.
@@ -355,11 +351,13 @@ class DecoderLayer(nnx.Module):
 
         Returns:
           ``(x [B, S, D], kv, router_logits)`` with this call's keys/values written into
-          ``kv``; ``router_logits`` is ``[B, S, E]`` f32 in a mixture-of-experts layer, else
-          None.
+          ``cache.kv`` (None without a cache); ``router_logits`` is ``[B, S, E]`` f32 in a
+          mixture-of-experts layer, else None.
         """
-        if context and kv is not None:
+        if context and cache is not None:
             raise ValueError("context parallelism is for forwards without a KV cache")
+        cos, sin = rope
+        kv = None if cache is None else cache.kv
         seq = "sequence" if context else None
         x = constrain(x, "batch", seq, "embed")
         h = self._norm("attn_norm", x)
@@ -412,7 +410,8 @@ class DecoderLayer(nnx.Module):
             mask = attention_mask(key_valid, query_slots, window=limit)
             # Writing only this call's slots (not a whole layer slice) lets XLA update the
             # cache in place inside the sampler's while loop; attention then reads it back.
-            if table is None:
+            layer_index, cache_index = cache.layer_index, cache.cache_index
+            if cache.table is None:
                 kv = tuple(
                     write_slots(c, new, layer_index, cache_index) for c, new in zip(kv, (k, v))
                 )
@@ -433,7 +432,7 @@ class DecoderLayer(nnx.Module):
                     mask,
                     layer_index=layer_index,
                     cache_index=cache_index,
-                    table=table,
+                    table=cache.table,
                     scale=self.scale,
                     key_valid=key_valid,
                     logit_softcap=self.logit_softcap,

@@ -753,7 +753,7 @@ def load_balancing_loss(router_logits: Array, mask: Array | None = None, *, top_
     ``load_balancing_loss_func`` (which a HF MoE model adds as ``router_aux_loss_coef · loss``).
 
     Args:
-      router_logits: ``[L, B, S, E]`` (``forward(..., return_router_logits=True)``) or any
+      router_logits: ``[L, B, S, E]`` (``forward(..., outputs=("router_logits",))``) or any
         ``[..., E]``.
       mask: ``[B, S]`` (or the logits' token dims), 1 on real tokens; None = all real.
       top_k: k of the model (``config.num_experts_per_tok``).

@@ -45,7 +45,13 @@ from jaxrl_llm._checks import check_choice, check_rank
 from jaxrl_llm.models import context_parallel
 from jaxrl_llm.models.attention import apply_rope, cache_attention, rope_angles, softcap
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.kv_cache import CACHE_AXES, KVCache, check_cache, init_cache
+from jaxrl_llm.models.kv_cache import (
+    CACHE_AXES,
+    KVCache,
+    LayerCache,
+    check_cache,
+    init_cache,
+)
 from jaxrl_llm.models.layers import (
     DecoderLayer,
     constrain,
@@ -64,6 +70,8 @@ Array = jax.Array
 Params = dict[str, Any]
 
 REMAT_POLICIES = ("none", "layer", "offload")
+#: What ``forward`` can return after ``(hidden, cache)`` (its ``outputs``), in this order.
+OUTPUTS = ("router_logits", "routing")
 LAYER_INPUT = "decoder_layer_input"  # checkpoint_name of each layer's input (the residual stream)
 
 
@@ -125,14 +133,15 @@ class Transformer(nnx.Module):
         remat: str = "none",
         unstacked_layers: tuple[Params, ...] | None = None,
         dropout_key: Array | None = None,
-        return_router_logits: bool = False,
+        outputs: tuple[str, ...] = (),
         segment_ids: Array | None = None,
         routing: Array | None = None,
-        return_routing: bool = False,
     ) -> tuple[Any, ...]:
         """See ``forward``; ``unstacked_layers`` holds the layers' values (``unstack_layers``)."""
         config = self.config
         check_choice("remat", remat, REMAT_POLICIES)
+        outputs = check_outputs(outputs)
+        return_routing = "routing" in outputs
         check_rank("tokens", tokens, 2)
         batch, seq = tokens.shape
         routing = check_routing(config, routing, tokens.shape)
@@ -200,21 +209,19 @@ class Transformer(nnx.Module):
             state, layer_index, layer_id, layer_routing = xs
             layer = nnx.merge(layer_def, state)
             local = _is_local(config, layer_id)
-            cos, sin = rope
+            angles = rope
             if local_rope is not None and local is True:
-                cos, sin = local_rope
+                angles = local_rope
             elif local_rope is not None and local is not False:  # traced: this layer's pair
-                cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope, strict=True))
+                angles = tuple(
+                    jnp.where(local, a, b) for a, b in zip(local_rope, rope, strict=True)
+                )
             x, kv, router_logits = layer(
                 x,
-                cos=cos,
-                sin=sin,
+                rope=angles,
                 query_slots=query_slots,
                 key_valid=key_valid,
-                kv=kv,
-                layer_index=layer_index,
-                cache_index=cache_index,
-                table=table,
+                cache=None if kv is None else LayerCache(kv, cache_index, layer_index, table),
                 dropout_key=None
                 if dropout_key is None
                 else jax.random.fold_in(dropout_key, layer_id),
@@ -268,12 +275,22 @@ class Transformer(nnx.Module):
             chosen = context.restore(chosen, axis=2)
         hidden = constrain(final, "batch", None, "embed")
         new_cache = None if cache is None else cache._replace(k=kv[0], v=kv[1], mask=key_valid)
-        out: tuple[Any, ...] = (hidden, new_cache)
-        if return_router_logits:
-            out = (*out, router_logits)
-        if return_routing:
-            out = (*out, chosen)
-        return out
+        extra = {"router_logits": router_logits, "routing": chosen}
+        return (hidden, new_cache, *(extra[name] for name in outputs))
+
+
+def check_outputs(outputs: Any) -> tuple[str, ...]:
+    """``forward``'s ``outputs`` as a tuple of :data:`OUTPUTS` names, in their order there.
+
+    Raises:
+      ValueError: an unknown name, or a string instead of a tuple of names.
+    """
+    if isinstance(outputs, str):
+        raise ValueError(f"outputs must be a tuple of names, got the string {outputs!r}")
+    unknown = [name for name in outputs if name not in OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs: unknown {unknown[0]!r}; choose from {OUTPUTS}")
+    return tuple(name for name in OUTPUTS if name in outputs)
 
 
 def _chosen_experts(config: ModelConfig, logits: Array, given: Array | None) -> Array:
@@ -495,10 +512,9 @@ def forward(
     cache_index: Array | int | None = None,
     remat: str = "none",
     dropout_key: Array | None = None,
-    return_router_logits: bool = False,
+    outputs: tuple[str, ...] = (),
     segment_ids: Array | None = None,
     routing: Array | None = None,
-    return_routing: bool = False,
 ) -> tuple[Any, ...]:
     """Hidden states after the final norm, optionally reading and writing a KV cache.
 
@@ -533,9 +549,13 @@ def forward(
         (as ``"layer"``, with those inputs kept in host memory on TPU / GPU; ``remat_policy``).
       dropout_key: a PRNG key for LoRA dropout (``config.lora.dropout``, training only), or
         None: no dropout.
-      return_router_logits: also return every layer's router logits, from which
-        ``models.moe.load_balancing_loss`` and ``models.moe.router_z_loss`` compute the
-        mixture-of-experts auxiliary losses.
+      outputs: what to return after ``(hidden, cache)``, names of :data:`OUTPUTS`, always in
+        that order: ``"router_logits"``, every layer's router logits ``[L, B, S, E]`` f32,
+        from which ``models.moe.load_balancing_loss`` and ``models.moe.router_z_loss``
+        compute the mixture-of-experts auxiliary losses; ``"routing"``, the expert ids every
+        layer used, ``[L, B, S, k]`` int32 (the top-k of its f32 router logits as
+        ``models.moe.route`` takes it, or the replayed ids): replaying them gives this
+        forward's output bit for bit. Each is None for a dense model.
       segment_ids: ``[B, S]`` int32 for packed rows (several sequences per row,
         ``jaxrl_llm.packing``): ``k >= 1`` on the ``k``-th sequence of a row, 0 on padding. A
         token attends only to the tokens of its own segment before it (sliding windows count
@@ -550,15 +570,10 @@ def forward(
         the router gets its gradient. A token whose ids hold a negative one (``-1``: padding
         of a recorded routing) routes freely. Mixture-of-experts models only; every path
         (padded, packed, cached, expert-parallel).
-      return_routing: also return the expert ids every layer used, ``[L, B, S, k]`` int32
-        (the top-k of its f32 router logits as ``models.moe.route`` takes it, or the replayed
-        ids): replaying them gives this forward's output bit for bit. None for a dense model.
 
     Returns:
       ``(hidden [B, S, D] in config.compute_dtype (else the params' dtype), new cache or
-      None)``; with ``return_router_logits`` one more element, the router logits
-      ``[L, B, S, E]`` f32 of a mixture-of-experts model (None for a dense one); with
-      ``return_routing`` one more after it, the expert ids ``[L, B, S, k]`` int32 (or None).
+      None, *outputs)``.
     """
     params = cast_params(params, config)
     unstacked = None
@@ -581,10 +596,9 @@ def forward(
         remat=remat,
         unstacked_layers=unstacked,
         dropout_key=dropout_key,
-        return_router_logits=return_router_logits,
+        outputs=outputs,
         segment_ids=segment_ids,
         routing=routing,
-        return_routing=return_routing,
     )
 
 
@@ -661,6 +675,7 @@ def logits(
 __all__ = [
     "CACHE_AXES",
     "LAYER_INPUT",
+    "OUTPUTS",
     "REMAT_POLICIES",
     "DecoderLayer",
     "KVCache",

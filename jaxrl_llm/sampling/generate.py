@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -92,7 +91,7 @@ def prefill_program(
         attention_mask=prompt_mask,
         cache=cache,
         cache_index=jnp.int32(0),
-        return_routing=record_routing,
+        outputs=("routing",) if record_routing else (),
     )
     routing = None
     if record_routing:  # [L, N, P, k] -> [N * G, P + T, L, k], -1 on padding and after P
@@ -150,7 +149,7 @@ def _decode_step(
         attention_mask=live[:, None],
         cache=state.cache,
         cache_index=prompt_len + state.step,
-        return_routing=state.routing is not None,
+        outputs=("routing",) if state.routing is not None else (),
     )
     routing = state.routing
     if routing is not None:  # this token's experts, [L, B, 1, k] -> slot P + step of [B, S, L, k]
@@ -403,7 +402,6 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingOptions,
     num_samples: int = 1,
-    buckets: Sequence[int] | None = None,
     cache_dtype: Any = None,
     mesh: Any = None,
     decode_layers: str = "auto",
@@ -418,8 +416,9 @@ def generate(
     ``jaxrl_llm.logprobs.completion_logprobs(..., temperature=T)`` recomputes. Truncation order
     and semantics: :func:`jaxrl_llm.sampling.strategies.truncate_logits`.
 
-    Host-level function (not for use under ``jax.jit``): it checks the prompts, buckets their
-    length, and calls the jitted prefill and decode programs.
+    Host-level function (not for use under ``jax.jit``): it checks the prompts, pads their
+    length to a bucket (``pad_prompts``: powers of two ``>= 16``, so a handful of prompt widths
+    compile), and calls the jitted prefill and decode programs.
 
     Args:
       params, config: the model, e.g. from ``jaxrl_llm.models.load_pretrained``.
@@ -430,7 +429,6 @@ def generate(
       sampling: the temperature ``T``, ``top_k``, ``top_p``, ``min_p``, the ``eos_ids`` that
         end a row and the ``pad_id`` written after it (``SamplingOptions``).
       num_samples: G completions per prompt; rows ``g*G … g*G+G-1`` belong to prompt ``g``.
-      buckets: allowed padded prompt lengths (default: powers of two ``>= 16``).
       cache_dtype: KV-cache dtype (default: ``config.compute_dtype``, else the parameters').
       mesh: optional mesh; the sampling state is then sharded by ``SAMPLING_RULES``.
       decode_layers: the decode loop's weights and cache stacked or per layer (``decode``).
@@ -448,7 +446,7 @@ def generate(
     """
     traced = sampling.traced()
     pad_id = sampling.pad_id
-    tokens, mask = pad_prompts(prompt_tokens, prompt_mask, pad_id=pad_id, buckets=buckets)
+    tokens, mask = pad_prompts(prompt_tokens, prompt_mask, pad_id=pad_id)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = prefill(
             params,

@@ -256,7 +256,7 @@ def admit(
             attention_mask=prompt_mask,
             cache=cache,
             cache_index=0,
-            return_routing=record,
+            outputs=("routing",) if record else (),
         )
         if record:  # [L, U, p, k] -> request j's prompt at columns [P - p, P) of its row
             ids = jnp.where(prompt_mask[:, :, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
@@ -402,7 +402,7 @@ def burst(
             attention_mask=live[:, None],
             cache=st.cache,
             cache_index=st.next_slot,
-            return_routing=record,
+            outputs=("routing",) if record else (),
         )
         column = jnp.where(live, st.count, max_new)  # out of range for dead slots: dropped
         routing = st.routing

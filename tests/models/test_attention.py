@@ -93,9 +93,12 @@ def test_attention_mask_is_causal_over_real_keys_and_always_sees_its_own_slot():
 _IMPLS = {
     "xla": ("xla", {}),
     "einsum": ("einsum", {}),
-    "einsum_blocks": ("einsum", {"block_q": 32}),
-    "splash": ("splash", {"interpret": True}),
-    "splash_tiles": ("splash", {"interpret": True, "block_q": 128, "block_kv": 128}),
+    "einsum_blocks": ("einsum", {"kernel": attn_lib.KernelOptions(block_q=32)}),
+    "splash": ("splash", {"kernel": attn_lib.KernelOptions(interpret=True)}),
+    "splash_tiles": (
+        "splash",
+        {"kernel": attn_lib.KernelOptions(interpret=True, block_q=128, block_kv=128)},
+    ),
     "compacted": ("compacted", {}),
 }
 
@@ -306,9 +309,21 @@ _Q, _KV = np.zeros((2, 8, 4, 16), np.float32), np.zeros((2, 8, 2, 16), np.float3
         ({"key_valid": np.ones((2, 9), bool)}, "key_valid must be"),
         ({"scale": jnp.float32(0.25)}, "scale must be"),
         ({"scale": float("nan")}, "scale must be"),
-        ({"implementation": "splash", "interpret": True, "block_q": 100}, "block_q"),
-        ({"implementation": "splash", "interpret": True, "block_kv": 0}, "block_kv"),
-        ({"implementation": "einsum", "block_q": -1}, "block_q"),
+        (
+            {
+                "implementation": "splash",
+                "kernel": attn_lib.KernelOptions(interpret=True, block_q=100),
+            },
+            "block_q",
+        ),
+        (
+            {
+                "implementation": "splash",
+                "kernel": attn_lib.KernelOptions(interpret=True, block_kv=0),
+            },
+            "block_kv",
+        ),
+        ({"implementation": "einsum", "kernel": attn_lib.KernelOptions(block_q=-1)}, "block_q"),
         ({"implementation": "splash"}, "needs a TPU"),
         ({"implementation": "cudnn"}, "bf16 or f16"),
         pytest.param(

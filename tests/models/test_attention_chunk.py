@@ -114,8 +114,8 @@ def _want(inputs, offset, scale, options, d_out):
 def test_chunk_attention_matches_float64_reference(rng, name):
     inputs, offset, scale, options = _case(rng, name)
     out = jax.jit(
-        lambda *xs: splash_chunk_attention(
-            *xs, offset=offset, scale=scale, interpret=True, **options
+        lambda q, k, v, *segments: splash_chunk_attention(
+            q, k, v, segments, offset=offset, scale=scale, interpret=True, **options
         )
     )(*inputs)
     assert out.shape == inputs[0].shape and out.dtype == jnp.float32
@@ -131,7 +131,14 @@ def test_chunk_attention_gradients_match_float64_reference(rng, name):
 
     def loss(q, k, v, q_segments, kv_segments):
         out = splash_chunk_attention(
-            q, k, v, q_segments, kv_segments, offset=offset, scale=scale, interpret=True, **options
+            q,
+            k,
+            v,
+            (q_segments, kv_segments),
+            offset=offset,
+            scale=scale,
+            interpret=True,
+            **options,
         )
         return jnp.sum(out * d_out)
 
@@ -144,7 +151,9 @@ def test_chunk_attention_gradients_match_float64_reference(rng, name):
 def test_chunk_attention_keeps_bf16(rng):
     inputs, offset, scale, _ = _case(rng, "causal_last_chunk")
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in inputs[:3])
-    out = splash_chunk_attention(q, k, v, *inputs[3:], offset=offset, scale=scale, interpret=True)
+    out = splash_chunk_attention(
+        q, k, v, tuple(inputs[3:]), offset=offset, scale=scale, interpret=True
+    )
     assert out.dtype == jnp.bfloat16
     rounded = [np.asarray(x, np.float32) for x in (q, k, v)]
     want, _ = _want((*rounded, *inputs[3:]), offset, scale, {}, np.zeros(q.shape))
@@ -166,7 +175,7 @@ def _sequence_attention(mesh, chunk, scale, **options):
             for r in range(ranks)
         ]
         rank = jax.lax.axis_index("sequence")
-        return jax.lax.switch(rank, calls, q, k, v, q_segments, kv_segments)
+        return jax.lax.switch(rank, calls, q, k, v, (q_segments, kv_segments))
 
     split = PartitionSpec(None, "sequence")
     return jax.shard_map(local, mesh=mesh, in_specs=(split,) * 4, out_specs=split, check_vma=False)
@@ -263,4 +272,4 @@ def _bad(change):
 def test_chunk_attention_rejects_bad_input(change, match):
     arrays, options = _bad(change)
     with pytest.raises(ValueError, match=match):
-        splash_chunk_attention(*arrays, **options)
+        splash_chunk_attention(*arrays[:3], tuple(arrays[3:]), **options)

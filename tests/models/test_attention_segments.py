@@ -17,8 +17,8 @@ from tests.models import hf_utils
 _IMPLS = {
     "xla": ("xla", {}),
     "einsum": ("einsum", {}),
-    "einsum_blocks": ("einsum", {"block_q": 8}),
-    "splash": ("splash", {"interpret": True}),
+    "einsum_blocks": ("einsum", {"kernel": attn_lib.KernelOptions(block_q=8)}),
+    "splash": ("splash", {"kernel": attn_lib.KernelOptions(interpret=True)}),
 }
 
 

@@ -57,8 +57,11 @@ def _reference(q, k, v, valid, scale, sinks, window, d_out, segments=None):
 _BACKENDS = {
     "xla": ("xla", {}),
     "einsum": ("einsum", {}),
-    "einsum_blocks": ("einsum", {"block_q": 8}),  # blocks skip the keys before their window
-    "splash": ("splash", {"interpret": True}),
+    "einsum_blocks": (
+        "einsum",
+        {"kernel": attn_lib.KernelOptions(block_q=8)},
+    ),  # blocks skip the keys before their window
+    "splash": ("splash", {"kernel": attn_lib.KernelOptions(interpret=True)}),
 }
 
 

@@ -375,8 +375,7 @@ def test_mixture_of_experts_split_over_the_sequence_match_one_device():
             tokens,
             attention_mask=mask,
             routing=routing,
-            return_router_logits=True,
-            return_routing=True,
+            outputs=("router_logits", "routing"),
         )
         return hidden, logits, chosen
 

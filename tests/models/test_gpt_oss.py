@@ -44,7 +44,7 @@ SEQ = 20  # > WINDOW: the sliding layers drop keys
 VOCAB = hf_utils.GPT_OSS["vocab_size"]
 
 jit_logits = jax.jit(logits, static_argnums=1)
-jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("remat", "return_router_logits"))
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("remat", "outputs"))
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_router_logits_match_transformers(model, rng):
     """Every layer's router logits (``h W_r + b_r``, f32), as transformers records them."""
     torch_model, config, params, _ = model
     tokens = rng.integers(3, VOCAB, size=(2, 12))
-    _, _, router = jit_forward(params, config, tokens, return_router_logits=True)
+    _, _, router = jit_forward(params, config, tokens, outputs=("router_logits",))
     with torch.no_grad():
         out = torch_model(input_ids=torch.as_tensor(tokens), output_router_logits=True)
     want = np.stack([x.numpy() for x in out.router_logits]).reshape(router.shape)

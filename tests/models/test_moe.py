@@ -26,7 +26,7 @@ from jaxrl_llm.models import (
 from tests.models import hf_utils
 from tests.reference import moe as ref
 
-jit_forward = jax.jit(forward, static_argnums=1, static_argnames="return_router_logits")
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames="outputs")
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_bf16_compute_keeps_the_router_in_f32(models, rng):
     assert np.abs(in_bf16 - want).max() > 1e-3  # the check can tell bf16 from f32
 
     tokens = rng.integers(3, config.vocab_size, size=(2, 5)).astype(np.int32)
-    hidden, _, router_logits = jit_forward(params, bf16, tokens, return_router_logits=True)
+    hidden, _, router_logits = jit_forward(params, bf16, tokens, outputs=("router_logits",))
     assert hidden.dtype == jnp.bfloat16 and router_logits.dtype == jnp.float32
 
 
@@ -215,7 +215,7 @@ def test_router_logits_and_aux_loss_match_transformers(models, rng):
             rng, [9, 5, 2], 9, vocab=config.vocab_size, side="left"
         )
         hidden, cache, router_logits = jit_forward(
-            params, config, tokens, attention_mask=mask, return_router_logits=True
+            params, config, tokens, attention_mask=mask, outputs=("router_logits",)
         )
         assert cache is None
         layers, experts = config.num_hidden_layers, config.num_experts
@@ -283,7 +283,7 @@ def test_dense_models_keep_their_return_signature(rng):
     params = init_params(config, jax.random.key(0))
     tokens = rng.integers(0, 32, size=(2, 3)).astype(np.int32)
     assert len(forward(params, config, tokens)) == 2
-    hidden, cache, router_logits = forward(params, config, tokens, return_router_logits=True)
+    hidden, cache, router_logits = forward(params, config, tokens, outputs=("router_logits",))
     assert router_logits is None and cache is None and hidden.shape == (2, 3, 16)
 
 
@@ -355,3 +355,21 @@ def test_saved_random_model_gives_transformers_our_logits(models, name, tmp_path
     got = np.asarray(logits(params, config, tokens, attention_mask=mask))
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+def test_forward_outputs_come_in_their_fixed_order_and_refuse_unknown_names(models, rng):
+    """``outputs`` asked in either order give ``(hidden, cache, router_logits, routing)``; the
+    routing is the top-k of those logits (hand-checked against NumPy's argsort); a string or an
+    unknown name is refused."""
+    _, config, params = next(iter(models.values()))
+    tokens = rng.integers(3, config.vocab_size, size=(2, 6)).astype(np.int32)
+    out = forward(params, config, tokens, outputs=("routing", "router_logits"))
+    assert len(out) == 4
+    logits, ids = np.asarray(out[2], np.float64), np.asarray(out[3])
+    assert logits.shape[-1] == config.num_experts and ids.shape[-1] == config.num_experts_per_tok
+    top = np.sort(np.argsort(-logits, axis=-1)[..., : config.num_experts_per_tok], axis=-1)
+    np.testing.assert_array_equal(np.sort(ids, axis=-1), top)
+    with pytest.raises(ValueError, match="tuple of names"):
+        forward(params, config, tokens, outputs="routing")
+    with pytest.raises(ValueError, match="unknown 'logits'"):
+        forward(params, config, tokens, outputs=("logits",))

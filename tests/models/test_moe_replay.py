@@ -1,7 +1,7 @@
 """Routing replay ("R3", Ma et al. 2025): ``models.moe.replay_route`` and
-``forward(..., routing=, return_routing=)``. The replayed gate weights and a forced-expert layer
-against float64 NumPy (forward and the router's gradient); the ids a forward chooses against the
-top-k of transformers' router logits; a replay of those ids equal bit for bit to the free
+``forward(..., routing=, outputs=("routing",))``. The replayed gate weights and a forced-expert
+layer against float64 NumPy (forward and the router's gradient); the ids a forward chooses against
+the top-k of transformers' router logits; a replay of those ids equal bit for bit to the free
 forward, of other ids equal to a different forward; packed == padded and expert-parallel == one
 device under replay."""
 
@@ -20,9 +20,7 @@ from jaxrl_llm.models import forward, load_pretrained, moe, unembed
 from tests.models import hf_utils
 from tests.reference import moe as ref
 
-jit_forward = jax.jit(
-    forward, static_argnums=1, static_argnames=("return_router_logits", "return_routing")
-)
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames="outputs")
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +148,7 @@ def test_replay_of_the_chosen_ids_is_the_free_forward_bit_for_bit(models, rng, n
     k, layers = config.num_experts_per_tok, config.num_hidden_layers
     tokens, mask = hf_utils.padded_batch(rng, [9, 5, 2], 9, vocab=config.vocab_size, side="left")
     hidden, _, chosen = jit_forward(
-        params, config, tokens, attention_mask=mask, return_routing=True
+        params, config, tokens, attention_mask=mask, outputs=("routing",)
     )
     assert chosen.shape == (layers, 3, 9, k) and chosen.dtype == jnp.int32
 
@@ -162,7 +160,7 @@ def test_replay_of_the_chosen_ids_is_the_free_forward_bit_for_bit(models, rng, n
     assert len(np.unique(np.asarray(chosen)[real])) == config.num_experts
 
     again, _, echoed = jit_forward(
-        params, config, tokens, attention_mask=mask, routing=chosen, return_routing=True
+        params, config, tokens, attention_mask=mask, routing=chosen, outputs=("routing",)
     )
     np.testing.assert_array_equal(np.asarray(echoed), np.asarray(chosen))
     np.testing.assert_array_equal(
@@ -170,7 +168,7 @@ def test_replay_of_the_chosen_ids_is_the_free_forward_bit_for_bit(models, rng, n
     )
 
     # Other ids (each layer's next-best k): another forward, equal to no run of the free one.
-    z = jit_forward(params, config, tokens, attention_mask=mask, return_router_logits=True)[2]
+    z = jit_forward(params, config, tokens, attention_mask=mask, outputs=("router_logits",))[2]
     other = jnp.argsort(-z, axis=-1)[..., k : 2 * k].astype(jnp.int32)
     moved, _ = jit_forward(params, config, tokens, attention_mask=mask, routing=other)
     on = mask.astype(bool)
@@ -210,7 +208,7 @@ def test_packed_rows_equal_padded_rows_under_replay(models):
     padded = np.zeros((2, 5), np.int32)
     padded[0], padded[1, :3] = a, b
     pmask = np.array([[1] * 5, [1] * 3 + [0] * 2], np.int32)
-    _, _, free = jit_forward(params, config, padded, attention_mask=pmask, return_routing=True)
+    _, _, free = jit_forward(params, config, padded, attention_mask=pmask, outputs=("routing",))
     routing = _scrambled_routing(config, free, 1)
     want, _ = jit_forward(params, config, padded, attention_mask=pmask, routing=routing)
 
@@ -237,10 +235,10 @@ def test_expert_parallel_forward_equals_one_device_under_replay(models):
     tokens, mask = hf_utils.padded_batch(
         rng, [6, 3, 5, 6, 2, 4, 6, 1], 6, vocab=config.vocab_size, side="left"
     )
-    _, _, free = jit_forward(params, config, tokens, attention_mask=mask, return_routing=True)
+    _, _, free = jit_forward(params, config, tokens, attention_mask=mask, outputs=("routing",))
     routing = _scrambled_routing(config, free, 2)
     want, _, echoed = jit_forward(
-        params, config, tokens, attention_mask=mask, routing=routing, return_routing=True
+        params, config, tokens, attention_mask=mask, routing=routing, outputs=("routing",)
     )
     np.testing.assert_array_equal(np.asarray(echoed), np.asarray(routing))
 
@@ -253,7 +251,7 @@ def test_expert_parallel_forward_equals_one_device_under_replay(models):
             *on_mesh[:1], config, on_mesh[1], attention_mask=on_mesh[2], routing=on_mesh[3]
         )
         _, _, got_free = jit_forward(
-            on_mesh[0], config, on_mesh[1], attention_mask=on_mesh[2], return_routing=True
+            on_mesh[0], config, on_mesh[1], attention_mask=on_mesh[2], outputs=("routing",)
         )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got_free), np.asarray(free))

@@ -69,7 +69,7 @@ def _unstacked(params, config: ModelConfig):
 
 def _loss(params, config, tokens, mask, weights, remat):
     hidden, _, router_logits = forward(
-        params, config, tokens, attention_mask=mask, remat=remat, return_router_logits=True
+        params, config, tokens, attention_mask=mask, remat=remat, outputs=("router_logits",)
     )
     loss = jnp.sum(hidden * weights * mask[..., None])
     if router_logits is not None:

@@ -320,4 +320,4 @@ def test_invalid_inputs_raise(model, prompts):
     with pytest.raises(ValueError, match="eos_ids"):
         _run(model, prompts, eos_ids=(-3,))
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        _run(model, prompts, buckets=(8,))
+        gen.pad_prompts(*prompts, pad_id=PAD, buckets=(8,))

@@ -25,7 +25,7 @@ from tests.models import hf_utils
 MAX_NEW = 6
 LENGTHS = [7, 3, 5]
 
-jit_forward = jax.jit(forward, static_argnums=1, static_argnames="return_routing")
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames="outputs")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _joined(tokens, mask, completion):
 def _logprobs(params, config, seq, seq_mask, routing=None):
     """Training-style log-probs ``[B, S - 1]`` of each next token, and the experts used."""
     hidden, _, chosen = jit_forward(
-        params, config, seq, attention_mask=seq_mask, routing=routing, return_routing=True
+        params, config, seq, attention_mask=seq_mask, routing=routing, outputs=("routing",)
     )
     logp = jax.nn.log_softmax(unembed(params, config, hidden[:, :-1]), axis=-1)
     return np.asarray(jnp.take_along_axis(logp, seq[:, 1:, None], -1)[..., 0]), chosen

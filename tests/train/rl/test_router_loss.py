@@ -54,7 +54,7 @@ def _batch(seed: int = 0) -> RolloutBatch:
 
 @jax.jit
 def _router_logits(params, tokens, mask):
-    return models.forward(params, MOE, tokens, attention_mask=mask, return_router_logits=True)[2]
+    return models.forward(params, MOE, tokens, attention_mask=mask, outputs=("router_logits",))[2]
 
 
 def _reference(batch: RolloutBatch, top_k: int = 2):

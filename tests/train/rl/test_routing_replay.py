@@ -64,7 +64,7 @@ def _free_routing(batch: RolloutBatch) -> np.ndarray:
     """``[B, P + T, L, k]``: an independent padded forward's own top-k, -1 on padding."""
     tokens, mask = _joined(batch)
     out = jax.jit(
-        lambda p, t, m: models.forward(p, MOE, t, attention_mask=m, return_routing=True)[-1]
+        lambda p, t, m: models.forward(p, MOE, t, attention_mask=m, outputs=("routing",))[-1]
     )(_params(), jnp.asarray(tokens), jnp.asarray(mask))
     ids = np.moveaxis(np.asarray(out), 0, 2)
     return np.where(mask[:, :, None, None], ids, -1).astype(np.int32)
@@ -253,7 +253,7 @@ REPLAY = ("model.tiny.experts=4", "model.tiny.experts_per_token=2", "model.param
 
 class _Spy:
     """Records, for every forward of a log-prob function given ids to replay, its tokens, its
-    real tokens, the ids it was given and the ids its layers used (``return_routing``)."""
+    real tokens, the ids it was given and the ids its layers used (``outputs=("routing",)``)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -262,7 +262,8 @@ class _Spy:
         def forward(params, config, tokens, **kwargs):
             if kwargs.get("routing") is None:
                 return real(params, config, tokens, **kwargs)
-            out = real(params, config, tokens, **{**kwargs, "return_routing": True})
+            outputs = (*kwargs.get("outputs", ()), "routing")  # routing comes last
+            out = real(params, config, tokens, **{**kwargs, "outputs": outputs})
             segments = kwargs.get("segment_ids")
             real_tokens = kwargs["attention_mask"] if segments is None else segments > 0
             jax.debug.callback(self.record, tokens, real_tokens, kwargs["routing"], out[-1])
