@@ -45,6 +45,7 @@ def attention_mask(
     window: Any = None,
     key_offset: int = 0,
     segments: tuple[Array, Array] | None = None,
+    key_slots: Array | None = None,
 ) -> Array:
     """``[B, 1, S, S_kv]``: key slot j visible to query slot i iff j <= i and j is real (and,
     with a ``window`` W, ``i - j < W``: a sliding window of the W newest slots, transformers'
@@ -56,9 +57,12 @@ def attention_mask(
     None, an int, or a traced int scalar (``window_limit``). ``key_offset``: the slot of
     ``key_valid``'s first column (a block of keys that starts later). ``segments``: ``(query
     segment ids [B, S], key segment ids [B, S_kv])`` of packed rows (several sequences per row,
-    ``jaxrl_llm.packing``), or None (one sequence per row).
+    ``jaxrl_llm.packing``), or None (one sequence per row). ``key_slots``: ``[S_kv]`` each key
+    column's slot when the keys are not in slot order (context parallelism's zigzag layout);
+    default ``key_offset + arange(S_kv)``.
     """
-    key_slots = key_offset + jnp.arange(key_valid.shape[1])
+    if key_slots is None:
+        key_slots = key_offset + jnp.arange(key_valid.shape[1])
     query_slots = query_slots if query_slots.ndim == 2 else query_slots[None]
     distance = query_slots[:, :, None] - key_slots[None, None, :]
     causal = distance >= 0

@@ -36,7 +36,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from jaxrl_llm.models import attention_backends as backends
 from jaxrl_llm.models.attention import cache_attention, resolve_attention_implementation
-from jaxrl_llm.models.attention_backends import window_limit
+from jaxrl_llm.models.attention_backends import attention_mask, window_limit
 from jaxrl_llm.parallel.rules import spec_entry
 
 Array = jax.Array
@@ -193,19 +193,18 @@ def _masked_local(
     del count
     keys, values = _gather(k, 1), _gather(v, 1)
     key_segments, key_slots = _gather(segments, 1), _gather(slots, 0)
-    distance = slots[:, None] - key_slots[None, :]  # [C, T]
-    visible = distance >= 0
-    limit = window_limit(sliding_window, window_active, key_slots.shape[0])
-    if limit is not None:
-        visible = visible & (distance < limit)
-    same = (segments[:, :, None] == key_segments[:, None, :]) & (key_segments[:, None, :] > 0)
-    # A query always sees its own slot (a pad query gets a finite, ignored output).
-    mask = (visible[None] & same) | (distance == 0)[None]
+    mask = attention_mask(  # [B, 1, C, T]; a query always sees its own slot
+        key_segments > 0,
+        slots,
+        window=window_limit(sliding_window, window_active, key_slots.shape[0]),
+        segments=(segments, key_segments),
+        key_slots=key_slots,
+    )
     return cache_attention(
         q,
         jnp.swapaxes(keys, 1, 2),
         jnp.swapaxes(values, 1, 2),
-        mask[:, None],
+        mask,
         scale=scale,
         logit_softcap=logit_softcap,
         sinks=sinks,
