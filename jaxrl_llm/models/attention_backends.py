@@ -563,6 +563,49 @@ def _mapped_axes(mesh: Any, rule: str, sizes: tuple[int, ...]) -> tuple[str, ...
     return tuple(axes)
 
 
+def per_device_attention(
+    local: Any,
+    q: Array,
+    k: Array,
+    v: Array,
+    segments: Array,
+    *extra: Array,
+    sinks: Array | None = None,
+    sequence: str | None = None,
+) -> Array:
+    """``local(q, k, v, segments, *extra[, sinks])`` on each device's block, under
+    ``jax.shard_map`` over the current (abstract) mesh.
+
+    A Pallas kernel is one opaque custom call that XLA's partitioner cannot split, and a
+    sequence split over devices needs its keys gathered by hand, so attention runs per device:
+    the batch mapped over the activation rules' ``batch`` axes and the heads over the
+    ``heads`` axes (where they divide B, and N and K), each device with its heads' ``sinks``;
+    the positions of ``q, k, v [B, S, ., H]``, ``segments [B, S]`` and each ``extra [S]`` over
+    the mesh axis ``sequence`` (None: whole on every device). Returns ``[B, S, N, H]`` split as
+    ``q``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_axes = spec_entry(_mapped_axes(mesh, "batch", (q.shape[0],)))
+    head_axes = spec_entry(_mapped_axes(mesh, "heads", (q.shape[2], k.shape[2])))
+    heads_spec = PartitionSpec(batch_axes, sequence, head_axes, None)
+    in_specs = [heads_spec] * 3 + [PartitionSpec(batch_axes, sequence)]
+    in_specs += [PartitionSpec(sequence)] * len(extra)
+    args = [q, k, v, segments, *extra]
+    if sinks is not None:
+        in_specs.append(PartitionSpec(head_axes))
+        args.append(sinks)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=heads_spec,
+        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
+        check_vma=False,
+    )
+    return mapped(*args)
+
+
 def _splash_attention(
     q: Array,
     k: Array,
@@ -572,38 +615,15 @@ def _splash_attention(
     **options: Any,
 ) -> Array:
     """Splash attention (``_splash_local``, ``segments [B, S]`` int32 with 0 on pads, ``sinks``
-    ``[N]`` or None), under ``jax.shard_map`` when a multi-device mesh is set.
-
-    A Pallas kernel is one opaque custom call that XLA's partitioner cannot split, so on a
-    mesh the batch is mapped over the activation rules' ``batch`` axes and the heads over the
-    ``heads`` axes (where they divide B, and N and K), and the kernel runs per device (each
-    with its heads' sinks).
-    """
+    ``[N]`` or None), per device (``per_device_attention``) when a multi-device mesh is set."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return _splash_local(q, k, v, segments, sinks=sinks, **options)
-    batch_axes = _mapped_axes(mesh, "batch", (q.shape[0],))
-    head_axes = _mapped_axes(mesh, "heads", (q.shape[2], k.shape[2]))
-    heads_spec = PartitionSpec(spec_entry(batch_axes), None, spec_entry(head_axes), None)
-    valid_spec = PartitionSpec(spec_entry(batch_axes), None)
-    manual = set(getattr(mesh, "manual_axes", ()))
-    in_specs: tuple[Any, ...] = (heads_spec, heads_spec, heads_spec, valid_spec)
-    args: tuple[Any, ...] = (q, k, v, segments)
-    if sinks is not None:
-        in_specs, args = (*in_specs, PartitionSpec(spec_entry(head_axes))), (*args, sinks)
 
     def local(q, k, v, segments, sinks=None):
         return _splash_local(q, k, v, segments, sinks=sinks, **options)
 
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=heads_spec,
-        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
-        check_vma=False,
-    )
-    return mapped(*args)
+    return per_device_attention(local, q, k, v, segments, sinks=sinks)
 
 
 # Slots of one row the paged kernel loads per compute block (pages_per_compute_block x P).

@@ -32,12 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import AxisType
 
 from jaxrl_llm.models import attention_backends as backends
 from jaxrl_llm.models.attention import cache_attention, resolve_attention_implementation
 from jaxrl_llm.models.attention_backends import attention_mask, window_limit
-from jaxrl_llm.parallel.rules import spec_entry
 
 Array = jax.Array
 
@@ -141,14 +140,6 @@ def attention(
     segments = key_valid.astype(jnp.int32)
     if segment_ids is not None:
         segments = jnp.where(key_valid, segment_ids, 0)
-    batch_axes = spec_entry(backends._mapped_axes(mesh, "batch", (q.shape[0],)))
-    head_axes = spec_entry(backends._mapped_axes(mesh, "heads", (q.shape[2], k.shape[2])))
-    heads_spec = PartitionSpec(batch_axes, AXIS, head_axes, None)
-    rows_spec = PartitionSpec(batch_axes, AXIS)
-    in_specs: tuple[Any, ...] = (heads_spec, heads_spec, heads_spec, rows_spec, PartitionSpec(AXIS))
-    args: tuple[Any, ...] = (q, k, v, segments, jnp.asarray(slots, jnp.int32))
-    if sinks is not None:
-        in_specs, args = (*in_specs, PartitionSpec(head_axes)), (*args, sinks)
     options = dict(
         count=count,
         scale=scale,
@@ -157,16 +148,10 @@ def attention(
         window_active=window_active,
     )
     local = functools.partial(_splash_local if splash else _masked_local, **options)
-    manual = set(getattr(mesh, "manual_axes", ()))
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=heads_spec,
-        axis_names=frozenset(a for a in mesh.axis_names if a not in manual),
-        check_vma=False,
+    slots = jnp.asarray(slots, jnp.int32)
+    return backends.per_device_attention(
+        local, q, k, v, segments, slots, sinks=sinks, sequence=AXIS
     )
-    return mapped(*args)
 
 
 def _gather(x: Array, axis: int) -> Array:
