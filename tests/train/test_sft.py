@@ -195,13 +195,16 @@ def test_warmup_params_are_clipped_adamw_on_the_nll(problem, warmed):
         name = jax.tree_util.keystr(path)
         # optax's bias corrections 1 − β^t are float32 (~1e-5 relative from t = 2 on) and Adam
         # divides by √v, so an element whose gradient nearly cancels carries its gradient's f32
-        # rounding into the update (measured: up to 0.3% of one step, 5e-5 of a leaf's update).
+        # rounding into the update, which the CPU's vector width reorders (measured: up to 0.3%
+        # of one step and 5e-5 of a leaf's update on an AVX2 EPYC, 1.1% and 1.6e-4 on an
+        # AVX-512 Xeon). Each element within 5% of a step, each leaf's update within 1e-3: an
+        # unclipped run is 2.6e-2 to 4.9e-2 away.
         np.testing.assert_allclose(
-            got, expected, rtol=1e-5, atol=1e-2 * LEARNING_RATE, err_msg=name
+            got, expected, rtol=1e-5, atol=5e-2 * LEARNING_RATE, err_msg=name
         )
         update, want_update = got - start, expected - np.asarray(start, np.float64)
         error = np.linalg.norm(update - want_update) / np.linalg.norm(want_update)
-        assert error < 1e-4, (name, error)
+        assert error < 1e-3, (name, error)
     # The problem exercises the clip: every step's gradient is over the norm, by differing
     # factors (Adam is invariant to one constant scale, not to a varying one).
     assert min(norms[:steps]) > MAX_GRAD_NORM, norms
