@@ -139,6 +139,61 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
+def balance_rows(lengths: Sequence[int], *, shards: int = 1, micro_batches: int = 1) -> np.ndarray:
+    """An order of ``n`` rows that gives every data shard, and every micro-batch within it,
+    about the same tokens (verl's sequence-length balancing; Graham's longest-processing-time
+    rule with equal row counts).
+
+    The rows are laid out as the step reads them: ``shards`` contiguous blocks of ``n / shards``
+    rows (the batch's sharding), micro-batch ``k`` of block ``d`` its rows ``k, k + K, ..``
+    (``K = micro_batches``, the step's strided micro-batches). Each of the ``shards x K`` cells
+    holds ``n / (shards x K)`` rows. Rows are taken longest first (ties: lower index first),
+    each into the cell with the fewest tokens so far that still has room (ties: the lower
+    cell); a cell's rows sit longest first, so a block with ``K = 1`` read in strided
+    micro-batches of another count deals its rows out round-robin.
+
+    Args:
+      lengths: ``[n]`` tokens per row (what a packed row holds of it).
+      shards: the batch's data shards.
+      micro_batches: ``K``, the step's micro-batches (1: balance the shards only).
+
+    Returns:
+      ``[n]`` int64, a permutation of ``range(n)``: position ``p`` of the laid-out batch holds
+      row ``order[p]``.
+
+    Raises:
+      ValueError: ``shards x micro_batches`` that does not divide ``n``, or negative lengths.
+    """
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    rows = lengths.size
+    for name, value in (("shards", shards), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    cells = shards * micro_batches
+    if rows % cells:
+        raise ValueError(
+            f"{shards} shards x {micro_batches} micro-batches do not divide the batch's {rows} rows"
+        )
+    if (lengths < 0).any():
+        raise ValueError(f"row lengths must be >= 0, got {int(lengths.min())}")
+    per_cell = rows // cells
+    load = np.zeros(cells, np.int64)
+    room = np.full(cells, per_cell)
+    members: list[list[int]] = [[] for _ in range(cells)]
+    for row in sorted(range(rows), key=lambda i: (-lengths[i], i)):
+        cell = int(np.argmin(np.where(room > 0, load, np.iinfo(np.int64).max)))
+        members[cell].append(row)
+        load[cell] += lengths[row]
+        room[cell] -= 1
+    # Cell (d, k) -> positions d n / shards + k + K j, j = 0 .. per_cell - 1.
+    order = np.empty(rows, np.int64)
+    block = rows // shards
+    for cell, held in enumerate(members):
+        d, k = divmod(cell, micro_batches)
+        order[d * block + k + micro_batches * np.arange(per_cell)] = held
+    return order
+
+
 def bucket_rows(needed: int, limit: int, buckets: Sequence[int] | None = None) -> int:
     """The packed rows per shard for ``needed`` bins: the smallest bucket ``>= needed``, capped
     at ``limit`` (the shard's padded rows); at least 1.
@@ -274,6 +329,7 @@ def unpack(y: Array, plan: PackingPlan, shape: tuple[int, int]) -> Array:
 
 __all__ = [
     "PackingPlan",
+    "balance_rows",
     "bucket_rows",
     "first_fit_decreasing",
     "pack",

@@ -1,5 +1,6 @@
 """Sequence packing: the first-fit-decreasing planner (hand-checked and brute-force optimal
-bins), the per-shard layout, bucketing, ``pack`` / ``unpack`` against NumPy, and errors."""
+bins), the per-shard layout, bucketing, ``pack`` / ``unpack`` against NumPy, the balanced row
+layout (hand-checked, its longest-first bound), and errors."""
 
 import itertools
 
@@ -10,6 +11,7 @@ import pytest
 
 from jaxrl_llm.packing import (
     PackingPlan,
+    balance_rows,
     bucket_rows,
     first_fit_decreasing,
     pack,
@@ -219,3 +221,66 @@ def test_errors():
         pack(np.zeros((2, 4)), plan)
     with pytest.raises(ValueError, match=r"must be \[R, W, ...\]"):
         unpack(np.zeros((1, 3)), plan, (2, 3))
+
+
+def _cell_loads(order, lengths, shards, micro):
+    """``[shards, micro]`` tokens of each (shard, strided micro-batch) cell of ``order``."""
+    lengths = np.asarray(lengths)[np.asarray(order)]
+    block = lengths.size // shards
+    return np.stack(
+        [
+            [lengths[d * block + k : (d + 1) * block : micro].sum() for k in range(micro)]
+            for d in range(shards)
+        ]
+    )
+
+
+def test_balance_rows_hand_checked():
+    # Two shards of two rows: 10 and 9 first, each into the emptier shard; 2 joins 9, 1 joins 10
+    # (drawn in another order: longest first is the planner's, not the caller's).
+    np.testing.assert_array_equal(balance_rows([2, 9, 1, 10], shards=2), [3, 2, 1, 0])
+    # Two shards x two strided micro-batches of two rows: cells (0,0) (0,1) (1,0) (1,1) take
+    # rows 0..3, then 4..7 in reverse; cell (d, k) sits at positions 4d + k, 4d + k + 2.
+    order = balance_rows([8, 7, 6, 5, 4, 3, 2, 1], shards=2, micro_batches=2)
+    np.testing.assert_array_equal(order, [0, 1, 7, 6, 2, 3, 5, 4])
+    np.testing.assert_array_equal(
+        _cell_loads(order, [8, 7, 6, 5, 4, 3, 2, 1], 2, 2), [[9, 9], [9, 9]]
+    )
+
+
+def test_balance_rows_properties_random(rng):
+    """A permutation; every cell within one row's length of every other (the longest-first
+    bound); a cell's rows longest first."""
+    for _ in range(200):
+        shards, micro = int(rng.choice([1, 2, 4, 8])), int(rng.choice([1, 2, 4]))
+        rows = shards * micro * int(rng.integers(1, 5))
+        lengths = (rng.pareto(1.5, size=rows) * 50).astype(int) + 1
+        order = balance_rows(lengths, shards=shards, micro_batches=micro)
+        assert sorted(order.tolist()) == list(range(rows))
+        loads = _cell_loads(order, lengths, shards, micro)
+        assert loads.max() - loads.min() <= lengths.max()
+        block = rows // shards
+        for d in range(shards):
+            for k in range(micro):
+                cell = lengths[order[d * block + k : (d + 1) * block : micro]]
+                assert (np.diff(cell) <= 0).all()
+
+
+def test_a_balanced_layout_packs_into_fewer_rows():
+    """Rows of 6, 6, 3, 3 tokens in rows of 10 on two shards: as drawn, shard 0 holds both 6s
+    (two packed rows, so both shards get two); balanced, each shard packs 6 + 3 into one."""
+    mask = np.arange(10)[None] < np.array([6, 6, 3, 3])[:, None]
+    assert plan_packing(mask, shards=2).source.shape == (2, 2, 10)
+    order = balance_rows(mask.sum(axis=1), shards=2)
+    assert plan_packing(mask[order], shards=2).source.shape == (2, 1, 10)
+
+
+def test_balance_rows_errors():
+    with pytest.raises(ValueError, match="2 shards x 2 micro-batches do not divide the batch's 6"):
+        balance_rows(np.ones(6), shards=2, micro_batches=2)
+    with pytest.raises(ValueError, match="shards must be a positive int"):
+        balance_rows(np.ones(4), shards=0)
+    with pytest.raises(ValueError, match="micro_batches must be a positive int"):
+        balance_rows(np.ones(4), micro_batches=True)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        balance_rows([3, -1])

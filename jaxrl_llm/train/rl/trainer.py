@@ -21,6 +21,7 @@ import numpy as np
 from jaxrl_llm import data, objectives, parallel
 from jaxrl_llm.logprobs import LogprobOutputs
 from jaxrl_llm.models import lora
+from jaxrl_llm.packing import balance_rows
 from jaxrl_llm.train import adapters, core, export, setup
 from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train.core import PhaseTimer, Trainer
@@ -510,9 +511,11 @@ class RLTrainer(Trainer):
         with timer.phase("update"):
             updates = []
             rows = mask.shape[0]
+            lengths = host_seqs.prompt_mask.sum(axis=1) + mask.sum(axis=1)
             for epoch in range(cfg.trainer.epochs):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
                 for part in np.split(order, cfg.trainer.minibatches):
+                    part = self.balanced(part, lengths)
                     minibatch = take_rows(batch, jnp.asarray(part), self.row_sharding)
                     plan = self.packing_plan(
                         host_seqs.prompt_mask[part], mask[part], self.micro_batches
@@ -599,6 +602,19 @@ class RLTrainer(Trainer):
         with jax.set_mesh(self.teacher_mesh):  # not the trainer's mesh, which ``fit`` sets
             out = fn(self.teacher[1], there, own_plan)
         return jax.device_put(out, seqs.completion_mask.sharding)
+
+    def balanced(self, part: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """A minibatch's rows ``part`` laid out so that every data shard and micro-batch of the
+        update holds about the same tokens (``jaxrl_llm.packing.balance_rows``: the shards'
+        packed rows, which the largest sets, even out); as drawn when the update runs padded
+        (``trainer.packing=off``: every row costs its full width). The rows gathered, and so
+        the update, are the same: its losses are sums over the minibatch."""
+        if packing_lib.packing_mode(self.cfg.trainer.packing) == "off":
+            return part
+        micro = self.micro_batches
+        micro = 1 if isinstance(micro, TokenBudget) else micro  # the budget picks K later
+        shards = parallel.batch_shards(self.run.mesh)
+        return part[balance_rows(lengths[part], shards=shards, micro_batches=micro)]
 
     def packing_plan(self, prompt_mask, completion_mask, micro_batching, mesh=None):
         """The stacked packing plan (on device) of these host rows for the forward whose

@@ -45,7 +45,9 @@ VARIANTS = {
         "rollout.kv_block_size=4",
         "rollout.prompts_per_step=8",
     ),
-    "ppo": ("objective.name=ppo", "rollout.prompts_per_step=8"),
+    # Packed forwards (the update, the reference and the critic's values), each process
+    # placing its own shards of the one plan every process makes from the gathered masks.
+    "ppo, packed": ("objective.name=ppo", "rollout.prompts_per_step=8", "trainer.packing=on"),
     "lora": ("model.lora={rank: 4, alpha: 8.0}", "rollout.prompts_per_step=8"),
 }
 

@@ -31,14 +31,39 @@ def _compilation_cache(tmp_path_factory):
 
 
 def recorder(base: type) -> type:
-    """``base`` recording the shape of every packing plan it makes (None: padded)."""
+    """``base`` recording the shape of every packing plan it makes (None: padded) and every
+    minibatch layout (``balanced``: the rows as drawn, as laid out, and their lengths)."""
 
     def packing_plan(self, *args):
         plan = base.packing_plan(self, *args)
         self.__dict__.setdefault("plans", []).append(None if plan is None else plan.source.shape)
         return plan
 
-    return type(f"Recording{base.__name__}", (base,), {"packing_plan": packing_plan})
+    def balanced(self, part, lengths):
+        laid_out = base.balanced(self, part, lengths)
+        self.__dict__.setdefault("layouts", []).append((part, laid_out, lengths))
+        return laid_out
+
+    methods = {"packing_plan": packing_plan, "balanced": balanced}
+    return type(f"Recording{base.__name__}", (base,), methods)
+
+
+def _check_balanced(layouts, shards: int, micro: int) -> None:
+    """Every minibatch laid out from its drawn rows with each (shard, micro-batch) cell's
+    tokens within one row's length of every other cell's, never further apart than as drawn,
+    and closer in some minibatch."""
+
+    def spread(order, lengths):
+        cells = lengths[order].reshape(shards, -1, micro).sum(axis=1)  # [shard, micro]
+        return cells.max() - cells.min()
+
+    closer = False
+    for drawn, laid_out, lengths in layouts:
+        assert sorted(laid_out.tolist()) == sorted(drawn.tolist())
+        assert spread(laid_out, lengths) <= lengths[laid_out].max()
+        assert spread(laid_out, lengths) <= spread(drawn, lengths)
+        closer |= spread(laid_out, lengths) < spread(drawn, lengths)
+    assert closer
 
 
 def _run(path, packing, *extra):
@@ -68,7 +93,7 @@ def _run(path, packing, *extra):
         (
             "mesh.data=2",
             "mesh.fsdp=4",
-            "rollout.prompts_per_step=8",
+            "rollout.prompts_per_step=16",  # two rows a (shard, micro-batch) cell to lay out
             "trainer.micro_batch_tokens=null",
         ),
         # A token budget (48 positions a device: two padded rows of 8 + 16): the packed run
@@ -84,6 +109,7 @@ def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
     padded, padded_rows, padded_params = _run(tmp_path / "padded", "off", *extra)
     packed, packed_rows, packed_params = _run(tmp_path / "packed", "on", *extra)
     assert padded.plans == [None] * 6
+    assert all((drawn == laid_out).all() for drawn, laid_out, _ in padded.layouts)
     # Per step: the behaviour forward's plan and the two minibatches'.
     shards = 8 if "mesh.fsdp=4" in extra else 1
     assert len(packed.plans) == 6
@@ -95,6 +121,8 @@ def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
         )
     else:
         assert all(p[0] in (1, 2) for p in packed.plans)
+        _check_balanced(packed.layouts, shards, 2)
+    assert len(packed.layouts) == 4  # two minibatches a step
     _check_same(padded_rows, packed_rows, padded_params, packed_params, KEYS)
 
 
