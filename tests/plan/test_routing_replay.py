@@ -155,3 +155,18 @@ def test_dense_model_with_replay_is_refused():
     )
     with pytest.raises(pr.PlanError, match="model.routing_replay=rollout applies to mixture"):
         pr.build_job(cfg, V5P_8, devices=jax.devices()[:4])
+
+
+def test_a_ppo_job_with_one_optimizer_replays_in_its_joint_step(moe_path):
+    """PPO's joint step (``critic.optimizer=joint``: the update that trains policy and critic)
+    takes the recorded routing as ``train`` passes it; the critic has no update of its own."""
+    job = _job(
+        moe_path,
+        *MESH,
+        "objective.name=ppo",
+        "critic.optimizer=joint",
+        "model.routing_replay=rollout",
+    )
+    assert _routing(_update_batch(job).routing) == ((ROWS, SEQ, L, K), np.dtype(np.int32))
+    assert _forward_routing(job, "logprobs") == ((ROWS, SEQ, L, K), np.dtype(np.int32))
+    assert "critic_update" not in job.programs and "values" in job.programs

@@ -82,6 +82,7 @@ def make_joint_step(
     value_config=None,
     value_only=False,
     router=None,
+    replay_routing=False,
 ):
     """One optimizer over ``{"policy", "value"}``: loss ``pg_total + value_coef·vf_loss``.
 
@@ -89,7 +90,9 @@ def make_joint_step(
     initialised from a reward model). ``value_only`` drops the policy term (the critic's
     warm-up): the policy's gradient is then exactly zero, so Adam leaves it in place (unless
     the optimizer applies weight decay). ``router``: a mixture-of-experts policy's router loss
-    coefficients (``policy.router_loss``), as in ``make_policy_step``.
+    coefficients (``policy.router_loss``), and ``replay_routing`` its forward replaying the
+    batch's recorded routing (``model.routing_replay=rollout``), as in ``make_policy_step``;
+    the critic, a model of its own, routes by its own router.
     """
     policy_loss = make_policy_loss_fn(
         model_config,
@@ -98,6 +101,7 @@ def make_joint_step(
         chunk_size=chunk_size,
         remat=remat,
         router=router,
+        replay_routing=replay_routing,
     )
     value_loss = make_value_loss_fn(
         model_config if value_config is None else value_config, objective, remat=remat
@@ -188,6 +192,7 @@ def joint_update(
         router=router_loss(
             model_config, cfg.model.router_aux_loss_coef, cfg.model.router_z_loss_coef
         ),
+        replay_routing=cfg.model.replay_mode == "rollout",
     )
     return ProgramSpec(
         "update",

@@ -191,14 +191,18 @@ def check_staleness(cfg: Any, objective: Any, *, warn: bool = True) -> None:
         )
 
 
-def check_routing_replay(cfg: TrainConfig, kind: str) -> None:
+def check_routing_replay(cfg: TrainConfig) -> None:
     """Refuses a ``model.routing_replay`` the run cannot record or replay (a dense model is
     refused where the model is known, ``programs.check_replay_model``).
 
+    Every trainer replays in the policy's forwards (behaviour, reference, update; PPO's joint
+    step too); PPO's critic and PRIME's implicit PRM are models of their own and route by
+    their own routers.
+
     Raises:
       ValueError: a multi-turn environment (``env.name``: its episodes do not record the
-        routing) or a trainer other than the policy trainer (PPO, PRIME). A sampler on
-        processes of its own (``train.rl.remote``) is refused by ``RLTrainer``.
+        routing). A sampler on processes of its own (``train.rl.remote``) is refused by
+        ``RLTrainer``.
     """
     mode = cfg.model.replay_mode
     if mode == "off":
@@ -208,11 +212,6 @@ def check_routing_replay(cfg: TrainConfig, kind: str) -> None:
         raise ValueError(
             f"{key}: multi-turn episodes (env.name={cfg.env.name!r}) do not record the "
             "routing yet; set model.routing_replay=off"
-        )
-    if kind != "policy":
-        raise ValueError(
-            f"{key}: the {kind} trainer's update does not replay the routing yet; set "
-            "model.routing_replay=off"
         )
 
 
@@ -231,7 +230,7 @@ def resolve(cfg: TrainConfig, *, backend: str | None = None, training: bool = Tr
     objective = check_config(cfg)
     kind = trainer_kind(objective)
     check_staleness(cfg, objective, warn=training)
-    check_routing_replay(cfg, kind)
+    check_routing_replay(cfg)
     adapters.check_lora_job(cfg, "rl", objective)
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if m.remat not in models.REMAT_POLICIES:

@@ -15,7 +15,6 @@ function (``jaxrl_llm.logprobs.forward``) that records the ids each replayed for
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import jax
@@ -427,15 +426,46 @@ def test_unsupported_replays_are_refused(tmp_path, overrides, match):
             trainer.metrics_writer.close()
 
 
-def test_the_ppo_trainer_refuses_replay():
-    from jaxrl_llm.train.rl.spec import check_routing_replay  # noqa: PLC0415
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("objective.name=ppo", "critic.optimizer=joint", "critic.warmup_steps=0"),
+        ("objective.name=prime",),
+    ],
+    ids=["ppo_joint", "prime"],
+)
+def test_ppo_and_prime_replay_in_the_policys_forwards(tmp_path, monkeypatch, overrides):
+    """PPO's joint step (policy and critic under one optimizer) and PRIME's policy update
+    replay the sampler's ids on every real token of both minibatches, as the policy trainer
+    does; the critic and the PRM, models of their own, route by their own routers."""
+    from jaxrl_llm.train.metrics import read_metrics  # noqa: PLC0415
+    from jaxrl_llm.train.rl.run import run  # noqa: PLC0415
+    from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
 
-    cfg = rl_helpers.tiny_config(None, "/unused", *REPLAY, "model.routing_replay=rollout")
-    check_routing_replay(cfg, "policy")
-    with pytest.raises(ValueError, match="ppo trainer"):
-        check_routing_replay(cfg, "ppo")
-    off = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, routing_replay=False))
-    check_routing_replay(off, "ppo")
+    drawn, real_rollout = [], RLTrainer.rollout
+
+    def rollout(self, step, timer):
+        samples, info = real_rollout(self, step, timer)
+        drawn.append(samples)
+        return samples, info
+
+    monkeypatch.setattr(RLTrainer, "rollout", rollout)
+    spy = _Spy(monkeypatch)
+    cfg = rl_helpers.tiny_config(
+        rl_helpers.CONFIGS / "grpo.yaml",
+        tmp_path / "run",
+        rl_helpers.SHAPED_REWARDS,
+        *REPLAY,
+        "model.routing_replay=rollout",
+        "trainer.max_steps=1",
+        "trainer.minibatches=2",
+        *overrides,
+    )
+    run(cfg)
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert _check_replayed(spy.calls, drawn[0]).get(8) == 2  # the update's two minibatches
+    assert 0.0 <= rows[0]["moe/routing_mismatch"] <= 1.0
 
 
 @pytest.mark.slow
