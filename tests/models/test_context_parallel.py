@@ -226,7 +226,23 @@ def test_context_attention_matches_a_float64_reference(features):
     want = _reference_attention(
         q, k, v, valid, segments, scale=0.3, window=window, cap=cap, sinks=sinks
     )
-    order = context_parallel.zigzag(seq, 4)
+    mesh = parallel.make_mesh(data=1, fsdp=2, sequence=4)
+    got = _zigzag_attention(
+        mesh,
+        (q, k, v, valid, segments if packed else None, sinks),
+        scale=0.3,
+        logit_softcap=cap,
+        sliding_window=window,
+    )
+    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5)
+
+
+def _zigzag_attention(mesh, arrays, **options):
+    """``context_parallel.attention`` over ``mesh`` of ``(q, k, v, valid, segment ids or None,
+    sinks or None)`` stored in ``zigzag`` order over the mesh's sequence shards, returned in
+    slot order as NumPy."""
+    q, k, v, valid, segments, sinks = arrays
+    order = context_parallel.zigzag(q.shape[1], dict(mesh.shape)["sequence"])
 
     def attend(q, k, v, valid, segments, sinks):
         return context_parallel.attention(
@@ -235,20 +251,15 @@ def test_context_attention_matches_a_float64_reference(features):
             v,
             key_valid=valid,
             slots=jnp.asarray(order, jnp.int32),
-            segment_ids=segments if packed else None,
-            scale=0.3,
-            logit_softcap=cap,
-            sliding_window=window,
+            segment_ids=segments,
             sinks=sinks,
+            **options,
         )
 
-    with jax.set_mesh(parallel.make_mesh(data=1, fsdp=2, sequence=4)):
-        got = jax.jit(attend)(
-            *(jnp.asarray(x[:, order]) for x in (q, k, v, valid, segments)),
-            None if sinks is None else jnp.asarray(sinks),
-        )
-    got = np.asarray(got)[:, np.argsort(order)]
-    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5)
+    stored = [None if x is None else jnp.asarray(x[:, order]) for x in (q, k, v, valid, segments)]
+    with jax.set_mesh(mesh):
+        got = jax.jit(attend)(*stored, None if sinks is None else jnp.asarray(sinks))
+    return np.asarray(got)[:, np.argsort(order)]
 
 
 @EIGHT
@@ -280,25 +291,8 @@ def test_the_splash_path_matches_a_float64_reference(monkeypatch):
     want = _reference_attention(
         q, k, v, valid, segments, scale=0.2, window=None, cap=None, sinks=sinks
     )
-    order = context_parallel.zigzag(seq, 2)
-
-    def attend(q, k, v, valid, segments, sinks):
-        return context_parallel.attention(
-            q,
-            k,
-            v,
-            key_valid=valid,
-            slots=jnp.asarray(order, jnp.int32),
-            segment_ids=segments,
-            scale=0.2,
-            sinks=sinks,
-        )
-
-    with jax.set_mesh(parallel.make_mesh(data=1, fsdp=4, sequence=2)):
-        got = jax.jit(attend)(
-            *(jnp.asarray(x[:, order]) for x in (q, k, v, valid, segments)), jnp.asarray(sinks)
-        )
-    got = np.asarray(got)[:, np.argsort(order)]
+    mesh = parallel.make_mesh(data=1, fsdp=4, sequence=2)
+    got = _zigzag_attention(mesh, (q, k, v, valid, segments, sinks), scale=0.2)
     np.testing.assert_allclose(got[valid], want[valid], rtol=2e-4, atol=2e-4)
 
 
