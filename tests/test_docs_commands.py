@@ -128,7 +128,7 @@ PLAN = (
     "trainer.optimizer_state_dtype=bfloat16 --json plan.json"
 )
 PLAN_SMALL = (
-    "model.architecture=qwen2.5-0.5b",
+    f"model.architecture={MODEL_PATH}",  # the local stand-in's config.json: 2 layers, 4 heads
     "rollout.prompts_per_step=8",
     "rollout.max_new_tokens=16",
     "data.max_prompt_tokens=16",
@@ -142,8 +142,15 @@ GSM8K_HF = (
 LORA = "jaxrl-llm train model.lora.rank=16 trainer.learning_rate=5e-4"
 OFF_POLICY = "'objective.overrides={rollout_correction: {is_level: token}}'"
 
-# A sweep shown with its variants and seeds runs one variant, one seed, one small step.
-SMALL_SWEEP = ("--seeds", "0", *SMALL_RL, *FORCED)
+# A sweep shown with its variants and seeds runs one variant, one seed, one small step, with
+# no warm-up (the shared warm-up is tests/train/test_sweep.py's tiny sweep's).
+SMALL_SWEEP = (
+    "--seeds",
+    "0",
+    *(x for x in SMALL_RL if not x.startswith("sft_warmup.steps=")),
+    "sft_warmup.steps=0",
+    *FORCED,
+)
 
 RUNS: dict[str, Run] = {
     DEFAULT: Run(),
@@ -194,9 +201,10 @@ RUNS: dict[str, Run] = {
         needs=(DEFAULT,)
     ),
     "jaxrl-llm generate --help": Run(),
-    # The README's plan, its layout and flags as shown on a 0.5B model with short sequences: a
-    # plan compiles every program of the job for the TPU (minutes for the 7B; its figures are
-    # measured in benchmarks/RESULTS.md, "Pod plans").
+    # The README's plan, its layout and flags as shown, on the local stand-in's architecture
+    # with short sequences: a plan compiles every program of the job for the TPU (minutes for
+    # the 7B; its figures are measured in benchmarks/RESULTS.md, "Pod plans"; tests/plan/
+    # checks a real architecture's plan).
     PLAN: Run(force=PLAN_SMALL),
     "jaxrl-llm sweep configs/carry_slips.yaml --presets grpo,dapo,grpo+kl_cov,dapo+m2po "
     "--seeds 0,1,2 --out runs/sweep": Run(force=("--presets", "grpo+kl_cov", *SMALL_SWEEP)),
@@ -350,7 +358,7 @@ def _run(command: str, workspace: pathlib.Path, spec: Run) -> tuple[int, str, st
         code, _, err = _run(need, workspace, RUNS[need])
         assert code == 0, f"{need!r} (needed first) failed:\n{err[-3000:]}"
     argv = _argv(command, spec.extra, workspace)
-    argv += spec.force
+    argv += [word.replace(MODEL_PATH, str(workspace / "local_model")) for word in spec.force]
     if argv[:2] == ["jaxrl-llm", "train"]:
         argv += [
             x for x in _small(argv) if x.split("=", 1)[0] not in {a.split("=")[0] for a in argv}

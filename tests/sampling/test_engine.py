@@ -1,5 +1,6 @@
 """Continuous batching (``jaxrl_llm.sampling.engine``): same tokens as ``generate`` and as
-transformers with refills happening, per-request reproducibility, trainer log-probs, stats."""
+transformers with refills happening, per-request reproducibility, trainer log-probs (a test's
+requests scored in one padded trainer call), stats."""
 
 import dataclasses
 import importlib
@@ -62,18 +63,39 @@ def _generate_one(params, request, *, eos_ids, temperature=0.0):
     )
 
 
-def _trainer_logprobs(params, request, result, temperature):
-    prompt = np.asarray(request.prompt)[None]
-    tokens = result.tokens[None]
-    return completion_logprobs(
-        params,
-        CONFIG,
-        prompt,
-        np.ones(prompt.shape, bool),
-        tokens,
-        np.ones(tokens.shape, bool),
-        temperature=temperature,
+def _assert_trainer_logprobs(params, requests, results, temperature):
+    """Each result's log-probs are the trainer's (``completion_logprobs``) for its prompt and
+    tokens to 1e-5. All requests go through the trainer in one call, in padded rows of one
+    shape (8 rows, the last ones repeating row 0; prompts left-padded to 8, completions
+    right-padded to 12), so every test scores the same shapes and the eager forward compiles
+    once; the padded completion positions score exactly 0 and are cut off before the
+    comparison."""
+    rows, width, length = 8, 8, 12
+    assert len(requests) <= rows
+    prompts = np.zeros((rows, width), np.int32)
+    completions = np.zeros((rows, length), np.int32)
+    lengths = np.zeros(rows, int)
+    for i, (request, result) in enumerate(zip(requests, results, strict=True)):
+        prompts[i, width - len(request.prompt) :] = request.prompt
+        completions[i, : len(result.tokens)] = result.tokens
+        lengths[i] = len(result.tokens)
+    n = len(requests)
+    prompts[n:], completions[n:], lengths[n:] = prompts[0], completions[0], lengths[0]
+    completion_mask = np.arange(length)[None] < lengths[:, None]
+    want = np.asarray(
+        completion_logprobs(
+            params,
+            CONFIG,
+            prompts,
+            prompts > 0,
+            completions,
+            completion_mask,
+            temperature=temperature,
+        )
     )
+    assert (want[~completion_mask] == 0).all()
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result.logprobs, want[i, : lengths[i]], atol=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["continuous", "static"])
@@ -140,6 +162,9 @@ def test_greedy_equals_transformers_generate_with_refills(tmp_path, kv_block_siz
 
 
 def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):
+    """Sampled tokens and log-probs are a function of the seed and each request's index only:
+    the same on other slot counts, burst lengths, the static engine and a longer request list
+    (prompt-mates included); another seed changes them."""
     requests = _requests(rng, [3, 7, 5, 2, 6, 4], [8, 5, 8, 3, 8, 6], keys=[0, 0, 1, 1, 2, 3])
 
     def run(slots, engine, reqs=requests, seed=7, burst=8):
@@ -154,13 +179,13 @@ def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):
         )
         return out
 
+    # Against the base run (2 slots, bursts of 8): more slots and bursts of 1 together; the
+    # static engine on 3 slots with two more requests queued behind these.
     base = run(2, "continuous")
     more = requests + _requests(rng, [4, 4], [8, 8])
     for other in (
-        run(5, "continuous"),
-        run(3, "static"),
-        run(4, "continuous", burst=1),
-        run(3, "continuous", reqs=more)[: len(requests)],
+        run(5, "continuous", burst=1),
+        run(3, "static", reqs=more)[: len(requests)],
     ):
         for a, b in zip(base, other, strict=True):
             np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -183,9 +208,7 @@ def test_sampler_logprobs_equal_the_trainers(params, rng):
         sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.7),
         seed=3,
     )
-    for request, result in zip(requests, results):
-        want = _trainer_logprobs(params, request, result, 0.7)
-        np.testing.assert_allclose(result.logprobs, np.asarray(want)[0], atol=1e-5)
+    _assert_trainer_logprobs(params, requests, results, 0.7)
 
 
 def test_continuous_refills_shrinks_and_counts(params, rng):
@@ -254,7 +277,20 @@ def test_bad_input_is_refused(params, kwargs, requests, match):
 
 def test_stop_sequences_end_a_completion_on_device(params, rng):
     requests = _requests(rng, [5, 3], [12, 12])
-    free = [np.asarray(_generate_one(params, r, eos_ids=()).tokens)[0] for r in requests]
+    # Both prompts' free-running greedy outputs from one ``generate`` call (left-padded).
+    prompts = np.zeros((2, 5), np.int32)
+    for i, r in enumerate(requests):
+        prompts[i, 5 - len(r.prompt) :] = r.prompt
+    free = generate(
+        params,
+        CONFIG,
+        prompts,
+        prompts > 0,
+        key=jax.random.key(0),
+        max_new_tokens=12,
+        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0),
+    )
+    free = np.asarray(free.tokens)
     # A 2-token stop taken from request 0's free-running output at columns 3-4; another that
     # never occurs in either output (checked), so request 1 runs to its length.
     stop = tuple(int(t) for t in free[0][3:5])
@@ -432,10 +468,9 @@ def test_a_prompt_a_live_slot_holds_is_not_prefilled_again(params, rng, kv_block
         params, CONFIG, [r._replace(prompt_key=None) for r in requests], **kw
     )
     assert (alone_stats.prefill_rows, alone_stats.reused_prompts) == (8, 0)
-    for request, a, b in zip(requests, shared, alone, strict=True):
+    for a, b in zip(shared, alone, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
-        want = _trainer_logprobs(params, request, a, 0.7)
-        np.testing.assert_allclose(a.logprobs, np.asarray(want)[0], atol=1e-5)
+    _assert_trainer_logprobs(params, requests, shared, 0.7)
 
 
 def test_a_prompt_held_under_older_weights_is_prefilled_again(params, rng):

@@ -223,17 +223,17 @@ def test_a_pool_too_small_for_one_request_is_refused(params):
         engine(kv_block_size=0)
 
 
-@pytest.mark.parametrize("decode_layers", ["per_layer", "stacked"])
-def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(
-    params, rng, decode_layers
-):
+def test_samples_of_a_prompt_share_its_blocks_and_match_the_contiguous_cache(params, rng):
     """One 5-token prompt, 4 samples of 8 tokens in 4 slots, blocks of 4: the prompt's full
     block once and 3 blocks of its own a sample (the partial prompt block and the completion:
     13 slots a row) = 13 blocks at the peak (16 unshared); the tokens and log-probs are the
-    contiguous cache's."""
+    contiguous cache's. The bursts' layers are stacked here (the layout no other test of this
+    file decodes); the per-layer layout (the CPU default) is matched against the contiguous
+    cache, shared prompt blocks included, by
+    ``test_a_small_pool_preempts_and_recomputes_the_same_tokens``."""
     requests = _grouped(rng, [5], 4, [8])
     kw = dict(max_new_tokens=8, sampling=SamplingOptions(eos_ids=(), pad_id=PAD), seed=4)
-    settings = EngineSettings(slots=4, decode_layers=decode_layers)
+    settings = EngineSettings(slots=4, decode_layers="stacked")
     want, _ = generate_requests(params, CONFIG, requests, settings=settings, **kw)
     paged = dataclasses.replace(settings, kv_block_size=4)
     got, stats = generate_requests(params, CONFIG, requests, settings=paged, **kw)

@@ -41,15 +41,16 @@ ADAPTERS = {f"{w}_lora_{f}" for w in ("wq", "wv", "wo", "w_up", "w_down") for f 
 
 
 def _rl(config, run_dir, *extra):
+    # No SFT warm-up (tiny_config's default): the shaped rewards give the untrained policy's
+    # groups different rewards, so every update has a learning signal; checkpoints only at the
+    # end (what the tests restore).
     return rl_helpers.tiny_config(
         rl_helpers.CONFIGS / config,
         run_dir,
         rl_helpers.SHAPED_REWARDS,
         LORA,
-        "sft_warmup.steps=20",
         "trainer.learning_rate=3e-3",
         "trainer.max_steps=3",
-        "checkpoint.every_steps=1",
         *extra,
     )
 
@@ -67,12 +68,32 @@ def _seqs(rng, vocab: int):
 
 # -- PPO -----------------------------------------------------------------------------------------
 
+# The critic's warm-up step, then one that trains both networks.
+PPO_STEPS = ("critic.warmup_steps=1", "trainer.max_steps=2")
+
+
+@pytest.fixture(scope="module")
+def lora_ppo(tmp_path_factory):
+    """``lora_ppo(optimizer) -> (trainer, run_dir)``: one 2-step LoRA PPO run per critic
+    optimizer, shared by the tests that read it."""
+    runs = {}
+
+    def run(optimizer: str):
+        if optimizer not in runs:
+            run_dir = tmp_path_factory.mktemp(f"lora_ppo_{optimizer}")
+            trainer = PPOTrainer(
+                _rl("ppo.yaml", run_dir, f"critic.optimizer={optimizer}", *PPO_STEPS)
+            )
+            trainer.fit()
+            runs[optimizer] = trainer, run_dir
+        return runs[optimizer]
+
+    return run
+
 
 @pytest.mark.parametrize("optimizer", ["separate", "joint"])
-def test_a_lora_critic_trains_adapters_and_head_over_the_policys_base(tmp_path, optimizer, rng):
-    cfg = _rl("ppo.yaml", tmp_path, f"critic.optimizer={optimizer}", "critic.warmup_steps=1")
-    trainer = PPOTrainer(cfg)
-    trainer.fit()
+def test_a_lora_critic_trains_adapters_and_head_over_the_policys_base(lora_ppo, optimizer, rng):
+    trainer, tmp_path = lora_ppo(optimizer)
 
     # One base serves the policy, its reference and the critic: the same arrays.
     assert _same_arrays(trainer.value_frozen, adapters.backbone_view(trainer.base))
@@ -93,7 +114,7 @@ def test_a_lora_critic_trains_adapters_and_head_over_the_policys_base(tmp_path, 
 
     # The checkpoint holds adapters and head only.
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
-        raw, _ = ckpt.restore_raw(3)
+        raw, _ = ckpt.restore_raw(2)
     value_raw = raw["params"]["value"] if trainer.joint else raw["critic"]["params"]
     assert set(value_raw["backbone"]["layers"]) == ADAPTERS and "embed" not in value_raw["backbone"]
 
@@ -108,17 +129,17 @@ def test_a_lora_critic_trains_adapters_and_head_over_the_policys_base(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_lora_ppo_run_resumes_exactly(tmp_path):
+def test_a_lora_ppo_run_resumes_exactly(lora_ppo, tmp_path):
     """Stopped after the critic's warm-up step and resumed: the frozen halves (the policy's
-    base, shared by the critic) are rebuilt, the adapters and heads restored."""
-    common = ("critic.warmup_steps=1", "trainer.max_steps=2")
-    straight = PPOTrainer(_rl("ppo.yaml", tmp_path / "straight", *common))
-    straight.fit()
+    base, shared by the critic) are rebuilt, the adapters and heads restored (the straight run
+    is the shared one of the default, separate critic optimizer)."""
+    straight, straight_dir = lora_ppo("separate")
+    common = ("critic.optimizer=separate", *PPO_STEPS)
     PPOTrainer(_rl("ppo.yaml", tmp_path / "resumed", *common, "trainer.max_steps=1")).fit()
     resumed = PPOTrainer(_rl("ppo.yaml", tmp_path / "resumed", *common, "resume=true"))
     resumed.fit()
     assert rl_helpers.without_timing(read_metrics(tmp_path / "resumed")) == (
-        rl_helpers.without_timing(read_metrics(tmp_path / "straight"))
+        rl_helpers.without_timing(read_metrics(straight_dir))
     )
     chex.assert_trees_all_equal(
         jax.device_get(resumed.value_params), jax.device_get(straight.value_params)
@@ -183,7 +204,10 @@ def test_a_lora_prm_is_adapters_over_the_policys_base(tmp_path):
 
 
 def _reward_model(run_dir, *extra):
-    return preference_config("reward_model.yaml", run_dir, "checkpoint.every_steps=2", *extra)
+    # No SFT warm-up: the adapters and head learn the preferences over the random base too.
+    return preference_config(
+        "reward_model.yaml", run_dir, "checkpoint.every_steps=2", "sft_warmup.steps=0", *extra
+    )
 
 
 @pytest.mark.slow
@@ -200,7 +224,7 @@ def test_a_lora_reward_model_trains_adapters_and_head_exports_merged_and_resumes
     assert np.abs(np.asarray(trained["backbone"]["layers"]["wq_lora_b"])).max() > 0
     rows = read_metrics(tmp_path / "straight")
     assert rows[-1]["loss"] < rows[0]["loss"]
-    # The frozen backbone is what the run wrote to base/ (after its SFT warm-up).
+    # The frozen backbone is what the run wrote to base/.
     _, saved = models.load_pretrained(tmp_path / "straight" / "base", dtype=np.float32)
     chex.assert_trees_all_equal(jax.device_get(trainer.base["backbone"]), saved)
 
@@ -241,7 +265,8 @@ def test_the_sft_warm_up_of_a_pretrained_base_trains_adapters_only(tmp_path):
     merges them: each targeted weight moves by a matrix of rank <= r, the rest not at all."""
     from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
 
-    seed = RLTrainer(rl_helpers.tiny_config(None, tmp_path / "seed", "trainer.max_steps=1"))
+    # The base: the built-in model as a job exports it (no RL step needed, nor a warm-up).
+    seed = RLTrainer(rl_helpers.tiny_config(None, tmp_path / "seed", "trainer.max_steps=0"))
     seed.fit()
     path = tmp_path / "seed" / "hf"
     _, original = models.load_pretrained(path, dtype=np.float32)
@@ -319,7 +344,9 @@ def test_the_merged_sampler_decodes_what_the_adapters_do(tmp_path):
 
     runs = {}
     for mode in ("adapters", "merged"):
-        trainer = RLTrainer(_rl("grpo.yaml", tmp_path / mode, f"model.lora.sampler={mode}"))
+        trainer = RLTrainer(
+            _rl("grpo.yaml", tmp_path / mode, f"model.lora.sampler={mode}", "trainer.max_steps=2")
+        )
         trainer.fit()
         runs[mode] = trainer
     merged, on_the_fly = runs["merged"], runs["adapters"]

@@ -1,6 +1,9 @@
 """The one optimizer step (``train.step``): mesh parity, micro-batch invariance (both ways of
 accumulating), donation, no retrace. The RL policy step (``train.rl.policy``) is the loss under
-test on the meshes; a toy loss checks the accumulation against float64 NumPy."""
+test: on the meshes (one three-step SGD run per mesh, compared after its first and third
+steps; two AdamW steps on an explicit-axes mesh, in the donation and retrace test) and for
+micro-batching (every aggregation mode's full-batch and micro-batched steps, from two
+programs). A toy loss checks the accumulation against float64 NumPy."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxrl_llm import objectives, parallel
 from jaxrl_llm.losses import aggregation
@@ -51,65 +54,100 @@ def _run(
         ),
         shardings,
     )
-    metrics = []
+    params, metrics = [], []
     for i in range(steps):
         batch = parallel.shard_batch(host_batch(i), mesh)
         state, m = step(state, batch)
+        params.append(jax.device_get(state.params))
         metrics.append(jax.device_get(m))
-    return jax.device_get(state.params), metrics, step
+    return params, metrics, step
 
 
 @pytest.fixture(scope="module")
-def single_device_runs():
-    return {steps: _run((1, 1, 1), steps, optimizer=optax.sgd(0.5)) for steps in (1, 3)}
+def single_device_run():
+    """Three SGD steps on one device: the params and metrics after each step."""
+    return _run((1, 1, 1), 3, optimizer=optax.sgd(0.5))
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
-@pytest.mark.parametrize("steps", [1, 3])
-def test_meshes_match_single_device(single_device_runs, mesh_shape, steps):
-    expected, expected_metrics, _ = single_device_runs[steps]
-    params, metrics, _ = _run(mesh_shape, steps, optimizer=optax.sgd(0.5))
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, expected
-    )
-    np.testing.assert_allclose(metrics[-1]["loss"], expected_metrics[-1]["loss"], rtol=1e-5)
+def test_meshes_match_single_device(single_device_run, mesh_shape):
+    """Three steps on the mesh: the params and loss after the first step and after the third
+    (one program run three times on new batches) are the single device's."""
+    expected, expected_metrics, _ = single_device_run
+    params, metrics, _ = _run(mesh_shape, 3, optimizer=optax.sgd(0.5))
+    for step in (0, 2):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            params[step],
+            expected[step],
+        )
+        np.testing.assert_allclose(metrics[step]["loss"], expected_metrics[step]["loss"], rtol=1e-5)
 
 
-def test_adamw_on_a_mesh_matches_single_device():
-    # Adam divides by sqrt(v): elements whose gradient is ~0 amplify reduction-order noise, so the
-    # comparison is on the update as a whole (relative norm), not per element.
-    one, _, _ = _run((1, 1, 1), 2)
-    many, _, _ = _run((2, 2, 2), 2)
-    diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.linalg.norm(a - b), one, many))
-    norm = jax.tree.leaves(jax.tree.map(np.linalg.norm, one))
-    assert max(d / n for d, n in zip(diff, norm)) < 1e-4
+@pytest.fixture(scope="module")
+def aggregation_mode_updates():
+    """``{(mode, micro_batches): (params, metrics)}``: one SGD step of GRPO with each
+    aggregation mode from the same state and batch on a data=2 mesh, on the full batch
+    (``micro_batches=1``) and in four micro-batches. The five full-batch steps compile as one
+    program and the five micro-batched ones as another (one compile each, not ten): the modes
+    share the forward, and nothing of a micro-batched step can be shared with its reference."""
+    mesh = parallel.make_mesh(2, 1, 1, devices=jax.devices()[:2])
+    optimizer = optax.sgd(1.0)
+    state, shardings = create_train_state(CONFIG, optimizer, key=jax.random.key(0), mesh=mesh)
+    batch = parallel.shard_batch(host_batch(0), mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    updates = {}
+    for micro_batches in (1, 4):
+        steps = [
+            make_policy_step(
+                CONFIG,
+                objectives.make("grpo", aggregation=mode),
+                optimizer,
+                micro_batches=micro_batches,
+                param_shardings=shardings.params,
+            )
+            for mode in aggregation.MODES
+        ]
+
+        def every_mode(state, batch, steps=steps):
+            with parallel.mesh_context(mesh):  # as jit_step does
+                return tuple(step(state, batch) for step in steps)
+
+        outs = jax.jit(
+            every_mode,
+            in_shardings=(shardings, None),
+            out_shardings=((shardings, replicated),) * len(steps),
+        )(state, batch)
+        for mode, (new_state, metrics) in zip(aggregation.MODES, outs, strict=True):
+            updates[mode, micro_batches] = jax.device_get((new_state.params, metrics))
+    return updates
 
 
 @pytest.mark.parametrize("mode", aggregation.MODES)
-def test_micro_batches_equal_full_batch(mode):
-    objective = objectives.make("grpo", aggregation=mode)
-    full, full_metrics, _ = _run((2, 1, 1), 1, objective=objective, optimizer=optax.sgd(1.0))
-    micro, micro_metrics, _ = _run(
-        (2, 1, 1), 1, objective=objective, micro_batches=4, optimizer=optax.sgd(1.0)
-    )
+def test_micro_batches_equal_full_batch(aggregation_mode_updates, mode):
+    full, full_metrics = aggregation_mode_updates[mode, 1]
+    micro, micro_metrics = aggregation_mode_updates[mode, 4]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), micro, full)
     for key in ("loss", "pg_loss", "kl", "clip_frac", "ratio_max", "ratio_min", "grad_norm"):
-        np.testing.assert_allclose(
-            micro_metrics[0][key], full_metrics[0][key], rtol=2e-5, atol=1e-7
-        )
+        np.testing.assert_allclose(micro_metrics[key], full_metrics[key], rtol=2e-5, atol=1e-7)
 
 
-def test_layer_remat_gives_the_same_update(single_device_runs):
+def test_layer_remat_gives_the_same_update(single_device_run):
     """``remat="layer"`` recomputes each layer in the backward pass: same numbers, less memory."""
-    expected, expected_metrics, _ = single_device_runs[1]
+    expected, expected_metrics, _ = single_device_run
     params, metrics, _ = _run((1, 1, 1), 1, optimizer=optax.sgd(0.5), remat="layer")
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, expected
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        params[0],
+        expected[0],
     )
     np.testing.assert_allclose(metrics[0]["grad_norm"], expected_metrics[0]["grad_norm"], rtol=1e-5)
 
 
-def test_explicit_mesh_keeps_types_and_does_not_retrace():
+def test_adamw_on_an_explicit_mesh_matches_single_device_and_does_not_retrace():
+    """Two AdamW steps on an explicit-axes (2, 2, 2) mesh: the state keeps its types, every
+    incoming leaf is donated, the second call reuses the first's program, and the params are
+    those of the same two steps on one device."""
     mesh = parallel.make_mesh(2, 2, 2, axis_types="explicit")
     assert all(t == AxisType.Explicit for t in mesh.axis_types)
     optimizer = optim.make_optimizer(1e-3)
@@ -133,6 +171,13 @@ def test_explicit_mesh_keeps_types_and_does_not_retrace():
     assert jax.tree.map(jax.typeof, state) == types_before
     assert len(traces) == 1  # the second call reuses the first's program
     assert np.isfinite(float(metrics["loss"]))
+    # Adam divides by sqrt(v): elements whose gradient is ~0 amplify reduction-order noise, so the
+    # comparison is on the update as a whole (relative norm), not per element.
+    one = _run((1, 1, 1), 2)[0][-1]
+    many = jax.device_get(state.params)
+    diff = jax.tree.leaves(jax.tree.map(lambda a, b: np.linalg.norm(a - b), one, many))
+    norm = jax.tree.leaves(jax.tree.map(np.linalg.norm, one))
+    assert max(d / n for d, n in zip(diff, norm)) < 1e-4
 
 
 def test_state_is_born_sharded():

@@ -129,16 +129,17 @@ def teacher_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "extra",
     [
-        ("rollout.engine=continuous", "rollout.slots=8"),
+        # The engine and the trained parameters are independent; one run has both (the GKD
+        # variant below runs the same sampler, so its programs are compiled once).
+        ("rollout.engine=continuous", "rollout.slots=8", "model.lora={rank: 4, alpha: 8.0}"),
         ("rollout.max_staleness=1",),
-        ("model.lora={rank: 4, alpha: 8.0, targets: [q, v, o]}",),
     ],
-    ids=["continuous_engine", "one_step_off", "lora_student"],
+    ids=["continuous_engine_lora_student", "one_step_off"],
 )
 def test_distillation_with_each_sampler_pipeline_and_student(teacher_dir, tmp_path, extra):
     """Every step's advantages are the teacher's log-probs of that step's own samples minus the
     behaviour log-probs, however the samples were drawn (continuous engine, a one-step-off
-    pipeline) and whatever trains (a LoRA student's adapters)."""
+    pipeline) and whatever trains (a LoRA student's adapters, with the continuous engine)."""
     cfg = rl_helpers.tiny_config(
         rl_helpers.CONFIGS / "distill.yaml",
         tmp_path / "run",
@@ -350,18 +351,25 @@ def test_gkd_reports_the_jsd_of_the_teachers_top_k_and_packed_equals_padded(teac
     "extra",
     [
         ("rollout.engine=continuous", "rollout.slots=8", "model.lora={rank: 4, alpha: 8.0}"),
-        ("rollout.max_staleness=1", "teacher.top_k=null"),
-        ("mesh.fsdp=4", "teacher.devices=2", "trainer.packing=on"),
+        # The sampling pipeline, the teacher's k and its placement are independent: one run.
+        (
+            "rollout.max_staleness=1",
+            "teacher.top_k=null",
+            "mesh.fsdp=4",
+            "teacher.devices=2",
+            "trainer.packing=on",
+        ),
         ("objective.overrides={advantage: grpo}", "teacher.coef=0.5", SHAPED),
     ],
-    ids=["continuous_engine_lora_student", "one_step_off_full_vocab", "teacher_devices", "grpo"],
+    ids=["continuous_engine_lora_student", "one_step_off_full_vocab_teacher_devices", "grpo"],
 )
 def test_gkd_with_each_pipeline_student_and_placement(teacher_dir, tmp_path, extra):
     """Each step's ``distill/jsd`` is the hand computation from the recorded teacher top-k and
     the parameters the update received, however the samples were drawn (continuous engine, a
     one-step-off pipeline), whatever trains (a LoRA student's adapters), wherever the teacher
-    runs (devices of its own, packed for their shards), over the whole vocabulary
-    (``teacher.top_k=null``: k = V = 21) and mixed with GRPO's reward advantage."""
+    runs (devices of its own, packed for their shards; with the one-step-off pipeline), over
+    the whole vocabulary (``teacher.top_k=null``: k = V = 21) and mixed with GRPO's reward
+    advantage."""
     trainer, rows = _gkd_run(teacher_dir, tmp_path / "run", *extra)
     if "teacher.top_k=null" in extra:
         assert trainer.seen[0]["teacher"].top_ids.shape[-1] == 21

@@ -5,9 +5,10 @@ The README's own command is read from README.md (the block that sets ``JAX_PROCE
 run with small-run overrides as two ``jaxrl-llm train`` processes by ``tests.parallel.launcher``
 (a reserved coordinator port, every process polled, a hang stopped), and compared with one
 process of 8 devices running the same overrides: the first two RL steps' loss, KL, entropy and
-gradient norm within 1e-4 relative. The same holds for the continuous engine (paged), PPO (a
-critic of its own) and LoRA. The asynchronous loop on several hosts runs with the sampler on
-processes of its own (``test_pipeline.py``'s two-process runs).
+gradient norm within 1e-4 relative. The same holds for a LoRA job sampled by the continuous
+engine (paged) and for PPO (a critic of its own) over packed rows. The asynchronous loop on
+several hosts runs with the sampler on processes of its own (``test_pipeline.py``'s two-process
+runs).
 
 Both runs start from one warmed-up policy (50 supervised steps, made once by one process) and
 warm up 5 steps more each. Not a 50-step warm-up each: the two collectives sum in different
@@ -40,7 +41,9 @@ COMPARED = ("loss", "kl", "entropy", "grad_norm")
 SMALL = ("seed=0", "sft_warmup.steps=5", "trainer.max_steps=2", "data.eval_size=16")
 # The other jobs whose mesh spans the processes, smaller still.
 VARIANTS = {
-    "continuous": (
+    # Adapters over a frozen base, sampled by the continuous engine from a paged cache.
+    "lora, continuous engine (paged)": (
+        "model.lora={rank: 4, alpha: 8.0}",
         "rollout.engine=continuous",
         "rollout.kv_block_size=4",
         "rollout.prompts_per_step=8",
@@ -48,7 +51,6 @@ VARIANTS = {
     # Packed forwards (the update, the reference and the critic's values), each process
     # placing its own shards of the one plan every process makes from the gathered masks.
     "ppo, packed": ("objective.name=ppo", "rollout.prompts_per_step=8", "trainer.packing=on"),
-    "lora": ("model.lora={rank: 4, alpha: 8.0}", "rollout.prompts_per_step=8"),
 }
 
 

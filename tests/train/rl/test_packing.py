@@ -4,8 +4,10 @@ reference forwards run over packed rows and train what the padded run trains.
 The reference is the padded run of the same config (whose forward is checked against
 transformers elsewhere): two off-policy steps (two minibatches, so the behaviour forward runs),
 two micro-batches, a KL term (the reference forward), float32; the metrics and the parameters
-after both steps agree to float rounding. On 8 fake devices (fsdp 4 x data 2), each of the
-8 batch shards packs its own rows.
+after both steps agree to float rounding. No SFT warm-up but for the token budget: the
+untrained policy's shaped rewards already differ within groups (a learning signal), and nearly
+half its completions stop before the limit (sequences of many lengths to pack). On 8 fake
+devices (fsdp 4 x data 2), each of the 8 batch shards packs its own rows.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _run(path, packing, *extra):
         None,
         path,
         rl_helpers.SHAPED_REWARDS,
-        "sft_warmup.steps=50",
+        "sft_warmup.steps=0",
         "trainer.max_steps=2",
         "trainer.minibatches=2",
         "trainer.micro_batches=2",
@@ -98,8 +100,14 @@ def _run(path, packing, *extra):
         ),
         # A token budget (48 positions a device: two padded rows of 8 + 16): the packed run
         # counts packed rows (two or three short sequences a row), so it runs fewer
-        # micro-batches than the padded one for the same update.
-        ("trainer.micro_batch_tokens=48", "trainer.micro_batches=1", "rollout.max_new_tokens=16"),
+        # micro-batches than the padded one for the same update. Warmed up, the policy ends
+        # most completions well before 16 tokens (untrained, most run to the limit).
+        (
+            "trainer.micro_batch_tokens=48",
+            "trainer.micro_batches=1",
+            "rollout.max_new_tokens=16",
+            "sft_warmup.steps=50",
+        ),
     ],
     ids=["one_device", "eight_devices", "token_budget"],
 )

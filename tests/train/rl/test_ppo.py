@@ -180,13 +180,40 @@ def _ppo_config(run_dir, *extra):
     )
 
 
+class RecordingPPOTrainer(PPOTrainer):
+    """Keeps the policy's and the critic's parameters as each step starts (host copies)."""
+
+    def train_step(self, step, timer):
+        if not hasattr(self, "before_step"):
+            self.before_step = []
+        self.before_step.append(jax.device_get((self.policy_params, self.value_params)))
+        return super().train_step(step, timer)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["separate", "joint"])
-def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
+@pytest.mark.parametrize(
+    "optimizer, init",
+    # The critic's initial parameters and its optimizer are independent: each run has one of
+    # each (``critic.init=reward_model`` has both optimizers below).
+    [("separate", "policy"), ("joint", "random")],
+    ids=["separate_policy_init", "joint_random_init"],
+)
+def test_ppo_run_warm_up_metrics_critic_saved_and_resume_exact(tmp_path, optimizer, init):
+    """A 3-step run (critic warm-up of 1 step), its critic initialised from the policy or at
+    random: its warm-up step leaves the policy in place and moves the critic, the rows hold
+    finite value metrics, the critic is saved and reloads, and a run stopped after 2 steps
+    resumes to the same metrics and critic."""
     straight_dir = tmp_path / "straight"
-    cfg = _ppo_config(straight_dir, f"critic.optimizer={optimizer}")
-    trainer = PPOTrainer(cfg)
+    critic = (f"critic.optimizer={optimizer}", f"critic.init={init}")
+    cfg = _ppo_config(straight_dir, *critic)
+    trainer = RecordingPPOTrainer(cfg)
     trainer.fit()
+    # The critic's warm-up step (step 1): the policy did not move, the critic did.
+    (initial, initial_values), (warmed, warmed_values) = trainer.before_step[:2]
+    same = jax.tree.map(np.array_equal, initial, warmed)
+    assert all(jax.tree.leaves(same))
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), initial_values, warmed_values)
+    assert any(jax.tree.leaves(moved))
     rows = read_metrics(straight_dir)
     assert len(rows) == 3
     # Warm-up step: only the critic learns.
@@ -206,10 +233,8 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
 
     # 2 steps, stop, resume to 3: the same metrics (minus wall clock) and the same critic.
     resumed_dir = tmp_path / "resumed"
-    PPOTrainer(
-        _ppo_config(resumed_dir, f"critic.optimizer={optimizer}", "trainer.max_steps=2")
-    ).fit()
-    resumed = PPOTrainer(_ppo_config(resumed_dir, f"critic.optimizer={optimizer}", "resume=true"))
+    PPOTrainer(_ppo_config(resumed_dir, *critic, "trainer.max_steps=2")).fit()
+    resumed = PPOTrainer(_ppo_config(resumed_dir, *critic, "resume=true"))
     resumed.fit()
     assert rl_helpers.without_timing(read_metrics(resumed_dir)) == rl_helpers.without_timing(rows)
     same = jax.tree.map(
@@ -218,27 +243,6 @@ def test_ppo_run_metrics_critic_saved_and_resume_exact(tmp_path, optimizer):
         host,
     )
     assert all(jax.tree.leaves(same))
-
-
-@pytest.mark.parametrize("optimizer", ["separate", "joint"])
-def test_the_critic_warm_up_leaves_the_policy_in_place(tmp_path, optimizer):
-    cfg = _ppo_config(tmp_path / "run", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
-    fresh = PPOTrainer(cfg)
-    fresh.setup()
-    initial = jax.device_get(fresh.policy_params)
-    initial_values = jax.device_get(fresh.value_params)
-    fresh.checkpointer.close()
-    fresh.metrics_writer.close()
-    warmed = PPOTrainer(
-        _ppo_config(tmp_path / "run2", f"critic.optimizer={optimizer}", "trainer.max_steps=1")
-    )
-    warmed.fit()
-    same = jax.tree.map(np.array_equal, initial, jax.device_get(warmed.policy_params))
-    assert all(jax.tree.leaves(same))
-    moved = jax.tree.map(
-        lambda a, b: not np.array_equal(a, b), initial_values, jax.device_get(warmed.value_params)
-    )
-    assert any(jax.tree.leaves(moved))
 
 
 @pytest.mark.parametrize("optimizer", ["separate", "joint"])
@@ -265,12 +269,6 @@ def test_a_critic_initialised_from_a_reward_model(tmp_path, optimizer):
     assert len(rows) == 2 and all(math.isfinite(r["vf_loss"]) for r in rows)
     saved_config, _ = heads.load_scalar_model(tmp_path / "run" / "critic")
     assert saved_config.intermediate_size == 32
-
-
-def test_a_randomly_initialised_critic_runs(tmp_path):
-    trainer = PPOTrainer(_ppo_config(tmp_path / "run", "critic.init=random"))
-    trainer.fit()
-    assert all(math.isfinite(r["vf_loss"]) for r in read_metrics(tmp_path / "run"))
 
 
 def test_ppo_config_errors(tmp_path):

@@ -6,8 +6,15 @@ the same mesh shape (deviceless TPU where libtpu is installed, else the CPU devi
 the same programs with the same argument shapes and dtypes, count the same calls per step, and
 name the function that built each (what ``plan --json`` reports as ``function``).
 
-The packed variant (``trainer.packing=on``): the log-prob forwards take the stacked packing
-plan as a third argument and each minibatch's ``RolloutBatch`` carries one. ``train`` sizes its
+The jobs: GRPO on-policy (the module's shared job), then one job per variant, several
+variants combining features whose programs are independent (see ``VARIANTS``), so that GRPO
+off-policy, PPO with a separate critic and with one optimizer, PRIME, LoRA, the sampler's
+log-probs, the continuous engine (paged), sampler devices of their own, a distillation teacher
+and packing each run in one job.
+
+The packed variant (PRIME, ``trainer.packing=on``, two minibatches): the log-prob forwards
+take the stacked packing plan as a third argument and each minibatch's ``RolloutBatch``
+carries one. ``train`` sizes its
 plans from the batch's masks, ``plan`` from the length model (full prompts, mean completion
 ``f x T``, first-fit at the ceiling), so the packed rows per shard need not agree: the real
 job's lengths are whatever its sampler drew. Its plans are compared in everything but that
@@ -76,36 +83,44 @@ ATTRIBUTES = {
     "prm_update": "prm_step",  # PRIME's implicit PRM
     "prm_logprobs": "prm_logprob_fn",
 }
+# Each variant below adds features whose programs are independent of each other's: the
+# sampler's log-probs (the update's batch holds them, no behaviour forward) with LoRA's update
+# and frozen base; the continuous engine's paged cache (the sampler's admit and burst) with
+# distillation's teacher forward; sampler devices of their own (one step off-policy: the
+# behaviour forward runs) with PPO's joint policy-and-critic step; packing with PRIME's PRM
+# programs and, two minibatches, the behaviour forward.
 VARIANTS = {
     "grpo off-policy (two minibatches)": ("trainer.minibatches=2",),
-    "the sampler's log-probs": ("rollout.logprobs=sampler",),
-    "lora": ("model.lora={rank: 4, alpha: 8.0}",),
+    "lora, the sampler's log-probs": (
+        "model.lora={rank: 4, alpha: 8.0}",
+        "rollout.logprobs=sampler",
+    ),
     "ppo, a critic of its own": (
         "objective.name=ppo",
         "critic.optimizer=separate",
         "critic.warmup_steps=0",
     ),
-    "ppo, one optimizer over policy and critic": (
+    "prime": ("objective.name=prime",),
+    # On-policy distillation: the grpo job's exported policy is the teacher too.
+    "the continuous engine, paged; distill, a teacher": (
+        "rollout.engine=continuous",
+        "rollout.kv_block_size=4",
+        "objective.name=distill",
+        "teacher.path={hf}",
+    ),
+    "sampler devices of their own; ppo, one optimizer over policy and critic": (
+        "mesh.rollout_devices=4",
+        "rollout.max_staleness=1",
         "objective.name=ppo",
         "critic.optimizer=joint",
         "critic.warmup_steps=0",
     ),
-    "prime": ("objective.name=prime",),
-    "the continuous engine": ("rollout.engine=continuous",),
-    "the continuous engine, paged": ("rollout.engine=continuous", "rollout.kv_block_size=4"),
-    "sampler devices of their own": ("mesh.rollout_devices=4", "rollout.max_staleness=1"),
-    # On-policy distillation: the grpo job's exported policy is the teacher too.
-    "distill, a teacher": ("objective.name=distill", "teacher.path={hf}"),
     # Packed forwards (two minibatches: the behaviour forward runs too).
-    "packed": (
-        "trainer.packing=on",
-        "rollout.expected_length_fraction=0.5",
-        "trainer.minibatches=2",
-    ),
-    "prime, packed": (
+    "prime, packed (two minibatches)": (
         "objective.name=prime",
         "trainer.packing=on",
         "rollout.expected_length_fraction=0.5",
+        "trainer.minibatches=2",
     ),
 }
 # Programs the trainer calls through ``self.programs`` rather than an attribute.

@@ -48,7 +48,7 @@ E, K = MOE.num_experts, MOE.num_experts_per_tok
 @functools.lru_cache(maxsize=1)
 def _params():
     """Random weights, the router's scaled up so routing is far from uniform."""
-    params = models.init_params(MOE, jax.random.key(0))
+    params = jax.jit(lambda key: models.init_params(MOE, key))(jax.random.key(0))
     layers = dict(params["layers"], router=params["layers"]["router"] * 20.0)
     return {**params, "layers": layers}
 
@@ -59,12 +59,15 @@ def _joined(batch: RolloutBatch):
     return tokens, mask
 
 
+@jax.jit
+def _free_forward(params, tokens, mask):
+    return models.forward(params, MOE, tokens, attention_mask=mask, outputs=("routing",))[-1]
+
+
 def _free_routing(batch: RolloutBatch) -> np.ndarray:
     """``[B, P + T, L, k]``: an independent padded forward's own top-k, -1 on padding."""
     tokens, mask = _joined(batch)
-    out = jax.jit(
-        lambda p, t, m: models.forward(p, MOE, t, attention_mask=m, outputs=("routing",))[-1]
-    )(_params(), jnp.asarray(tokens), jnp.asarray(mask))
+    out = _free_forward(_params(), jnp.asarray(tokens), jnp.asarray(mask))
     ids = np.moveaxis(np.asarray(out), 0, 2)
     return np.where(mask[:, :, None, None], ids, -1).astype(np.int32)
 
@@ -133,20 +136,19 @@ def test_logprob_programs_replay_the_recorded_ids_padded_packed_and_micro_batche
     ids = _other_routing(batch)
     tokens, mask = _joined(batch)
     # Reference: the model's forward told the ids directly, then log-softmax in float64.
-    hidden = models.forward(
-        _params(),
-        MOE,
-        jnp.asarray(tokens),
-        attention_mask=jnp.asarray(mask),
-        routing=jnp.moveaxis(jnp.asarray(ids), 2, 0),
-    )[0]
-    logits = np.asarray(models.unembed(_params(), MOE, hidden), np.float64)
+    # (Jitted: run eagerly, every primitive of the forward would compile on its own.)
+    logits = jax.jit(
+        lambda p, t, m, r: models.unembed(
+            p, MOE, models.forward(p, MOE, t, attention_mask=m, routing=r)[0]
+        )
+    )(_params(), jnp.asarray(tokens), jnp.asarray(mask), jnp.moveaxis(jnp.asarray(ids), 2, 0))
+    logits = np.asarray(logits, np.float64)
     prompt = batch.prompt_tokens.shape[1]
     logits = logits[:, prompt - 1 : -1]
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     picked = np.take_along_axis(logits, batch.completion_tokens[..., None], -1)[..., 0]
     want = np.where(batch.completion_mask, picked - logz, 0.0)
-    free = np.asarray(completion_logprobs(_params(), MOE, *seqs))
+    free = np.asarray(jax.jit(lambda p, s: completion_logprobs(p, MOE, *s))(_params(), seqs))
     assert np.abs(free - want).max() > 1e-3  # the other experts change the log-probs
     for k in (1, 2):
         fn = make_logprob_fn(MOE, micro_batches=k)
@@ -170,8 +172,14 @@ def test_replayed_routing_checks_its_shape():
 # -- the update -------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=2)
+def _loss_fn(replay: bool):
+    """GRPO's policy loss of ``MOE``, jitted (eagerly every primitive would compile alone)."""
+    return jax.jit(make_policy_loss_fn(MOE, objectives.make("grpo"), replay_routing=replay))
+
+
 def _loss(batch: RolloutBatch, *, replay: bool, packed: bool = False):
-    fn = make_policy_loss_fn(MOE, objectives.make("grpo"), replay_routing=replay)
+    fn = _loss_fn(replay)
     if packed:
         plan = plan_sequences(np.asarray(batch.prompt_mask), np.asarray(batch.completion_mask))
         batch = batch._replace(packing=plan)
@@ -197,15 +205,18 @@ def test_the_update_replays_the_ids_and_reports_the_mismatch():
         assert float(metrics["moe/routing_mismatch"]) == pytest.approx(1.0)
         if replay:
             assert abs(float(loss) - float(free_loss)) > 1e-6
-            device = _device(batch)
-            lp, entropy = completion_logprobs(
-                _params(), MOE, *sequences_of(device), routing=jnp.asarray(other),
-                return_entropy=True,
-            )  # fmt: skip
-            totals = totals_of(device.completion_mask)
-            want = objectives.policy_loss(
-                objective, lp, with_totals(device, totals), entropy=entropy
-            ).loss
+
+            @jax.jit
+            def reference(params, device, routing):
+                lp, entropy = completion_logprobs(
+                    params, MOE, *sequences_of(device), routing=routing, return_entropy=True
+                )
+                totals = totals_of(device.completion_mask)
+                return objectives.policy_loss(
+                    objective, lp, with_totals(device, totals), entropy=entropy
+                ).loss
+
+            want = reference(_params(), _device(batch), jnp.asarray(other))
             np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     # Half the rows recorded as the trainer's own choice: the share of their tokens.
     half = np.where(np.arange(len(other))[:, None, None, None] % 2 == 0, other, free_ids)
@@ -380,24 +391,24 @@ def _moved(tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["static", "continuous"])
-def test_the_forwards_use_the_recorded_ids_not_their_own(tmp_path, monkeypatch, engine):
+def test_the_forwards_use_the_recorded_ids_not_their_own(tmp_path, monkeypatch):
     """bf16 compute, with a sampler whose routing differs from the trainer's (on CPU the bf16
     sampler and trainer choose the same experts, so the recorded ids are moved to other
-    experts): ``measure`` reports the mismatch (every completion token) and replays nothing;
-    ``rollout`` replays the recorded ids in every forward (static and continuous engines)."""
-    common = ("model.compute_dtype=bfloat16", f"rollout.engine={engine}")
-    if engine == "static":
-        row, _, _, calls = _run(
-            tmp_path, "measure", "model.routing_replay=measure", *common,
-            monkeypatch=monkeypatch, spy=True, tokens_hook=_moved,
-        )  # fmt: skip
-        assert row["moe/routing_mismatch"] == pytest.approx(1.0)
-        assert calls == []
-        monkeypatch.undo()
-    row, _, samples, calls = _run(
-        tmp_path, "rollout", "model.routing_replay=rollout", *common,
+    experts): ``measure`` (static engine) reports the mismatch (every completion token) and
+    replays nothing; ``rollout`` (continuous engine) replays the recorded ids in every forward.
+    (The static engine's ``rollout`` run is ``test_a_replayed_run_routes_every_forward_as_the_
+    sampler``'s: the trainer's forwards replay alike whichever engine recorded the ids.)"""
+    common = ("model.compute_dtype=bfloat16",)
+    row, _, _, calls = _run(
+        tmp_path, "measure", "model.routing_replay=measure", "rollout.engine=static", *common,
         monkeypatch=monkeypatch, spy=True, tokens_hook=_moved,
+    )  # fmt: skip
+    assert row["moe/routing_mismatch"] == pytest.approx(1.0)
+    assert calls == []
+    monkeypatch.undo()
+    row, _, samples, calls = _run(
+        tmp_path, "rollout", "model.routing_replay=rollout", "rollout.engine=continuous",
+        *common, monkeypatch=monkeypatch, spy=True, tokens_hook=_moved,
     )  # fmt: skip
     assert row["moe/routing_mismatch"] == pytest.approx(1.0)
     assert _check_replayed(calls, samples) == {16: 2, 8: 2}
@@ -426,19 +437,9 @@ def test_unsupported_replays_are_refused(tmp_path, overrides, match):
             trainer.metrics_writer.close()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ("objective.name=ppo", "critic.optimizer=joint", "critic.warmup_steps=0"),
-        ("objective.name=prime",),
-    ],
-    ids=["ppo_joint", "prime"],
-)
-def test_ppo_and_prime_replay_in_the_policys_forwards(tmp_path, monkeypatch, overrides):
-    """PPO's joint step (policy and critic under one optimizer) and PRIME's policy update
-    replay the sampler's ids on every real token of both minibatches, as the policy trainer
-    does; the critic and the PRM, models of their own, route by their own routers."""
+def _watched_run(monkeypatch, cfg):
+    """Runs ``cfg`` with the spy; returns ``(its metrics rows, the rollouts' Samples, the spy's
+    calls)``."""
     from jaxrl_llm.train.metrics import read_metrics  # noqa: PLC0415
     from jaxrl_llm.train.rl.run import run  # noqa: PLC0415
     from jaxrl_llm.train.rl.trainer import RLTrainer  # noqa: PLC0415
@@ -452,6 +453,16 @@ def test_ppo_and_prime_replay_in_the_policys_forwards(tmp_path, monkeypatch, ove
 
     monkeypatch.setattr(RLTrainer, "rollout", rollout)
     spy = _Spy(monkeypatch)
+    run(cfg)
+    rows = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
+    return rows, drawn, spy.calls
+
+
+@pytest.mark.slow
+def test_ppo_replays_in_the_policys_forwards(tmp_path, monkeypatch):
+    """PPO's joint step (policy and critic under one optimizer) replays the sampler's ids on
+    every real token of both minibatches, as the policy trainer does; the critic, a model of
+    its own, routes by its own router. (PRIME's policy update: the resume test below.)"""
     cfg = rl_helpers.tiny_config(
         rl_helpers.CONFIGS / "grpo.yaml",
         tmp_path / "run",
@@ -460,18 +471,23 @@ def test_ppo_and_prime_replay_in_the_policys_forwards(tmp_path, monkeypatch, ove
         "model.routing_replay=rollout",
         "trainer.max_steps=1",
         "trainer.minibatches=2",
-        *overrides,
+        "objective.name=ppo",
+        "critic.optimizer=joint",
+        "critic.warmup_steps=0",
     )
-    run(cfg)
-    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert _check_replayed(spy.calls, drawn[0]).get(8) == 2  # the update's two minibatches
+    rows, drawn, calls = _watched_run(monkeypatch, cfg)
+    assert _check_replayed(calls, drawn[0]).get(8) == 2  # the update's two minibatches
     assert 0.0 <= rows[0]["moe/routing_mismatch"] <= 1.0
 
 
 @pytest.mark.slow
-def test_a_replayed_run_resumes_with_its_rollout_in_flight(tmp_path):
-    """One step off-policy (``rollout.max_staleness=1``): the checkpoint keeps the rollout in
-    flight, routing included (per-step data, not state); the resumed run replays it."""
+def test_prime_replays_and_a_replayed_run_resumes_with_its_rollout_in_flight(tmp_path, monkeypatch):
+    """PRIME, two minibatches, one step off-policy (``rollout.max_staleness=1``): the first
+    run's policy update replays the sampler's ids on every real token of both minibatches, as
+    the policy trainer does (the PRM, a model of its own, routes by its own router); the
+    checkpoint keeps the rollout in flight, routing included (per-step data, not state); the
+    resumed run replays it. (Replay in the trainer's forwards and the in-flight rollout's
+    checkpoint are independent: one job checks both.)"""
     from jaxrl_llm.train.metrics import read_metrics  # noqa: PLC0415
     from jaxrl_llm.train.rl.pipeline import IN_FLIGHT_DIR  # noqa: PLC0415
     from jaxrl_llm.train.rl.run import run  # noqa: PLC0415
@@ -483,12 +499,17 @@ def test_a_replayed_run_resumes_with_its_rollout_in_flight(tmp_path):
             rl_helpers.SHAPED_REWARDS,
             *REPLAY,
             "model.routing_replay=rollout",
+            "objective.name=prime",
+            "trainer.minibatches=2",
             "rollout.max_staleness=1",
             f"trainer.max_steps={steps}",
             *extra,
         )
 
-    run(config(1))
+    rows, drawn, calls = _watched_run(monkeypatch, config(1))
+    assert _check_replayed(calls, drawn[0]).get(8) == 2  # the update's two minibatches
+    assert 0.0 <= rows[0]["moe/routing_mismatch"] <= 1.0
+    monkeypatch.undo()
     assert list((tmp_path / "run" / IN_FLIGHT_DIR).glob("1-*.pkl"))
     run(config(2, "resume=true"))
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
