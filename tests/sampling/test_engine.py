@@ -50,16 +50,26 @@ def _requests(rng, lengths, budgets, keys=None):
     return out
 
 
-def _generate_one(params, request, *, eos_ids, temperature=0.0):
-    prompt = np.asarray(request.prompt)[None]
+def _left_padded(requests, width=None):
+    """The requests' prompts left-padded (with ``PAD``, 0) to ``width`` (default: the longest)."""
+    width = width or max(len(r.prompt) for r in requests)
+    prompts = np.zeros((len(requests), width), np.int32)
+    for i, r in enumerate(requests):
+        prompts[i, width - len(r.prompt) :] = r.prompt
+    return prompts
+
+
+def _greedy(params, requests, *, eos_ids, max_new_tokens=12):
+    """``generate``'s greedy completions of the requests' prompts, in one left-padded batch."""
+    prompts = _left_padded(requests)
     return generate(
         params,
         CONFIG,
-        prompt,
-        np.ones(prompt.shape, bool),
+        prompts,
+        prompts > 0,
         key=jax.random.key(0),
-        max_new_tokens=request.max_new_tokens,
-        sampling=SamplingOptions(eos_ids=eos_ids, pad_id=PAD, temperature=temperature),
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingOptions(eos_ids=eos_ids, pad_id=PAD, temperature=0.0),
     )
 
 
@@ -73,10 +83,10 @@ def _assert_trainer_logprobs(params, requests, results, temperature):
     rows, width, length = 8, 8, 12
     assert len(requests) <= rows
     prompts = np.zeros((rows, width), np.int32)
+    prompts[: len(requests)] = _left_padded(requests, width)
     completions = np.zeros((rows, length), np.int32)
     lengths = np.zeros(rows, int)
-    for i, (request, result) in enumerate(zip(requests, results, strict=True)):
-        prompts[i, width - len(request.prompt) :] = request.prompt
+    for i, result in enumerate(results):
         completions[i, : len(result.tokens)] = result.tokens
         lengths[i] = len(result.tokens)
     n = len(requests)
@@ -102,7 +112,7 @@ def _assert_trainer_logprobs(params, requests, results, temperature):
 def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
     requests = _requests(rng, [3, 7, 5, 2, 6, 4, 1], [4, 9, 2, 12, 6, 12, 3])
     # An EOS the free-running greedy output of request 3 emits at its 5th token.
-    free = _generate_one(params, requests[3], eos_ids=())
+    free = _greedy(params, requests[3:4], eos_ids=(), max_new_tokens=requests[3].max_new_tokens)
     eos = int(np.asarray(free.tokens)[0, 4])
     results, stats = generate_requests(
         params,
@@ -115,19 +125,7 @@ def test_greedy_equals_generate_per_request_with_refills(params, rng, engine):
     assert stats.admissions >= 3  # slots were refilled
     # ``generate`` on all prompts at once (left-padded, 12 columns): greedy, so each request's
     # completion is the first ``max_new_tokens`` columns up to its EOS.
-    width = max(len(r.prompt) for r in requests)
-    tokens = np.zeros((len(requests), width), np.int32)
-    for i, r in enumerate(requests):
-        tokens[i, width - len(r.prompt) :] = r.prompt
-    want = generate(
-        params,
-        CONFIG,
-        tokens,
-        tokens > 0,
-        key=jax.random.key(0),
-        max_new_tokens=12,
-        sampling=SamplingOptions(eos_ids=eos, pad_id=PAD, temperature=0.0),
-    )
+    want = _greedy(params, requests, eos_ids=eos)
     stopped = 0
     for i, (request, result) in enumerate(zip(requests, results, strict=True)):
         n = request.max_new_tokens
@@ -278,19 +276,7 @@ def test_bad_input_is_refused(params, kwargs, requests, match):
 def test_stop_sequences_end_a_completion_on_device(params, rng):
     requests = _requests(rng, [5, 3], [12, 12])
     # Both prompts' free-running greedy outputs from one ``generate`` call (left-padded).
-    prompts = np.zeros((2, 5), np.int32)
-    for i, r in enumerate(requests):
-        prompts[i, 5 - len(r.prompt) :] = r.prompt
-    free = generate(
-        params,
-        CONFIG,
-        prompts,
-        prompts > 0,
-        key=jax.random.key(0),
-        max_new_tokens=12,
-        sampling=SamplingOptions(eos_ids=(), pad_id=PAD, temperature=0.0),
-    )
-    free = np.asarray(free.tokens)
+    free = np.asarray(_greedy(params, requests, eos_ids=()).tokens)
     # A 2-token stop taken from request 0's free-running output at columns 3-4; another that
     # never occurs in either output (checked), so request 1 runs to its length.
     stop = tuple(int(t) for t in free[0][3:5])
