@@ -12,9 +12,15 @@ Lengths: prompts of ``P`` tokens, completions of a lognormal share of ``T`` (med
 sigma 0.8: mean near a third of ``T``, a tail to the limit), a random draw order per seed, as
 ``RLTrainer.train_step`` draws its minibatch.
 
+The second table is the step's frozen forwards (behaviour, reference and teacher log-probs),
+which run over the whole batch before any minibatch is drawn: there the rows of a group stay
+together (its advantages read them as one), so ``RLTrainer.balanced_groups`` moves whole groups
+(``balance_rows`` over the groups' tokens, shards only; the forward's micro-batches take every
+``K``-th row of a shard). As drawn, the groups sit in prompt order.
+
 Run::
 
-    python benchmarks/bench_balance.py          # the table of benchmarks/RESULTS.md (seconds)
+    python benchmarks/bench_balance.py          # the tables of benchmarks/RESULTS.md (seconds)
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from jaxrl_llm.train.packing import plan_micro_batches
 PROMPT, COMPLETION = 512, 8192
 # (data shards, micro-batches, minibatch rows): an 8-chip host, a 16- and a 64-chip slice.
 LAYOUTS = ((8, 4, 256), (16, 8, 512), (64, 2, 512))
+# The frozen forwards: (data shards, micro-batches, step rows, group size).
+GROUP_LAYOUTS = ((8, 4, 256, 8), (16, 8, 512, 16), (32, 2, 512, 8))
 
 
 def lengths(rows: int, seed: int) -> np.ndarray:
@@ -71,6 +79,24 @@ def measure(shards: int, micro: int, rows: int, seeds: int) -> dict:
     }
 
 
+def measure_groups(shards: int, micro: int, rows: int, group: int, seeds: int) -> dict:
+    drawn, balanced = [], []
+    for seed in range(seeds):
+        completion = lengths(rows, seed)  # row g * G + i: member i of group g, prompt order
+        tokens = (PROMPT + completion).reshape(-1, group).sum(axis=1)
+        moved = balance_rows(tokens, shards=shards)
+        laid_out = (moved[:, None] * group + np.arange(group)).reshape(-1)
+        drawn.append(packed_rows(np.arange(rows), completion, shards, micro))
+        balanced.append(packed_rows(laid_out, completion, shards, micro))
+    return {
+        "layout": f"{shards} shards x {micro} micro-batches, {rows} rows, groups of {group}",
+        "padded rows": rows // (shards * micro),
+        "drawn": drawn,
+        "balanced": balanced,
+        "positions ratio": float(np.mean(drawn)) / float(np.mean(balanced)),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -86,6 +112,18 @@ def main(argv=None) -> int:
             f"| {m['layout']} | {m['padded rows']} | {', '.join(map(str, m['drawn']))} | "
             f"{', '.join(map(str, m['balanced']))} | {m['real share drawn']:.0%} | "
             f"{m['real share balanced']:.0%} | {m['positions ratio']:.2f}× |"
+        )
+    print()
+    print(
+        "| frozen forwards | padded rows a cell | packed rows a cell, as drawn | groups balanced "
+        "| positions drawn / balanced |"
+    )
+    print("|---|---:|---|---|---:|")
+    for shards, micro, rows, group in GROUP_LAYOUTS:
+        m = measure_groups(shards, micro, rows, group, args.seeds)
+        print(
+            f"| {m['layout']} | {m['padded rows']} | {', '.join(map(str, m['drawn']))} | "
+            f"{', '.join(map(str, m['balanced']))} | {m['positions ratio']:.2f}× |"
         )
     return 0
 

@@ -84,6 +84,18 @@ def compile_job(job: Job, *, stream: TextIO | None = None) -> dict[str, CompileO
     return outcomes
 
 
+def host_bytes(memory: est.MemoryBreakdown) -> int:
+    """Host memory a compiled program holds at its peak: its host arguments and outputs (less
+    the donated ones) and host temporaries, e.g. the layer inputs ``model.remat=offload``
+    keeps there between the forward and the backward."""
+    return (
+        memory.host_argument_bytes
+        + memory.host_output_bytes
+        - memory.host_alias_bytes
+        + memory.host_temp_bytes
+    )
+
+
 def _gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / GiB
 
@@ -104,6 +116,9 @@ def _program_report(job: Job, program: Program, outcome: CompileOutcome | None) 
         "error": None if outcome is None else outcome.error,
         "memory_bytes": parts,
         "program_memory": None if memory is None else dataclasses.asdict(memory),
+        # Pinned host memory at the program's peak (``model.remat=offload``'s layer inputs),
+        # beside the HBM total; None when not compiled.
+        "host_bytes": None if memory is None else host_bytes(memory),
         "total_bytes": total,
         "total_gib": total / GiB,
         "fits": compiled is not None and total <= spec.usable_hbm_bytes_per_chip,
@@ -274,6 +289,8 @@ def summarise(
         "hbm_per_chip_gib": peak / GiB,
         "headroom_gib": (spec.usable_hbm_bytes_per_chip - peak) / GiB,
         "largest_program": largest,
+        # The most pinned host memory a chip any program holds (model.remat=offload), GiB.
+        "host_per_chip_gib": max((p["host_bytes"] or 0) for p in programs.values()) / GiB,
         "est_step_s": step_s,
         "est_step_conservative_s": step_cons,
         # A program that did not compile counts its compute time only: a lower bound.

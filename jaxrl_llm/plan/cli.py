@@ -373,6 +373,19 @@ def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3g}"
 
 
+def _host_lines(programs: Mapping[str, Any]) -> list[str]:
+    """The pinned host memory of the programs that keep some there (``model.remat=offload``),
+    which the HBM table leaves out."""
+    held = {n: p["host_bytes"] for n, p in programs.items() if p.get("host_bytes")}
+    if not held:
+        return []
+    each = ", ".join(f"{name} {_gib(nbytes)}" for name, nbytes in held.items())
+    return [
+        f"host memory a chip (GiB; model.remat=offload: layer inputs kept on the host between "
+        f"forward and backward, not in the HBM totals, their copies not in the times): {each}"
+    ]
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """The readable per-chip report of ``plan_job``'s dict."""
     model, job, mesh = report["model"], report["job"], report["mesh"]
@@ -403,6 +416,7 @@ def format_report(report: Mapping[str, Any]) -> str:
             fits = "NO (not compiled)"
         rows.append([name, *(_gib(parts[key]) for key, _ in _PARTS), f"{p['total_gib']:.2f}", fits])
     lines += _table(["program", *(label for _, label in _PARTS), "total", "fits"], rows)
+    lines += _host_lines(programs)
     lines += ["", "time per call (ms unless marked s; roofline per chip)"]
     rows = []
     for name, p in programs.items():

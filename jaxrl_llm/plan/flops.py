@@ -29,7 +29,9 @@ from __future__ import annotations
 from jaxrl_llm.models.architectures import param_count  # noqa: F401 (re-exported)
 from jaxrl_llm.models.config import ModelConfig
 
-REMAT_POLICIES = ("none", "layer")
+# ``model.remat``'s choices; "offload" recomputes as "layer" does (its saved layer inputs wait in
+# host memory, not HBM), so its FLOPs are "layer"'s.
+REMAT_POLICIES = ("none", "layer", "offload")
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -253,7 +255,7 @@ def train_flops(
     once more in the backward pass, less the MLP down projection (``2 D F`` a token and layer:
     its output only feeds the residual add, whose backward needs none of it, so JAX's remat
     drops it; likewise the down adapter's ``(x A) B``, ``2 r D``); the unembedding is not
-    recomputed.
+    recomputed. ``remat="offload"`` recomputes the same.
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {remat!r}")

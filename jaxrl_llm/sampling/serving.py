@@ -14,9 +14,9 @@ serving shardings unchanged (``fsdp`` has size 1, so ``embed`` is whole), and th
 sharding constraints need no second rule table. ``t`` is chosen (``choose_tensor``) as the
 largest size within one host that the model's head counts, MLP width and vocabulary divide,
 whose batch shards ``devices / t`` divide the rollout's rows, and whose weight shard plus
-KV-cache shard fit the memory budget; ``make_reshard`` moves the trainer's parameters into it
-with one jitted program (casts on each shard first, then collectives over ICI/NVLink: no host
-round trip).
+KV-cache shard (twice on TPU: ``DECODE_CACHE_COPIES``) fit the memory budget;
+``make_reshard`` moves the trainer's parameters into it with one jitted program (casts on each
+shard first, then collectives over ICI/NVLink: no host round trip).
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ Params = dict[str, Any]
 TENSOR_CHOICES = ("auto", "trainer")
 # Share of the free memory the serving weights and KV cache may take when ``auto`` chooses.
 BUDGET_FRACTION = 0.9
+# KV caches a decode program holds at once, by platform (default 1). XLA:TPU lays the cache out
+# slot-major inside the decode loop (major to minor ``[L, S, K, B, H]``: a token's write fills
+# whole tiles) while the program's arguments keep the default order, so the donated cache is
+# relaid out on entry and back on exit: two copies at the peak (deviceless compile, libtpu
+# 0.0.42: the decode program's temporaries are one cache plus the cast weights; with the
+# cache's argument and result layouts left to the compiler, ``Layout.AUTO``, they drop by the
+# cache, but prefill and decode would then have to hand the cache over in that layout).
+DECODE_CACHE_COPIES = {"tpu": 2}
 
 
 class ServingLayout(NamedTuple):
@@ -88,6 +96,7 @@ def choose_tensor(
     kv_slots: int,
     dtype: Any,
     budget_bytes: float | None,
+    cache_copies: int = 1,
 ) -> int | None:
     """The serving tensor size ``auto`` picks, or None when none fits.
 
@@ -97,10 +106,11 @@ def choose_tensor(
     the largest ``t`` is the fastest as long as its per-layer all-reduces stay on one host's
     links (ICI within a TPU host, NVLink within a GPU node), as MaxText and vLLM serve. The
     order tried is therefore: qualifying sizes up to ``local_devices``, largest first, then
-    larger (cross-host) sizes, smallest first; the first with ``weights / t + cache / devices
-    <= budget_bytes`` per device wins (the cache's rows split over the batch shards, its
-    kv-heads over ``t``). Without a budget (no device memory limit is known, e.g. on CPU) the
-    first in that order.
+    larger (cross-host) sizes, smallest first; the first with ``weights / t + cache_copies x
+    cache / devices <= budget_bytes`` per device wins (the cache's rows split over the batch
+    shards, its kv-heads over ``t``; ``cache_copies``: the caches the decode program holds at
+    once, ``DECODE_CACHE_COPIES``). Without a budget (no device memory limit is known, e.g. on
+    CPU) the first in that order.
     """
     weights = weight_bytes(config, dtype)
     cache = cache_bytes(config, kv_rows, kv_slots, dtype)
@@ -108,7 +118,7 @@ def choose_tensor(
     order = [t for t in reversed(sizes) if t <= local_devices]
     order += [t for t in sizes if t > local_devices]
     for t in order:
-        if budget_bytes is None or weights / t + cache / devices <= budget_bytes:
+        if budget_bytes is None or weights / t + cache_copies * cache / devices <= budget_bytes:
             return t
     return None
 
@@ -149,7 +159,8 @@ def serving_layout(
         qualifies).
       rows: counts the batch shards must divide (prompts per prefill, decode rows).
       kv_rows, kv_slots: the KV cache the budget must also hold.
-      budget_bytes: per-device bytes for the serving weights and cache (None: unlimited).
+      budget_bytes: per-device bytes for the serving weights and cache, the cache counted
+        ``DECODE_CACHE_COPIES`` times on the mesh's platform (None: unlimited).
 
     Raises:
       ValueError: an unknown ``tensor`` choice, or an int that does not divide the devices,
@@ -172,6 +183,7 @@ def serving_layout(
     if tensor == "auto":
         dtype = config.compute_dtype or jnp.float32
         first = mesh.devices.flat[0].process_index
+        platform = mesh.devices.flat[0].platform
         tensor = choose_tensor(
             config,
             devices=mesh.size,
@@ -181,6 +193,7 @@ def serving_layout(
             kv_slots=kv_slots,
             dtype=dtype,
             budget_bytes=budget_bytes,
+            cache_copies=DECODE_CACHE_COPIES.get(platform, 1),
         )
         tensor = "trainer" if tensor is None else tensor
     if tensor == "trainer" or dict(mesh.shape) == {
@@ -309,6 +322,7 @@ def free_device_bytes(mesh: Mesh) -> float | None:
 
 __all__ = [
     "BUDGET_FRACTION",
+    "DECODE_CACHE_COPIES",
     "TENSOR_CHOICES",
     "ServingLayout",
     "cache_bytes",

@@ -56,6 +56,8 @@ def test_train_flops_by_hand():
     # remat="layer": the layers' forward again (7776 - 480) less the down projections
     # (2*8*16 = 256 a token and layer, 6 of them).
     assert flops.train_flops(TINY, 1, 3, remat="layer") == 3 * 7776 + (7776 - 480) - 6 * 256
+    # remat="offload" recomputes as "layer" does (its layer inputs wait on the host).
+    assert flops.train_flops(TINY, 1, 3, remat="offload") == 3 * 7776 + (7776 - 480) - 6 * 256
 
 
 def test_params_and_6n():

@@ -17,7 +17,7 @@ import pytest
 from jaxrl_llm.plan import estimate as est
 from jaxrl_llm.plan import hlo
 from jaxrl_llm.plan import programs as pr
-from jaxrl_llm.plan.topology import GiB, resolve_topology
+from jaxrl_llm.plan.topology import GiB, get_devices, libtpu_available, resolve_topology
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.rl.config import TrainConfig
 
@@ -662,3 +662,24 @@ def test_decode_layers_are_planned_as_train_decodes(tiny_path, monkeypatch):
     assert "weights in the compute dtype per layer" in format_report(report)
     with pytest.raises(pr.PlanError, match="rollout.decode_layers must be one of"):
         _job(tiny_path, "rollout.decode_layers=unrolled")
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (pip install 'jax[tpu]')")
+def test_offloaded_layer_inputs_are_reported_as_host_memory(tiny_path):
+    """``model.remat=offload`` on TPU (deviceless): the update keeps each layer's input of a
+    micro-batch in pinned host memory, L x rows a chip x positions x D values, which the
+    report counts apart from HBM and prints; the frozen forwards keep none."""
+    from jaxrl_llm.plan.cli import format_report
+
+    report = pr.plan_job(_cfg(tiny_path, "model.remat=offload"), V5E_4, devices=get_devices(V5E_4))
+    programs = report["programs"]
+    assert all(p["compiled"] for p in programs.values())
+    seq = report["job"]["seq_len"]
+    # 2 layers x (8 rows / 4 batch shards) x seq x 64 wide, f32.
+    stack = 2 * 2 * seq * 64 * 4
+    assert programs["update"]["host_bytes"] == stack
+    assert programs["update"]["program_memory"]["host_temp_bytes"] == stack
+    assert all(p["host_bytes"] == 0 for n, p in programs.items() if n != "update")
+    assert report["host_per_chip_gib"] == stack / GiB
+    line = next(x for x in format_report(report).splitlines() if x.startswith("host memory"))
+    assert "update 0.00" in line and "logprobs" not in line

@@ -4,7 +4,8 @@ Hand-checked: which tensor sizes a model admits and which one ``auto`` picks for
 budget. On the mesh: the reshard is one on-device program (it runs with every host transfer
 disallowed), gives the compute-dtype weights on the serving mesh, the serving layout's decode
 gathers no weights (the trainer layout's gathers them all), and greedy decoding on it gives
-the same tokens as on the trainer's layout.
+the same tokens as on the trainer's layout. Deviceless TPU (with libtpu): the decode program
+holds a second KV cache, which ``auto`` budgets there.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.models import ModelConfig, logical_axes
+from jaxrl_llm.models import ModelConfig, logical_axes, param_shapes
 from jaxrl_llm.parallel import PARAM_RULES, logical_to_sharding, make_mesh
 from jaxrl_llm.plan import hlo as hlo_lib
-from jaxrl_llm.sampling import SamplingOptions, generate, serving
+from jaxrl_llm.plan.topology import get_devices, libtpu_available, resolve_topology
+from jaxrl_llm.sampling import SamplingOptions, SamplingParams, generate, serving
 from tests.sampling import SHARDED_QWEN2, random_params
 
 gen = importlib.import_module("jaxrl_llm.sampling.generate")
@@ -90,6 +93,10 @@ def test_auto_picks_the_largest_tensor_size_in_a_host_that_fits():
     assert choose(2, weights / 2 + cache - 1) == 4  # across hosts when a host's is too big
     assert choose(1, weights + cache - 1) == 2
     assert choose(4, weights / 4 + cache - 1) is None
+    # A decode program holding the cache twice (XLA:TPU's relayout) needs room for both.
+    assert choose(2, weights / 2 + cache, cache_copies=2) == 4
+    assert choose(4, weights / 4 + 2 * cache, cache_copies=2) == 4
+    assert choose(4, weights / 4 + 2 * cache - 1, cache_copies=2) is None
     # 16 batch shards do not divide 8 prompts: t = 1 does not qualify.
     assert choose(1, None, rows=(8, 64)) == 2
 
@@ -125,6 +132,71 @@ def test_bad_choices_are_refused_by_name(meshes):
         ValueError, match="8 batch shards, which do not divide the rollout's 4 rows"
     ):
         serving.serving_layout(config, mesh, tensor=1, rows=(4, 16))
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="needs libtpu (pip install 'jax[tpu]')")
+def test_tpu_decode_holds_the_cache_twice_and_auto_budgets_both():
+    """XLA:TPU relays the stacked cache out slot-major inside the decode loop, so the decode
+    program's temporaries hold a second cache (``DECODE_CACHE_COPIES``); ``auto`` on TPU
+    chips budgets both copies where the same budget on CPU devices budgets one."""
+    config = dataclasses.replace(
+        ModelConfig.from_hf_dict(json.loads((MODELS / "qwen3-0.6b.json").read_text())),
+        num_hidden_layers=2,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+        compute_dtype="bfloat16",
+    )
+    devices = get_devices(resolve_topology("v5p-16"))  # 8 chips, 4 a host
+    one = Mesh(np.array(devices[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    rep = NamedSharding(one, PartitionSpec())
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=rep), param_shapes(config)
+    )
+    rows, prompt, new = 32, 64, 2048  # a 277 MB cache against 62 MB of bf16 weights
+    kw = dict(config=config, max_new_tokens=new, num_samples=1, cache_dtype=jnp.bfloat16, mesh=one)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+    with jax.set_mesh(one):
+        state = jax.eval_shape(
+            lambda *a: gen.prefill_program(*a, **kw),
+            params,
+            spec((rows, prompt), jnp.int32),
+            spec((rows, prompt), bool),
+            spec((), jnp.int32),
+        )
+        state = jax.tree.map(lambda s: spec(s.shape, s.dtype), state)
+        sampling = SamplingParams(
+            temperature=spec((), jnp.float32),
+            top_p=spec((), jnp.float32),
+            min_p=spec((), jnp.float32),
+            eos_ids=spec((4,), jnp.int32),
+            pad_id=spec((), jnp.int32),
+        )
+        decode = gen.decode_program.lower(
+            params,
+            state,
+            spec((2,), jnp.uint32),
+            sampling,
+            config=config,
+            top_k=0,
+            mesh=one,
+            unroll=False,
+        ).compile()
+    cache = serving.cache_bytes(config, rows, prompt + new, jnp.bfloat16)
+    assert cache == sum(x.size * x.dtype.itemsize for x in (state.cache.k, state.cache.v))
+    copies = serving.DECODE_CACHE_COPIES["tpu"]
+    temp = decode.memory_analysis().temp_size_in_bytes
+    assert (copies - 1) * cache <= temp < copies * cache, (temp, cache)
+
+    # On 8 chips (fsdp) a budget for one cache copy at t = 4 fits t = 4 on CPU, not on TPU.
+    big = _qwen7b()
+    weights = serving.weight_bytes(big, jnp.bfloat16)
+    kv = serving.cache_bytes(big, 64, 2048, jnp.bfloat16) / 8
+    budget = weights / 4 + kv
+    args = dict(tensor="auto", rows=(64,), kv_rows=64, kv_slots=2048, budget_bytes=budget)
+    tpu = Mesh(np.array(devices).reshape(1, 8, 1), ("data", "fsdp", "tensor"))
+    cpu = make_mesh(data=1, fsdp=8, tensor=1)
+    assert serving.serving_layout(big, cpu, **args).tensor == 4
+    assert serving.serving_layout(big, tpu, **args).is_trainer_layout  # nothing fits twice
 
 
 def test_a_mesh_already_shaped_for_serving_is_used_as_it_is(meshes):

@@ -327,9 +327,13 @@ def concat_samples(parts: Sequence[Samples]) -> Samples:
 
 
 def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samples:
-    """The rows of the given group indices, in that order."""
+    """The rows of the given group indices, in that order. A pending scoring
+    (``Samples.scoring``) gives its rewards and components for those rows when it finishes;
+    the draw's ``engine`` statistics are kept."""
     rows = (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
     take = lambda x: None if x is None else x[rows]  # noqa: E731
+    scoring = None if samples.scoring is None else _rows_of(samples.scoring, rows)
+    components = samples.components
     return Samples(
         prompt_tokens=take(samples.prompt_tokens),
         prompt_mask=take(samples.prompt_mask),
@@ -339,14 +343,35 @@ def select_groups(samples: Samples, groups: np.ndarray, group_size: int) -> Samp
         prompts=[samples.prompts[r] for r in rows],
         rewards=take(samples.rewards),
         correct=take(samples.correct),
-        components={k: take(v) for k, v in samples.components.items()},
+        components=None if components is None else {k: take(v) for k, v in components.items()},
         finished=take(samples.finished),
         logprobs=take(samples.logprobs),
         loss_mask=take(samples.loss_mask),
         info=None if samples.info is None else {k: take(v) for k, v in samples.info.items()},
+        scoring=scoring,
         versions=take(samples.versions),
+        engine=samples.engine,
         routing=take(samples.routing),
     )
+
+
+def _rows_of(scoring: concurrent.futures.Future, rows: np.ndarray) -> concurrent.futures.Future:
+    """A future of ``scoring``'s ``(rewards, components)`` at ``rows`` (its error, if any)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(future: concurrent.futures.Future) -> None:
+        try:
+            rewards, components = future.result()
+        except BaseException as err:  # noqa: BLE001  (passed on to whoever waits)
+            out.set_exception(err)
+            return
+        picked = None
+        if components is not None:
+            picked = {k: np.asarray(v)[rows] for k, v in components.items()}
+        out.set_result((np.asarray(rewards)[rows], picked))
+
+    scoring.add_done_callback(done)
+    return out
 
 
 def constant_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:

@@ -445,6 +445,9 @@ class RLTrainer(Trainer):
     def train_step(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         run, cfg = self.run, self.cfg
         samples, info = self.rollout(step, timer)
+        # Whole groups moved so that every data shard's frozen forwards get about the same
+        # tokens; ``drawn[p]``: the drawn row at position p (None: the order as drawn).
+        samples, drawn = self.balanced_groups(samples)
         mask = samples.completion_mask  # attended; trained: samples.loss_mask (multi-turn)
         trained = mask if samples.loss_mask is None else samples.loss_mask
         tokens = float(trained.sum())
@@ -512,8 +515,12 @@ class RLTrainer(Trainer):
             updates = []
             rows = mask.shape[0]
             lengths = host_seqs.prompt_mask.sum(axis=1) + mask.sum(axis=1)
+            # Minibatches are drawn over the rows as drawn, so that moving groups for the
+            # frozen forwards leaves every minibatch's rows as they were.
+            position = None if drawn is None else np.argsort(drawn)
             for epoch in range(cfg.trainer.epochs):
                 order = np.random.default_rng([cfg.seed, step, epoch]).permutation(rows)
+                order = order if position is None else position[order]
                 for part in np.split(order, cfg.trainer.minibatches):
                     part = self.balanced(part, lengths)
                     minibatch = take_rows(batch, jnp.asarray(part), self.row_sharding)
@@ -602,6 +609,29 @@ class RLTrainer(Trainer):
         with jax.set_mesh(self.teacher_mesh):  # not the trainer's mesh, which ``fit`` sets
             out = fn(self.teacher[1], there, own_plan)
         return jax.device_put(out, seqs.completion_mask.sharding)
+
+    def balanced_groups(self, samples) -> tuple[Any, np.ndarray | None]:
+        """``(samples, drawn)``: the step's groups laid out so that every data shard holds
+        about the same tokens for the frozen forwards (behaviour, reference and teacher
+        log-probs, PPO's values, PRIME's PRM), whole groups moved
+        (``jaxrl_llm.packing.balance_rows`` over the groups' tokens), and ``drawn[p]``, the
+        drawn row now at position ``p`` (None: left as drawn). As drawn when the forwards run
+        padded (``trainer.packing=off``: every row costs its full width), on one shard, or
+        when the shards do not split into whole groups. Everything after reads the rows
+        together (a group's rows stay contiguous), so only the order changes."""
+        if packing_lib.packing_mode(self.cfg.trainer.packing) == "off":
+            return samples, None
+        size = self.cfg.rollout.group_size
+        shards = parallel.batch_shards(self.run.mesh)
+        groups = len(samples.prompts) // size
+        if shards == 1 or groups % shards:
+            return samples, None
+        tokens = samples.prompt_mask.sum(axis=1) + samples.completion_mask.sum(axis=1)
+        order = balance_rows(tokens.reshape(groups, size).sum(axis=1), shards=shards)
+        if (order == np.arange(groups)).all():
+            return samples, None
+        drawn = (order[:, None] * size + np.arange(size)).reshape(-1)
+        return rollout_lib.select_groups(samples, order, size), drawn
 
     def balanced(self, part: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """A minibatch's rows ``part`` laid out so that every data shard and micro-batch of the

@@ -7,7 +7,9 @@ two micro-batches, a KL term (the reference forward), float32; the metrics and t
 after both steps agree to float rounding. No SFT warm-up but for the token budget: the
 untrained policy's shaped rewards already differ within groups (a learning signal), and nearly
 half its completions stop before the limit (sequences of many lengths to pack). On 8 fake
-devices (fsdp 4 x data 2), each of the 8 batch shards packs its own rows.
+devices (fsdp 4 x data 2), each of the 8 batch shards packs its own rows, and whole groups
+move between shards to even out the frozen forwards' tokens (each minibatch still holds the
+rows it would have held as drawn).
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ def recorder(base: type) -> type:
         self.__dict__.setdefault("layouts", []).append((part, laid_out, lengths))
         return laid_out
 
+    def balanced_groups(self, samples):
+        moved, drawn = base.balanced_groups(self, samples)
+        tokens = samples.prompt_mask.sum(axis=1) + samples.completion_mask.sum(axis=1)
+        self.__dict__.setdefault("groups", []).append((tokens, drawn))
+        return moved, drawn
+
     methods = {"packing_plan": packing_plan, "balanced": balanced}
+    methods["balanced_groups"] = balanced_groups
     return type(f"Recording{base.__name__}", (base,), methods)
 
 
@@ -65,6 +74,26 @@ def _check_balanced(layouts, shards: int, micro: int) -> None:
         assert spread(laid_out, lengths) <= lengths[laid_out].max()
         assert spread(laid_out, lengths) <= spread(drawn, lengths)
         closer |= spread(laid_out, lengths) < spread(drawn, lengths)
+    assert closer
+
+
+def _check_groups_balanced(groups, shards: int, size: int) -> None:
+    """Every step's frozen forwards ran over whole groups moved so that no data shard's tokens
+    are further from another's than as drawn, and closer in some step."""
+
+    def spread(tokens):
+        per_shard = tokens.reshape(shards, -1).sum(axis=1)
+        return per_shard.max() - per_shard.min()
+
+    closer = False
+    for tokens, drawn in groups:
+        if drawn is None:
+            continue
+        assert sorted(drawn.tolist()) == list(range(len(tokens)))
+        starts = drawn.reshape(-1, size)
+        assert (starts % size == 0)[:, 0].all() and (np.diff(starts, axis=1) == 1).all()
+        assert spread(tokens[drawn]) <= spread(tokens)
+        closer |= spread(tokens[drawn]) < spread(tokens)
     assert closer
 
 
@@ -118,6 +147,7 @@ def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
     packed, packed_rows, packed_params = _run(tmp_path / "packed", "on", *extra)
     assert padded.plans == [None] * 6
     assert all((drawn == laid_out).all() for drawn, laid_out, _ in padded.layouts)
+    assert all(drawn is None for _, drawn in padded.groups)  # padded: the groups as drawn
     # Per step: the behaviour forward's plan and the two minibatches'.
     shards = 8 if "mesh.fsdp=4" in extra else 1
     assert len(packed.plans) == 6
@@ -130,6 +160,10 @@ def test_packed_run_trains_what_the_padded_run_trains(tmp_path, extra):
     else:
         assert all(p[0] in (1, 2) for p in packed.plans)
         _check_balanced(packed.layouts, shards, 2)
+    if shards > 1:  # 16 groups of 4 over 8 shards: two groups a shard, moved to balance
+        _check_groups_balanced(packed.groups, shards, 4)
+    else:
+        assert all(drawn is None for _, drawn in packed.groups)
     assert len(packed.layouts) == 4  # two minibatches a step
     _check_same(padded_rows, packed_rows, padded_params, packed_params, KEYS)
 

@@ -199,6 +199,34 @@ def test_out_of_attempts_fills_with_dropped_groups_under_a_zero_mask(max_attempt
     }
 
 
+def test_select_groups_reorders_a_pending_scoring_when_it_finishes():
+    """The trainer moves whole groups before the rewards are in (``balanced_groups``): the
+    scoring's rewards and components arrive for the selected rows, its error still reaches
+    whoever waits, and the draw's engine figures stay."""
+    import concurrent.futures  # noqa: PLC0415
+
+    from jaxrl_llm.train.rl.rollout import finish_scoring, select_groups  # noqa: PLC0415
+
+    drawn = fake_draw([[VARIED, CONSTANT, VARIED, CONSTANT]])(0)
+    rewards = np.arange(PROMPTS * GROUP, dtype=np.float32)
+    pending = drawn._replace(rewards=None, components=None, engine="stats")
+    for fails in (False, True):
+        future = concurrent.futures.Future()
+        picked = select_groups(pending._replace(scoring=future), np.array([2, 0]), GROUP)
+        assert group_names(picked) == ["d0g2", "d0g0"]
+        assert picked.rewards is None and picked.engine == "stats"
+        if fails:
+            future.set_exception(RuntimeError("verifier died"))
+            with pytest.raises(RuntimeError, match="verifier died"):
+                finish_scoring(picked)
+            continue
+        future.set_result((rewards, {"scripted": 2 * rewards}))
+        done = finish_scoring(picked)
+        want = np.array([8, 9, 10, 11, 0, 1, 2, 3], np.float32)
+        np.testing.assert_array_equal(done.rewards, want)
+        np.testing.assert_array_equal(done.components["scripted"], 2 * want)
+
+
 # -- the trainer's rollout with the real sampler ---------------------------------------------
 
 
