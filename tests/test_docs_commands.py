@@ -29,6 +29,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -370,6 +371,7 @@ def _run(command: str, workspace: pathlib.Path, spec: Run) -> tuple[int, str, st
         contextlib.chdir(workspace),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
+        _children_share_the_cache(argv, workspace),
     ):
         try:
             if argv[0] == "python":
@@ -386,6 +388,28 @@ def _run(command: str, workspace: pathlib.Path, spec: Run) -> tuple[int, str, st
             sys.path[:] = saved_path
     _done[command] = (code, out.getvalue(), err.getvalue())
     return _done[command]
+
+
+@contextlib.contextmanager
+def _children_share_the_cache(argv: list[str], workspace: pathlib.Path):
+    """A sweep trains each cell in a ``jaxrl-llm train`` subprocess: give those the session's
+    compilation cache (the in-process runs' programs: the sampler, evaluation, warm-up), as
+    ``workspace`` gives this process."""
+    if argv[:2] != ["jaxrl-llm", "sweep"]:
+        yield
+        return
+    directory = os.environ.get(helpers.SHARED_CACHE_ENV) or workspace / "jax_cache"
+    added = helpers.cache_env(directory)
+    saved = {key: os.environ.get(key) for key in added}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _check(command: str, code: int, out: str, err: str) -> None:

@@ -39,18 +39,19 @@ COMPARED = ("loss", "kl", "entropy", "grad_norm")
 # A small run of the README's command from the warmed-up policy: two RL steps (with reward
 # variance: a non-zero loss), a small held-out set.
 SMALL = ("seed=0", "sft_warmup.steps=5", "trainer.max_steps=2", "data.eval_size=16")
-# The other jobs whose mesh spans the processes, smaller still.
+# The other parts that split over the processes, in one job, smaller still: adapters over a
+# frozen base (policy and critic), the continuous engine sampling from a paged cache, and packed
+# forwards (the update, the reference and the critic's values), each process placing its own
+# shards of the one plan every process makes from the gathered masks.
 VARIANTS = {
-    # Adapters over a frozen base, sampled by the continuous engine from a paged cache.
-    "lora, continuous engine (paged)": (
+    "ppo, lora, continuous engine (paged), packed": (
+        "objective.name=ppo",
         "model.lora={rank: 4, alpha: 8.0}",
         "rollout.engine=continuous",
         "rollout.kv_block_size=4",
         "rollout.prompts_per_step=8",
+        "trainer.packing=on",
     ),
-    # Packed forwards (the update, the reference and the critic's values), each process
-    # placing its own shards of the one plan every process makes from the gathered masks.
-    "ppo, packed": ("objective.name=ppo", "rollout.prompts_per_step=8", "trainer.packing=on"),
 }
 
 
