@@ -19,10 +19,16 @@ the same arithmetic prompts and use the same reward function (``jaxrl_llm.reward
 Reported: the median step time after ``--skip`` steps (JAX compiles in its first steps), and
 the ratio TRL / jaxrl_llm (> 1: jaxrl_llm faster), with jaxrl_llm's phases.
 
+Long-tailed completions (``--mean-fraction F``): the checkpoint is rewritten so that every
+token ends the completion with the probability that makes the mean length ``F x T``
+(``make_long_tailed``: truncated geometric lengths, as long-tailed as reasoning RL's), and
+jaxrl_llm runs as a user runs such lengths (``LONG_TAILED``: the continuous engine, packing).
+
 Run::
 
     python benchmarks/bench_grpo_step.py                 # 10 steps each (~4 min, 2 cores)
     python benchmarks/bench_grpo_step.py --steps 4 --json out.json
+    python benchmarks/bench_grpo_step.py --mean-fraction 0.3 --max-new-tokens 512 --steps 6
 """
 
 from __future__ import annotations
@@ -50,8 +56,50 @@ LEARNING_RATE = 1e-6
 KL_COEF = 0.04
 
 
-def build_checkpoint(directory: str) -> int:
-    """A random-weight Llama with the arithmetic character tokenizer; returns its parameters."""
+def stop_probability(mean_fraction: float, max_new_tokens: int) -> float:
+    """The per-token end-of-sequence probability ``p`` whose lengths ``min(Geometric(p), T)``
+    (the end token counted) have mean ``mean_fraction x T``: ``(1 - (1 - p)^T) / p = f T``."""
+    if not 1 / max_new_tokens < mean_fraction < 1:
+        raise ValueError(f"--mean-fraction must be in (1/T, 1); got {mean_fraction}")
+    target, low, high = mean_fraction * max_new_tokens, 1e-9, 1.0
+    for _ in range(200):  # the mean falls as p rises
+        p = (low + high) / 2
+        low, high = (p, high) if (1 - (1 - p) ** max_new_tokens) / p > target else (low, p)
+    return (low + high) / 2
+
+
+def make_long_tailed(model, tokenizer, alphabet: str, stop: float) -> None:
+    """Rewrites ``model`` (in place) so that every position's next token is the end token with
+    probability ``stop`` and otherwise a uniform character of ``alphabet``: completion lengths
+    are then ``min(Geometric(stop), T)`` for both implementations, as long-tailed as reasoning
+    RL's. The layers keep their random weights and compute as before but write nothing to the
+    residual stream (``o_proj`` and ``down_proj`` zero), whose only direction (every token's
+    embedding) the unembedding reads: the same logits at every position."""
+    import math
+
+    import torch
+
+    hidden = model.config.hidden_size
+    chars = tokenizer.convert_tokens_to_ids(list(alphabet))
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        # RMSNorm(e_0) = e_0 / sqrt(1/D + eps): the final hidden state's one entry.
+        h = 1.0 / math.sqrt(1.0 / hidden + model.config.rms_norm_eps)
+        logits = torch.full((model.config.vocab_size,), -30.0)  # special tokens: never
+        logits[chars] = 0.0
+        logits[eos] = math.log(stop * len(chars) / (1 - stop))
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, 0] = logits / h
+
+
+def build_checkpoint(directory: str, stop: float | None = None, max_positions: int = 256) -> int:
+    """A random-weight Llama with the arithmetic character tokenizer (with ``stop``: its
+    lengths made long-tailed by ``make_long_tailed``); returns its parameters."""
     import torch
     import transformers
 
@@ -60,7 +108,7 @@ def build_checkpoint(directory: str) -> int:
     tokenizer = build_char_tokenizer(ARITHMETIC_ALPHABET, save_dir=directory)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -69,9 +117,24 @@ def build_checkpoint(directory: str) -> int:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
+    if stop is not None:
+        make_long_tailed(model, tokenizer, ARITHMETIC_ALPHABET, stop)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
+
+
+# What a user sets for long-tailed completions (docs/training.md, docs/sampling.md): the
+# continuous engine (a finished row's slot takes the next request; 32 slots: on CPU a decode
+# step reads every slot's whole cache, so fewer slots decode these lengths faster) and packed
+# training-side forwards (``auto``: when packing saves a quarter of the rows).
+LONG_TAILED = ("rollout.engine=continuous", "rollout.slots=32", "trainer.packing=auto")
+
+
+def jax_settings(args) -> list[str]:
+    """jaxrl_llm's settings beyond the shared workload: ``LONG_TAILED`` with
+    ``--mean-fraction``, then every ``--jax KEY=VALUE``."""
+    return [*(LONG_TAILED if args.mean_fraction else ()), *args.jax]
 
 
 def run_jax(checkpoint: str, args, workdir: str) -> dict:
@@ -89,6 +152,7 @@ def run_jax(checkpoint: str, args, workdir: str) -> dict:
         f"data.eval_size={args.prompts}",
         f"checkpoint.every_steps={args.steps + 1}",
         f"seed={args.seed}",
+        *jax_settings(args),
     ]
     command = [sys.executable, "-m", "jaxrl_llm.cli", "train", str(ROOT / "configs/grpo.yaml")]
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -239,6 +303,16 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mean-fraction",
+        type=float,
+        help="long-tailed completions: the checkpoint stops each token with the probability "
+        "that makes the mean length this fraction of --max-new-tokens (make_long_tailed), and "
+        "jaxrl_llm runs with " + " ".join(LONG_TAILED),
+    )
+    parser.add_argument(
+        "--jax", action="append", default=[], metavar="KEY=VALUE", help="a jaxrl_llm override"
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument(
         "--trl-worker", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS
@@ -251,7 +325,11 @@ def main(argv=None) -> int:
         parser.error(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
     with tempfile.TemporaryDirectory() as workdir:
         checkpoint = os.path.join(workdir, "checkpoint")
-        n_params = build_checkpoint(checkpoint)
+        stop = None
+        if args.mean_fraction:
+            stop = stop_probability(args.mean_fraction, args.max_new_tokens)
+        positions = max(256, 2 * (args.max_new_tokens + 64))
+        n_params = build_checkpoint(checkpoint, stop, positions)
         jax_result = run_jax(checkpoint, args, workdir)
         trl_result = run_trl(checkpoint, args, workdir)
     jax_s = statistics.median(jax_result["step_s"][args.skip :])
@@ -270,6 +348,15 @@ def main(argv=None) -> int:
         f"- checkpoint: Llama, {n_params / 1e6:.2f}M parameters, random weights; "
         f"{args.prompts} prompts x {args.group_size} completions of <= {args.max_new_tokens} "
         f"tokens per step; median of steps {args.skip + 1}-{args.steps}",
+        *(
+            [
+                f"- long-tailed: each token ends the completion with probability {stop:.5f} "
+                f"(mean length {args.mean_fraction} x {args.max_new_tokens})"
+            ]
+            if stop is not None
+            else []
+        ),
+        f"- jaxrl_llm settings: {' '.join(jax_settings(args)) or 'configs/grpo.yaml as it is'}",
         "",
         "| implementation | s / step | completion length (mean) | vs TRL |",
         "|---|---:|---:|---:|",

@@ -13,7 +13,7 @@ import os
 import sys
 
 from jaxrl_llm import __version__, user_code
-from jaxrl_llm.console import log_to_stderr, quiet_start
+from jaxrl_llm.console import keep_large_host_buffers, log_to_stderr, quiet_start
 
 # subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     config = next((a for a in argv[1:2] if a.endswith((".yaml", ".yml"))), None)
     user_code.add_search_paths(os.getcwd(), *([os.path.dirname(config) or "."] if config else []))
     quiet_start()  # before the subcommand starts JAX: no backend probing on a CPU machine
+    keep_large_host_buffers()  # a CPU-only run's allocator (after quiet_start chose CPU)
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
 
 

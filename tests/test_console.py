@@ -94,3 +94,67 @@ def test_cpu_without_accelerators_only_where_jax_would_find_none(monkeypatch):
         pytest.skip("libtpu is not installed: nothing to quieten")
     assert console.cpu_without_accelerators()
     assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+# Allocates and frees 48 MiB (over glibc's largest mmap threshold, 32 MiB) ten times with
+# malloc, as XLA:CPU does, touching every page, and prints the minor page faults that took:
+# glibc's default maps the block fresh each time (48 MiB / 4 KiB pages = 12,288 faults a time);
+# the heap reuses it.
+_REALLOC_FAULTS = """
+import ctypes, resource, sys
+from jaxrl_llm import console
+kept = console.keep_large_host_buffers() if sys.argv[1] == "tuned" else False
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+size = 48 << 20
+def cycle():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+cycle()
+before = faults()
+for _ in range(10):
+    cycle()
+print(kept, faults() - before)
+"""
+
+
+def _realloc_faults(mode: str, **env: str) -> tuple[bool, int]:
+    result = subprocess.run(
+        [sys.executable, "-c", _REALLOC_FAULTS, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    kept, faults = result.stdout.split()
+    return kept == "True", int(faults)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_cpu_run_reuses_large_host_buffers_instead_of_faulting_them_in_per_call():
+    untuned = _realloc_faults("default", JAX_PLATFORMS="cpu")[1]
+    kept, tuned = _realloc_faults("tuned", JAX_PLATFORMS="cpu")
+    assert kept
+    pages = 10 * (48 << 20) // 4096
+    assert untuned >= pages // 2, untuned  # mapped fresh every time (4 KiB pages)
+    assert tuned < pages // 20, tuned  # the first block's pages, reused
+
+
+def test_large_host_buffers_are_left_to_accelerators_and_to_a_user_who_tuned_malloc(
+    monkeypatch,
+):
+    from jax._src import hardware_utils
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert not console.keep_large_host_buffers()
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert not console.keep_large_host_buffers()
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, 5))
+    assert not console.keep_large_host_buffers()  # a TPU VM, JAX_PLATFORMS unset
+    # (Where it applies, the test above runs it in a process of its own.)
