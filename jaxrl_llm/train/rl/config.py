@@ -189,7 +189,8 @@ class TrainerSection(OptimizerSection):
         one micro-batch: more micro-batches when a step's batch is larger (the count is
         chosen per padded batch shape, ``train.step.TokenBudget``); the update is the same,
         only its schedule changes. ``auto``: 4096 on CPU, where smaller working sets run
-        faster, and off elsewhere (``null``: exactly ``micro_batches``).
+        faster (the frozen forwards: ``CPU_FORWARD_TOKENS``), and off elsewhere (``null``:
+        exactly ``micro_batches``).
       eval_every: evaluate on held-out prompts every N steps (``eval/*`` metrics, plotted);
         0 = only before and after training.
       eval_k: besides greedy accuracy, each evaluation samples every held-out prompt
@@ -383,8 +384,12 @@ class TrainConfig:
 
 
 REFERENCE_MODES = ("frozen", "refresh", "ema")
-# trainer.micro_batch_tokens=auto on CPU (positions per micro-batch).
+# trainer.micro_batch_tokens=auto on CPU (positions per micro-batch): the update's, and the
+# frozen forwards' (no activations kept for a backward pass: on CPU a packed reference forward
+# of 43k positions ran in 2.4 s at 16,384 a micro-batch, 3.9 s at 4,096, where the update runs
+# fastest; benchmarks/bench_grpo_step.py --mean-fraction 0.3 --max-new-tokens 512).
 CPU_MICRO_BATCH_TOKENS = 4096
+CPU_FORWARD_TOKENS = 4 * CPU_MICRO_BATCH_TOKENS
 CRITIC_INITS = ("policy", "reward_model", "random")
 CRITIC_OPTIMIZERS = ("separate", "joint")
 PRM_UPDATES = ("before", "after")
@@ -419,8 +424,11 @@ def forward_micro_batching(trainer: TrainerSection, platform: str) -> int | Toke
     """The same for the frozen log-prob forwards: the token budget alone (no floor), else 1.
 
     ``trainer.micro_batches`` sizes the update's activations (kept for the backward pass); a
-    forward keeps none, so it runs whole unless a token budget asks otherwise.
+    forward keeps none, so it runs whole unless a token budget asks otherwise. ``auto`` on CPU
+    gives the forwards ``CPU_FORWARD_TOKENS``, larger than the update's.
     """
+    if trainer.micro_batch_tokens == "auto" and platform == "cpu":
+        return TokenBudget(CPU_FORWARD_TOKENS)
     micro = micro_batching(trainer, platform)
     return TokenBudget(micro.tokens) if isinstance(micro, TokenBudget) else 1
 

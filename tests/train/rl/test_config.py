@@ -9,6 +9,7 @@ import pytest
 from jaxrl_llm.train.config_io import load_config
 from jaxrl_llm.train.metrics import read_metrics
 from jaxrl_llm.train.rl.config import (
+    CPU_FORWARD_TOKENS,
     CPU_MICRO_BATCH_TOKENS,
     TrainConfig,
     TrainerSection,
@@ -37,9 +38,14 @@ def test_explicit_budget_applies_everywhere_and_null_turns_it_off():
 
 def test_forwards_take_the_budget_without_the_floor():
     trainer = TrainerSection(micro_batches=4)
-    assert forward_micro_batching(trainer, "cpu") == TokenBudget(CPU_MICRO_BATCH_TOKENS)
+    # auto on CPU: a larger budget than the update's (a forward keeps no activations).
+    assert forward_micro_batching(trainer, "cpu") == TokenBudget(CPU_FORWARD_TOKENS)
+    assert CPU_FORWARD_TOKENS == 4 * CPU_MICRO_BATCH_TOKENS == 16384
     # micro_batches sizes the update's kept activations; a frozen forward runs whole.
     assert forward_micro_batching(trainer, "tpu") == 1
+    # A budget the user sets is the forwards' too.
+    explicit = TrainerSection(micro_batches=4, micro_batch_tokens=2048)
+    assert forward_micro_batching(explicit, "cpu") == TokenBudget(2048)
 
 
 @pytest.mark.parametrize("value", ["0", "-4", "many"])
