@@ -34,6 +34,7 @@ import pathlib
 import re
 import shlex
 import sys
+from unittest import mock
 
 import pytest
 
@@ -399,17 +400,8 @@ def _children_share_the_cache(argv: list[str], workspace: pathlib.Path):
         yield
         return
     directory = os.environ.get(helpers.SHARED_CACHE_ENV) or workspace / "jax_cache"
-    added = helpers.cache_env(directory)
-    saved = {key: os.environ.get(key) for key in added}
-    os.environ.update(added)
-    try:
+    with mock.patch.dict(os.environ, helpers.cache_env(directory)):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _check(command: str, code: int, out: str, err: str) -> None:
