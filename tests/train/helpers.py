@@ -1,5 +1,6 @@
 """Pieces every training test shares: the configs folder, a persistent compilation cache,
-metric rows without their wall-clock keys, a one-device environment for subprocess runs.
+metric rows without their wall-clock keys, a one-device environment for subprocess runs, and
+``jaxrl-llm train`` across two processes or in one.
 
 The jobs compile a sampler, log-prob programs and an optimizer step per run; most programs are
 the same from one tiny run to the next, so the tests share a persistent compilation cache (in
@@ -13,6 +14,8 @@ import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,6 +23,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxrl_llm import cli
+from tests.parallel import launcher
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -83,6 +87,42 @@ def single_device_env() -> dict[str, str]:
         and f != "--xla_backend_optimization_level=0"  # the test session's (tests/conftest.py)
     ]
     return {**os.environ, "XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": "cpu"}
+
+
+# Only stops a hang (a process waiting for a peer that is gone); never a performance limit.
+LAUNCH_TIMEOUT_S = 900
+
+
+def train_in_two_processes(out: pathlib.Path, overrides: Sequence[str]) -> list[dict]:
+    """``jaxrl-llm train *overrides run_dir=out/run`` as two processes of 4 CPU devices (gloo,
+    ``tests.parallel.launcher``); the run's metric rows."""
+    out.mkdir(parents=True)
+    run_dir = out / "run"
+    launcher.launch(
+        "jaxrl_llm.cli",
+        ["train", *overrides, f"run_dir={run_dir}"],
+        log_dir=out,
+        timeout_s=LAUNCH_TIMEOUT_S,
+    )
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def train_in_one_process(
+    out: pathlib.Path, overrides: Sequence[str], devices: int = 8
+) -> list[dict]:
+    """The same command as one process of ``devices`` CPU devices (the session's LLVM level,
+    as the launcher gives the workers: the levels round differently); its metric rows."""
+    run_dir = out / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_llm.cli", "train", *overrides, f"run_dir={run_dir}"],
+        env=launcher.single_process_env(devices),
+        cwd=launcher.REPO,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def is_timing(key: str) -> bool:

@@ -20,21 +20,16 @@ comparison is for.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import re
 import shlex
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tests.parallel import launcher
+from tests.train.helpers import train_in_one_process, train_in_two_processes
 
 README = launcher.REPO / "README.md"
-# Only stops a hang (a process waiting for a peer that is gone); never a performance limit.
-TIMEOUT_S = 900
 COMPARED = ("loss", "kl", "entropy", "grad_norm")
 # A small run of the README's command from the warmed-up policy: two RL steps (with reward
 # variance: a non-zero loss), a small held-out set.
@@ -68,40 +63,6 @@ def readme_launch() -> list[str]:
     return [a for a in shlex.split(match.group(1)) if not a.startswith("run_dir=")]
 
 
-def _metrics(run_dir: pathlib.Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def two_processes(out: pathlib.Path, overrides: list[str]) -> list[dict]:
-    out.mkdir(parents=True)
-    run_dir = out / "run"
-    launcher.launch(
-        "jaxrl_llm.cli",
-        ["train", f"run_dir={run_dir}", *overrides],
-        log_dir=out,
-        timeout_s=TIMEOUT_S,
-    )
-    return _metrics(run_dir)
-
-
-def one_process(out: pathlib.Path, overrides: list[str], devices: int = 8) -> list[dict]:
-    """The same command as one process of 8 devices (the session's LLVM level, as the
-    launcher gives the workers: the levels round differently)."""
-    env = launcher.single_process_env(devices)
-    run_dir = out / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl_llm.cli", "train", f"run_dir={run_dir}", *overrides],
-        env=env,
-        cwd=launcher.REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _metrics(run_dir)
-
-
 def assert_same_steps(two: list[dict], one: list[dict], steps: int = 2) -> None:
     assert [m["step"] for m in two[:steps]] == [m["step"] for m in one[:steps]] == [1, 2]
     for got, want in zip(two[:steps], one[:steps]):
@@ -119,7 +80,7 @@ def warmed(tmp_path_factory) -> str:
     """The built-in task's policy after 50 supervised steps (``hf/`` of a one-device run)."""
     out = tmp_path_factory.mktemp("warmed")
     overrides = ["seed=0", "sft_warmup.steps=50", "trainer.max_steps=1", "data.eval_size=16"]
-    one_process(out, [*overrides, "mesh.data=1", "mesh.fsdp=1"], devices=1)
+    train_in_one_process(out, [*overrides, "mesh.data=1", "mesh.fsdp=1"], devices=1)
     return str(out / "run" / "hf")
 
 
@@ -131,8 +92,8 @@ def test_readme_launch_is_two_processes_of_four_devices():
 @pytest.mark.slow
 def test_the_readme_launch_trains_as_one_8_device_process(warmed, tmp_path):
     overrides = [*readme_launch(), *SMALL, f"model.path={warmed}"]
-    two = two_processes(tmp_path / "two", overrides)
-    one = one_process(tmp_path / "one", overrides)
+    two = train_in_two_processes(tmp_path / "two", overrides)
+    one = train_in_one_process(tmp_path / "one", overrides)
     assert_same_steps(two, one)
     assert any(abs(m["loss"]) > 1e-6 for m in one[:2])  # a step with a learning signal
 
@@ -141,6 +102,6 @@ def test_the_readme_launch_trains_as_one_8_device_process(warmed, tmp_path):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_job_across_two_processes_trains_as_one_process(variant, warmed, tmp_path):
     overrides = [*readme_launch(), *SMALL, f"model.path={warmed}", *VARIANTS[variant]]
-    two = two_processes(tmp_path / "two", overrides)
-    one = one_process(tmp_path / "one", overrides)
+    two = train_in_two_processes(tmp_path / "two", overrides)
+    one = train_in_one_process(tmp_path / "one", overrides)
     assert_same_steps(two, one)
