@@ -1,4 +1,5 @@
-"""The continuous engine's admissions, host side: what ``slots.admit`` prefills and copies.
+"""The continuous engine's admissions, host side: what ``slots.prefill`` runs through the model
+and ``slots.admit`` copies into slots.
 
 The requests admitted together are grouped by prompt (``paging.sharing_key``: the same prompt
 and the same weight version). A prompt is prefilled once, in one row of a left-padded batch,
@@ -23,9 +24,10 @@ from jaxrl_llm.sampling.requests import Request
 
 
 class Admission(NamedTuple):
-    """One ``slots.admit`` call's inputs: requests ``j`` (prompt ``owner[j]`` of the prefill)
-    into slots ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped). Host NumPy
-    arrays from :func:`admission`, device arrays in ``slots.admit``.
+    """One admission's inputs (``slots.prefill``'s prompts, ``slots.admit``'s): requests ``j``
+    (prompt ``owner[j]`` of the prefill) into slots ``slot[j]``; entries with ``slot[j] == S``
+    are padding (dropped). Host NumPy arrays from :func:`admission`, device arrays in the
+    programs.
 
     Attributes:
       prompt_tokens, prompt_mask: ``[U, p]`` left-padded prompts to prefill (None: every
@@ -79,6 +81,7 @@ def admission(
     held: dict[Any, list[int]],
     version: int,
     engine_slots: int,
+    entries: int | None = None,
     shards: int,
     pad_id: int,
     pager: BlockAllocator | None = None,
@@ -90,7 +93,8 @@ def admission(
 
     Sizes are powers of two (the prefill's rows also a multiple of ``shards``, its width a
     ``bucket_length``), so a run compiles a handful of programs; padding entries go to slot
-    ``engine_slots`` (dropped).
+    ``engine_slots`` (dropped). ``entries``: every admission this many instead (the
+    engine's slots where its cache takes several widths: one admission program a width).
     """
     rows: dict[Any, int] = {}  # sharing key -> row of the prefill batch
     prompts: list[np.ndarray] = []
@@ -118,7 +122,7 @@ def admission(
         else:  # only the partial last block is written: copied from the holder's
             full = len(requests[r].prompt) // pager.block_size
             copies.append((pager.global_id(holder, full), pager.global_id(slot, full)))
-    n = pow2(len(admitted))
+    n = entries or pow2(len(admitted))
     pad = n - len(admitted)
     arrays = Admission(
         prompt_tokens=None,

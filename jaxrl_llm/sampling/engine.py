@@ -14,6 +14,14 @@ row-steps of a static batch produce padding. The engine instead keeps ``S`` slot
   (``burst``; EOS and each request's own ``max_new_tokens`` checked on device; fewer when every
   live slot's budget ends sooner), the rows at different cache slots (``forward`` with a
   ``[S]`` ``cache_index``).
+* **Cache width.** A decode step attends over every slot's whole row of a contiguous cache,
+  filled or not, and on CPU it is bound by reading them. There (per-layer decoding, ``T >= 64``)
+  the cache is cut to, or padded back out to, the narrowest of up to ``layout.ENGINE_WIDTHS``
+  widths ``P + ceil(T * i / n)`` (``layout.decode_windows``) that holds every live slot's writes
+  in the next burst: past the furthest live slot's next write no live slot reads anything (a
+  finished slot's row is rewritten when it is admitted again). Long-tailed lengths keep most
+  bursts well short of ``P + T``. Each width is another burst and admission program to compile
+  (the prefill's does not depend on it); ``EngineStats.resizes`` counts the cuts and pads.
 * **Harvest.** The host reads which slots finished, fetches their tokens and log-probs, and
   the slots are admitted again.
 * **Drain.** Once the queue is empty, the remaining requests move to a program of half the
@@ -52,8 +60,10 @@ and preempted-then-recomputed slots carry no earlier request's ids, and the drai
 buffer with the slots. Each ``Result.routing`` is its ``[p + n, L, k]``; ``batch_routing``
 lays a run's out as ``generate(..., record_routing=True)`` does.
 
-Programs compiled per run: one burst, and one admission per (distinct prompts, admitted
-requests, prompt bucket) size class, each a power of two.
+Programs compiled per run: one burst per cache width and drain size; one prefill per (distinct
+prompts, admitted requests, prompt bucket) size class, each a power of two; one admission per
+admitted-requests size (a contiguous cache of several widths: every admission the size of the
+slots, one admission a width).
 """
 
 from __future__ import annotations
@@ -90,6 +100,8 @@ from jaxrl_llm.sampling.slots import (
     burst,
     evict,
     init_state,
+    prefill,
+    resize,
     shardings,
     take_slots,
 )
@@ -241,6 +253,12 @@ class Engine:
             hidden_dtype=hidden,
             record_routing=bool(record_routing),
         )
+        # The contiguous cache's widths: each burst runs on the narrowest that holds every live
+        # slot's writes (CPU, per-layer decoding: ``layout.decode_windows``).
+        ends = layout.decode_windows(
+            params, max_new_tokens, settings.decode_layers, most=layout.ENGINE_WIDTHS
+        )
+        self.widths = () if self.paged else tuple(self.prompt_width + e for e in ends)
 
     def _mesh_context(self, params: Any) -> Any:
         """The engine's mesh; a paged engine without one runs under a one-device mesh on its
@@ -325,7 +343,7 @@ class Engine:
             decode_steps=0, slot_steps=0, bursts=0, admissions=0, prefill_rows=0, shrinks=0
         )
         counts.update(reused_prompts=0)
-        counts.update(updates=0, preemptions=0)
+        counts.update(updates=0, preemptions=0, resizes=0)
         pager = None if self.paged is None else self._allocator(*self.paged)
         params = self.params
         prompt_lengths = [len(r.prompt) for r in requests]
@@ -348,6 +366,8 @@ class Engine:
                     size = self.shards * pow2(-(-len(busy) // self.shards))
                     keep = busy + free[: size - len(busy)] if size <= len(occupant) // 2 else None
                 if keep is not None:
+                    if self.widths:  # a program per drain size, not per width too
+                        state = self._fit(state, self.widths[-1], counts)
                     state = take_slots(state, jnp.asarray(keep, jnp.int32), mesh=self.mesh)
                     occupant = [occupant[s] for s in keep]
                     host_count = host_count[keep]
@@ -387,6 +407,11 @@ class Engine:
                 ]
                 steps = max(1, min(self.burst, *left)) if left else self.burst
             table = None
+            if self.widths and len(occupant) == self.slots:  # the drain keeps the whole cache
+                # The furthest live slot writes cache slot P + count + steps - 1.
+                live = [int(host_count[s]) for s, r in enumerate(occupant) if r is not None]
+                reach = self.prompt_width + max(live, default=0) + steps
+                state = self._fit(state, next(w for w in self.widths if w >= reach), counts)
             if pager is not None:
                 evicted = pager.map_burst(requests, queue, occupant, host_count, steps)
                 if evicted:
@@ -420,6 +445,13 @@ class Engine:
             counts["peak_blocks"] = pager.peak
         return results, counts
 
+    def _fit(self, state: EngineState, width: int, counts: dict) -> EngineState:
+        """``state`` with its contiguous cache cut or padded to ``width`` slots a row."""
+        if width == state.cache.mask.shape[1]:
+            return state
+        counts["resizes"] += 1
+        return resize(state, width=width, mesh=self.mesh)
+
     def _layout(self, params: Any) -> Any:
         """Weights in the engine's layout (unstacked layers where it decodes them so)."""
         return layout.unstack_layers(params) if self._state_args["unstacked"] else params
@@ -443,6 +475,7 @@ class Engine:
             held=holders(requests, *live),
             version=version,
             engine_slots=self.slots,
+            entries=self.slots if self.widths else None,
             shards=self.shards,
             pad_id=self.pad_id,
             pager=pager,
@@ -450,12 +483,28 @@ class Engine:
         counts["admissions"] += 1
         for name, value in admitted.items():
             counts[name] += value
+        arrays = jax.tree.map(jnp.asarray, arrays)
+        prefilled = None
+        if arrays.prompt_tokens is not None:
+            prefilled = prefill(
+                params,
+                arrays.prompt_tokens,
+                arrays.prompt_mask,
+                arrays.owner,
+                config=self.config,
+                cache_dtype=self._state_args["cache_dtype"],
+                unstacked=self._state_args["unstacked"],
+                record=self._state_args["record_routing"],
+                prompt_width=None if pager is not None else self.prompt_width,
+            )
         return admit(
             params,
             state,
-            jax.tree.map(jnp.asarray, arrays),
+            arrays._replace(prompt_tokens=None, prompt_mask=None),  # the prefill's shapes
+            prefilled,
             jnp.asarray(self.pad_id, jnp.int32),
             config=self.config,
+            prompt_width=self.prompt_width,
             mesh=self.mesh,
         )
 

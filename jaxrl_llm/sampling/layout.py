@@ -94,9 +94,13 @@ def _on_cpu(params: Params) -> bool:
 # A decode window covers at least this many steps; a call runs at most this many windows.
 WINDOW_MIN_STEPS = 32
 MAX_WINDOWS = 4
+# The continuous engine's cache widths (``sampling.engine``): at most this many.
+ENGINE_WIDTHS = 8
 
 
-def decode_windows(params: Params, max_new_tokens: int, mode: str = "auto") -> tuple[int, ...]:
+def decode_windows(
+    params: Params, max_new_tokens: int, mode: str = "auto", most: int = MAX_WINDOWS
+) -> tuple[int, ...]:
     """The steps at which ``decode``'s windows end (``()``: one loop over the whole cache).
 
     A step at column ``t`` attends to the prompt and the ``t`` tokens before it, but a loop
@@ -104,8 +108,8 @@ def decode_windows(params: Params, max_new_tokens: int, mode: str = "auto") -> t
     steps ``ceil(T * i / n)``, the ``i``-th carries and attends over the first
     ``P + ceil(T * i / n)`` slots (the cache is padded by the next window's slots between
     loops, once), so a call reads ``(n + 1) / (2n)`` of the K/V it did, plus the pads. Each
-    window is another loop body to compile: ``n = min(MAX_WINDOWS, T // WINDOW_MIN_STEPS)``,
-    none below two.
+    window is another loop body to compile: ``n = min(most, T // WINDOW_MIN_STEPS)``, none
+    below two. The continuous engine cuts its cache to these widths (``most=ENGINE_WIDTHS``).
 
     Only where the loop runs per layer on CPU (``worth_unstacking``): a stacked cache's pad
     would hold two copies of it at once, and ``jaxrl-llm plan`` estimates one loop on
@@ -113,7 +117,7 @@ def decode_windows(params: Params, max_new_tokens: int, mode: str = "auto") -> t
     """
     if not (worth_unstacking(params, mode) and _on_cpu(params)):
         return ()
-    count = min(MAX_WINDOWS, max_new_tokens // WINDOW_MIN_STEPS)
+    count = min(most, max_new_tokens // WINDOW_MIN_STEPS)
     if count < 2:
         return ()
     return tuple(-(-max_new_tokens * i // count) for i in range(1, count + 1))

@@ -91,6 +91,8 @@ class EngineStats(NamedTuple):
     most blocks in use at once. ``prefill_rows``: prompts prefilled; ``reused_prompts``:
     requests admitted from a prompt a live slot held, without a prefill
     (``sampling.admission``).
+    ``resizes``: the contiguous cache cut or padded to another width (``Engine``'s cache
+    width).
     ``seconds`` is the run's wall time (compilation included the first time a shape is seen).
     """
 
@@ -107,6 +109,7 @@ class EngineStats(NamedTuple):
     preemptions: int = 0
     peak_blocks: int = 0
     reused_prompts: int = 0
+    resizes: int = 0
 
     @property
     def utilisation(self) -> float:

@@ -1,8 +1,9 @@
 """The continuous-batching engine's device side: the slot state and its three jitted programs.
 
-``init_state`` makes ``S`` empty slots; ``admit`` prefills prompts and moves requests into
-slots; ``burst`` decodes up to ``K`` tokens in every live slot; ``take_slots`` keeps some slots
-(a smaller program for the drain). The host loop that drives them is
+``init_state`` makes ``S`` empty slots; ``prefill`` runs an admission's prompts through the
+model and ``admit`` moves requests into slots; ``burst`` decodes up to ``K`` tokens in every
+live slot; ``take_slots`` keeps some slots (a smaller program for the drain); ``resize`` cuts a
+contiguous cache to the slots the next burst's live rows need. The host loop that drives them is
 ``jaxrl_llm.sampling.engine.Engine``.
 
 With a routing buffer (``init_state(..., record_routing=True)``, mixture-of-experts models) the
@@ -44,7 +45,7 @@ Array = jax.Array
 
 class EngineState(NamedTuple):
     """The slots on device (S slots, T = max_new_tokens, W = P + T cache slots a row; a paged
-    cache rounds W up to whole blocks).
+    cache rounds W up to whole blocks, a contiguous one may be cut shorter by ``resize``).
 
     Attributes:
       cache: ``KVCache`` with k, v ``[L, S, K, W, H]`` (or ``L`` per-layer arrays), mask
@@ -174,19 +175,100 @@ def _constrain(state: EngineState, mesh: Any) -> EngineState:
     return jax.lax.with_sharding_constraint(state, shardings(state, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+class Prefilled(NamedTuple):
+    """``prefill``'s results for an admission's ``N`` requests (request ``j``: prompt
+    ``owner[j]`` of the prefill's ``[U, p]``).
+
+    Attributes:
+      cache: the prompts' keys and values (``KVCache``; per-layer arrays when unstacked). For a
+        contiguous cache (``prompt_width=P``) each request's row, ``[N, K, P, H]`` a layer, its
+        prompt right-aligned to end at column ``P - 1``, mask ``[N, P]``; for a paged one the
+        prefill's own rows, ``[U, K, p, H]``, mask ``[U, p]``.
+      last: ``[N, D]`` the final hidden state at each request's last prompt token.
+      length: ``[N]`` int32 each request's prompt length.
+      ids: ``[N, w, L, k]`` the experts every layer chose for each prompt token, aligned as the
+        cache's rows (``w``: ``P`` or ``p``; ``NO_EXPERT`` on padding), or None.
+    """
+
+    cache: KVCache
+    last: Array
+    length: Array
+    ids: Array | None = None
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "cache_dtype", "unstacked", "record", "prompt_width")
+)
+def prefill(
+    params: Any,
+    prompt_tokens: Array,
+    prompt_mask: Array,
+    owner: Array,
+    *,
+    config: Any,
+    cache_dtype: Any,
+    unstacked: bool,
+    record: bool = False,
+    prompt_width: int | None = None,
+) -> Prefilled:
+    """Runs an admission's ``[U, p]`` left-padded prompts through the model (``Prefilled``;
+    ``record``: with the experts chosen; ``prompt_width``: rows laid out for a contiguous
+    cache). Apart from ``admit``: its program does not depend on the engine's cache width, and
+    with the contiguous layout ``admit``'s depends on neither ``U`` nor ``p``."""
+    params = cast_params(params, config)
+    num_prompts, width = prompt_tokens.shape
+    cache = init_cache(config, num_prompts, width, dtype=cache_dtype)
+    if unstacked:
+        cache = layout.unstack_cache(cache)
+    out, cache, *chosen = forward(
+        params,
+        config,
+        prompt_tokens,
+        attention_mask=prompt_mask,
+        cache=cache,
+        cache_index=0,
+        outputs=("routing",) if record else (),
+    )
+    cache = cache._replace(mask=prompt_mask)
+    ids = None
+    if record:  # [L, U, p, k] -> [N, p, L, k]
+        ids = jnp.where(prompt_mask[:, :, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
+        ids = ids[owner]
+    if prompt_width is not None:  # request j's row: its prompt's, left-padded to P columns
+        pad = prompt_width - width
+        batch_axis = 0 if unstacked else 1
+
+        def place(x: Array) -> Array:
+            rows = jnp.take(x, owner, axis=batch_axis)
+            return jnp.pad(rows, [(0, 0)] * (x.ndim - 2) + [(pad, 0), (0, 0)])
+
+        k, v = (jax.tree.map(place, x) for x in (cache.k, cache.v))
+        cache = KVCache(k=k, v=v, mask=jnp.pad(prompt_mask[owner], ((0, 0), (pad, 0))))
+        if record:
+            ids = jnp.pad(ids, ((0, 0), (pad, 0), (0, 0), (0, 0)), constant_values=NO_EXPERT)
+    lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+    # Left padding: the last column is every prompt's last real token.
+    return Prefilled(cache=cache, last=out[owner, -1], length=lengths[owner], ids=ids)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "prompt_width", "mesh"), donate_argnames=("state",)
+)
 def admit(
     params: Any,
     state: EngineState,
     admission: Admission,
+    prefilled: Prefilled | None,
     pad_id: Array,
     *,
     config: Any,
+    prompt_width: int,
     mesh: Any = None,
 ) -> EngineState:
-    """Prefills ``[U, p]`` left-padded prompts and moves request ``j``'s (prompt ``owner[j]``)
-    into slot ``slot[j]``; entries with ``slot[j] == S`` are padding (dropped). The arrays are
-    ``admission``'s (``sampling.admission.Admission``).
+    """Moves request ``j`` of an admission into slot ``slot[j]``; entries with ``slot[j] == S``
+    are padding (dropped). The arrays are ``admission``'s (``sampling.admission.Admission``;
+    its prompts are ``prefill``'s, not read here) and ``prefilled`` the prefill's results
+    (``prompt_width`` set for a contiguous cache), or None when nothing was prefilled.
 
     Paged cache: ``table`` is the new ``[S, W / P]`` block table and ``dest = (source, blocks)``
     the prefill's writes: prompt row ``source[i]``'s keys and values go to its row's logical
@@ -198,28 +280,15 @@ def admit(
     copies the source row's prompt slots, a paged one shares the full blocks (``table``) and
     copies the partial last block, ``copies = (from, to)`` global block ids (``N``: none).
     ``length[j]``: request ``j``'s prompt length (needed with ``source``). With every request
-    from a live slot, ``prompt_tokens`` and ``prompt_mask`` are None: nothing is prefilled.
+    from a live slot, ``prompt_tokens``, ``prompt_mask`` and ``prefilled`` are None.
 
     With ``state.routing``, slot ``slot[j]``'s routing row is rewritten: its prefill row's
     experts right-aligned to column ``P - 1`` (``NO_EXPERT`` on padding), or those of the live
     slot it reuses the prompt of (its columns ``[0, P)``); ``NO_EXPERT`` from column ``P``."""
-    (
-        prompt_tokens,
-        prompt_mask,
-        owner,
-        slot,
-        limit,
-        request,
-        source,
-        length,
-        table,
-        dest,
-        copies,
-    ) = admission
+    _, _, _, slot, limit, request, source, length, table, dest, copies = admission
     params = cast_params(params, config)
     slots = state.done.shape[0]
     slot_count = state.cache.mask.shape[1]
-    prompt_width = slot_count - state.tokens.shape[1]
     paged = isinstance(state.cache, PagedKVCache)
     unstacked = isinstance(params["layers"], tuple)
     batch_axis = 0 if unstacked else 1
@@ -244,41 +313,27 @@ def admit(
         prompt_cols = (jnp.arange(state.routing.shape[1]) < route_prompt)[None, :, None, None]
         held = reused[:, None, None, None] & prompt_cols
         routing_rows = jnp.where(held, state.routing[from_slot], empty)
-    if prompt_tokens is not None:
-        num_prompts, width = prompt_tokens.shape
-        cache = init_cache(config, num_prompts, width, dtype=jax.tree.leaves(k)[0].dtype)
-        if unstacked:
-            cache = layout.unstack_cache(cache)
-        out, cache, *chosen = forward(
-            params,
-            config,
-            prompt_tokens,
-            attention_mask=prompt_mask,
-            cache=cache,
-            cache_index=0,
-            outputs=("routing",) if record else (),
-        )
-        if record:  # [L, U, p, k] -> request j's prompt at columns [P - p, P) of its row
-            ids = jnp.where(prompt_mask[:, :, None, None], jnp.moveaxis(chosen[0], 0, 2), NO_EXPERT)
+    if prefilled is not None:
+        cache = prefilled.cache
+        width = cache.mask.shape[1]
+        if record:  # request j's prompt at columns [P - width, P) of its row
             fresh = empty.at[:, route_prompt - width : route_prompt].set(
-                ids[owner].astype(empty.dtype)
+                prefilled.ids.astype(empty.dtype)
             )
             routing_rows = jnp.where(reused[:, None, None, None], routing_rows, fresh)
-        # Left padding: the last column is every prompt's last real token.
-        hidden = jnp.where(reused[:, None], hidden, out[owner, -1].astype(hidden.dtype))
-        lengths = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
-        length = lengths[owner] if length is None else length
+        hidden = jnp.where(reused[:, None], hidden, prefilled.last.astype(hidden.dtype))
+        length = prefilled.length if length is None else length
         start = prompt_width - width  # contiguous: right-aligned, every completion at prompt_width
         into = jnp.where(reused, slots, slot)  # the prefilled requests' slots
 
-        def put(big: Array, small: Array) -> Array:
-            rows = jnp.take(small, owner, axis=batch_axis)
+        def put(big: Array, rows: Array) -> Array:
             index = (slice(None),) * batch_axis + (into, slice(None), slice(start, start + width))
             return big.at[index].set(rows, mode="drop")
 
         def page(pool: Array, small: Array) -> Array:
             # Packed rows: prefill column c of write i is its row's logical slot c - (width - len).
             rows_of, ids = dest
+            lengths = jnp.sum(cache.mask, axis=1, dtype=jnp.int32)
             block, offset = page_slots(
                 ids, lengths[rows_of] - width, width, pool.shape[-2], pool.shape[-3]
             )
@@ -290,7 +345,7 @@ def admit(
             raise ValueError("a paged cache's prefill needs dest (its block writes)")
         k, v = each(page if paged else put, k, cache.k), each(page if paged else put, v, cache.v)
         if not paged:
-            rows_mask = rows_mask.at[:, start : start + width].set(prompt_mask[owner])
+            rows_mask = rows_mask.at[:, start : start + width].set(cache.mask)
     if paged:  # the prompt in slots [0, len), the completion from len
         if copies is not None:  # the reused prompts' partial last blocks
 
@@ -470,6 +525,30 @@ def take_slots(state: EngineState, index: Array, *, mesh: Any = None) -> EngineS
     return _constrain(EngineState(cache=cache, **rest), mesh)
 
 
+@functools.partial(jax.jit, static_argnames=("width", "mesh"))
+def resize(state: EngineState, *, width: int, mesh: Any = None) -> EngineState:
+    """A contiguous cache's rows cut to their first ``width`` slots, or padded with empty ones.
+
+    A burst's writes must fit: ``width > next_slot + steps - 1`` on every live slot (a done
+    slot's writes past the width are dropped). Not donated: the result has another shape."""
+    cache = state.cache
+
+    def fit(x: Array, axis: int) -> Array:
+        have = x.shape[axis]
+        if width <= have:
+            return jax.lax.slice_in_dim(x, 0, width, axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - have)
+        return jnp.pad(x, pad)
+
+    k, v = (
+        tuple(fit(x, 2) for x in xs) if isinstance(xs, tuple) else fit(xs, 3)
+        for xs in (cache.k, cache.v)
+    )
+    cache = KVCache(k=k, v=v, mask=fit(cache.mask, 1))
+    return _constrain(state._replace(cache=cache), mesh)
+
+
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def evict(state: EngineState, slots: Array, *, mesh: Any = None) -> EngineState:
     """Marks ``slots`` done (preempted requests): they sample nothing more."""
@@ -478,8 +557,11 @@ def evict(state: EngineState, slots: Array, *, mesh: Any = None) -> EngineState:
 
 __all__ = [
     "EngineState",
+    "Prefilled",
     "admit",
     "burst",
+    "prefill",
+    "resize",
     "evict",
     "init_state",
     "shardings",

@@ -12,7 +12,8 @@ import pytest
 
 from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import ModelConfig, init_params, load_pretrained
-from jaxrl_llm.sampling import SamplingOptions, generate
+from jaxrl_llm.sampling import SamplingOptions, generate, layout
+from jaxrl_llm.sampling import engine as engine_module
 from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request, generate_requests
 from tests.models.hf_utils import build_checkpoint
 from tests.sampling.hf_reference import engine_and_hf_greedy
@@ -157,6 +158,48 @@ def test_greedy_equals_transformers_generate_with_refills(tmp_path, kv_block_siz
     )
     for result, want, _ in runs:
         np.testing.assert_array_equal(result.tokens, want)
+
+
+def test_bursts_attend_over_a_cache_cut_to_the_furthest_live_slot(tmp_path, monkeypatch):
+    """On CPU with T >= 64 the contiguous cache takes ``P`` plus ``layout.decode_windows``'
+    steps (``most=ENGINE_WIDTHS``) as its widths, and each burst runs on the narrowest that
+    holds every live slot's writes: it grows while the 100-token request decodes next to short
+    refills and shrinks once it finishes. Greedy tokens and every step's log-prob are still
+    transformers', so no cut dropped a slot's keys or values and none hid a write; and every
+    admission has the same shapes, so each width compiles one."""
+    torch_model = build_checkpoint("llama", str(tmp_path), seed=6)
+    config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
+    widths, admitted, real = [], set(), (engine_module.resize, engine_module.admit)
+
+    def resize(state, *, width, mesh=None):
+        widths.append(width)
+        return real[0](state, width=width, mesh=mesh)
+
+    def admit(params, state, arrays, prefilled, *args, **kwargs):
+        mask = None if prefilled is None else prefilled.cache.mask.shape
+        admitted.add((arrays.slot.shape, arrays.prompt_tokens, mask))
+        return real[1](params, state, arrays, prefilled, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "resize", resize)
+    monkeypatch.setattr(engine_module, "admit", admit)
+    budgets = [100] + [10] * 9 + [40, 20]
+    runs = engine_and_hf_greedy(
+        torch_model, params, config, [5, 9, 3, 7] * 3, budgets, seed=2, kv_block_size=None
+    )
+    for result, want, want_logprobs in runs:
+        np.testing.assert_array_equal(result.tokens, want)
+        np.testing.assert_allclose(result.logprobs, want_logprobs, atol=1e-4)
+    ends = layout.decode_windows(params, 100, most=layout.ENGINE_WIDTHS)
+    assert ends == (34, 67, 100)
+    prompt_width = 16  # the longest prompt (9) bucketed
+    assert widths[0] == prompt_width + ends[0]
+    assert sorted(set(widths)) == [prompt_width + e for e in ends]
+    full = widths.index(prompt_width + ends[-1])
+    assert widths[:full] == [prompt_width + e for e in ends[:-1]]  # grown step by step
+    assert widths[full + 1] < widths[full]  # and cut once the 100-token request finished
+    # Every admission the same shapes whatever it admits (one admission program a width): an
+    # entry per slot, each request's prompt row already laid out by the prefill.
+    assert admitted == {((2,), None, (2, prompt_width))}
 
 
 def test_sampled_tokens_depend_only_on_seed_and_request_id(params, rng):

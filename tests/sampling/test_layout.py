@@ -168,8 +168,8 @@ def test_generate_decodes_stacked_or_per_layer_as_asked(setup, monkeypatch):
 
 
 def test_decode_windows_rule(setup, monkeypatch):
-    """Window ends ``ceil(T * i / n)`` with ``n = min(4, T // 32)``, none below two windows; only
-    for per-layer decoding on CPU."""
+    """Window ends ``ceil(T * i / n)`` with ``n = min(most, T // 32)`` (``most``: 4, the
+    engine's 8), none below two windows; only for per-layer decoding on CPU."""
     params = setup[0]
     assert layout.decode_windows(params, 63) == ()
     assert layout.decode_windows(params, 64) == (32, 64)
@@ -177,6 +177,8 @@ def test_decode_windows_rule(setup, monkeypatch):
     assert layout.decode_windows(params, 128) == (32, 64, 96, 128)
     assert layout.decode_windows(params, 1001) == (251, 501, 751, 1001)
     assert layout.decode_windows(params, 128, "stacked") == ()
+    assert layout.decode_windows(params, 100, most=8) == (34, 67, 100)
+    assert layout.decode_windows(params, 512, most=8) == tuple(range(64, 513, 64))
     monkeypatch.setattr(layout, "UNROLL_MAX_BYTES", 1000)
     assert layout.decode_windows(params, 128) == ()
     assert layout.decode_windows(params, 128, "per_layer") == (32, 64, 96, 128)
