@@ -21,7 +21,8 @@ row-steps of a static batch produce padding. The engine instead keeps ``S`` slot
   in the next burst: past the furthest live slot's next write no live slot reads anything (a
   finished slot's row is rewritten when it is admitted again). Long-tailed lengths keep most
   bursts well short of ``P + T``. Each width is another burst and admission program to compile
-  (the prefill's does not depend on it); ``EngineStats.resizes`` counts the cuts and pads.
+  (the prefill's does not depend on it); the drain runs on the whole cache, so its programs do
+  not multiply by the widths. ``EngineStats.resizes`` counts the cuts and pads.
 * **Harvest.** The host reads which slots finished, fetches their tokens and log-probs, and
   the slots are admitted again.
 * **Drain.** Once the queue is empty, the remaining requests move to a program of half the

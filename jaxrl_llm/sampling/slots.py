@@ -1,4 +1,4 @@
-"""The continuous-batching engine's device side: the slot state and its three jitted programs.
+"""The continuous-batching engine's device side: the slot state and its jitted programs.
 
 ``init_state`` makes ``S`` empty slots; ``prefill`` runs an admission's prompts through the
 model and ``admit`` moves requests into slots; ``burst`` decodes up to ``K`` tokens in every
