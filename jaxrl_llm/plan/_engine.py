@@ -1,5 +1,5 @@
 """The continuous engine's programs in a plan (``rollout.engine=continuous``): its refill
-(``sampling.slots.prefill`` and ``admit``) and its decode loop (``sampling.slots.burst``) over
+(``sampling.slots.refill``) and its decode loop (``sampling.slots.burst``) over
 ``rollout.slots`` slots and their KV cache — a contiguous one, or the paged pool of
 ``rollout.kv_blocks`` blocks of ``rollout.kv_block_size`` slots — as ``train`` runs them.
 
@@ -12,7 +12,6 @@ job runs ``ceil(rows / slots)`` waves (long-tailed lengths finish sooner; the en
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -21,7 +20,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_llm import parallel
-from jaxrl_llm.models import PagedKVCache
 from jaxrl_llm.plan import flops as flops_lib
 from jaxrl_llm.plan._job import PlanError, Program, _replicated, _rows, shard_bytes, with_shardings
 from jaxrl_llm.sampling import slots as slots_lib
@@ -101,36 +99,11 @@ def abstract_sampling_params(mesh: Mesh) -> SamplingParams:
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "cache_dtype", "prompt_width", "mesh"),
-    donate_argnames=("state",),
+# The engine's refill (``slots.refill``: prefill, then admit) as one program (the plan's memory
+# counts both at once: an upper bound).
+_refill = jax.jit(
+    slots_lib.refill, static_argnames=("config", "prompt_width", "mesh"), donate_argnames="state"
 )
-def _refill(params, state, admission, pad_id, *, config, cache_dtype, prompt_width, mesh):
-    """A refill as one program: ``slots.prefill`` then ``slots.admit``, which the engine runs
-    back to back (the plan's memory counts both at once: an upper bound)."""
-    paged = isinstance(state.cache, PagedKVCache)
-    prefilled = slots_lib.prefill(
-        params,
-        admission.prompt_tokens,
-        admission.prompt_mask,
-        admission.owner,
-        config=config,
-        cache_dtype=cache_dtype,
-        unstacked=False,
-        record=state.routing is not None,
-        prompt_width=None if paged else prompt_width,
-    )
-    return slots_lib.admit(
-        params,
-        state,
-        admission._replace(prompt_tokens=None, prompt_mask=None),
-        prefilled,
-        pad_id,
-        config=config,
-        prompt_width=prompt_width,
-        mesh=mesh,
-    )
 
 
 def lower_engine_programs(
@@ -206,7 +179,6 @@ def lower_engine_programs(
                 admitted_arrays,
                 _replicated(smesh, (), jnp.int32),
                 config=model_config,
-                cache_dtype=cache_dtype,
                 prompt_width=p_len,
                 mesh=smesh,
             ),

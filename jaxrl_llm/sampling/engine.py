@@ -97,11 +97,10 @@ from jaxrl_llm.sampling.requests import (
 )
 from jaxrl_llm.sampling.slots import (
     EngineState,
-    admit,
     burst,
     evict,
     init_state,
-    prefill,
+    refill,
     resize,
     shardings,
     take_slots,
@@ -484,25 +483,10 @@ class Engine:
         counts["admissions"] += 1
         for name, value in admitted.items():
             counts[name] += value
-        arrays = jax.tree.map(jnp.asarray, arrays)
-        prefilled = None
-        if arrays.prompt_tokens is not None:
-            prefilled = prefill(
-                params,
-                arrays.prompt_tokens,
-                arrays.prompt_mask,
-                arrays.owner,
-                config=self.config,
-                cache_dtype=self._state_args["cache_dtype"],
-                unstacked=self._state_args["unstacked"],
-                record=self._state_args["record_routing"],
-                prompt_width=None if pager is not None else self.prompt_width,
-            )
-        return admit(
+        return refill(
             params,
             state,
-            arrays._replace(prompt_tokens=None, prompt_mask=None),  # the prefill's shapes
-            prefilled,
+            jax.tree.map(jnp.asarray, arrays),
             jnp.asarray(self.pad_id, jnp.int32),
             config=self.config,
             prompt_width=self.prompt_width,

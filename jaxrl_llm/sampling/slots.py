@@ -1,10 +1,10 @@
 """The continuous-batching engine's device side: the slot state and its jitted programs.
 
-``init_state`` makes ``S`` empty slots; ``prefill`` runs an admission's prompts through the
-model and ``admit`` moves requests into slots; ``burst`` decodes up to ``K`` tokens in every
-live slot; ``take_slots`` keeps some slots (a smaller program for the drain); ``resize`` cuts a
-contiguous cache to the slots the next burst's live rows need. The host loop that drives them is
-``jaxrl_llm.sampling.engine.Engine``.
+``init_state`` makes ``S`` empty slots; ``refill`` admits requests (``prefill`` runs their
+prompts through the model, ``admit`` moves them into slots); ``burst`` decodes up to ``K`` tokens
+in every live slot; ``take_slots`` keeps some slots (a smaller program for the drain);
+``resize`` cuts a contiguous cache to the slots the next burst's live rows need. The host loop
+that drives them is ``jaxrl_llm.sampling.engine.Engine``.
 
 With a routing buffer (``init_state(..., record_routing=True)``, mixture-of-experts models) the
 programs also keep the experts every layer chose for each fed token, in the contiguous cache's
@@ -397,6 +397,45 @@ def admit(
     )
 
 
+def refill(
+    params: Any,
+    state: EngineState,
+    admission: Admission,
+    pad_id: Array,
+    *,
+    config: Any,
+    prompt_width: int,
+    mesh: Any = None,
+) -> EngineState:
+    """An admission: its prompts through ``prefill`` (laid out for a contiguous cache), then
+    ``admit``. Two programs, so that the prefill's does not depend on the cache's width; under
+    ``jax.jit`` one (``jaxrl-llm plan`` lowers it so)."""
+    prefilled = None
+    if admission.prompt_tokens is not None:
+        paged = isinstance(state.cache, PagedKVCache)
+        prefilled = prefill(
+            params,
+            admission.prompt_tokens,
+            admission.prompt_mask,
+            admission.owner,
+            config=config,
+            cache_dtype=jax.tree.leaves(state.cache.k)[0].dtype,
+            unstacked=isinstance(params["layers"], tuple),
+            record=state.routing is not None,
+            prompt_width=None if paged else prompt_width,
+        )
+    return admit(
+        params,
+        state,
+        admission._replace(prompt_tokens=None, prompt_mask=None),  # the prefill's shapes
+        prefilled,
+        pad_id,
+        config=config,
+        prompt_width=prompt_width,
+        mesh=mesh,
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("config", "top_k", "mesh"), donate_argnames=("state",))
 def burst(
     params: Any,
@@ -561,6 +600,7 @@ __all__ = [
     "admit",
     "burst",
     "prefill",
+    "refill",
     "resize",
     "evict",
     "init_state",

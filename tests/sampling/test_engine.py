@@ -14,6 +14,7 @@ from jaxrl_llm.logprobs import completion_logprobs
 from jaxrl_llm.models import ModelConfig, init_params, load_pretrained
 from jaxrl_llm.sampling import SamplingOptions, generate, layout
 from jaxrl_llm.sampling import engine as engine_module
+from jaxrl_llm.sampling import slots as slots_module
 from jaxrl_llm.sampling.engine import Engine, EngineSettings, Request, generate_requests
 from tests.models.hf_utils import build_checkpoint
 from tests.sampling.hf_reference import engine_and_hf_greedy
@@ -169,7 +170,7 @@ def test_bursts_attend_over_a_cache_cut_to_the_furthest_live_slot(tmp_path, monk
     admission has the same shapes, so each width compiles one."""
     torch_model = build_checkpoint("llama", str(tmp_path), seed=6)
     config, params = load_pretrained(str(tmp_path), dtype=jnp.float32)
-    widths, admitted, real = [], set(), (engine_module.resize, engine_module.admit)
+    widths, admitted, real = [], set(), (engine_module.resize, slots_module.admit)
 
     def resize(state, *, width, mesh=None):
         widths.append(width)
@@ -181,7 +182,7 @@ def test_bursts_attend_over_a_cache_cut_to_the_furthest_live_slot(tmp_path, monk
         return real[1](params, state, arrays, prefilled, *args, **kwargs)
 
     monkeypatch.setattr(engine_module, "resize", resize)
-    monkeypatch.setattr(engine_module, "admit", admit)
+    monkeypatch.setattr(slots_module, "admit", admit)
     budgets = [100] + [10] * 9 + [40, 20]
     runs = engine_and_hf_greedy(
         torch_model, params, config, [5, 9, 3, 7] * 3, budgets, seed=2, kv_block_size=None

@@ -34,7 +34,6 @@ import jax
 import pytest
 
 from jaxrl_llm.packing import PackingPlan
-from jaxrl_llm.plan import _engine as plan_engine
 from jaxrl_llm.plan import programs as plan_programs
 from jaxrl_llm.plan.topology import get_devices, libtpu_available, resolve_topology
 from jaxrl_llm.train.config_io import load_config
@@ -73,11 +72,7 @@ SAMPLER_PROGRAMS = {
         "jaxrl_llm.sampling.generate",
         {"prefill": "prefill_program", "decode_step": "decode_program"},
     ),
-    # A refill is two programs, which plan lowers as one (``plan._engine._refill``).
-    "continuous": (
-        "jaxrl_llm.sampling.engine",
-        {"prefill": "prefill", "admit": "admit", "decode_step": "burst"},
-    ),
+    "continuous": ("jaxrl_llm.sampling.engine", {"prefill": "refill", "decode_step": "burst"}),
 }
 ATTRIBUTES = {
     "update": "update_fn",
@@ -159,7 +154,7 @@ def _arguments(fn, args, kwargs) -> dict:
     keyword alike), as shapes and dtypes; static and absent (None) ones left out."""
     bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
     static = {"config", "mesh", "top_k", "max_new_tokens", "num_samples", "cache_dtype"}
-    static |= {"unroll", "windows", "record_routing", "unstacked", "record", "prompt_width"}
+    static |= {"unroll", "windows", "record_routing", "prompt_width"}
     return {k: _signature(v) for k, v in bound.items() if k not in static and v is not None}
 
 
@@ -250,29 +245,10 @@ def _check_same_sampler_programs(trainer: RLTrainer, job) -> None:
     module_name, names = SAMPLER_PROGRAMS[trainer.cfg.rollout.engine]
     assert set(trainer.sampled) == set(names)
     module = importlib.import_module(module_name)
-    planned = {}
-    for name in job.programs.keys() & names.keys():
-        positional, keywords = job.programs[name].lowered.args_info
-        fn = plan_engine._refill if names[name] == "prefill" else getattr(module, names[name])
-        planned[name] = _arguments(fn, positional, keywords)
-    if "admit" in names:  # the refill's two halves: the prefill's arguments, then admit's
-        refill = planned["prefill"]
-        admission = refill["admission"]
-        planned["prefill"] = {
-            "params": refill["params"],
-            "prompt_tokens": admission.prompt_tokens,
-            "prompt_mask": admission.prompt_mask,
-            "owner": admission.owner,
-        }
-        planned["admit"] = {
-            **refill,
-            "admission": admission._replace(prompt_tokens=None, prompt_mask=None),
-        }
-        trainer.sampled["admit"] = [
-            {k: v for k, v in call.items() if k != "prefilled"} for call in trainer.sampled["admit"]
-        ]
     for name, recorded in trainer.sampled.items():
-        assert planned[name] in recorded, name
+        positional, keywords = job.programs[name].lowered.args_info
+        planned = _arguments(getattr(module, names[name]), positional, keywords)
+        assert planned in recorded, name
 
 
 @pytest.fixture(scope="module")
